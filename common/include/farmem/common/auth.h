@@ -1,0 +1,32 @@
+// Shared-secret authentication for farmem connections (challenge-response, HMAC-SHA256 from
+// OpenSSL's libcrypto). The secret never crosses the wire: each side proves it knows the secret
+// by MACing both sides' fresh nonces and the client id. See docs/wire-protocol.md,
+// "Authentication". All functions are pure or use OpenSSL's thread-safe RNG; any thread may call
+// them.
+#pragma once
+
+#include <string>
+#include <string_view>
+
+#include "farmem/common/status.h"
+#include "farmem/common/wire.h"
+
+namespace farmem::auth {
+
+// Reads a secret file: its content with one trailing newline removed. Fails if the file is
+// missing, empty, or larger than 4 KiB. Warns (in the log) if group/other may read it.
+Result<std::string> LoadSecretFile(const std::string& path);
+
+// Fills `out` with cryptographically strong random bytes.
+Status RandomBytes(std::span<uint8_t> out);
+
+// What the client sends in AUTH, and what the daemon answers to prove itself.
+wire::Mac ClientProof(std::string_view secret, const wire::Nonce& server_nonce,
+                      const wire::Nonce& client_nonce, const wire::ClientId& client_id);
+wire::Mac ServerProof(std::string_view secret, const wire::Nonce& server_nonce,
+                      const wire::Nonce& client_nonce, const wire::ClientId& client_id);
+
+// Constant-time comparison.
+bool MacEqual(const wire::Mac& a, const wire::Mac& b);
+
+}  // namespace farmem::auth

@@ -1,0 +1,286 @@
+// The farmem wire protocol: one versioned binary framing for control and TCP data.
+// The normative description is docs/wire-protocol.md; this header is its only implementation.
+//
+// Every frame is a fixed 24-byte little-endian FrameHeader followed by body_len bytes of body.
+// Parsers here never trust a length: every count and size is checked against the bytes present
+// and against the limits below before anything is allocated. All functions are pure (no I/O, no
+// shared state) and may be called from any thread.
+#pragma once
+
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "farmem/common/status.h"
+
+namespace farmem::wire {
+
+inline constexpr uint32_t kMagic = 0x4D454D46;  // bytes 'F' 'M' 'E' 'M'
+inline constexpr uint8_t kVersion = 1;
+inline constexpr size_t kHeaderSize = 24;
+// Largest payload of one READ/WRITE and largest total payload of one BATCH.
+inline constexpr uint32_t kMaxDataLen = 16u << 20;
+// Largest body of any frame: the biggest BATCH (descriptors + payload).
+inline constexpr uint32_t kMaxOpsPerBatch = 1024;
+inline constexpr uint32_t kBatchOpSize = 24;
+inline constexpr uint32_t kMaxBodyLen = kMaxDataLen + 8 + kMaxOpsPerBatch * kBatchOpSize;
+inline constexpr uint32_t kMaxControlBodyLen = 64u << 10;
+inline constexpr uint32_t kMaxLeasesPerCall = 1024;
+inline constexpr size_t kMaxErrorMessage = 1024;
+inline constexpr size_t kMaxClientName = 64;
+inline constexpr size_t kNonceSize = 32;
+inline constexpr size_t kMacSize = 32;  // HMAC-SHA256
+inline constexpr size_t kClientIdSize = 16;
+
+enum class Opcode : uint8_t {
+  kHello = 1,
+  kAuth = 2,
+  kStat = 3,
+  kAlloc = 4,
+  kFree = 5,
+  kHeartbeat = 6,
+  kRead = 7,
+  kWrite = 8,
+  kBatch = 9,
+  kEvictNotice = 10,  // daemon -> client push: these leases will be evicted
+};
+const char* OpcodeName(uint8_t op);
+
+enum FrameFlags : uint16_t {
+  kFlagReply = 1u << 0,
+  kFlagPush = 1u << 1,  // unsolicited daemon -> client frame
+};
+inline constexpr uint16_t kKnownFlags = kFlagReply | kFlagPush;
+
+enum Features : uint32_t {
+  kFeatureAuthRequired = 1u << 0,
+  kFeatureVerbs = 1u << 1,
+};
+
+struct FrameHeader {
+  uint8_t version = kVersion;
+  uint8_t opcode = 0;
+  uint16_t flags = 0;
+  uint64_t request_id = 0;
+  uint32_t body_len = 0;
+  uint16_t status = 0;  // StatusCode in replies, 0 in requests
+
+  bool is_reply() const { return flags & kFlagReply; }
+};
+
+void EncodeHeader(const FrameHeader& h, uint8_t out[kHeaderSize]);
+// Checks magic, version, reserved bits, flags and body_len <= max_body. A failure means the
+// byte stream can no longer be trusted: answer ProtocolError and close the connection.
+Result<FrameHeader> DecodeHeader(std::span<const uint8_t> bytes, uint32_t max_body = kMaxBodyLen);
+
+// ---- bounded little-endian encoding ----
+
+class Writer {
+ public:
+  explicit Writer(std::vector<uint8_t>* out) : out_(out) {}
+  void U8(uint8_t v) { out_->push_back(v); }
+  void U16(uint16_t v) { Put(&v, 2); }
+  void U32(uint32_t v) { Put(&v, 4); }
+  void U64(uint64_t v) { Put(&v, 8); }
+  void Bytes(std::span<const uint8_t> b) { Put(b.data(), b.size()); }
+  void Zeros(size_t n) { out_->insert(out_->end(), n, 0); }
+
+ private:
+  void Put(const void* p, size_t n) {  // x86-64 / aarch64 are little-endian
+    const auto* b = static_cast<const uint8_t*>(p);
+    out_->insert(out_->end(), b, b + n);
+  }
+  std::vector<uint8_t>* out_;
+};
+
+// Reads fields off a span; any read past the end sets a sticky failure and yields zeros.
+class Reader {
+ public:
+  explicit Reader(std::span<const uint8_t> in) : in_(in) {}
+  uint8_t U8() {
+    uint8_t v = 0;
+    Get(&v, 1);
+    return v;
+  }
+  uint16_t U16() {
+    uint16_t v = 0;
+    Get(&v, 2);
+    return v;
+  }
+  uint32_t U32() {
+    uint32_t v = 0;
+    Get(&v, 4);
+    return v;
+  }
+  uint64_t U64() {
+    uint64_t v = 0;
+    Get(&v, 8);
+    return v;
+  }
+  std::span<const uint8_t> Bytes(size_t n) {
+    if (!ok_ || n > in_.size() - pos_) {
+      ok_ = false;
+      return {};
+    }
+    auto s = in_.subspan(pos_, n);
+    pos_ += n;
+    return s;
+  }
+  void Skip(size_t n) { (void)Bytes(n); }
+  bool ok() const { return ok_; }
+  size_t remaining() const { return ok_ ? in_.size() - pos_ : 0; }
+  size_t position() const { return pos_; }
+
+ private:
+  void Get(void* p, size_t n) {
+    if (!ok_ || n > in_.size() - pos_) {
+      ok_ = false;
+      return;
+    }
+    std::memcpy(p, in_.data() + pos_, n);
+    pos_ += n;
+  }
+  std::span<const uint8_t> in_;
+  size_t pos_ = 0;
+  bool ok_ = true;
+};
+
+// ---- message bodies ----
+
+using ClientId = std::array<uint8_t, kClientIdSize>;
+using Nonce = std::array<uint8_t, kNonceSize>;
+using Mac = std::array<uint8_t, kMacSize>;
+
+struct HelloRequest {
+  uint8_t min_version = kVersion;
+  uint8_t max_version = kVersion;
+  ClientId client_id{};
+  Nonce client_nonce{};
+  std::string client_name;  // for logs only, <= kMaxClientName bytes
+};
+struct HelloReply {
+  uint8_t version = kVersion;
+  uint32_t features = 0;
+  uint64_t node_id = 0;  // random per daemon start: a restart is a different node
+  Nonce server_nonce{};  // the challenge
+};
+struct AuthRequest {
+  Mac client_mac{};
+};
+struct AuthReply {
+  Mac server_mac{};  // proves the daemon knows the secret too
+};
+
+struct StatReply {
+  uint64_t node_id = 0;
+  uint64_t capacity = 0;
+  uint64_t slab_size = 0;
+  uint32_t total_slabs = 0;
+  uint32_t free_slabs = 0;
+  uint32_t clients = 0;
+  uint32_t features = 0;
+  uint64_t ops = 0;
+  uint64_t bytes_read = 0;
+  uint64_t bytes_written = 0;
+  uint16_t rdma_port = 0;  // rdma_cm port when kFeatureVerbs is set
+};
+
+// A lease as the daemon hands it out. lease_id = (epoch << 32) | slab index.
+struct LeaseGrant {
+  uint64_t lease_id = 0;
+  uint64_t length = 0;
+  uint64_t remote_addr = 0;  // for verbs: where the slab is registered
+  uint32_t rkey = 0;         // for verbs: the slab's memory region key
+};
+inline constexpr size_t kLeaseGrantSize = 32;
+
+struct AllocRequest {
+  uint32_t count = 0;
+};
+struct AllocReply {
+  std::vector<LeaseGrant> leases;
+};
+struct FreeRequest {
+  std::vector<uint64_t> lease_ids;
+};
+struct HeartbeatReply {
+  uint32_t leases_held = 0;
+  uint64_t lease_ttl_ms = 0;
+};
+struct EvictNotice {
+  std::vector<uint64_t> lease_ids;
+  uint32_t grace_ms = 0;
+};
+
+// Fixed part of READ and WRITE bodies; WRITE's payload follows it.
+struct DataOp {
+  uint64_t lease_id = 0;
+  uint64_t offset = 0;
+  uint32_t length = 0;
+};
+inline constexpr size_t kDataOpSize = 24;
+
+// One descriptor of a BATCH body.
+struct BatchOp {
+  Opcode op = Opcode::kRead;  // kRead or kWrite
+  uint32_t length = 0;
+  uint64_t lease_id = 0;
+  uint64_t offset = 0;
+};
+
+void EncodeHello(const HelloRequest& m, std::vector<uint8_t>* out);
+Result<HelloRequest> DecodeHello(std::span<const uint8_t> body);
+void EncodeHelloReply(const HelloReply& m, std::vector<uint8_t>* out);
+Result<HelloReply> DecodeHelloReply(std::span<const uint8_t> body);
+void EncodeAuth(const AuthRequest& m, std::vector<uint8_t>* out);
+Result<AuthRequest> DecodeAuth(std::span<const uint8_t> body);
+void EncodeAuthReply(const AuthReply& m, std::vector<uint8_t>* out);
+Result<AuthReply> DecodeAuthReply(std::span<const uint8_t> body);
+void EncodeStatReply(const StatReply& m, std::vector<uint8_t>* out);
+Result<StatReply> DecodeStatReply(std::span<const uint8_t> body);
+void EncodeAlloc(const AllocRequest& m, std::vector<uint8_t>* out);
+Result<AllocRequest> DecodeAlloc(std::span<const uint8_t> body);
+void EncodeAllocReply(const AllocReply& m, std::vector<uint8_t>* out);
+Result<AllocReply> DecodeAllocReply(std::span<const uint8_t> body);
+void EncodeFree(const FreeRequest& m, std::vector<uint8_t>* out);
+Result<FreeRequest> DecodeFree(std::span<const uint8_t> body);
+void EncodeHeartbeatReply(const HeartbeatReply& m, std::vector<uint8_t>* out);
+Result<HeartbeatReply> DecodeHeartbeatReply(std::span<const uint8_t> body);
+void EncodeEvictNotice(const EvictNotice& m, std::vector<uint8_t>* out);
+Result<EvictNotice> DecodeEvictNotice(std::span<const uint8_t> body);
+
+void EncodeDataOp(const DataOp& m, uint8_t out[kDataOpSize]);
+Result<DataOp> DecodeDataOp(std::span<const uint8_t> fixed);  // exactly the first kDataOpSize bytes
+
+void EncodeBatchOp(const BatchOp& m, uint8_t out[kBatchOpSize]);
+// Decodes the descriptor table of a BATCH body: count, then count descriptors. Checks each op
+// code and length and that the write payloads add up to exactly what follows in the body.
+struct BatchDescriptors {
+  std::vector<BatchOp> ops;
+  size_t payload_offset = 0;  // where write payloads start within the body
+  uint64_t write_bytes = 0;
+  uint64_t read_bytes = 0;
+};
+// `body` must hold at least the count and the whole descriptor table; body_len is the frame's.
+Result<BatchDescriptors> DecodeBatch(std::span<const uint8_t> body, uint32_t body_len);
+
+// Error replies carry the Status message as body (truncated to kMaxErrorMessage).
+void EncodeError(const Status& s, std::vector<uint8_t>* out);
+Status DecodeError(uint16_t status, std::span<const uint8_t> body);
+
+// Checks offset/length against a lease's length without overflowing 64 bits.
+inline bool RangeFits(uint64_t offset, uint64_t length, uint64_t limit) {
+  return offset <= limit && length <= limit - offset;
+}
+
+inline uint32_t LeaseSlab(uint64_t lease_id) { return static_cast<uint32_t>(lease_id); }
+inline uint32_t LeaseEpoch(uint64_t lease_id) { return static_cast<uint32_t>(lease_id >> 32); }
+inline uint64_t MakeLeaseId(uint32_t epoch, uint32_t slab) {
+  return (static_cast<uint64_t>(epoch) << 32) | slab;
+}
+
+}  // namespace farmem::wire

@@ -1,0 +1,425 @@
+#include "farmem/common/wire.h"
+
+#include <fmt/format.h>
+
+namespace farmem::wire {
+
+const char* OpcodeName(uint8_t op) {
+  switch (static_cast<Opcode>(op)) {
+    case Opcode::kHello:
+      return "HELLO";
+    case Opcode::kAuth:
+      return "AUTH";
+    case Opcode::kStat:
+      return "STAT";
+    case Opcode::kAlloc:
+      return "ALLOC";
+    case Opcode::kFree:
+      return "FREE";
+    case Opcode::kHeartbeat:
+      return "HEARTBEAT";
+    case Opcode::kRead:
+      return "READ";
+    case Opcode::kWrite:
+      return "WRITE";
+    case Opcode::kBatch:
+      return "BATCH";
+    case Opcode::kEvictNotice:
+      return "EVICT_NOTICE";
+  }
+  return "UNKNOWN";
+}
+
+void EncodeHeader(const FrameHeader& h, uint8_t out[kHeaderSize]) {
+  std::vector<uint8_t> buf;
+  buf.reserve(kHeaderSize);
+  Writer w(&buf);
+  w.U32(kMagic);
+  w.U8(h.version);
+  w.U8(h.opcode);
+  w.U16(h.flags);
+  w.U64(h.request_id);
+  w.U32(h.body_len);
+  w.U16(h.status);
+  w.U16(0);
+  std::memcpy(out, buf.data(), kHeaderSize);
+}
+
+Result<FrameHeader> DecodeHeader(std::span<const uint8_t> bytes, uint32_t max_body) {
+  if (bytes.size() < kHeaderSize) {
+    return Err(ProtocolError(
+        fmt::format("frame header truncated: {} of {} bytes", bytes.size(), kHeaderSize)));
+  }
+  Reader r(bytes.first(kHeaderSize));
+  const uint32_t magic = r.U32();
+  FrameHeader h;
+  h.version = r.U8();
+  h.opcode = r.U8();
+  h.flags = r.U16();
+  h.request_id = r.U64();
+  h.body_len = r.U32();
+  h.status = r.U16();
+  const uint16_t reserved = r.U16();
+  if (magic != kMagic) {
+    return Err(
+        ProtocolError(fmt::format("bad frame magic {:#010x} (expected {:#010x}): not a "
+                                  "farmem peer, or the stream is out of sync",
+                                  magic, kMagic)));
+  }
+  if (h.version != kVersion) {
+    return Err(ProtocolError(fmt::format("unsupported protocol version {} (this build speaks {})",
+                                         h.version, kVersion)));
+  }
+  if (reserved != 0 || (h.flags & ~kKnownFlags) != 0) {
+    return Err(ProtocolError(fmt::format(
+        "reserved header bits set (flags {:#06x}, reserved {:#06x})", h.flags, reserved)));
+  }
+  if (h.body_len > max_body) {
+    return Err(ResourceExhausted(fmt::format("{} frame body of {} bytes exceeds the limit of {}",
+                                             OpcodeName(h.opcode), h.body_len, max_body)));
+  }
+  return h;
+}
+
+namespace {
+
+Status Malformed(const char* what, std::span<const uint8_t> body) {
+  return ProtocolError(fmt::format("malformed {} body ({} bytes)", what, body.size()));
+}
+
+template <size_t N>
+void ReadArray(Reader& r, std::array<uint8_t, N>* out) {
+  auto b = r.Bytes(N);
+  if (b.size() == N) std::memcpy(out->data(), b.data(), N);
+}
+
+}  // namespace
+
+void EncodeHello(const HelloRequest& m, std::vector<uint8_t>* out) {
+  Writer w(out);
+  w.U8(m.min_version);
+  w.U8(m.max_version);
+  w.U16(static_cast<uint16_t>(std::min(m.client_name.size(), kMaxClientName)));
+  w.Bytes(m.client_id);
+  w.Bytes(m.client_nonce);
+  w.Bytes({reinterpret_cast<const uint8_t*>(m.client_name.data()),
+           std::min(m.client_name.size(), kMaxClientName)});
+}
+
+Result<HelloRequest> DecodeHello(std::span<const uint8_t> body) {
+  Reader r(body);
+  HelloRequest m;
+  m.min_version = r.U8();
+  m.max_version = r.U8();
+  const uint16_t name_len = r.U16();
+  ReadArray(r, &m.client_id);
+  ReadArray(r, &m.client_nonce);
+  if (!r.ok() || name_len > kMaxClientName || r.remaining() != name_len) {
+    return Err(Malformed("HELLO", body));
+  }
+  auto name = r.Bytes(name_len);
+  m.client_name.assign(reinterpret_cast<const char*>(name.data()), name.size());
+  for (char& c : m.client_name) {
+    if (c < 0x20 || c > 0x7e) c = '?';  // names end up in logs
+  }
+  if (m.min_version > m.max_version) {
+    return Err(ProtocolError(
+        fmt::format("HELLO version range {}..{} is empty", m.min_version, m.max_version)));
+  }
+  return m;
+}
+
+void EncodeHelloReply(const HelloReply& m, std::vector<uint8_t>* out) {
+  Writer w(out);
+  w.U8(m.version);
+  w.Zeros(3);
+  w.U32(m.features);
+  w.U64(m.node_id);
+  w.Bytes(m.server_nonce);
+}
+
+Result<HelloReply> DecodeHelloReply(std::span<const uint8_t> body) {
+  Reader r(body);
+  HelloReply m;
+  m.version = r.U8();
+  r.Skip(3);
+  m.features = r.U32();
+  m.node_id = r.U64();
+  ReadArray(r, &m.server_nonce);
+  if (!r.ok()) return Err(Malformed("HELLO reply", body));
+  return m;
+}
+
+void EncodeAuth(const AuthRequest& m, std::vector<uint8_t>* out) {
+  Writer(out).Bytes(m.client_mac);
+}
+
+Result<AuthRequest> DecodeAuth(std::span<const uint8_t> body) {
+  if (body.size() != kMacSize) return Err(Malformed("AUTH", body));
+  AuthRequest m;
+  std::memcpy(m.client_mac.data(), body.data(), kMacSize);
+  return m;
+}
+
+void EncodeAuthReply(const AuthReply& m, std::vector<uint8_t>* out) {
+  Writer(out).Bytes(m.server_mac);
+}
+
+Result<AuthReply> DecodeAuthReply(std::span<const uint8_t> body) {
+  if (body.size() != kMacSize) return Err(Malformed("AUTH reply", body));
+  AuthReply m;
+  std::memcpy(m.server_mac.data(), body.data(), kMacSize);
+  return m;
+}
+
+void EncodeStatReply(const StatReply& m, std::vector<uint8_t>* out) {
+  Writer w(out);
+  w.U64(m.node_id);
+  w.U64(m.capacity);
+  w.U64(m.slab_size);
+  w.U32(m.total_slabs);
+  w.U32(m.free_slabs);
+  w.U32(m.clients);
+  w.U32(m.features);
+  w.U64(m.ops);
+  w.U64(m.bytes_read);
+  w.U64(m.bytes_written);
+  w.U16(m.rdma_port);
+  w.Zeros(6);
+}
+
+// Newer daemons may append fields: anything past what this build knows is ignored.
+Result<StatReply> DecodeStatReply(std::span<const uint8_t> body) {
+  Reader r(body);
+  StatReply m;
+  m.node_id = r.U64();
+  m.capacity = r.U64();
+  m.slab_size = r.U64();
+  m.total_slabs = r.U32();
+  m.free_slabs = r.U32();
+  m.clients = r.U32();
+  m.features = r.U32();
+  m.ops = r.U64();
+  m.bytes_read = r.U64();
+  m.bytes_written = r.U64();
+  m.rdma_port = r.U16();
+  r.Skip(6);
+  if (!r.ok()) return Err(Malformed("STAT reply", body));
+  return m;
+}
+
+void EncodeAlloc(const AllocRequest& m, std::vector<uint8_t>* out) {
+  Writer w(out);
+  w.U32(m.count);
+  w.U32(0);
+}
+
+Result<AllocRequest> DecodeAlloc(std::span<const uint8_t> body) {
+  Reader r(body);
+  AllocRequest m;
+  m.count = r.U32();
+  r.U32();
+  if (!r.ok() || r.remaining() != 0) return Err(Malformed("ALLOC", body));
+  if (m.count == 0 || m.count > kMaxLeasesPerCall) {
+    return Err(InvalidArgument(
+        fmt::format("ALLOC of {} slabs: ask for 1 to {} per call", m.count, kMaxLeasesPerCall)));
+  }
+  return m;
+}
+
+void EncodeAllocReply(const AllocReply& m, std::vector<uint8_t>* out) {
+  Writer w(out);
+  w.U32(static_cast<uint32_t>(m.leases.size()));
+  w.U32(0);
+  for (const LeaseGrant& l : m.leases) {
+    w.U64(l.lease_id);
+    w.U64(l.length);
+    w.U64(l.remote_addr);
+    w.U32(l.rkey);
+    w.U32(0);
+  }
+}
+
+Result<AllocReply> DecodeAllocReply(std::span<const uint8_t> body) {
+  Reader r(body);
+  const uint32_t count = r.U32();
+  r.U32();
+  if (!r.ok() || count > kMaxLeasesPerCall || r.remaining() != size_t{count} * kLeaseGrantSize) {
+    return Err(Malformed("ALLOC reply", body));
+  }
+  AllocReply m;
+  m.leases.resize(count);
+  for (LeaseGrant& l : m.leases) {
+    l.lease_id = r.U64();
+    l.length = r.U64();
+    l.remote_addr = r.U64();
+    l.rkey = r.U32();
+    r.U32();
+  }
+  return m;
+}
+
+namespace {
+void EncodeIdList(const std::vector<uint64_t>& ids, std::vector<uint8_t>* out) {
+  Writer w(out);
+  w.U32(static_cast<uint32_t>(ids.size()));
+  w.U32(0);
+  for (uint64_t id : ids) w.U64(id);
+}
+
+Result<std::vector<uint64_t>> DecodeIdList(const char* what, std::span<const uint8_t> body) {
+  Reader r(body);
+  const uint32_t count = r.U32();
+  r.U32();
+  if (!r.ok() || count > kMaxLeasesPerCall || r.remaining() != size_t{count} * 8) {
+    return Err(Malformed(what, body));
+  }
+  std::vector<uint64_t> ids(count);
+  for (uint64_t& id : ids) id = r.U64();
+  return ids;
+}
+}  // namespace
+
+void EncodeFree(const FreeRequest& m, std::vector<uint8_t>* out) { EncodeIdList(m.lease_ids, out); }
+
+Result<FreeRequest> DecodeFree(std::span<const uint8_t> body) {
+  FARMEM_ASSIGN_OR_RETURN(auto ids, DecodeIdList("FREE", body));
+  return FreeRequest{std::move(ids)};
+}
+
+void EncodeHeartbeatReply(const HeartbeatReply& m, std::vector<uint8_t>* out) {
+  Writer w(out);
+  w.U32(m.leases_held);
+  w.U32(0);
+  w.U64(m.lease_ttl_ms);
+}
+
+Result<HeartbeatReply> DecodeHeartbeatReply(std::span<const uint8_t> body) {
+  Reader r(body);
+  HeartbeatReply m;
+  m.leases_held = r.U32();
+  r.U32();
+  m.lease_ttl_ms = r.U64();
+  if (!r.ok()) return Err(Malformed("HEARTBEAT reply", body));
+  return m;
+}
+
+void EncodeEvictNotice(const EvictNotice& m, std::vector<uint8_t>* out) {
+  Writer w(out);
+  w.U32(m.grace_ms);
+  w.U32(0);
+  EncodeIdList(m.lease_ids, out);
+}
+
+Result<EvictNotice> DecodeEvictNotice(std::span<const uint8_t> body) {
+  if (body.size() < 8) return Err(Malformed("EVICT_NOTICE", body));
+  Reader r(body.first(8));
+  EvictNotice m;
+  m.grace_ms = r.U32();
+  FARMEM_ASSIGN_OR_RETURN(m.lease_ids, DecodeIdList("EVICT_NOTICE", body.subspan(8)));
+  return m;
+}
+
+void EncodeDataOp(const DataOp& m, uint8_t out[kDataOpSize]) {
+  std::vector<uint8_t> buf;
+  buf.reserve(kDataOpSize);
+  Writer w(&buf);
+  w.U64(m.lease_id);
+  w.U64(m.offset);
+  w.U32(m.length);
+  w.U32(0);
+  std::memcpy(out, buf.data(), kDataOpSize);
+}
+
+Result<DataOp> DecodeDataOp(std::span<const uint8_t> fixed) {
+  if (fixed.size() < kDataOpSize) return Err(Malformed("data operation", fixed));
+  Reader r(fixed.first(kDataOpSize));
+  DataOp m;
+  m.lease_id = r.U64();
+  m.offset = r.U64();
+  m.length = r.U32();
+  if (r.U32() != 0) return Err(ProtocolError("reserved field of a data operation is not zero"));
+  if (m.length == 0 || m.length > kMaxDataLen) {
+    return Err(InvalidArgument(
+        fmt::format("data operation of {} bytes: must be 1 to {}", m.length, kMaxDataLen)));
+  }
+  return m;
+}
+
+void EncodeBatchOp(const BatchOp& m, uint8_t out[kBatchOpSize]) {
+  std::vector<uint8_t> buf;
+  buf.reserve(kBatchOpSize);
+  Writer w(&buf);
+  w.U8(static_cast<uint8_t>(m.op));
+  w.Zeros(3);
+  w.U32(m.length);
+  w.U64(m.lease_id);
+  w.U64(m.offset);
+  std::memcpy(out, buf.data(), kBatchOpSize);
+}
+
+Result<BatchDescriptors> DecodeBatch(std::span<const uint8_t> body, uint32_t body_len) {
+  Reader r(body);
+  const uint32_t count = r.U32();
+  r.U32();
+  if (!r.ok()) return Err(Malformed("BATCH", body));
+  if (count == 0 || count > kMaxOpsPerBatch) {
+    return Err(InvalidArgument(
+        fmt::format("BATCH of {} operations: must be 1 to {}", count, kMaxOpsPerBatch)));
+  }
+  BatchDescriptors d;
+  d.payload_offset = 8 + size_t{count} * kBatchOpSize;
+  if (d.payload_offset > body_len) return Err(Malformed("BATCH", body));
+  if (body.size() < d.payload_offset) {
+    return Err(Internal("DecodeBatch needs the whole descriptor table"));
+  }
+  d.ops.resize(count);
+  for (BatchOp& op : d.ops) {
+    const uint8_t code = r.U8();
+    r.Skip(3);
+    op.length = r.U32();
+    op.lease_id = r.U64();
+    op.offset = r.U64();
+    if (code != static_cast<uint8_t>(Opcode::kRead) &&
+        code != static_cast<uint8_t>(Opcode::kWrite)) {
+      return Err(
+          InvalidArgument(fmt::format("BATCH operation code {} is neither READ nor WRITE", code)));
+    }
+    op.op = static_cast<Opcode>(code);
+    if (op.length == 0 || op.length > kMaxDataLen) {
+      return Err(InvalidArgument(
+          fmt::format("BATCH operation of {} bytes: must be 1 to {}", op.length, kMaxDataLen)));
+    }
+    (op.op == Opcode::kWrite ? d.write_bytes : d.read_bytes) += op.length;
+  }
+  if (d.write_bytes > kMaxDataLen || d.read_bytes > kMaxDataLen) {
+    return Err(ResourceExhausted(
+        fmt::format("BATCH moves {} bytes written / {} read: each direction is limited to {}",
+                    d.write_bytes, d.read_bytes, kMaxDataLen)));
+  }
+  if (d.payload_offset + d.write_bytes != body_len) {
+    return Err(
+        ProtocolError(fmt::format("BATCH body is {} bytes but its descriptors account for {}",
+                                  body_len, d.payload_offset + d.write_bytes)));
+  }
+  return d;
+}
+
+void EncodeError(const Status& s, std::vector<uint8_t>* out) {
+  const std::string& m = s.message();
+  const size_t n = std::min(m.size(), kMaxErrorMessage);
+  out->insert(out->end(), m.begin(), m.begin() + static_cast<ptrdiff_t>(n));
+}
+
+Status DecodeError(uint16_t status, std::span<const uint8_t> body) {
+  StatusCode code = StatusCodeFromWire(status);
+  if (code == StatusCode::kOk) code = StatusCode::kInternal;
+  const size_t n = std::min(body.size(), kMaxErrorMessage);
+  std::string msg(reinterpret_cast<const char*>(body.data()), n);
+  for (char& c : msg) {
+    if (c < 0x20 || c > 0x7e) c = '?';
+  }
+  return Status(code, std::move(msg));
+}
+
+}  // namespace farmem::wire

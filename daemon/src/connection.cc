@@ -1,0 +1,463 @@
+#include "connection.h"
+
+#include <fmt/format.h>
+#include <spdlog/spdlog.h>
+#include <sys/socket.h>
+
+#include <cstring>
+
+#include "farmem/common/auth.h"
+#include "server.h"
+
+namespace farmem::daemon {
+
+namespace {
+constexpr size_t kRecvBuffer = 256 << 10;
+// How long a peer may take to deliver the rest of a frame it started, or to take our reply.
+// While a write payload trickles in, its slab stays pinned, so this also bounds how long ending
+// that lease can wait.
+constexpr std::chrono::milliseconds kFrameTimeout{10000};
+static_assert(kRecvBuffer >= wire::kHeaderSize + wire::kMaxControlBodyLen);
+static_assert(kRecvBuffer >= wire::kHeaderSize + 8 + wire::kMaxOpsPerBatch * wire::kBatchOpSize);
+}  // namespace
+
+Connection::Connection(Server* server, Socket socket, std::string peer)
+    : server_(server), socket_(std::move(socket)), peer_(std::move(peer)) {}
+
+Connection::~Connection() {
+  if (counted_client_) server_->ClientDisconnected(client_id_);
+}
+
+void Connection::Shutdown() { socket_.Shutdown(); }
+
+void Connection::Serve() {
+  rbuf_.resize(kRecvBuffer);
+  wbuf_.reserve(64 << 10);
+  scratch_.resize(64 << 10);
+  for (;;) {
+    Next next = Next::kNeedMore;
+    while (Buffered() >= wire::kHeaderSize) {
+      next = HandleFrame();
+      if (next != Next::kContinue) break;
+    }
+    if (!FlushReplies() || next == Next::kClose) return;
+    if (pos_ > 0) {
+      std::memmove(rbuf_.data(), Cursor(), Buffered());
+      end_ -= pos_;
+      pos_ = 0;
+    }
+    const ssize_t n = ::recv(socket_.fd(), rbuf_.data() + end_, rbuf_.size() - end_, 0);
+    if (n == 0) {
+      spdlog::debug("{} ({}) disconnected", peer_, client_name_);
+      return;
+    }
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      spdlog::debug("{}: receive failed: {}", peer_, strerror(errno));
+      return;
+    }
+    end_ += static_cast<size_t>(n);
+  }
+}
+
+Connection::Next Connection::HandleFrame() {
+  Result<wire::FrameHeader> hr = wire::DecodeHeader({Cursor(), wire::kHeaderSize});
+  if (!hr.has_value()) {
+    server_->counters().protocol_errors++;
+    spdlog::warn("{}: {}; closing the connection", peer_, hr.error().ToString());
+    ReplyError(wire::FrameHeader{}, hr.error());
+    return Next::kClose;
+  }
+  const wire::FrameHeader h = *hr;
+  if (h.flags != 0) {
+    server_->counters().protocol_errors++;
+    ReplyError(h, ProtocolError("clients send requests: reply/push flags are not allowed"));
+    return Next::kClose;
+  }
+  const auto op = static_cast<wire::Opcode>(h.opcode);
+  const bool data_op =
+      op == wire::Opcode::kRead || op == wire::Opcode::kWrite || op == wire::Opcode::kBatch;
+  // Authentication comes before anything else.
+  if (op != wire::Opcode::kHello && op != wire::Opcode::kAuth && !authenticated_) {
+    ReplyError(h, Unauthenticated(fmt::format(
+                      "{} before authentication: send HELLO{} first", wire::OpcodeName(h.opcode),
+                      server_->options().secret.empty() ? "" : " and AUTH")));
+    return Next::kClose;
+  }
+  if (op == wire::Opcode::kWrite) {
+    if (Buffered() < wire::kHeaderSize + wire::kDataOpSize) return Next::kNeedMore;
+    return HandleWrite(h);
+  }
+  if (op == wire::Opcode::kBatch) {
+    if (Buffered() < wire::kHeaderSize + 8) return Next::kNeedMore;
+    uint32_t count;
+    std::memcpy(&count, Cursor() + wire::kHeaderSize, 4);
+    if (count >= 1 && count <= wire::kMaxOpsPerBatch &&
+        Buffered() < wire::kHeaderSize + 8 + size_t{count} * wire::kBatchOpSize &&
+        h.body_len >= 8 + size_t{count} * wire::kBatchOpSize) {
+      return Next::kNeedMore;
+    }
+    return HandleBatch(h);
+  }
+  const bool known = op == wire::Opcode::kHello || op == wire::Opcode::kAuth ||
+                     op == wire::Opcode::kStat || op == wire::Opcode::kAlloc ||
+                     op == wire::Opcode::kFree || op == wire::Opcode::kHeartbeat || data_op;
+  if (!known) {
+    server_->counters().protocol_errors++;
+    Consume(wire::kHeaderSize);
+    if (!TakePayload(nullptr, h.body_len)) return Next::kClose;
+    ReplyError(h, Unimplemented(fmt::format("unknown opcode {}", h.opcode)));
+    return Next::kContinue;
+  }
+  if (h.body_len > wire::kMaxControlBodyLen) {
+    server_->counters().protocol_errors++;
+    ReplyError(
+        h, ProtocolError(fmt::format("{} body of {} bytes exceeds {}", wire::OpcodeName(h.opcode),
+                                     h.body_len, wire::kMaxControlBodyLen)));
+    return Next::kClose;
+  }
+  if (Buffered() < wire::kHeaderSize + h.body_len) return Next::kNeedMore;
+  std::span<const uint8_t> body(Cursor() + wire::kHeaderSize, h.body_len);
+  if (op != wire::Opcode::kRead && !pins_.empty() && !FlushReplies()) return Next::kClose;
+  Next next;
+  switch (op) {
+    case wire::Opcode::kHello:
+      next = HandleHello(h, body);
+      break;
+    case wire::Opcode::kAuth:
+      next = HandleAuth(h, body);
+      break;
+    case wire::Opcode::kRead:
+      next = HandleRead(h, body);
+      break;
+    default:
+      next = HandleControl(h, body);
+      break;
+  }
+  Consume(wire::kHeaderSize + h.body_len);
+  return next;
+}
+
+Connection::Next Connection::HandleHello(const wire::FrameHeader& h,
+                                         std::span<const uint8_t> body) {
+  if (hello_done_) {
+    ReplyError(h, ProtocolError("HELLO sent twice on one connection"));
+    return Next::kClose;
+  }
+  Result<wire::HelloRequest> req = wire::DecodeHello(body);
+  if (!req.has_value()) {
+    ReplyError(h, req.error());
+    return Next::kClose;
+  }
+  if (req->min_version > wire::kVersion || req->max_version < wire::kVersion) {
+    ReplyError(h, ProtocolError(fmt::format("client speaks versions {}..{}, this daemon {}",
+                                            req->min_version, req->max_version, wire::kVersion)));
+    return Next::kClose;
+  }
+  Status s = auth::RandomBytes(server_nonce_);
+  if (!s.ok()) {
+    ReplyError(h, s);
+    return Next::kClose;
+  }
+  hello_done_ = true;
+  client_id_ = req->client_id;
+  client_nonce_ = req->client_nonce;
+  client_name_ = req->client_name;
+  wire::HelloReply reply;
+  reply.node_id = server_->node_id();
+  reply.server_nonce = server_nonce_;
+  if (!server_->options().secret.empty()) reply.features |= wire::kFeatureAuthRequired;
+  body_.clear();
+  wire::EncodeHelloReply(reply, &body_);
+  Reply(h, body_);
+  if (server_->options().secret.empty()) {
+    authenticated_ = true;
+    counted_client_ = true;
+    server_->ClientConnected(client_id_);
+  }
+  return Next::kContinue;
+}
+
+Connection::Next Connection::HandleAuth(const wire::FrameHeader& h, std::span<const uint8_t> body) {
+  if (!hello_done_ || authenticated_) {
+    ReplyError(h, ProtocolError(hello_done_ ? "already authenticated" : "AUTH before HELLO"));
+    return Next::kClose;
+  }
+  Result<wire::AuthRequest> req = wire::DecodeAuth(body);
+  if (!req.has_value()) {
+    ReplyError(h, req.error());
+    return Next::kClose;
+  }
+  const std::string& secret = server_->options().secret;
+  const wire::Mac expected = auth::ClientProof(secret, server_nonce_, client_nonce_, client_id_);
+  if (!auth::MacEqual(expected, req->client_mac)) {
+    spdlog::warn("{} ({}): authentication failed: wrong secret; closing", peer_, client_name_);
+    ReplyError(h, PermissionDenied("authentication failed: wrong secret"));
+    return Next::kClose;
+  }
+  authenticated_ = true;
+  counted_client_ = true;
+  server_->ClientConnected(client_id_);
+  wire::AuthReply reply;
+  reply.server_mac = auth::ServerProof(secret, server_nonce_, client_nonce_, client_id_);
+  body_.clear();
+  wire::EncodeAuthReply(reply, &body_);
+  Reply(h, body_);
+  return Next::kContinue;
+}
+
+Connection::Next Connection::HandleControl(const wire::FrameHeader& h,
+                                           std::span<const uint8_t> body) {
+  SlabPool& pool = server_->pool();
+  body_.clear();
+  switch (static_cast<wire::Opcode>(h.opcode)) {
+    case wire::Opcode::kStat: {
+      const PoolStats ps = pool.stats();
+      wire::StatReply r;
+      r.node_id = server_->node_id();
+      r.capacity = ps.capacity;
+      r.slab_size = ps.slab_size;
+      r.total_slabs = ps.total_slabs;
+      r.free_slabs = ps.free_slabs;
+      r.clients = server_->client_count();
+      r.features = server_->options().secret.empty() ? 0u : uint32_t{wire::kFeatureAuthRequired};
+      r.ops = server_->counters().ops.load(std::memory_order_relaxed);
+      r.bytes_read = server_->counters().bytes_read.load(std::memory_order_relaxed);
+      r.bytes_written = server_->counters().bytes_written.load(std::memory_order_relaxed);
+      wire::EncodeStatReply(r, &body_);
+      break;
+    }
+    case wire::Opcode::kAlloc: {
+      Result<wire::AllocRequest> req = wire::DecodeAlloc(body);
+      if (!req.has_value()) {
+        ReplyError(h, req.error());
+        return Next::kContinue;
+      }
+      Result<std::vector<wire::LeaseGrant>> leases = pool.Grant(req->count, client_id_);
+      if (!leases.has_value()) {
+        ReplyError(h, leases.error());
+        return Next::kContinue;
+      }
+      pool.Renew(client_id_);
+      spdlog::info("granted {} slab(s) to {} ({})", leases->size(), client_name_, peer_);
+      wire::EncodeAllocReply({std::move(*leases)}, &body_);
+      break;
+    }
+    case wire::Opcode::kFree: {
+      Result<wire::FreeRequest> req = wire::DecodeFree(body);
+      if (!req.has_value()) {
+        ReplyError(h, req.error());
+        return Next::kContinue;
+      }
+      Status s = pool.Release(req->lease_ids, client_id_);
+      if (!s.ok()) {
+        ReplyError(h, s);
+        return Next::kContinue;
+      }
+      spdlog::info("{} ({}) freed {} slab(s)", client_name_, peer_, req->lease_ids.size());
+      break;
+    }
+    case wire::Opcode::kHeartbeat: {
+      if (!body.empty()) {
+        ReplyError(h, InvalidArgument("HEARTBEAT carries no body"));
+        return Next::kContinue;
+      }
+      wire::HeartbeatReply r;
+      r.leases_held = pool.Renew(client_id_);
+      r.lease_ttl_ms = static_cast<uint64_t>(pool.lease_ttl().count());
+      wire::EncodeHeartbeatReply(r, &body_);
+      break;
+    }
+    default:
+      ReplyError(h, Internal("control dispatch reached an unexpected opcode"));
+      return Next::kContinue;
+  }
+  Reply(h, body_);
+  return Next::kContinue;
+}
+
+Connection::Next Connection::HandleRead(const wire::FrameHeader& h, std::span<const uint8_t> body) {
+  if (body.size() != wire::kDataOpSize) {
+    ReplyError(h, InvalidArgument(fmt::format("READ body must be {} bytes, got {}",
+                                              wire::kDataOpSize, body.size())));
+    return Next::kContinue;
+  }
+  Result<wire::DataOp> op = wire::DecodeDataOp(body);
+  if (!op.has_value()) {
+    ReplyError(h, op.error());
+    return Next::kContinue;
+  }
+  Result<Pin> pin = server_->pool().Acquire(op->lease_id, client_id_, op->offset, op->length);
+  if (!pin.has_value()) {
+    ReplyError(h, pin.error());
+    return Next::kContinue;
+  }
+  wire::FrameHeader r = h;
+  r.flags = wire::kFlagReply;
+  r.body_len = op->length;
+  const size_t at = wbuf_.size();
+  wbuf_.resize(at + wire::kHeaderSize);
+  wire::EncodeHeader(r, wbuf_.data() + at);
+  pieces_.push_back({at, nullptr, wire::kHeaderSize});
+  const uint8_t* data = pin->data() + op->offset;
+  AddExternal(data, op->length, std::move(*pin));
+  server_->counters().ops.fetch_add(1, std::memory_order_relaxed);
+  server_->counters().bytes_read.fetch_add(op->length, std::memory_order_relaxed);
+  return Next::kContinue;
+}
+
+Connection::Next Connection::HandleWrite(const wire::FrameHeader& h) {
+  Result<wire::DataOp> op = wire::DecodeDataOp({Cursor() + wire::kHeaderSize, wire::kDataOpSize});
+  if (!op.has_value() || h.body_len != wire::kDataOpSize + uint64_t{op->length}) {
+    server_->counters().protocol_errors++;
+    ReplyError(h, op.has_value()
+                      ? ProtocolError(fmt::format("WRITE of {} bytes in a body of {} bytes",
+                                                  op->length, h.body_len))
+                      : op.error());
+    // The body length is still trustworthy framing: skip the body and go on.
+    Consume(wire::kHeaderSize);
+    return TakePayload(nullptr, h.body_len) ? Next::kContinue : Next::kClose;
+  }
+  if (!pins_.empty() && !FlushReplies()) return Next::kClose;
+  Consume(wire::kHeaderSize + wire::kDataOpSize);
+  Result<Pin> pin = server_->pool().Acquire(op->lease_id, client_id_, op->offset, op->length);
+  if (!pin.has_value()) {
+    if (!TakePayload(nullptr, op->length)) return Next::kClose;
+    ReplyError(h, pin.error());
+    return Next::kContinue;
+  }
+  if (!TakePayload(pin->data() + op->offset, op->length)) return Next::kClose;
+  pin->Reset();
+  server_->counters().ops.fetch_add(1, std::memory_order_relaxed);
+  server_->counters().bytes_written.fetch_add(op->length, std::memory_order_relaxed);
+  Reply(h, {});
+  return Next::kContinue;
+}
+
+Connection::Next Connection::HandleBatch(const wire::FrameHeader& h) {
+  const size_t avail = Buffered() - wire::kHeaderSize;
+  Result<wire::BatchDescriptors> d =
+      wire::DecodeBatch({Cursor() + wire::kHeaderSize, avail}, h.body_len);
+  if (!d.has_value()) {
+    server_->counters().protocol_errors++;
+    ReplyError(h, d.error());
+    Consume(wire::kHeaderSize);
+    return TakePayload(nullptr, h.body_len) ? Next::kContinue : Next::kClose;
+  }
+  if (d->write_bytes > 0 && !pins_.empty() && !FlushReplies()) return Next::kClose;
+  Consume(wire::kHeaderSize + d->payload_offset);
+  const size_t n = d->ops.size();
+  // Reply: header, count, reserved, one u32 status per op, then the data of the OK reads.
+  const size_t at = wbuf_.size();
+  wbuf_.resize(at + wire::kHeaderSize + 8 + 4 * n);
+  uint8_t* table = wbuf_.data() + at + wire::kHeaderSize;
+  const uint32_t count = static_cast<uint32_t>(n);
+  std::memcpy(table, &count, 4);
+  std::memset(table + 4, 0, 4 + 4 * n);
+  pieces_.push_back({at, nullptr, wire::kHeaderSize + 8 + 4 * n});
+  uint64_t read_bytes = 0;
+  auto& counters = server_->counters();
+  for (size_t i = 0; i < n; ++i) {
+    const wire::BatchOp& op = d->ops[i];
+    Result<Pin> pin = server_->pool().Acquire(op.lease_id, client_id_, op.offset, op.length);
+    uint16_t code = pin.has_value() ? 0 : static_cast<uint16_t>(pin.error().code());
+    if (op.op == wire::Opcode::kWrite) {
+      if (!TakePayload(pin.has_value() ? pin->data() + op.offset : nullptr, op.length)) {
+        return Next::kClose;
+      }
+      if (pin.has_value()) counters.bytes_written.fetch_add(op.length, std::memory_order_relaxed);
+    } else if (pin.has_value()) {
+      const uint8_t* data = pin->data() + op.offset;
+      AddExternal(data, op.length, std::move(*pin));
+      read_bytes += op.length;
+      counters.bytes_read.fetch_add(op.length, std::memory_order_relaxed);
+    }
+    // wbuf_ may have moved: address the table by offset.
+    const uint32_t code32 = code;
+    std::memcpy(wbuf_.data() + at + wire::kHeaderSize + 8 + 4 * i, &code32, 4);
+  }
+  counters.ops.fetch_add(n, std::memory_order_relaxed);
+  wire::FrameHeader r = h;
+  r.flags = wire::kFlagReply;
+  r.body_len = static_cast<uint32_t>(8 + 4 * n + read_bytes);
+  wire::EncodeHeader(r, wbuf_.data() + at);
+  return Next::kContinue;
+}
+
+bool Connection::TakePayload(uint8_t* dst, uint64_t len) {
+  const size_t from_buffer = static_cast<size_t>(std::min<uint64_t>(Buffered(), len));
+  if (dst != nullptr && from_buffer > 0) std::memcpy(dst, Cursor(), from_buffer);
+  Consume(from_buffer);
+  uint64_t rest = len - from_buffer;
+  if (rest == 0) return true;
+  const Deadline deadline = DeadlineIn(kFrameTimeout);
+  Status s;
+  if (dst != nullptr) {
+    s = RecvExact(socket_.fd(), {dst + from_buffer, static_cast<size_t>(rest)}, deadline);
+  } else {
+    while (rest > 0 && s.ok()) {
+      const size_t chunk = static_cast<size_t>(std::min<uint64_t>(rest, scratch_.size()));
+      s = RecvExact(socket_.fd(), {scratch_.data(), chunk}, deadline);
+      rest -= chunk;
+    }
+  }
+  if (!s.ok()) {
+    spdlog::warn("{} ({}): frame cut short: {}; closing", peer_, client_name_, s.ToString());
+    return false;
+  }
+  return true;
+}
+
+void Connection::Reply(const wire::FrameHeader& req, std::span<const uint8_t> body) {
+  wire::FrameHeader r = req;
+  r.flags = wire::kFlagReply;
+  r.status = 0;
+  r.body_len = static_cast<uint32_t>(body.size());
+  const size_t at = wbuf_.size();
+  wbuf_.resize(at + wire::kHeaderSize + body.size());
+  wire::EncodeHeader(r, wbuf_.data() + at);
+  if (!body.empty()) std::memcpy(wbuf_.data() + at + wire::kHeaderSize, body.data(), body.size());
+  pieces_.push_back({at, nullptr, wire::kHeaderSize + body.size()});
+}
+
+void Connection::ReplyError(const wire::FrameHeader& req, const Status& status) {
+  spdlog::debug("{}: {} failed: {}", peer_, wire::OpcodeName(req.opcode), status.ToString());
+  std::vector<uint8_t> msg;
+  wire::EncodeError(status, &msg);
+  wire::FrameHeader r = req;
+  r.version = wire::kVersion;
+  r.flags = wire::kFlagReply;
+  r.status = static_cast<uint16_t>(status.code());
+  r.body_len = static_cast<uint32_t>(msg.size());
+  const size_t at = wbuf_.size();
+  wbuf_.resize(at + wire::kHeaderSize + msg.size());
+  wire::EncodeHeader(r, wbuf_.data() + at);
+  std::memcpy(wbuf_.data() + at + wire::kHeaderSize, msg.data(), msg.size());
+  pieces_.push_back({at, nullptr, wire::kHeaderSize + msg.size()});
+}
+
+void Connection::AddExternal(const uint8_t* data, size_t len, Pin pin) {
+  pieces_.push_back({0, data, len});
+  pins_.push_back(std::move(pin));
+}
+
+bool Connection::FlushReplies() {
+  if (pieces_.empty()) return true;
+  iov_.clear();
+  for (const Piece& p : pieces_) {
+    iov_.push_back(
+        {const_cast<uint8_t*>(p.data != nullptr ? p.data : wbuf_.data() + p.offset), p.len});
+  }
+  Status s =
+      SendAll(socket_.fd(), iov_.data(), static_cast<int>(iov_.size()), DeadlineIn(kFrameTimeout));
+  pieces_.clear();
+  wbuf_.clear();
+  pins_.clear();
+  if (!s.ok()) {
+    spdlog::debug("{}: sending replies failed: {}", peer_, s.ToString());
+    return false;
+  }
+  return true;
+}
+
+}  // namespace farmem::daemon

@@ -1,0 +1,81 @@
+// Connection: one client connection to farmemd, served start to finish by one thread.
+//
+// Reads frames into a receive buffer, decodes and validates each one (docs/wire-protocol.md),
+// and answers it. Write payloads that have not yet arrived are received straight into slab
+// memory; read replies are sent straight from slab memory with scatter-gather I/O. Bad input is
+// answered with an error reply; input that breaks the framing (bad magic, version, oversized
+// body) is answered once and the connection is closed. Nothing a bad frame carries is written
+// anywhere but the lease it is allowed to touch.
+#pragma once
+
+#include <sys/uio.h>
+
+#include <vector>
+
+#include "farmem/common/socket.h"
+#include "farmem/common/wire.h"
+#include "slab_pool.h"
+
+namespace farmem::daemon {
+
+class Server;
+
+class Connection {
+ public:
+  Connection(Server* server, Socket socket, std::string peer);
+  ~Connection();
+  void Serve();     // runs until the peer leaves, the framing breaks, or Shutdown()
+  void Shutdown();  // from another thread: unblocks Serve()
+
+ private:
+  enum class Next { kContinue, kNeedMore, kClose };
+
+  Next HandleFrame();
+  Next HandleHello(const wire::FrameHeader& h, std::span<const uint8_t> body);
+  Next HandleAuth(const wire::FrameHeader& h, std::span<const uint8_t> body);
+  Next HandleControl(const wire::FrameHeader& h, std::span<const uint8_t> body);
+  Next HandleRead(const wire::FrameHeader& h, std::span<const uint8_t> body);
+  Next HandleWrite(const wire::FrameHeader& h);
+  Next HandleBatch(const wire::FrameHeader& h);
+
+  // Moves `len` payload bytes into dst (nullptr: discard): first what is buffered, then straight
+  // from the socket. False if the connection broke.
+  bool TakePayload(uint8_t* dst, uint64_t len);
+
+  void Reply(const wire::FrameHeader& req, std::span<const uint8_t> body);
+  void ReplyError(const wire::FrameHeader& req, const Status& status);
+  void AddExternal(const uint8_t* data, size_t len, Pin pin);
+  bool FlushReplies();
+  void Consume(size_t n) { pos_ += n; }
+  size_t Buffered() const { return end_ - pos_; }
+  const uint8_t* Cursor() const { return rbuf_.data() + pos_; }
+
+  Server* server_;
+  Socket socket_;
+  std::string peer_;
+  bool hello_done_ = false;
+  bool authenticated_ = false;
+  bool counted_client_ = false;
+  wire::ClientId client_id_{};
+  wire::Nonce client_nonce_{};
+  wire::Nonce server_nonce_{};
+  std::string client_name_;
+
+  std::vector<uint8_t> rbuf_;
+  size_t pos_ = 0, end_ = 0;
+
+  // Replies gathered while processing what one receive brought in; sent together.
+  struct Piece {
+    size_t offset;        // into wbuf_ when data == nullptr
+    const uint8_t* data;  // slab memory (kept valid by a pin)
+    size_t len;
+  };
+  std::vector<uint8_t> wbuf_;
+  std::vector<Piece> pieces_;
+  std::vector<Pin> pins_;
+  std::vector<iovec> iov_;
+  std::vector<uint8_t> scratch_;
+  std::vector<uint8_t> body_;
+};
+
+}  // namespace farmem::daemon

@@ -1,0 +1,103 @@
+// farmemd: the per-node daemon that lends slabs of this machine's idle DRAM.
+#include <fmt/format.h>
+#include <signal.h>
+#include <spdlog/sinks/stdout_color_sinks.h>
+#include <spdlog/spdlog.h>
+
+#include <CLI/CLI.hpp>
+#include <fstream>
+
+#include "farmem/common/auth.h"
+#include "farmem/common/config.h"
+#include "server.h"
+#include "slab_pool.h"
+
+using namespace farmem;
+
+int main(int argc, char** argv) {
+  CLI::App app{
+      "farmemd - lends slabs of this machine's memory to farmem clients over TCP.\n"
+      "Every option may also be set in a config file (--config), one `name = value` per line."};
+  std::string listen = fmt::format("127.0.0.1:{}", kDefaultPort);
+  std::string capacity = "1G", slab_size = "64M", secret_file, port_file, log_level = "info";
+  uint32_t lease_ttl_ms = 10000, max_connections = 256;
+  bool no_mlock = false, no_prefault = false;
+  app.set_config("--config", "", "Read options from this file (INI/TOML: name = value)");
+  app.add_option("--listen", listen, "Address and port to serve on, host:port; port 0 picks one")
+      ->capture_default_str();
+  app.add_option("--capacity", capacity, "Memory to lend, e.g. 4G; rounded down to whole slabs")
+      ->capture_default_str();
+  app.add_option("--slab-size", slab_size, "Unit of lending, a multiple of 4K (Infiniswap used 1G)")
+      ->capture_default_str();
+  app.add_option("--secret-file", secret_file,
+                 "File with the shared secret clients must prove they know (chmod 600). "
+                 "Without it the daemon is open to anyone who can reach it")
+      ->check(CLI::ExistingFile);
+  app.add_option("--lease-ttl-ms", lease_ttl_ms,
+                 "A lease whose client sends no heartbeat for this long is reclaimed and zeroed")
+      ->capture_default_str()
+      ->check(CLI::Range(100u, 3600u * 1000u));
+  app.add_option("--max-connections", max_connections, "Connections served at once")
+      ->capture_default_str()
+      ->check(CLI::Range(1u, 65536u));
+  app.add_flag("--no-mlock", no_mlock, "Do not try to mlock the pool");
+  app.add_flag("--no-prefault", no_prefault, "Do not touch the pool's pages at start");
+  app.add_option("--port-file", port_file, "Write the port actually bound to this file");
+  app.add_option("--log-level", log_level, "trace, debug, info, warn, error")
+      ->capture_default_str();
+  CLI11_PARSE(app, argc, argv);
+
+  auto logger = spdlog::stderr_color_mt("farmemd");
+  logger->set_pattern("%Y-%m-%d %H:%M:%S.%e farmemd[%P] %l: %v");
+  spdlog::set_default_logger(logger);
+  spdlog::set_level(spdlog::level::from_str(log_level));
+
+  auto fail = [](const Status& s) {
+    spdlog::critical("{}", s.ToString());
+    return 1;
+  };
+  daemon::PoolOptions pool_opts;
+  daemon::ServerOptions server_opts;
+  auto cap = ParseSize(capacity);
+  if (!cap) return fail(cap.error().WithContext("--capacity"));
+  auto slab = ParseSize(slab_size);
+  if (!slab) return fail(slab.error().WithContext("--slab-size"));
+  auto ep = ParseEndpoint(listen);
+  if (!ep) return fail(ep.error().WithContext("--listen"));
+  pool_opts.capacity = *cap;
+  pool_opts.slab_size = *slab;
+  pool_opts.lease_ttl = std::chrono::milliseconds(lease_ttl_ms);
+  pool_opts.mlock = !no_mlock;
+  pool_opts.prefault = !no_prefault;
+  server_opts.listen = *ep;
+  server_opts.max_connections = max_connections;
+  if (!secret_file.empty()) {
+    auto secret = auth::LoadSecretFile(secret_file);
+    if (!secret) return fail(secret.error().WithContext("--secret-file"));
+    server_opts.secret = *secret;
+  }
+
+  // Signals are taken by sigwait below; every thread started from here on inherits the mask.
+  sigset_t sigs;
+  sigemptyset(&sigs);
+  sigaddset(&sigs, SIGINT);
+  sigaddset(&sigs, SIGTERM);
+  pthread_sigmask(SIG_BLOCK, &sigs, nullptr);
+  signal(SIGPIPE, SIG_IGN);
+
+  auto pool = daemon::SlabPool::Create(pool_opts);
+  if (!pool) return fail(pool.error());
+  daemon::Server server(server_opts, pool->get());
+  if (Status s = server.Start(); !s.ok()) return fail(s);
+  if (!port_file.empty()) {
+    const std::string tmp = port_file + ".tmp";
+    std::ofstream(tmp) << server.port() << "\n";
+    std::rename(tmp.c_str(), port_file.c_str());
+  }
+  int sig = 0;
+  sigwait(&sigs, &sig);
+  spdlog::info("{}: shutting down", strsignal(sig));
+  server.Stop();
+  spdlog::info("stopped");
+  return 0;
+}

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Installs every Debian package farmem needs to build, test and run its demo.
+# Idempotent: packages already present are skipped by apt-get. Run as root (or via sudo).
+#   deploy/install-deps.sh          build + host tests + demo
+#   deploy/install-deps.sh --vm     also what the qemu guest tests need
+set -euo pipefail
+
+build_pkgs=(
+  build-essential cmake pkg-config ninja-build
+  libboost-dev libisal-dev liburing-dev libibverbs-dev librdmacm-dev
+  libgtest-dev libgmock-dev libbenchmark-dev libcli11-dev libspdlog-dev libfmt-dev libssl-dev
+  clang-14 libclang-rt-14-dev
+)
+tool_pkgs=(
+  nbdkit nbd-client libnbd-bin fio qemu-utils util-linux procps iproute2
+)
+vm_pkgs=(
+  qemu-system-x86 busybox-static kmod cpio rdma-core ibverbs-providers ibverbs-utils
+  rdmacm-utils perftest
+)
+
+want=("${build_pkgs[@]}" "${tool_pkgs[@]}")
+if [[ "${1:-}" == "--vm" ]]; then want+=("${vm_pkgs[@]}"); fi
+
+missing=()
+for p in "${want[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if ((${#missing[@]} == 0)); then
+  echo "install-deps: all ${#want[@]} packages present"
+  exit 0
+fi
+SUDO=""
+if [[ $(id -u) -ne 0 ]]; then SUDO=sudo; fi
+echo "install-deps: installing ${missing[*]}"
+export DEBIAN_FRONTEND=noninteractive
+$SUDO apt-get update -qq
+$SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"

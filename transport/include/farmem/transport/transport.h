@@ -1,0 +1,137 @@
+// The one interface for one-sided remote memory: read and write bytes of a lease on a daemon.
+//
+// Two implementations hide behind it: `tcp` (framed messages, the daemon copies into/out of its
+// slab) and `verbs` (RDMA READ/WRITE on an RC queue pair; the daemon's CPU is not involved).
+// Callers (client/, and through it blockdev/ and farptr/) never learn which one they hold.
+//
+// The model is a queue pair's: Post() queues operations, Flush() rings the doorbell (one writev /
+// one ibv_post_send for everything queued), Poll() reaps completions. Read()/Write()/Execute()
+// are the synchronous conveniences built on those three.
+//
+// Threading: a Channel belongs to one thread at a time (no internal locking on the data path).
+// Threads that want to move data in parallel open a channel each. A Transport may be shared.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+
+#include "farmem/common/config.h"
+#include "farmem/common/status.h"
+#include "farmem/common/wire.h"
+
+namespace farmem::transport {
+
+// Where a lease lives: everything the data path needs to address it.
+struct RemoteSlab {
+  uint64_t lease_id = 0;
+  uint64_t length = 0;
+  uint64_t remote_addr = 0;  // verbs only
+  uint32_t rkey = 0;         // verbs only
+
+  static RemoteSlab From(const wire::LeaseGrant& g) {
+    return {g.lease_id, g.length, g.remote_addr, g.rkey};
+  }
+};
+
+// Local memory registered with a transport (verbs must register it with the NIC; tcp needs
+// nothing). Unregistered memory works too, at the cost of a bounce copy on verbs.
+class LocalRegion {
+ public:
+  virtual ~LocalRegion() = default;
+  virtual void* addr() const = 0;
+  virtual size_t length() const = 0;
+  virtual uint32_t lkey() const = 0;
+  bool Contains(const void* p, size_t n) const {
+    auto b = static_cast<const uint8_t*>(addr());
+    auto q = static_cast<const uint8_t*>(p);
+    return q >= b && n <= length() && static_cast<size_t>(q - b) <= length() - n;
+  }
+};
+
+enum class OpType : uint8_t { kRead, kWrite };
+
+struct Op {
+  OpType type = OpType::kRead;
+  RemoteSlab slab;
+  uint64_t offset = 0;    // within the slab
+  void* local = nullptr;  // destination of a read, source of a write
+  uint32_t length = 0;
+  const LocalRegion* region = nullptr;  // registered memory that holds `local`, if any
+  uint64_t user_data = 0;               // handed back in the Completion
+};
+
+struct Completion {
+  uint64_t user_data = 0;
+  Status status;
+};
+
+struct ChannelStats {
+  uint64_t ops = 0;
+  uint64_t bytes_read = 0;
+  uint64_t bytes_written = 0;
+  uint64_t doorbells = 0;  // Flush calls that sent something
+};
+
+class Channel {
+ public:
+  virtual ~Channel() = default;
+
+  // Queues one operation. Fails at once (nothing queued) if the op is malformed, the channel is
+  // broken, or max_outstanding() operations are already in flight.
+  virtual Status Post(const Op& op) = 0;
+  // Sends everything posted since the last Flush.
+  virtual Status Flush() = 0;
+  // Reaps up to out.size() completions. Waits up to `timeout` for the first one when any are
+  // outstanding; returns 0 when none are. A channel that breaks completes every outstanding
+  // operation with an error (Unavailable, RemoteAccessError, ...): nothing is left hanging.
+  virtual Result<size_t> Poll(std::span<Completion> out, std::chrono::milliseconds timeout) = 0;
+
+  virtual size_t outstanding() const = 0;
+  virtual size_t max_outstanding() const = 0;
+  virtual const char* kind() const = 0;  // "tcp" or "verbs"
+  virtual std::string peer() const = 0;
+  virtual bool broken() const = 0;
+  virtual ChannelStats stats() const = 0;
+
+  // Synchronous conveniences. Execute posts all ops (flushing as the window allows), waits for
+  // all, stores each op's status in `results` (if given) and returns the first error.
+  Status Execute(std::span<const Op> ops, std::span<Status> results = {},
+                 std::chrono::milliseconds timeout = kDefaultTimeout);
+  Status Read(const RemoteSlab& slab, uint64_t offset, std::span<uint8_t> dst,
+              const LocalRegion* region = nullptr);
+  Status Write(const RemoteSlab& slab, uint64_t offset, std::span<const uint8_t> src,
+               const LocalRegion* region = nullptr);
+
+  static constexpr std::chrono::milliseconds kDefaultTimeout{10000};
+};
+
+// Who we are, for the daemon's authentication.
+struct Credentials {
+  std::string secret;  // empty: connect without authenticating (daemon must be open)
+  wire::ClientId client_id{};
+  std::string client_name;
+};
+
+struct ChannelOptions {
+  Endpoint endpoint;  // the daemon's TCP address (verbs derives its rdma_cm address from it)
+  Credentials credentials;
+  std::chrono::milliseconds connect_timeout{3000};
+  std::chrono::milliseconds op_timeout{10000};
+  uint32_t max_outstanding = 64;
+};
+
+class Transport {
+ public:
+  virtual ~Transport() = default;
+  virtual const char* kind() const = 0;
+  virtual Result<std::unique_ptr<Channel>> OpenChannel(const ChannelOptions& options) = 0;
+  virtual Result<std::unique_ptr<LocalRegion>> RegisterMemory(void* addr, size_t length) = 0;
+};
+
+// The TCP transport (always available).
+std::unique_ptr<Transport> MakeTcpTransport();
+
+}  // namespace farmem::transport
