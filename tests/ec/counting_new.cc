@@ -1,0 +1,33 @@
+// Global operator new/delete that count allocations, for decode_alloc_test.cc. Kept in its own
+// translation unit so the compiler cannot inline them into the test body (GCC 12 then reports
+// -Wmismatched-new-delete false positives).
+#include <atomic>
+#include <cstdlib>
+#include <new>
+
+namespace farmem::ec::test_support {
+namespace {
+std::atomic<long> g_allocations{0};
+}  // namespace
+
+long AllocationCount() { return g_allocations.load(std::memory_order_relaxed); }
+
+void CountAllocation() { g_allocations.fetch_add(1, std::memory_order_relaxed); }
+
+}  // namespace farmem::ec::test_support
+
+void* operator new(std::size_t size) {
+  farmem::ec::test_support::CountAllocation();
+  if (void* p = std::malloc(size == 0 ? 1 : size)) return p;
+  throw std::bad_alloc();
+}
+void* operator new(std::size_t size, std::align_val_t align) {
+  farmem::ec::test_support::CountAllocation();
+  const std::size_t a = static_cast<std::size_t>(align);
+  if (void* p = std::aligned_alloc(a, (size + a - 1) / a * a)) return p;
+  throw std::bad_alloc();
+}
+void operator delete(void* p) noexcept { std::free(p); }
+void operator delete(void* p, std::size_t) noexcept { std::free(p); }
+void operator delete(void* p, std::align_val_t) noexcept { std::free(p); }
+void operator delete(void* p, std::size_t, std::align_val_t) noexcept { std::free(p); }
