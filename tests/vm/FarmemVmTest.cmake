@@ -1,0 +1,62 @@
+# farmem_add_vm_test(NAME <name> COMMAND <command> [args...]
+#                    [TIMEOUT <s>] [MEM <MiB>] [SMP <n>] [ADDRS <n>] [SHARES <dirs...>]
+#                    [MODULES <kernel modules...>] [ENV <K=V...>] [LABELS <more labels...>]
+#                    [DEPENDS_ON <tests...>])
+# Registers a ctest test that runs COMMAND inside the qemu guest (deploy/vm/run): real soft-RoCE
+# (rxe0 on 10.0.2.15 [+ ADDRS more]), the kernel NBD client, swap, cgroup v2, kernel modules.
+# COMMAND runs with the same paths as on the host (its / is the host's, read-only), so pass
+# $<TARGET_FILE:tgt> and source paths as they are. SHARES are host directories the guest may write
+# (created at configure time). Labelled "vm"; skipped (exit 77) when qemu or Debian's kernel
+# package cannot be had, unless FARMEM_VM_REQUIRED=1. See docs/vm-harness.md.
+#
+# Use from another tests/<dir>/CMakeLists.txt:
+#   include(${CMAKE_SOURCE_DIR}/tests/vm/FarmemVmTest.cmake)
+#   farmem_add_vm_test(NAME blockdev_vm_swap TIMEOUT 300 COMMAND bash ${CMAKE_CURRENT_SOURCE_DIR}/x.sh)
+include_guard(GLOBAL)
+
+function(farmem_add_vm_test)
+  cmake_parse_arguments(T "" "NAME;TIMEOUT;MEM;SMP;ADDRS" "COMMAND;SHARES;MODULES;ENV;LABELS;DEPENDS_ON" ${ARGN})
+  if(NOT T_NAME OR NOT T_COMMAND)
+    message(FATAL_ERROR "farmem_add_vm_test: NAME and COMMAND are required")
+  endif()
+  if(NOT T_TIMEOUT)
+    set(T_TIMEOUT 300)
+  endif()
+  # The harness kills the guest itself a little before ctest would kill the harness.
+  math(EXPR guest_timeout "${T_TIMEOUT} - 15")
+  set(args --skip-unavailable --timeout ${guest_timeout})
+  if(T_MEM)
+    list(APPEND args --mem ${T_MEM})
+  endif()
+  if(T_SMP)
+    list(APPEND args --smp ${T_SMP})
+  endif()
+  if(T_ADDRS)
+    list(APPEND args --addrs ${T_ADDRS})
+  endif()
+  foreach(d IN LISTS T_SHARES)
+    file(MAKE_DIRECTORY ${d})
+    list(APPEND args --share ${d})
+  endforeach()
+  if(T_MODULES)
+    list(JOIN T_MODULES " " mods)
+    list(APPEND args --modules "${mods}")
+  endif()
+  foreach(kv IN LISTS T_ENV)
+    list(APPEND args --env ${kv})
+  endforeach()
+  add_test(NAME ${T_NAME}
+    COMMAND bash ${CMAKE_SOURCE_DIR}/deploy/vm/run ${args} -- ${T_COMMAND}
+    WORKING_DIRECTORY ${CMAKE_CURRENT_BINARY_DIR})
+  set_tests_properties(${T_NAME} PROPERTIES
+    LABELS "vm;${T_LABELS}"
+    TIMEOUT ${T_TIMEOUT}
+    SKIP_RETURN_CODE 77
+    # A guest keeps both cores busy (TCG, -smp 2): never two at once, and count it as 2 jobs.
+    PROCESSORS 2
+    RESOURCE_LOCK farmem_vm
+    ENVIRONMENT "FARMEM_BIN_DIR=${CMAKE_BINARY_DIR}/bin;FARMEM_SOURCE_DIR=${CMAKE_SOURCE_DIR}")
+  if(T_DEPENDS_ON)
+    set_tests_properties(${T_NAME} PROPERTIES DEPENDS "${T_DEPENDS_ON}")
+  endif()
+endfunction()
