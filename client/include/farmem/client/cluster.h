@@ -1,0 +1,260 @@
+// Cluster: the farmem cluster as one client sees it. There is no coordinator: the client talks to
+// every daemon itself, places slabs by power-of-two-choices on free slabs, keeps its leases alive
+// with heartbeats and finds failed daemons on its own.
+//
+// What it solves for a borrower (blockdev, farptr, kmod's control tool):
+//   - which daemons exist (an explicit peer list and/or a DNS name whose every A/AAAA record is a
+//     daemon, e.g. a Kubernetes headless service; re-resolved now and then);
+//   - where a new slab goes (Allocate), and how a group of slabs lands on distinct nodes for
+//   erasure
+//     coding or replication (AllocateGroup);
+//   - keeping leases alive: one background thread heartbeats every live daemon, since a daemon
+//     reclaims (and zeroes) every lease of a client whose heartbeats stop;
+//   - knowing when leases are gone: a daemon that stops answering or whose connection breaks and
+//     cannot be reopened is declared down (kNodeDown, listing the leases lost there); a daemon
+//     that restarted (new node id in HELLO) lost this client's leases (kLeasesLost); a daemon under
+//     memory pressure announces evictions (kEvictNotice). The owner of the data reacts: moves it,
+//     rebuilds it from parity, or gives up.
+//   - data channels to a node, with the same identity (OpenChannel).
+//
+// Ownership: a Cluster owns one control connection per daemon, the bookkeeping of every lease it
+// granted, and its background thread. Leases belong to the Cluster's client id (random per
+// Cluster): two Clusters in one process are two clients. Close() (or the destructor) frees every
+// lease still held.
+//
+// Threads: every public method may be called from any thread, concurrently, except that Close()
+// and the destructor must not be called from an event callback. Control calls to one daemon are
+// serialized on that daemon's connection; calls to different daemons run in parallel.
+#pragma once
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <random>
+#include <span>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "farmem/client/placement.h"
+#include "farmem/client/thread_annotations.h"
+#include "farmem/common/config.h"
+#include "farmem/common/socket.h"
+#include "farmem/common/status.h"
+#include "farmem/common/wire.h"
+#include "farmem/transport/tcp_connection.h"
+#include "farmem/transport/transport.h"
+
+namespace farmem::client {
+
+struct ClusterOptions {
+  // Daemons named one by one. A peer that cannot be reached at Connect is still a node: it starts
+  // down and is retried.
+  std::vector<Endpoint> peers;
+  // "name:port" (port defaults to kDefaultPort): every address the name resolves to is a daemon.
+  // Addresses that answer become nodes; the name is re-resolved every dns_refresh_interval and
+  // new daemons join the table. Two addresses that reach the same daemon (same HELLO node id,
+  // e.g. "localhost" giving both 127.0.0.1 and ::1) are one node. May be combined with `peers`.
+  std::string peers_dns;
+  std::string secret;       // shared secret; empty = daemons run without authentication
+  std::string client_name;  // shown in daemon logs; default "farmem-client-<pid>"
+  std::chrono::milliseconds heartbeat_interval{500};
+  // A daemon that has not answered for this long, or whose connection broke and cannot be
+  // reopened, is down. Must exceed heartbeat_interval.
+  std::chrono::milliseconds failure_timeout{2000};
+  std::chrono::milliseconds connect_timeout{2000};
+  std::chrono::milliseconds op_timeout{5000};  // control calls (STAT, ALLOC, FREE) and data ops
+  // How often a down daemon is retried. Zero: 2 * heartbeat_interval.
+  std::chrono::milliseconds reconnect_interval{0};
+  std::chrono::milliseconds dns_refresh_interval{10000};
+  std::string transport = "auto";  // tcp | verbs | auto (verbs comes later; auto = tcp for now)
+  uint32_t channel_depth = 64;     // max outstanding ops per data channel
+  // Seeds placement's RNG; unset = std::random_device. For reproducible tests.
+  std::optional<uint64_t> rng_seed;
+};
+
+// One slab lent to this client.
+struct Lease {
+  NodeId node = 0;
+  wire::LeaseGrant grant;
+
+  uint64_t id() const { return grant.lease_id; }
+  transport::RemoteSlab slab() const { return transport::RemoteSlab::From(grant); }
+};
+
+// A snapshot of what the client knows about one daemon.
+struct NodeInfo {
+  NodeId id = 0;
+  Endpoint endpoint;
+  bool alive = false;
+  uint64_t daemon_id = 0;               // HELLO node id; 0 until first contact; new after restart
+  std::optional<wire::StatReply> stat;  // the last STAT answer, if any
+  size_t leases_held = 0;               // leases this client holds there
+  uint64_t lease_ttl_ms = 0;            // from the last HEARTBEAT reply; 0 = unknown
+  Status last_error;                    // why it is down (or the last failure seen)
+  Clock::time_point last_contact{};     // last successful exchange
+};
+
+enum class EventType {
+  kNodeDown,     // the node is unreachable; lease_ids (held there) are gone for this client
+  kNodeUp,       // a node answered again, or a new one joined (DNS refresh)
+  kLeasesLost,   // the node is up but lost lease_ids (it restarted)
+  kEvictNotice,  // the node will evict lease_ids after grace_ms (memory pressure): move the data
+};
+const char* EventTypeName(EventType type);
+
+struct Event {
+  EventType type = EventType::kNodeDown;
+  NodeId node = 0;
+  Endpoint endpoint;
+  std::vector<uint64_t> lease_ids;
+  uint32_t grace_ms = 0;  // kEvictNotice only
+  Status reason;          // why (kNodeDown, kLeasesLost); OK otherwise
+};
+
+using SubscriptionId = uint64_t;
+// Called on the Cluster's background thread, one event at a time, in the order they happened.
+// While a callback runs no heartbeat is sent: it must not block long (hand the work to another
+// thread). It may call any Cluster method except Close().
+using EventCallback = std::function<void(const Event&)>;
+
+class Cluster {
+ public:
+  // Resolves peers, connects and authenticates to each in parallel, starts the heartbeat thread.
+  // Fails only when no daemon is reachable (the message lists each peer's error; the code is the
+  // peers' common code, e.g. PermissionDenied for a wrong secret, else Unavailable), or when the
+  // options are invalid (InvalidArgument).
+  static Result<std::unique_ptr<Cluster>> Connect(ClusterOptions options);
+
+  ~Cluster();
+  Cluster(const Cluster&) = delete;
+  Cluster& operator=(const Cluster&) = delete;
+
+  const wire::ClientId& client_id() const { return client_id_; }
+  const ClusterOptions& options() const { return options_; }
+
+  // Nodes are never removed from the table (a dead one stays, down), so ids stay valid.
+  size_t node_count() const;
+  size_t alive_count() const;
+  // Snapshot; an id >= node_count() gives a default NodeInfo with a NotFound last_error.
+  NodeInfo node(NodeId id) const;
+  std::vector<NodeInfo> nodes() const;
+
+  // Asks the daemon now (also refreshes node(id).stat).
+  Result<wire::StatReply> Stat(NodeId id);
+
+  // n slabs, each placed by power-of-two-choices: STAT two distinct random live nodes, ALLOC on
+  // the one with more free slabs; if it is exhausted try the other, then every node with free
+  // slabs, most free first. All or nothing: on failure, slabs already taken are freed.
+  // ResourceExhausted ("no daemon has a free slab: <node free counts>") when every live daemon is
+  // full; Unavailable when none is up or one failed to answer (a retry may succeed).
+  Result<std::vector<Lease>> Allocate(size_t n);
+
+  // n slabs on n distinct nodes (one erasure-coding or replica group), each picked by two-choices
+  // among the nodes not yet used. InvalidArgument if the cluster has fewer than n nodes,
+  // ResourceExhausted if fewer than n live nodes have a free slab. All or nothing.
+  Result<std::vector<Lease>> AllocateGroup(size_t n);
+
+  // One slab by two-choices among live nodes not in `exclude`: a replacement member for a group
+  // that lost one (the rebuilt copy must not share a node with the survivors).
+  Result<Lease> AllocateExcluding(std::span<const NodeId> exclude);
+
+  // Returns leases to their daemons. Leases already lost (their node went down or restarted) are
+  // accepted and ignored. If a daemon cannot be reached, the leases are forgotten by this call
+  // and freed in the background once it answers; the returned error says so. NotFound for a lease
+  // this Cluster never granted or already freed.
+  Status Free(std::span<const Lease> leases);
+
+  // A data channel to the node for the calling thread (a Channel is single-threaded), through the
+  // configured transport, with this client's identity.
+  Result<std::unique_ptr<transport::Channel>> OpenChannel(NodeId id);
+
+  // A borrower saw a data-path error on this node: probe it now rather than at the next heartbeat.
+  void ReportFailure(NodeId id, const Status& error);
+
+  SubscriptionId Subscribe(EventCallback callback);
+  // After it returns, the callback is not running and will not be called again (unless called
+  // from within a callback, which unsubscribes from the next event on).
+  void Unsubscribe(SubscriptionId id);
+
+  // Frees every lease still held, stops the background thread, closes connections. Idempotent;
+  // afterwards every call fails with Aborted. Not from an event callback.
+  Status Close();
+
+ private:
+  struct Node;  // client/src/node.h
+
+  explicit Cluster(ClusterOptions options);
+
+  // ---- setup (cluster.cc) ----
+  Status Start();
+  Result<transport::TcpConnection> ConnectTo(const Endpoint& ep,
+                                             std::chrono::milliseconds timeout) const;
+  Node* AddNode(const Endpoint& ep) REQUIRES(mu_);
+  Node* FindNode(NodeId id) const EXCLUDES(mu_);
+
+  // ---- control calls (cluster.cc) ----
+  Status CheckOpen() const EXCLUDES(mu_);
+  // One exchange on the node's connection (node.call_mu held). On a transport failure it drops
+  // the connection and asks the background thread to probe the node.
+  Result<std::vector<uint8_t>> CallLocked(Node& node, wire::Opcode op,
+                                          std::span<const uint8_t> body);
+  Result<wire::StatReply> StatNode(Node& node);
+  Result<Lease> AllocOn(Node& node);
+  Status SendFreeLocked(Node& node, std::span<const uint64_t> ids);  // node.call_mu held
+  // One slab by two-choices among live nodes not in `exclude` (indexed by NodeId).
+  Result<Lease> PlaceOne(const std::vector<bool>& exclude);
+  std::vector<NodeId> AliveNodes() const EXCLUDES(mu_);
+  Status FreeAll();
+
+  // ---- background thread (cluster_monitor.cc) ----
+  void MonitorLoop();
+  void Heartbeat(Node& node);
+  void Reconnect(Node& node);
+  void RefreshDns();
+  // The rest run with node.call_mu held.
+  // Drops the connection, marks the node down, moves its leases to `lost`, emits kNodeDown.
+  void MarkDown(Node& node, Status reason);
+  // Adopts a fresh connection: notices a daemon restart (kLeasesLost) or a return (kNodeUp).
+  // False if the daemon turned out to be another node's (an alias); the connection is dropped.
+  bool Adopt(Node& node, transport::TcpConnection conn);
+  void RetryPendingFreesLocked(Node& node);
+  void CollectPushes(Node& node);  // EVICT_NOTICE pushes read during a call become events
+  void Emit(Event event) REQUIRES(mu_);
+  void DispatchEvents() EXCLUDES(mu_);
+
+  // Set before the background thread starts, read-only afterwards.
+  const ClusterOptions options_;
+  wire::ClientId client_id_{};
+  transport::Credentials credentials_;
+  std::optional<Endpoint> dns_endpoint_;  // parsed peers_dns
+  std::unique_ptr<transport::Transport> transport_;
+  std::chrono::milliseconds reconnect_interval_;
+
+  // Lock order: Node::call_mu, then mu_. dispatch_mu_, then subs_mu_ (never with the others).
+  mutable std::mutex mu_;
+  std::condition_variable wake_;  // on mu_: events, probes, stop
+  std::vector<std::unique_ptr<Node>> nodes_ GUARDED_BY(mu_);
+  // Addresses from DNS that turned out to be another node's daemon (don't dial them again).
+  std::vector<Endpoint> aliases_ GUARDED_BY(mu_);
+  std::vector<Event> pending_events_ GUARDED_BY(mu_);
+  bool probe_requested_ GUARDED_BY(mu_) = false;
+  bool stopping_ GUARDED_BY(mu_) = false;
+  bool closed_ GUARDED_BY(mu_) = false;
+  std::mt19937_64 rng_ GUARDED_BY(mu_);
+
+  std::mutex subs_mu_;
+  std::map<SubscriptionId, std::shared_ptr<EventCallback>> subscribers_ GUARDED_BY(subs_mu_);
+  SubscriptionId next_subscription_ GUARDED_BY(subs_mu_) = 1;
+  std::mutex dispatch_mu_;  // held while callbacks run, so Unsubscribe can wait them out
+
+  std::thread monitor_;
+  std::mutex close_mu_;  // serializes Close()
+};
+
+}  // namespace farmem::client

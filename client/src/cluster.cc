@@ -1,0 +1,755 @@
+// Cluster setup and the calls user threads make: connect, stat, place, free, open channels.
+// The background thread (heartbeats, failure detection, events) is in cluster_monitor.cc.
+#include "farmem/client/cluster.h"
+
+#include <fmt/format.h>
+#include <spdlog/spdlog.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <map>
+#include <utility>
+
+#include "farmem/common/auth.h"
+#include "node.h"
+
+namespace farmem::client {
+
+using transport::TcpConnection;
+
+namespace internal {
+
+std::string FormatLeaseIds(std::span<const uint64_t> ids) {
+  constexpr size_t kShown = 16;
+  std::string out;
+  for (size_t i = 0; i < ids.size() && i < kShown; ++i) {
+    if (i > 0) out += ", ";
+    out += fmt::format("{:#x}", ids[i]);
+  }
+  if (ids.size() > kShown) out += fmt::format(" and {} more", ids.size() - kShown);
+  return out;
+}
+
+}  // namespace internal
+
+namespace {
+
+Status ValidateOptions(const ClusterOptions& o) {
+  if (o.peers.empty() && o.peers_dns.empty()) {
+    return InvalidArgument("no peers: set ClusterOptions.peers or peers_dns");
+  }
+  if (o.heartbeat_interval.count() <= 0) {
+    return InvalidArgument("heartbeat_interval must be positive");
+  }
+  if (o.failure_timeout <= o.heartbeat_interval) {
+    return InvalidArgument(
+        fmt::format("failure_timeout ({} ms) must exceed heartbeat_interval ({} ms)",
+                    o.failure_timeout.count(), o.heartbeat_interval.count()));
+  }
+  if (o.connect_timeout.count() <= 0 || o.op_timeout.count() <= 0 ||
+      o.dns_refresh_interval.count() <= 0 || o.reconnect_interval.count() < 0) {
+    return InvalidArgument(
+        "connect_timeout, op_timeout and dns_refresh_interval must be positive, "
+        "reconnect_interval not negative");
+  }
+  if (o.transport != "auto" && o.transport != "tcp" && o.transport != "verbs") {
+    return InvalidArgument(
+        fmt::format("unknown transport '{}': expected tcp, verbs or auto", o.transport));
+  }
+  if (o.channel_depth == 0) return InvalidArgument("channel_depth must be at least 1");
+  if (o.client_name.size() > wire::kMaxClientName) {
+    return InvalidArgument(
+        fmt::format("client_name is longer than {} bytes", wire::kMaxClientName));
+  }
+  return Status::Ok();
+}
+
+uint64_t SeedFrom(const std::optional<uint64_t>& seed) {
+  if (seed) return *seed;
+  std::random_device rd;
+  return (static_cast<uint64_t>(rd()) << 32) ^ rd();
+}
+
+}  // namespace
+
+const char* EventTypeName(EventType type) {
+  switch (type) {
+    case EventType::kNodeDown:
+      return "NodeDown";
+    case EventType::kNodeUp:
+      return "NodeUp";
+    case EventType::kLeasesLost:
+      return "LeasesLost";
+    case EventType::kEvictNotice:
+      return "EvictNotice";
+  }
+  return "Unknown";
+}
+
+Cluster::Cluster(ClusterOptions options)
+    : options_(std::move(options)),
+      reconnect_interval_(options_.reconnect_interval.count() > 0
+                              ? options_.reconnect_interval
+                              : 2 * options_.heartbeat_interval),
+      rng_(SeedFrom(options_.rng_seed)) {}
+
+Cluster::~Cluster() {
+  Status st = Close();
+  if (!st.ok()) spdlog::warn("closing farmem cluster client: {}", st.ToString());
+}
+
+Result<std::unique_ptr<Cluster>> Cluster::Connect(ClusterOptions options) {
+  FARMEM_RETURN_IF_ERROR(ValidateOptions(options));
+  std::unique_ptr<Cluster> cluster(new Cluster(std::move(options)));
+  FARMEM_RETURN_IF_ERROR(cluster->Start());
+  return cluster;
+}
+
+Result<TcpConnection> Cluster::ConnectTo(const Endpoint& ep,
+                                         std::chrono::milliseconds timeout) const {
+  transport::ChannelOptions o;
+  o.endpoint = ep;
+  o.credentials = credentials_;
+  o.connect_timeout = timeout;
+  o.op_timeout = options_.op_timeout;
+  o.max_outstanding = options_.channel_depth;
+  return TcpConnection::Connect(o);
+}
+
+Status Cluster::Start() {
+  FARMEM_RETURN_IF_ERROR(auth::RandomBytes(client_id_));
+  credentials_.secret = options_.secret;
+  credentials_.client_id = client_id_;
+  credentials_.client_name = options_.client_name.empty()
+                                 ? fmt::format("farmem-client-{}", ::getpid())
+                                 : options_.client_name;
+  if (options_.transport == "verbs") {
+    return Unimplemented("the verbs transport is not available yet: use transport=tcp or auto");
+  }
+  transport_ = transport::MakeTcpTransport();
+
+  // Peers to dial: the explicit ones (each a node even if down), then every DNS address (a node
+  // only once it answers).
+  struct Peer {
+    Endpoint endpoint;
+    bool from_dns = false;
+  };
+  std::vector<Peer> peers;
+  auto known = [&](const Endpoint& ep) {
+    return std::any_of(peers.begin(), peers.end(), [&](const Peer& p) { return p.endpoint == ep; });
+  };
+  for (const Endpoint& ep : options_.peers) {
+    if (!known(ep)) peers.push_back({ep, false});
+  }
+  std::string dns_error;
+  if (!options_.peers_dns.empty()) {
+    auto parsed = ParseEndpoint(options_.peers_dns, kDefaultPort);
+    if (!parsed) return Err(parsed.error().WithContext("peers_dns"));
+    dns_endpoint_ = *parsed;
+    auto addrs = ResolveAll(parsed->host);
+    if (!addrs) {
+      dns_error = fmt::format("resolving {}: {}", options_.peers_dns, addrs.error().ToString());
+      spdlog::warn("{}", dns_error);
+    } else {
+      for (const std::string& a : *addrs) {
+        Endpoint ep{a, parsed->port};
+        if (!known(ep)) peers.push_back({ep, true});
+      }
+      if (addrs->empty()) dns_error = fmt::format("{} resolved to no address", options_.peers_dns);
+    }
+  }
+
+  // Dial every peer at once: setup time is one connect timeout, not one per unreachable peer.
+  std::vector<std::optional<Result<TcpConnection>>> dialed(peers.size());
+  {
+    std::vector<std::thread> dialers;
+    dialers.reserve(peers.size());
+    for (size_t i = 0; i < peers.size(); ++i) {
+      dialers.emplace_back([this, &peers, &dialed, i] {
+        dialed[i].emplace(ConnectTo(peers[i].endpoint, options_.connect_timeout));
+      });
+    }
+    for (std::thread& t : dialers) t.join();
+  }
+
+  std::vector<std::string> failures;
+  std::optional<StatusCode> common_code;
+  bool same_code = true;
+  std::vector<std::pair<Node*, TcpConnection>> adopted;
+  {
+    std::lock_guard lock(mu_);
+    const auto now = Clock::now();
+    for (size_t i = 0; i < peers.size(); ++i) {
+      Result<TcpConnection>& r = *dialed[i];
+      const Endpoint& ep = peers[i].endpoint;
+      if (!r) {
+        failures.push_back(fmt::format("{}: {}", ep.ToString(), r.error().ToString()));
+        if (common_code && *common_code != r.error().code()) same_code = false;
+        common_code = r.error().code();
+        if (!peers[i].from_dns) {
+          Node* n = AddNode(ep);
+          n->last_error = r.error();
+          n->next_reconnect = now + reconnect_interval_;
+          n->reconnect_backoff = reconnect_interval_;
+        }
+        continue;
+      }
+      const uint64_t daemon_id = r->hello().node_id;
+      auto same = std::find_if(nodes_.begin(), nodes_.end(), [&](const auto& n) {
+        return n->alive && n->daemon_id == daemon_id;
+      });
+      if (same != nodes_.end()) {
+        spdlog::info("farmem client: {} is the same daemon as {}; using it once", ep.ToString(),
+                     (*same)->name());
+        aliases_.push_back(ep);
+        continue;
+      }
+      Node* n = AddNode(ep);
+      n->alive = true;
+      n->daemon_id = daemon_id;
+      n->last_contact = now;
+      n->reconnect_backoff = reconnect_interval_;
+      adopted.emplace_back(n, std::move(*r));
+    }
+  }
+  for (auto& [n, conn] : adopted) {
+    std::lock_guard call(n->call_mu);  // lock order: call_mu is never taken under mu_
+    n->conn.emplace(std::move(conn));
+  }
+  if (alive_count() == 0) {
+    if (!dns_error.empty()) failures.push_back(dns_error);
+    const StatusCode code =
+        same_code && common_code && dns_error.empty() ? *common_code : StatusCode::kUnavailable;
+    std::string msg = "no farmem daemon reachable";
+    for (size_t i = 0; i < failures.size(); ++i) msg += (i == 0 ? ": " : "; ") + failures[i];
+    return Status(code, msg);
+  }
+  for (const std::string& f : failures) spdlog::warn("farmem client: peer unreachable: {}", f);
+
+  // Fill in node(id).stat before anyone asks; a failure here is the background thread's business.
+  for (NodeId id : AliveNodes()) {
+    if (Node* n = FindNode(id)) (void)StatNode(*n);
+  }
+  monitor_ = std::thread([this] { MonitorLoop(); });
+  return Status::Ok();
+}
+
+Cluster::Node* Cluster::AddNode(const Endpoint& ep) {
+  nodes_.push_back(std::make_unique<Node>(static_cast<NodeId>(nodes_.size()), ep));
+  return nodes_.back().get();
+}
+
+Cluster::Node* Cluster::FindNode(NodeId id) const {
+  std::lock_guard lock(mu_);
+  return id < nodes_.size() ? nodes_[id].get() : nullptr;
+}
+
+std::vector<NodeId> Cluster::AliveNodes() const {
+  std::lock_guard lock(mu_);
+  std::vector<NodeId> out;
+  for (const auto& n : nodes_) {
+    if (n->alive) out.push_back(n->id);
+  }
+  return out;
+}
+
+size_t Cluster::node_count() const {
+  std::lock_guard lock(mu_);
+  return nodes_.size();
+}
+
+size_t Cluster::alive_count() const { return AliveNodes().size(); }
+
+NodeInfo Cluster::node(NodeId id) const {
+  std::lock_guard lock(mu_);
+  NodeInfo info;
+  info.id = id;
+  if (id >= nodes_.size()) {
+    info.last_error = NotFound(fmt::format("no node {}: the cluster has {}", id, nodes_.size()));
+    return info;
+  }
+  const Node& n = *nodes_[id];
+  info.endpoint = n.endpoint;
+  info.alive = n.alive;
+  info.daemon_id = n.daemon_id;
+  info.stat = n.stat;
+  info.leases_held = n.leases.size();
+  info.lease_ttl_ms = n.lease_ttl_ms;
+  info.last_error = n.last_error;
+  info.last_contact = n.last_contact;
+  return info;
+}
+
+std::vector<NodeInfo> Cluster::nodes() const {
+  const size_t count = node_count();
+  std::vector<NodeInfo> out;
+  out.reserve(count);
+  for (NodeId id = 0; id < count; ++id) out.push_back(node(id));
+  return out;
+}
+
+Status Cluster::CheckOpen() const {
+  std::lock_guard lock(mu_);
+  if (closed_) return Aborted("the farmem cluster client is closed");
+  return Status::Ok();
+}
+
+// ---- control calls ----
+
+Result<std::vector<uint8_t>> Cluster::CallLocked(Node& node, wire::Opcode op,
+                                                 std::span<const uint8_t> body) {
+  if (!node.conn) {
+    std::lock_guard lock(mu_);
+    const std::string why = node.last_error.ok() ? "" : ": " + node.last_error.ToString();
+    return Err(Unavailable(
+        fmt::format("{} is {}{}", node.name(), node.alive ? "reconnecting" : "down", why)));
+  }
+  auto reply = node.conn->Call(op, body, options_.op_timeout);
+  CollectPushes(node);
+  if (reply) {
+    std::lock_guard lock(mu_);
+    node.last_contact = Clock::now();
+    return reply;
+  }
+  Status err = reply.error();
+  const bool transport_failure = internal::IsTransportFailure(err, *node.conn);
+  if (!node.conn->broken()) {
+    // The daemon's own message names neither the operation nor the daemon.
+    err = err.WithContext(fmt::format("{} on {}", wire::OpcodeName(static_cast<uint8_t>(op)),
+                                      node.endpoint.ToString()));
+  }
+  if (transport_failure) {
+    node.conn.reset();
+    {
+      std::lock_guard lock(mu_);
+      node.last_error = err;
+      node.probe = true;
+      probe_requested_ = true;
+    }
+    wake_.notify_all();
+  }
+  return Err(std::move(err));
+}
+
+Result<wire::StatReply> Cluster::StatNode(Node& node) {
+  std::lock_guard call(node.call_mu);
+  FARMEM_ASSIGN_OR_RETURN(auto body, CallLocked(node, wire::Opcode::kStat, {}));
+  auto stat = wire::DecodeStatReply(body);
+  if (!stat) return Err(stat.error().WithContext(fmt::format("STAT reply from {}", node.name())));
+  std::lock_guard lock(mu_);
+  node.stat = *stat;
+  return *stat;
+}
+
+Result<Lease> Cluster::AllocOn(Node& node) {
+  std::lock_guard call(node.call_mu);
+  std::vector<uint8_t> req;
+  wire::EncodeAlloc(wire::AllocRequest{1}, &req);
+  FARMEM_ASSIGN_OR_RETURN(auto body, CallLocked(node, wire::Opcode::kAlloc, req));
+  auto reply = wire::DecodeAllocReply(body);
+  if (!reply)
+    return Err(reply.error().WithContext(fmt::format("ALLOC reply from {}", node.name())));
+  std::lock_guard lock(mu_);
+  // A reply that grants more (or other) than asked is a daemon bug: give back the extras.
+  for (size_t i = 1; i < reply->leases.size(); ++i) {
+    node.to_free.push_back(reply->leases[i].lease_id);
+  }
+  if (reply->leases.empty() || reply->leases[0].length == 0) {
+    if (!reply->leases.empty()) node.to_free.push_back(reply->leases[0].lease_id);
+    return Err(ProtocolError(fmt::format("ALLOC reply from {} granted {} leases ({}), asked for 1",
+                                         node.name(), reply->leases.size(),
+                                         reply->leases.empty() ? "none" : "empty slab")));
+  }
+  if (reply->leases.size() > 1) {
+    spdlog::warn("farmem client: {} granted {} leases for ALLOC 1; freeing the extras", node.name(),
+                 reply->leases.size());
+  }
+  const wire::LeaseGrant& grant = reply->leases[0];
+  node.leases.insert(grant.lease_id);
+  if (node.stat && node.stat->free_slabs > 0) --node.stat->free_slabs;
+  return Lease{node.id, grant};
+}
+
+Status Cluster::SendFreeLocked(Node& node, std::span<const uint64_t> ids) {
+  Status first;
+  for (size_t pos = 0; pos < ids.size(); pos += wire::kMaxLeasesPerCall) {
+    const auto chunk =
+        ids.subspan(pos, std::min<size_t>(wire::kMaxLeasesPerCall, ids.size() - pos));
+    std::vector<uint8_t> req;
+    wire::EncodeFree(wire::FreeRequest{{chunk.begin(), chunk.end()}}, &req);
+    auto r = CallLocked(node, wire::Opcode::kFree, req);
+    if (r) continue;
+    const StatusCode code = r.error().code();
+    if (code == StatusCode::kNotFound || code == StatusCode::kExpired) {
+      // Some lease was already gone (evicted, expired). If the daemon refused the whole call for
+      // it, the others are still held: free them one by one; "gone" is what we wanted anyway.
+      for (size_t i = 0; chunk.size() > 1 && i < chunk.size(); ++i) {
+        std::vector<uint8_t> one;
+        wire::EncodeFree(wire::FreeRequest{{chunk[i]}}, &one);
+        auto r1 = CallLocked(node, wire::Opcode::kFree, one);
+        if (r1 || r1.error().code() == StatusCode::kNotFound ||
+            r1.error().code() == StatusCode::kExpired) {
+          continue;
+        }
+        if (first.ok()) first = r1.error();
+        if (!node.conn) {
+          std::lock_guard lock(mu_);
+          node.to_free.insert(node.to_free.end(), ids.begin() + pos + i, ids.end());
+          return first;
+        }
+      }
+      continue;
+    }
+    if (first.ok()) first = r.error();
+    if (!node.conn) {
+      // The connection failed: whatever was not confirmed is freed once the daemon answers.
+      std::lock_guard lock(mu_);
+      node.to_free.insert(node.to_free.end(), ids.begin() + pos, ids.end());
+      return first;
+    }
+  }
+  return first;
+}
+
+Result<wire::StatReply> Cluster::Stat(NodeId id) {
+  FARMEM_RETURN_IF_ERROR(CheckOpen());
+  Node* node = FindNode(id);
+  if (node == nullptr) {
+    return Err(NotFound(fmt::format("no node {}: the cluster has {}", id, node_count())));
+  }
+  return StatNode(*node);
+}
+
+// ---- placement ----
+
+Result<Lease> Cluster::PlaceOne(const std::vector<bool>& exclude) {
+  auto excluded = [&](NodeId id) { return id < exclude.size() && exclude[id]; };
+  std::vector<NodeId> candidates;
+  std::vector<NodeId> picks;
+  {
+    std::lock_guard lock(mu_);
+    for (const auto& n : nodes_) {
+      if (n->alive && !excluded(n->id)) candidates.push_back(n->id);
+    }
+    picks = SampleDistinct(candidates, 2, rng_);
+  }
+
+  std::map<NodeId, std::string> seen;  // per node: what STAT / ALLOC said, for the error message
+  std::vector<bool> tried;
+  bool alloc_failed = false;  // a daemon failed otherwise than by being full
+  auto try_in_order = [&](std::span<const NodeId> sampled) -> std::optional<Lease> {
+    std::vector<PlacementChoice> choices;
+    for (NodeId id : sampled) {
+      Node* node = FindNode(id);
+      if (node == nullptr) continue;
+      auto stat = StatNode(*node);
+      if (stat) {
+        choices.push_back({id, stat->free_slabs, true});
+        seen[id] = fmt::format("free={}", stat->free_slabs);
+      } else {
+        choices.push_back({id, 0, false});
+        seen[id] = fmt::format("unreachable ({})", stat.error().ToString());
+        alloc_failed = true;
+      }
+      if (id >= tried.size()) tried.resize(id + 1, false);
+      tried[id] = true;
+    }
+    for (NodeId id : RankByFreeSlabs(choices)) {
+      auto lease = AllocOn(*FindNode(id));
+      if (lease) return *lease;
+      seen[id] += fmt::format(" but ALLOC failed ({})", lease.error().ToString());
+      if (lease.error().code() != StatusCode::kResourceExhausted) alloc_failed = true;
+    }
+    return std::nullopt;
+  };
+
+  // Two choices first; if both are full or fail, every other live node, most free first.
+  if (auto lease = try_in_order(picks)) return *lease;
+  std::vector<NodeId> rest;
+  for (NodeId id : candidates) {
+    if (id >= tried.size() || !tried[id]) rest.push_back(id);
+  }
+  {
+    std::lock_guard lock(mu_);
+    std::shuffle(rest.begin(), rest.end(), rng_);  // ties among the rest broken at random
+  }
+  if (auto lease = try_in_order(rest)) return *lease;
+
+  std::string counts;
+  bool any_alive = false;
+  {
+    std::lock_guard lock(mu_);
+    for (const auto& n : nodes_) {
+      any_alive = any_alive || n->alive;
+      if (!counts.empty()) counts += ", ";
+      counts += n->endpoint.ToString() + " ";
+      if (excluded(n->id)) {
+        counts += "already in the group";
+      } else if (auto it = seen.find(n->id); it != seen.end()) {
+        counts += it->second;
+      } else {
+        counts += n->alive ? "not asked" : "down";
+      }
+    }
+  }
+  // Full means every daemon asked said so; if one failed or none was up, a retry may succeed.
+  if (!any_alive) return Err(Unavailable("no daemon is up: " + counts));
+  if (alloc_failed) return Err(Unavailable("no daemon could grant a slab: " + counts));
+  return Err(ResourceExhausted("no daemon has a free slab: " + counts));
+}
+
+Result<std::vector<Lease>> Cluster::Allocate(size_t n) {
+  FARMEM_RETURN_IF_ERROR(CheckOpen());
+  std::vector<Lease> out;
+  out.reserve(n);
+  for (size_t i = 0; i < n; ++i) {
+    auto lease = PlaceOne({});
+    if (!lease) {
+      (void)Free(out);  // all or nothing; what cannot be freed now is freed in the background
+      return Err(
+          lease.error().WithContext(n == 1 ? std::string("allocating a slab")
+                                           : fmt::format("allocating slab {} of {}", i + 1, n)));
+    }
+    out.push_back(*lease);
+  }
+  return out;
+}
+
+Result<std::vector<Lease>> Cluster::AllocateGroup(size_t n) {
+  FARMEM_RETURN_IF_ERROR(CheckOpen());
+  if (n == 0) return std::vector<Lease>{};
+  std::string down;
+  size_t total = 0;
+  size_t alive = 0;
+  {
+    std::lock_guard lock(mu_);
+    total = nodes_.size();
+    for (const auto& node : nodes_) {
+      if (node->alive) {
+        ++alive;
+      } else {
+        down += (down.empty() ? "" : ", ") + node->endpoint.ToString();
+      }
+    }
+  }
+  if (n > total) {
+    return Err(InvalidArgument(fmt::format(
+        "a group of {} slabs needs {} distinct nodes, but the cluster has only {}", n, n, total)));
+  }
+  if (n > alive) {
+    return Err(ResourceExhausted(
+        fmt::format("a group of {} slabs needs {} distinct live nodes, but only {} of {} are up "
+                    "(down: {})",
+                    n, n, alive, total, down)));
+  }
+  std::vector<Lease> out;
+  out.reserve(n);
+  std::vector<bool> exclude(total, false);
+  for (size_t i = 0; i < n; ++i) {
+    auto lease = PlaceOne(exclude);
+    if (!lease) {
+      (void)Free(out);
+      return Err(lease.error().WithContext(
+          fmt::format("placing slab {} of a group of {} on distinct nodes", i + 1, n)));
+    }
+    if (lease->node >= exclude.size()) exclude.resize(lease->node + 1, false);
+    exclude[lease->node] = true;
+    out.push_back(*lease);
+  }
+  return out;
+}
+
+Status Cluster::Free(std::span<const Lease> leases) {
+  FARMEM_RETURN_IF_ERROR(CheckOpen());
+  std::map<NodeId, std::vector<uint64_t>> by_node;
+  for (const Lease& l : leases) by_node[l.node].push_back(l.grant.lease_id);
+
+  Status first;
+  auto note = [&first](Status s) {
+    if (first.ok() && !s.ok()) first = std::move(s);
+  };
+  for (auto& [id, ids] : by_node) {
+    Node* node = FindNode(id);
+    if (node == nullptr) {
+      note(NotFound(fmt::format("leases {} name node {}, but the cluster has only {}",
+                                internal::FormatLeaseIds(ids), id, node_count())));
+      continue;
+    }
+    std::lock_guard call(node->call_mu);
+    std::vector<uint64_t> send;
+    std::vector<uint64_t> unknown;
+    {
+      std::lock_guard lock(mu_);
+      for (uint64_t lease_id : ids) {
+        if (node->leases.erase(lease_id) > 0) {
+          send.push_back(lease_id);
+        } else if (node->lost.erase(lease_id) == 0) {
+          unknown.push_back(lease_id);
+        }
+      }
+      if (!send.empty() && !node->conn) {
+        node->to_free.insert(node->to_free.end(), send.begin(), send.end());
+      }
+    }
+    if (!unknown.empty()) {
+      note(
+          NotFound(fmt::format("leases {} on {} are not held by this client (never granted or "
+                               "already freed)",
+                               internal::FormatLeaseIds(unknown), node->name())));
+    }
+    if (send.empty()) continue;
+    if (!node->conn) {
+      note(
+          Unavailable(fmt::format("cannot free leases {} now: {} is not connected; they will be "
+                                  "freed when it answers",
+                                  internal::FormatLeaseIds(send), node->name())));
+      continue;
+    }
+    Status st = SendFreeLocked(*node, send);
+    if (!st.ok()) {
+      note(st.WithContext(fmt::format("freeing leases {}{}", internal::FormatLeaseIds(send),
+                                      node->conn ? "" : " (retried when the node answers)")));
+    }
+  }
+  return first;
+}
+
+Result<std::unique_ptr<transport::Channel>> Cluster::OpenChannel(NodeId id) {
+  FARMEM_RETURN_IF_ERROR(CheckOpen());
+  Node* node = FindNode(id);
+  if (node == nullptr) {
+    return Err(NotFound(fmt::format("no node {}: the cluster has {}", id, node_count())));
+  }
+  {
+    std::lock_guard lock(mu_);
+    if (!node->alive) {
+      return Err(
+          Unavailable(fmt::format("{} is down: {}", node->name(), node->last_error.ToString())));
+    }
+  }
+  transport::ChannelOptions o;
+  o.endpoint = node->endpoint;
+  o.credentials = credentials_;
+  o.connect_timeout = options_.connect_timeout;
+  o.op_timeout = options_.op_timeout;
+  o.max_outstanding = options_.channel_depth;
+  auto channel = transport_->OpenChannel(o);
+  if (!channel) {
+    if (channel.error().code() == StatusCode::kUnavailable ||
+        channel.error().code() == StatusCode::kDeadlineExceeded) {
+      ReportFailure(id, channel.error());
+    }
+    return Err(
+        channel.error().WithContext(fmt::format("opening a data channel to {}", node->name())));
+  }
+  return channel;
+}
+
+void Cluster::ReportFailure(NodeId id, const Status& error) {
+  Node* node = FindNode(id);
+  if (node == nullptr) return;
+  {
+    std::lock_guard lock(mu_);
+    if (closed_ || stopping_ || !node->alive) return;
+    spdlog::info("farmem client: data path error on {}: {}; probing it", node->name(),
+                 error.ToString());
+    node->probe = true;
+    probe_requested_ = true;
+  }
+  wake_.notify_all();
+}
+
+// ---- shutdown ----
+
+Status Cluster::FreeAll() {
+  Status first;
+  std::vector<Node*> all;
+  {
+    std::lock_guard lock(mu_);
+    for (const auto& n : nodes_) all.push_back(n.get());
+  }
+  for (Node* node : all) {
+    std::lock_guard call(node->call_mu);
+    std::vector<uint64_t> ids;
+    {
+      std::lock_guard lock(mu_);
+      ids.assign(node->leases.begin(), node->leases.end());
+      if (node->alive) ids.insert(ids.end(), node->to_free.begin(), node->to_free.end());
+      node->leases.clear();
+      node->to_free.clear();
+    }
+    if (ids.empty() || !node->conn) continue;
+    Status st = SendFreeLocked(*node, ids);
+    if (!st.ok() && first.ok()) {
+      first =
+          st.WithContext(fmt::format("freeing leases {} at close (the daemon reclaims them "
+                                     "after the lease TTL)",
+                                     internal::FormatLeaseIds(ids)));
+    }
+  }
+  return first;
+}
+
+Status Cluster::Close() {
+  if (internal::t_monitor_of == this) {
+    return InvalidArgument(
+        "Cluster::Close called from an event callback (it would wait for itself)");
+  }
+  std::lock_guard close_lock(close_mu_);
+  {
+    std::lock_guard lock(mu_);
+    if (closed_) return Status::Ok();
+    closed_ = true;
+    stopping_ = true;
+  }
+  wake_.notify_all();
+  if (monitor_.joinable()) monitor_.join();
+  Status st = FreeAll();
+  std::vector<Node*> all;
+  {
+    std::lock_guard lock(mu_);
+    for (const auto& n : nodes_) all.push_back(n.get());
+    pending_events_.clear();
+  }
+  for (Node* node : all) {
+    std::lock_guard call(node->call_mu);
+    node->conn.reset();
+    std::lock_guard lock(mu_);
+    node->alive = false;
+  }
+  {
+    std::lock_guard lock(subs_mu_);
+    subscribers_.clear();
+  }
+  return st;
+}
+
+// ---- events ----
+
+SubscriptionId Cluster::Subscribe(EventCallback callback) {
+  std::lock_guard lock(subs_mu_);
+  const SubscriptionId id = next_subscription_++;
+  subscribers_.emplace(id, std::make_shared<EventCallback>(std::move(callback)));
+  return id;
+}
+
+void Cluster::Unsubscribe(SubscriptionId id) {
+  {
+    std::lock_guard lock(subs_mu_);
+    subscribers_.erase(id);
+  }
+  // Wait out a callback that may be running (not from inside one: that would wait for itself).
+  if (internal::t_monitor_of != this) std::lock_guard wait(dispatch_mu_);
+}
+
+Result<Lease> Cluster::AllocateExcluding(std::span<const NodeId> exclude) {
+  FARMEM_RETURN_IF_ERROR(CheckOpen());
+  std::vector<bool> excluded;
+  for (NodeId id : exclude) {
+    if (id >= excluded.size()) excluded.resize(id + 1, false);
+    excluded[id] = true;
+  }
+  return PlaceOne(excluded);
+}
+
+}  // namespace farmem::client

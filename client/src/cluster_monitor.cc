@@ -1,0 +1,376 @@
+// The Cluster's background thread: heartbeats (which keep leases alive), failure detection,
+// reconnection, DNS refresh, retried FREEs, and delivery of events to subscribers.
+//
+// One thread does all of it, node after node: a call to a hung daemon delays the others' heartbeats
+// by at most failure_timeout, and no daemon is declared down without a failed exchange of its own.
+#include <fmt/format.h>
+#include <spdlog/spdlog.h>
+
+#include <algorithm>
+
+#include "farmem/client/cluster.h"
+#include "node.h"
+
+namespace farmem::client {
+
+using std::chrono::milliseconds;
+using transport::TcpConnection;
+
+namespace {
+
+milliseconds Remaining(Clock::time_point deadline, Clock::time_point now) {
+  return std::chrono::duration_cast<milliseconds>(deadline - now);
+}
+
+}  // namespace
+
+void Cluster::MonitorLoop() {
+  internal::t_monitor_of = this;
+  const milliseconds interval = options_.heartbeat_interval;
+  Clock::time_point next_beat = Clock::now();  // first round at once: learn the lease TTLs
+  Clock::time_point next_dns = Clock::now() + options_.dns_refresh_interval;
+  for (;;) {
+    {
+      std::unique_lock lock(mu_);
+      wake_.wait_until(lock, next_beat, [&]() REQUIRES(mu_) {
+        return stopping_ || probe_requested_ || !pending_events_.empty();
+      });
+      if (stopping_) break;
+      probe_requested_ = false;
+    }
+    DispatchEvents();
+
+    Clock::time_point now = Clock::now();
+    const bool beat = now >= next_beat;
+    if (beat) next_beat = std::max(next_beat + interval, now);
+
+    struct Due {
+      Node* node;
+      bool heartbeat;
+    };
+    std::vector<Due> due;
+    {
+      std::lock_guard lock(mu_);
+      for (const auto& n : nodes_) {
+        if (n->alive && (beat || n->probe)) {
+          due.push_back({n.get(), true});
+        } else if (!n->alive && n->next_reconnect != Clock::time_point::max() &&
+                   now >= n->next_reconnect) {
+          due.push_back({n.get(), false});
+        }
+      }
+    }
+    for (const Due& d : due) {
+      {
+        std::lock_guard lock(mu_);
+        if (stopping_) break;
+      }
+      if (d.heartbeat) {
+        Heartbeat(*d.node);
+      } else {
+        Reconnect(*d.node);
+      }
+    }
+
+    now = Clock::now();
+    if (dns_endpoint_ && now >= next_dns) {
+      RefreshDns();
+      next_dns = Clock::now() + options_.dns_refresh_interval;
+    }
+    DispatchEvents();
+  }
+  internal::t_monitor_of = nullptr;
+}
+
+void Cluster::Heartbeat(Node& node) {
+  std::unique_lock call(node.call_mu, std::defer_lock);
+  // A user call in flight holds the connection; it counts as contact, and its failure reports
+  // itself. Skip this node for this round rather than hold up everyone else's heartbeat.
+  if (!internal::LockWithin(call, options_.heartbeat_interval)) return;
+
+  Clock::time_point deadline;
+  {
+    std::lock_guard lock(mu_);
+    if (!node.alive) return;
+    node.probe = false;
+    // failure_timeout after the last answer, but never less than half of it from now: if this
+    // thread itself was held up (a slow reconnect elsewhere, a slow callback, a loaded machine),
+    // the node still gets a fair chance to answer before it is declared down.
+    deadline = std::max(node.last_contact + options_.failure_timeout,
+                        Clock::now() + options_.failure_timeout / 2);
+  }
+  Status failure;
+  if (node.conn) {
+    const milliseconds timeout =
+        std::clamp(Remaining(deadline, Clock::now()), milliseconds(50), options_.failure_timeout);
+    auto reply = node.conn->Call(wire::Opcode::kHeartbeat, {}, timeout);
+    CollectPushes(node);
+    if (reply) {
+      auto hb = wire::DecodeHeartbeatReply(*reply);
+      std::lock_guard lock(mu_);
+      node.last_contact = Clock::now();
+      node.last_error = Status::Ok();
+      if (hb) {
+        node.lease_ttl_ms = hb->lease_ttl_ms;
+        node.remote_leases_held = hb->leases_held;
+        if (hb->lease_ttl_ms != 0 &&
+            static_cast<uint64_t>(options_.failure_timeout.count()) >= hb->lease_ttl_ms &&
+            !node.warned_lease_mismatch) {
+          spdlog::warn(
+              "farmem client: {} reclaims leases after {} ms without heartbeat, but "
+              "failure_timeout is {} ms: leases may expire before a failure is noticed",
+              node.name(), hb->lease_ttl_ms, options_.failure_timeout.count());
+          node.warned_lease_mismatch = true;
+        }
+      } else {
+        spdlog::warn("farmem client: bad HEARTBEAT reply from {}: {}", node.name(),
+                     hb.error().ToString());
+      }
+      // (fall through to retry pending FREEs below, outside this lock)
+    } else if (!internal::IsTransportFailure(reply.error(), *node.conn)) {
+      // The daemon answered, with an error: it is alive. Odd, but not a failure of the node.
+      std::lock_guard lock(mu_);
+      node.last_contact = Clock::now();
+      node.last_error = reply.error();
+      spdlog::warn("farmem client: HEARTBEAT to {} answered {}", node.name(),
+                   reply.error().ToString());
+      return;
+    } else {
+      failure = reply.error();
+      node.conn.reset();
+    }
+    if (failure.ok()) {
+      RetryPendingFreesLocked(node);
+      return;
+    }
+  } else {
+    std::lock_guard lock(mu_);
+    failure = node.last_error.ok() ? Unavailable("connection dropped") : node.last_error;
+  }
+
+  // The connection is gone: try to reopen it before the failure deadline. A refused connection
+  // means the daemon is gone now; a slow one gets until the deadline.
+  const Clock::time_point now = Clock::now();
+  const milliseconds timeout =
+      std::clamp(Remaining(deadline, now), milliseconds(50), options_.connect_timeout);
+  auto conn = ConnectTo(node.endpoint, timeout);
+  if (conn) {
+    if (Adopt(node, std::move(*conn))) {
+      auto reply = node.conn->Call(wire::Opcode::kHeartbeat, {}, options_.op_timeout);
+      CollectPushes(node);
+      if (!reply && internal::IsTransportFailure(reply.error(), *node.conn)) node.conn.reset();
+      if (node.conn) RetryPendingFreesLocked(node);
+    }
+    return;
+  }
+  Status reason = Status(conn.error().code(), fmt::format("{}; reconnecting: {}", failure.message(),
+                                                          conn.error().message()));
+  if (conn.error().code() != StatusCode::kDeadlineExceeded || Clock::now() >= deadline) {
+    MarkDown(node, std::move(reason));
+  } else {
+    std::lock_guard lock(mu_);
+    node.last_error = std::move(reason);
+  }
+}
+
+void Cluster::Reconnect(Node& node) {
+  std::unique_lock call(node.call_mu, std::defer_lock);
+  if (!internal::LockWithin(call, options_.heartbeat_interval)) return;
+  {
+    std::lock_guard lock(mu_);
+    if (node.alive) return;
+  }
+  auto conn = ConnectTo(node.endpoint, options_.connect_timeout);
+  if (!conn) {
+    std::lock_guard lock(mu_);
+    node.last_error = conn.error();
+    // Refused is cheap to retry; a timeout costs this thread connect_timeout, so back off.
+    if (conn.error().code() == StatusCode::kDeadlineExceeded) {
+      node.reconnect_backoff = std::min(2 * node.reconnect_backoff, 8 * reconnect_interval_);
+    } else {
+      node.reconnect_backoff = reconnect_interval_;
+    }
+    node.next_reconnect = Clock::now() + node.reconnect_backoff;
+    return;
+  }
+  if (!Adopt(node, std::move(*conn))) return;
+  auto reply = node.conn->Call(wire::Opcode::kHeartbeat, {}, options_.op_timeout);
+  CollectPushes(node);
+  if (!reply && internal::IsTransportFailure(reply.error(), *node.conn)) {
+    node.conn.reset();
+    return;
+  }
+  RetryPendingFreesLocked(node);
+  auto stat = node.conn ? node.conn->Call(wire::Opcode::kStat, {}, options_.op_timeout)
+                        : Result<std::vector<uint8_t>>(Err(Unavailable("")));
+  if (stat) {
+    if (auto s = wire::DecodeStatReply(*stat)) {
+      std::lock_guard lock(mu_);
+      node.stat = *s;
+    }
+  }
+}
+
+bool Cluster::Adopt(Node& node, TcpConnection conn) {
+  const uint64_t daemon_id = conn.hello().node_id;
+  const Clock::time_point now = Clock::now();
+  std::lock_guard lock(mu_);
+  for (const auto& other : nodes_) {
+    if (other.get() != &node && other->alive && other->daemon_id == daemon_id) {
+      node.last_error = InvalidArgument(
+          fmt::format("{} reaches the same daemon as {}", node.endpoint.ToString(), other->name()));
+      node.next_reconnect = now + 8 * reconnect_interval_;
+      spdlog::warn("farmem client: {}", node.last_error.message());
+      return false;
+    }
+  }
+  const bool was_alive = node.alive;
+  if (node.daemon_id != 0 && node.daemon_id != daemon_id) {
+    // A new incarnation knows nothing of this client: every lease there is gone (zeroed).
+    std::vector<uint64_t> lost(node.leases.begin(), node.leases.end());
+    node.lost.insert(node.leases.begin(), node.leases.end());
+    node.leases.clear();
+    node.to_free.clear();
+    Status reason = Expired(fmt::format("the daemon at {} restarted (node id {:#x} -> {:#x})",
+                                        node.endpoint.ToString(), node.daemon_id, daemon_id));
+    if (was_alive && !lost.empty()) {
+      spdlog::warn("farmem client: {}; leases lost: [{}]", reason.message(),
+                   internal::FormatLeaseIds(lost));
+      Emit(Event{EventType::kLeasesLost, node.id, node.endpoint, std::move(lost), 0, reason});
+    }
+  }
+  node.daemon_id = daemon_id;
+  node.alive = true;
+  node.last_contact = now;
+  node.last_error = Status::Ok();
+  node.reconnect_backoff = reconnect_interval_;
+  node.conn.emplace(std::move(conn));
+  if (!was_alive) {
+    spdlog::info("farmem client: {} is up", node.name());
+    Emit(Event{EventType::kNodeUp, node.id, node.endpoint, {}, 0, Status::Ok()});
+  }
+  return true;
+}
+
+void Cluster::MarkDown(Node& node, Status reason) {
+  node.conn.reset();
+  std::lock_guard lock(mu_);
+  if (!node.alive) return;
+  node.alive = false;
+  node.last_error = reason;
+  node.reconnect_backoff = reconnect_interval_;
+  node.next_reconnect = Clock::now() + reconnect_interval_;
+  std::vector<uint64_t> lost(node.leases.begin(), node.leases.end());
+  node.lost.insert(node.leases.begin(), node.leases.end());
+  // If the same daemon answers again before it expires them, give them back.
+  node.to_free.insert(node.to_free.end(), node.leases.begin(), node.leases.end());
+  node.leases.clear();
+  spdlog::warn("farmem client: {} is down ({}); leases lost: [{}]", node.name(), reason.ToString(),
+               internal::FormatLeaseIds(lost));
+  Emit(Event{EventType::kNodeDown, node.id, node.endpoint, std::move(lost), 0, std::move(reason)});
+}
+
+void Cluster::RetryPendingFreesLocked(Node& node) {
+  std::vector<uint64_t> ids;
+  {
+    std::lock_guard lock(mu_);
+    ids.swap(node.to_free);
+  }
+  if (ids.empty() || !node.conn) {
+    std::lock_guard lock(mu_);
+    node.to_free.insert(node.to_free.end(), ids.begin(), ids.end());
+    return;
+  }
+  Status st = SendFreeLocked(node, ids);  // on a connection failure it re-queues what is left
+  if (!st.ok()) {
+    spdlog::warn("farmem client: freeing leftover leases [{}] on {}: {}",
+                 internal::FormatLeaseIds(ids), node.name(), st.ToString());
+  }
+}
+
+void Cluster::CollectPushes(Node& node) {
+  if (!node.conn) return;
+  for (const std::vector<uint8_t>& body : node.conn->TakePushes()) {
+    auto notice = wire::DecodeEvictNotice(body);
+    if (!notice) {
+      spdlog::warn("farmem client: bad EVICT_NOTICE from {}: {}", node.name(),
+                   notice.error().ToString());
+      continue;
+    }
+    spdlog::info("farmem client: {} will evict leases [{}] in {} ms", node.name(),
+                 internal::FormatLeaseIds(notice->lease_ids), notice->grace_ms);
+    std::lock_guard lock(mu_);
+    Emit(Event{EventType::kEvictNotice, node.id, node.endpoint, std::move(notice->lease_ids),
+               notice->grace_ms, Status::Ok()});
+  }
+}
+
+void Cluster::RefreshDns() {
+  auto addrs = ResolveAll(dns_endpoint_->host);
+  if (!addrs) {
+    spdlog::debug("farmem client: re-resolving {}: {}", options_.peers_dns,
+                  addrs.error().ToString());
+    return;
+  }
+  for (const std::string& a : *addrs) {
+    Endpoint ep{a, dns_endpoint_->port};
+    {
+      std::lock_guard lock(mu_);
+      if (stopping_) return;
+      const bool known = std::any_of(nodes_.begin(), nodes_.end(),
+                                     [&](const auto& n) { return n->endpoint == ep; }) ||
+                         std::find(aliases_.begin(), aliases_.end(), ep) != aliases_.end();
+      if (known) continue;
+    }
+    auto conn = ConnectTo(ep, options_.connect_timeout);
+    if (!conn) {
+      spdlog::debug("farmem client: {} (from {}) does not answer: {}", ep.ToString(),
+                    options_.peers_dns, conn.error().ToString());
+      continue;
+    }
+    Node* node = nullptr;
+    {
+      std::lock_guard lock(mu_);
+      const uint64_t daemon_id = conn->hello().node_id;
+      const bool alias = std::any_of(nodes_.begin(), nodes_.end(), [&](const auto& n) {
+        return n->alive && n->daemon_id == daemon_id;
+      });
+      if (alias) {
+        aliases_.push_back(ep);
+        continue;
+      }
+      // Joins down, so nobody uses it before Adopt (only this thread adopts).
+      node = AddNode(ep);
+      node->next_reconnect = Clock::time_point::max();
+    }
+    std::lock_guard call(node->call_mu);
+    spdlog::info("farmem client: new daemon {} from {}", ep.ToString(), options_.peers_dns);
+    (void)Adopt(*node, std::move(*conn));
+  }
+}
+
+void Cluster::Emit(Event event) {
+  if (stopping_) return;
+  pending_events_.push_back(std::move(event));
+  wake_.notify_all();
+}
+
+void Cluster::DispatchEvents() {
+  std::vector<Event> events;
+  {
+    std::lock_guard lock(mu_);
+    events.swap(pending_events_);
+  }
+  if (events.empty()) return;
+  std::lock_guard dispatch(dispatch_mu_);
+  for (const Event& ev : events) {
+    std::vector<std::shared_ptr<EventCallback>> subs;
+    {
+      std::lock_guard lock(subs_mu_);
+      for (const auto& [id, cb] : subscribers_) subs.push_back(cb);
+    }
+    for (const auto& cb : subs) (*cb)(ev);
+  }
+}
+
+}  // namespace farmem::client

@@ -1,0 +1,92 @@
+// Internal: the Cluster's record of one daemon, shared by cluster.cc (calls from user threads)
+// and cluster_monitor.cc (the background thread).
+#pragma once
+
+#include <chrono>
+#include <mutex>
+#include <optional>
+#include <set>
+#include <span>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "farmem/client/cluster.h"
+#include "farmem/client/thread_annotations.h"
+#include "farmem/transport/tcp_connection.h"
+
+namespace farmem::client {
+
+// Invariants:
+//  - call_mu serializes every exchange on `conn` and is held across network I/O; it is taken
+//    before Cluster::mu_, never after.
+//  - Only the background thread changes alive / daemon_id and moves leases to `lost`, and it does
+//    so holding call_mu and Cluster::mu_. So a thread that holds call_mu and finds `conn` set is
+//    talking to the daemon incarnation the bookkeeping describes: a lease it gets there can be
+//    recorded without re-checking.
+//  - conn set implies alive. User threads may drop `conn` after a transport failure (the node
+//    stays alive until the background thread decides).
+struct Cluster::Node {
+  Node(NodeId node_id, Endpoint ep) : id(node_id), endpoint(std::move(ep)) {}
+
+  const NodeId id;
+  const Endpoint endpoint;
+
+  std::mutex call_mu;
+  std::optional<transport::TcpConnection> conn GUARDED_BY(call_mu);
+
+  // ---- guarded by Cluster::mu_ ----
+  bool alive = false;
+  uint64_t daemon_id = 0;
+  std::optional<wire::StatReply> stat;
+  std::set<uint64_t> leases;  // granted to this client there and not freed
+  // Reported lost (kNodeDown / kLeasesLost) and not yet passed to Free(): Free accepts them.
+  std::set<uint64_t> lost;
+  // The daemon may still hold these although nobody wants them (a FREE that could not be sent,
+  // leases dropped while the node was unreachable): FREE them once it answers.
+  std::vector<uint64_t> to_free;
+  uint64_t lease_ttl_ms = 0;
+  uint32_t remote_leases_held = 0;
+  bool warned_lease_mismatch = false;
+  Status last_error;
+  Clock::time_point last_contact{};
+  Clock::time_point next_reconnect{};
+  std::chrono::milliseconds reconnect_backoff{0};
+  bool probe = false;  // ReportFailure or a failed call asked for a heartbeat now
+
+  std::string name() const {
+    return "node " + std::to_string(id) + " (" + endpoint.ToString() + ")";
+  }
+};
+
+namespace internal {
+
+// Takes `mu` if it is free now or becomes free within `timeout` (polls: the background thread
+// uses it where a busy node should be skipped, not waited for). Not std::timed_mutex: GCC 12's
+// ThreadSanitizer does not see its pthread_mutex_clocklock and then reports false races.
+inline bool LockWithin(std::unique_lock<std::mutex>& lock, std::chrono::milliseconds timeout) {
+  const auto deadline = Clock::now() + timeout;
+  while (!lock.try_lock()) {
+    if (Clock::now() >= deadline) return false;
+    std::this_thread::sleep_for(std::chrono::microseconds(500));
+  }
+  return true;
+}
+
+// Set on the background thread to its Cluster, so Close()/Unsubscribe() can tell they are being
+// called from an event callback.
+inline thread_local const void* t_monitor_of = nullptr;
+
+// A failure of the connection rather than an error answered by the daemon: the connection can
+// no longer be trusted (a reply may still be in flight) and must be reopened.
+inline bool IsTransportFailure(const Status& s, const transport::TcpConnection& conn) {
+  return conn.broken() || s.code() == StatusCode::kUnavailable ||
+         s.code() == StatusCode::kDeadlineExceeded || s.code() == StatusCode::kProtocolError ||
+         s.code() == StatusCode::kAborted;
+}
+
+// "0x11, 0x100000012" (hex, as daemons log them; at most 16, then "and N more").
+std::string FormatLeaseIds(std::span<const uint64_t> ids);
+
+}  // namespace internal
+}  // namespace farmem::client

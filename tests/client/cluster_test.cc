@@ -1,0 +1,670 @@
+// Cluster against real farmemd processes on loopback: placement, groups, exhaustion, failure
+// detection (kill, hang, restart), authentication, DNS peers, data channels, Close.
+#include "farmem/client/cluster.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <map>
+#include <mutex>
+#include <set>
+
+#include "support/daemon_fixture.h"
+
+namespace farmem::client {
+namespace {
+
+using std::chrono::milliseconds;
+using testing::DaemonConfig;
+using testing::DaemonSet;
+
+// Short timers so failures show up quickly; generous enough for a loaded 2-vCPU CI machine.
+// Sanitizer builds of farmemd answer several times slower: stretch the timers there, or a
+// merely slow daemon gets declared down.
+#if defined(__SANITIZE_THREAD__) || defined(__SANITIZE_ADDRESS__)
+constexpr int kTimeScale = 3;
+#else
+constexpr int kTimeScale = 1;
+#endif
+constexpr milliseconds kHeartbeat{100 * kTimeScale};
+constexpr milliseconds kFailureTimeout{800 * kTimeScale};
+constexpr milliseconds kSlack{3000 * kTimeScale};
+
+ClusterOptions OptionsFor(const DaemonSet& daemons) {
+  ClusterOptions o;
+  o.peers = daemons.endpoints();
+  o.secret = daemons.secret();
+  o.client_name = ::testing::UnitTest::GetInstance()->current_test_info()->name();
+  o.heartbeat_interval = kHeartbeat;
+  o.failure_timeout = kFailureTimeout;
+  o.connect_timeout = milliseconds(5000);  // sanitizer builds of farmemd are slow to answer
+  o.op_timeout = milliseconds(5000);
+  o.reconnect_interval = 2 * kHeartbeat;
+  o.rng_seed = 42;
+  return o;
+}
+
+std::unique_ptr<Cluster> MustConnect(const ClusterOptions& o, const DaemonSet& daemons) {
+  auto c = Cluster::Connect(o);
+  EXPECT_TRUE(c.has_value()) << c.error().ToString() << "\n" << daemons.Logs();
+  return c.has_value() ? std::move(*c) : nullptr;
+}
+
+// Records events from the background thread; tests wait on it.
+class EventLog {
+ public:
+  void Record(const Event& e) {
+    std::lock_guard lock(mu_);
+    events_.push_back(e);
+    cv_.notify_all();
+  }
+  std::optional<Event> WaitFor(EventType type, NodeId node, milliseconds timeout, size_t skip = 0) {
+    std::unique_lock lock(mu_);
+    std::optional<Event> found;
+    cv_.wait_for(lock, timeout, [&] {
+      size_t seen = 0;
+      for (const Event& e : events_) {
+        if (e.type == type && e.node == node && seen++ == skip) {
+          found = e;
+          return true;
+        }
+      }
+      return false;
+    });
+    return found;
+  }
+  std::vector<Event> events() const {
+    std::lock_guard lock(mu_);
+    return events_;
+  }
+
+ private:
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  std::vector<Event> events_;
+};
+
+std::shared_ptr<EventLog> Record(Cluster& c) {
+  auto log = std::make_shared<EventLog>();
+  c.Subscribe([log](const Event& e) { log->Record(e); });
+  return log;
+}
+
+std::map<NodeId, int> CountByNode(const std::vector<Lease>& leases) {
+  std::map<NodeId, int> counts;
+  for (const Lease& l : leases) ++counts[l.node];
+  return counts;
+}
+
+std::set<uint64_t> IdsOn(const std::vector<Lease>& leases, NodeId node) {
+  std::set<uint64_t> ids;
+  for (const Lease& l : leases) {
+    if (l.node == node) ids.insert(l.grant.lease_id);
+  }
+  return ids;
+}
+
+uint32_t FreeSlabs(Cluster& c, NodeId node) {
+  auto s = c.Stat(node);
+  EXPECT_TRUE(s.has_value()) << s.error().ToString();
+  return s.has_value() ? s->free_slabs : 0;
+}
+
+// A second client pinned to one daemon, to fill it up behind the first client's back.
+std::unique_ptr<Cluster> PinnedClient(const DaemonSet& daemons, size_t index) {
+  ClusterOptions o = OptionsFor(daemons);
+  o.peers = {daemons.endpoints()[index]};
+  return MustConnect(o, daemons);
+}
+
+TEST(Cluster, ConnectsToEveryPeerAndKnowsTheirSlabs) {
+  DaemonSet daemons;
+  ASSERT_TRUE(daemons.Start(3).ok());
+  auto c = MustConnect(OptionsFor(daemons), daemons);
+  ASSERT_TRUE(c);
+  ASSERT_EQ(c->node_count(), 3u);
+  EXPECT_EQ(c->alive_count(), 3u);
+  std::set<uint64_t> daemon_ids;
+  for (NodeId i = 0; i < 3; ++i) {
+    NodeInfo info = c->node(i);
+    EXPECT_TRUE(info.alive);
+    EXPECT_EQ(info.endpoint, daemons[i].endpoint());
+    ASSERT_TRUE(info.stat.has_value());
+    EXPECT_EQ(info.stat->total_slabs, 16u);
+    EXPECT_EQ(info.stat->slab_size, 1u << 20);
+    daemon_ids.insert(info.daemon_id);
+  }
+  EXPECT_EQ(daemon_ids.size(), 3u);
+  EXPECT_FALSE(c->node(3).last_error.ok());
+  auto bad = c->Stat(7);
+  ASSERT_FALSE(bad.has_value());
+  EXPECT_EQ(bad.error().code(), StatusCode::kNotFound);
+}
+
+TEST(Cluster, PlacementSpreadsSingleSlabAllocations) {
+  DaemonSet daemons;
+  ASSERT_TRUE(daemons.Start(3).ok());
+  auto c = MustConnect(OptionsFor(daemons), daemons);
+  ASSERT_TRUE(c);
+  std::vector<Lease> leases;
+  for (int i = 0; i < 30; ++i) {
+    auto l = c->Allocate(1);
+    ASSERT_TRUE(l.has_value()) << l.error().ToString();
+    ASSERT_EQ(l->size(), 1u);
+    leases.push_back(l->front());
+  }
+  auto counts = CountByNode(leases);
+  for (NodeId i = 0; i < 3; ++i) {
+    // Two-choices keeps equal daemons within a slab or two: 10 +- 2 each.
+    EXPECT_GE(counts[i], 8) << "node " << i;
+    EXPECT_EQ(c->node(i).leases_held, static_cast<size_t>(counts[i]));
+    EXPECT_EQ(FreeSlabs(*c, i), 16u - counts[i]);
+  }
+  std::set<std::pair<NodeId, uint64_t>> unique;
+  for (const Lease& l : leases) {
+    unique.insert({l.node, l.id()});
+    EXPECT_EQ(l.slab().length, 1u << 20);
+  }
+  EXPECT_EQ(unique.size(), 30u);
+
+  Status st = c->Free(leases);
+  ASSERT_TRUE(st.ok()) << st.ToString();
+  for (NodeId i = 0; i < 3; ++i) {
+    EXPECT_EQ(FreeSlabs(*c, i), 16u);
+    EXPECT_EQ(c->node(i).leases_held, 0u);
+  }
+  // A second Free of the same leases is a caller bug, reported as such.
+  Status again = c->Free(leases);
+  EXPECT_EQ(again.code(), StatusCode::kNotFound) << again.ToString();
+}
+
+TEST(Cluster, TwoChoicesAvoidsTheFullerDaemon) {
+  DaemonSet daemons;
+  ASSERT_TRUE(daemons.Start(3).ok());
+  auto other = PinnedClient(daemons, 0);
+  ASSERT_TRUE(other);
+  auto prefill = other->Allocate(12);  // daemon 0: 4 free; daemons 1, 2: 16 free
+  ASSERT_TRUE(prefill.has_value()) << prefill.error().ToString();
+
+  auto c = MustConnect(OptionsFor(daemons), daemons);
+  ASSERT_TRUE(c);
+  // Eight more slabs: whichever way they split between daemons 1 and 2, each keeps >= 8 free,
+  // more than daemon 0's 4, so no pair ever prefers daemon 0.
+  auto l = c->Allocate(8);
+  ASSERT_TRUE(l.has_value()) << l.error().ToString();
+  auto counts = CountByNode(*l);
+  EXPECT_EQ(counts[0], 0);
+  EXPECT_EQ(counts[1] + counts[2], 8);
+  EXPECT_EQ(FreeSlabs(*c, 0), 4u);
+}
+
+TEST(Cluster, AllocateFallsBackToAnyDaemonWithFreeSlabs) {
+  DaemonSet daemons;
+  ASSERT_TRUE(daemons.Start(3).ok());
+  // Daemons 0 and 1 full: most pairs have no free slab, yet every allocation must succeed on 2.
+  auto fill0 = PinnedClient(daemons, 0);
+  auto fill1 = PinnedClient(daemons, 1);
+  ASSERT_TRUE(fill0 && fill1);
+  ASSERT_TRUE(fill0->Allocate(16).has_value());
+  ASSERT_TRUE(fill1->Allocate(16).has_value());
+  auto c = MustConnect(OptionsFor(daemons), daemons);
+  ASSERT_TRUE(c);
+  for (int i = 0; i < 10; ++i) {
+    auto l = c->Allocate(1);
+    ASSERT_TRUE(l.has_value()) << l.error().ToString();
+    EXPECT_EQ(l->front().node, 2u);
+  }
+}
+
+TEST(Cluster, AllocateGroupPutsEachSlabOnADistinctNode) {
+  DaemonSet daemons;
+  ASSERT_TRUE(daemons.Start(4).ok());
+  auto c = MustConnect(OptionsFor(daemons), daemons);
+  ASSERT_TRUE(c);
+  for (size_t n = 1; n <= 4; ++n) {
+    for (int round = 0; round < 3; ++round) {
+      auto g = c->AllocateGroup(n);
+      ASSERT_TRUE(g.has_value()) << g.error().ToString();
+      ASSERT_EQ(g->size(), n);
+      std::set<NodeId> nodes;
+      for (const Lease& l : *g) nodes.insert(l.node);
+      EXPECT_EQ(nodes.size(), n) << "group of " << n << " reused a node";
+    }
+  }
+  auto empty = c->AllocateGroup(0);
+  ASSERT_TRUE(empty.has_value());
+  EXPECT_TRUE(empty->empty());
+}
+
+TEST(Cluster, AllocateGroupLargerThanTheClusterFailsClearly) {
+  DaemonSet daemons;
+  ASSERT_TRUE(daemons.Start(3).ok());
+  auto c = MustConnect(OptionsFor(daemons), daemons);
+  ASSERT_TRUE(c);
+  auto g = c->AllocateGroup(4);
+  ASSERT_FALSE(g.has_value());
+  EXPECT_EQ(g.error().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(g.error().message().find("4 distinct nodes"), std::string::npos) << g.error().message();
+  EXPECT_NE(g.error().message().find("only 3"), std::string::npos) << g.error().message();
+
+  auto log = Record(*c);
+  daemons[2].Kill();
+  ASSERT_TRUE(log->WaitFor(EventType::kNodeDown, 2, kFailureTimeout + kSlack));
+  auto down = c->AllocateGroup(3);
+  ASSERT_FALSE(down.has_value());
+  EXPECT_EQ(down.error().code(), StatusCode::kResourceExhausted);
+  EXPECT_NE(down.error().message().find("only 2 of 3 are up"), std::string::npos)
+      << down.error().message();
+  EXPECT_NE(down.error().message().find(daemons[2].endpoint().ToString()), std::string::npos)
+      << down.error().message();
+  auto two = c->AllocateGroup(2);
+  ASSERT_TRUE(two.has_value()) << two.error().ToString();
+  EXPECT_EQ(CountByNode(*two), (std::map<NodeId, int>{{0, 1}, {1, 1}}));
+}
+
+TEST(Cluster, AllocateGroupWithAFullNodeFailsAndGivesBackWhatItTook) {
+  DaemonSet daemons;
+  ASSERT_TRUE(daemons.Start(3).ok());
+  auto filler = PinnedClient(daemons, 1);
+  ASSERT_TRUE(filler);
+  ASSERT_TRUE(filler->Allocate(16).has_value());
+  auto c = MustConnect(OptionsFor(daemons), daemons);
+  ASSERT_TRUE(c);
+  auto g = c->AllocateGroup(3);
+  ASSERT_FALSE(g.has_value());
+  EXPECT_EQ(g.error().code(), StatusCode::kResourceExhausted);
+  EXPECT_NE(g.error().message().find("no daemon has a free slab"), std::string::npos)
+      << g.error().message();
+  EXPECT_NE(g.error().message().find(daemons[1].endpoint().ToString() + " free=0"),
+            std::string::npos)
+      << g.error().message();
+  // All or nothing: the slabs taken on 0 and 2 before the failure went back.
+  EXPECT_EQ(FreeSlabs(*c, 0), 16u);
+  EXPECT_EQ(FreeSlabs(*c, 2), 16u);
+  EXPECT_EQ(c->node(0).leases_held + c->node(2).leases_held, 0u);
+}
+
+TEST(Cluster, AllocateExcludingNeverUsesAnExcludedNode) {
+  DaemonSet daemons;
+  ASSERT_TRUE(daemons.Start(3).ok());
+  auto c = MustConnect(OptionsFor(daemons), daemons);
+  ASSERT_TRUE(c);
+  const std::vector<NodeId> survivors = {0, 2};
+  for (int i = 0; i < 5; ++i) {
+    auto l = c->AllocateExcluding(survivors);
+    ASSERT_TRUE(l.has_value()) << l.error().ToString();
+    EXPECT_EQ(l->node, 1u);
+  }
+  const std::vector<NodeId> everyone = {0, 1, 2};
+  auto none = c->AllocateExcluding(everyone);
+  ASSERT_FALSE(none.has_value());
+  EXPECT_EQ(none.error().code(), StatusCode::kResourceExhausted);
+  EXPECT_NE(none.error().message().find("already in the group"), std::string::npos)
+      << none.error().message();
+}
+
+TEST(Cluster, EveryDaemonDownIsUnavailableNotFull) {
+  DaemonSet daemons;
+  ASSERT_TRUE(daemons.Start(2).ok());
+  auto c = MustConnect(OptionsFor(daemons), daemons);
+  ASSERT_TRUE(c);
+  auto log = Record(*c);
+  daemons[0].Kill();
+  daemons[1].Kill();
+  ASSERT_TRUE(log->WaitFor(EventType::kNodeDown, 0, kFailureTimeout + kSlack));
+  ASSERT_TRUE(log->WaitFor(EventType::kNodeDown, 1, kFailureTimeout + kSlack));
+  auto l = c->Allocate(1);
+  ASSERT_FALSE(l.has_value());
+  EXPECT_EQ(l.error().code(), StatusCode::kUnavailable) << l.error().ToString();
+  EXPECT_NE(l.error().message().find(daemons[0].endpoint().ToString() + " down"), std::string::npos)
+      << l.error().message();
+}
+
+TEST(Cluster, FullClusterFailsWithResourceExhaustedNamingFreeCounts) {
+  DaemonSet daemons(DaemonConfig{.capacity = "4M"});
+  ASSERT_TRUE(daemons.Start(3).ok());
+  auto c = MustConnect(OptionsFor(daemons), daemons);
+  ASSERT_TRUE(c);
+  // All or nothing: 13 slabs do not fit in 12, and the 12 taken on the way are given back.
+  auto too_many = c->Allocate(13);
+  ASSERT_FALSE(too_many.has_value());
+  EXPECT_EQ(too_many.error().code(), StatusCode::kResourceExhausted);
+  for (NodeId i = 0; i < 3; ++i) EXPECT_EQ(FreeSlabs(*c, i), 4u) << "node " << i;
+
+  auto all = c->Allocate(12);
+  ASSERT_TRUE(all.has_value()) << all.error().ToString();
+  EXPECT_EQ(CountByNode(*all), (std::map<NodeId, int>{{0, 4}, {1, 4}, {2, 4}}));
+  auto none = c->Allocate(1);
+  ASSERT_FALSE(none.has_value());
+  EXPECT_EQ(none.error().code(), StatusCode::kResourceExhausted);
+  const std::string& msg = none.error().message();
+  EXPECT_NE(msg.find("no daemon has a free slab"), std::string::npos) << msg;
+  for (size_t i = 0; i < 3; ++i) {
+    EXPECT_NE(msg.find(daemons[i].endpoint().ToString() + " free=0"), std::string::npos) << msg;
+  }
+}
+
+TEST(Cluster, KillingADaemonReportsNodeDownWithItsLeasesThenNodeUpOnRestart) {
+  DaemonSet daemons;
+  ASSERT_TRUE(daemons.Start(3).ok());
+  auto c = MustConnect(OptionsFor(daemons), daemons);
+  ASSERT_TRUE(c);
+  auto log = Record(*c);
+  auto leases = c->AllocateGroup(3);
+  ASSERT_TRUE(leases.has_value()) << leases.error().ToString();
+  auto more = c->Allocate(6);
+  ASSERT_TRUE(more.has_value()) << more.error().ToString();
+  leases->insert(leases->end(), more->begin(), more->end());
+  const std::set<uint64_t> on_1 = IdsOn(*leases, 1);
+  ASSERT_FALSE(on_1.empty());
+  const uint64_t old_daemon_id = c->node(1).daemon_id;
+
+  const auto killed_at = Clock::now();
+  daemons[1].Kill();
+  auto down = log->WaitFor(EventType::kNodeDown, 1, kFailureTimeout + kSlack);
+  ASSERT_TRUE(down.has_value()) << "no kNodeDown for " << daemons[1].endpoint().ToString();
+  EXPECT_LE(Clock::now() - killed_at, kFailureTimeout + kSlack);
+  EXPECT_EQ(std::set<uint64_t>(down->lease_ids.begin(), down->lease_ids.end()), on_1);
+  EXPECT_EQ(down->endpoint, daemons[1].endpoint());
+  EXPECT_FALSE(down->reason.ok());
+  EXPECT_FALSE(c->node(1).alive);
+  EXPECT_EQ(c->node(1).leases_held, 0u);
+  EXPECT_TRUE(c->node(0).alive);
+  EXPECT_TRUE(c->node(2).alive);
+  for (const Event& e : log->events()) {
+    EXPECT_FALSE(e.type == EventType::kNodeDown && e.node != 1) << "node " << e.node << " down";
+  }
+  // New slabs avoid the dead node; a channel to it is refused at once.
+  auto after = c->Allocate(4);
+  ASSERT_TRUE(after.has_value()) << after.error().ToString();
+  EXPECT_EQ(CountByNode(*after).count(1), 0u);
+  auto channel = c->OpenChannel(1);
+  ASSERT_FALSE(channel.has_value());
+  EXPECT_EQ(channel.error().code(), StatusCode::kUnavailable);
+
+  ASSERT_TRUE(daemons[1].Restart().ok()) << daemons.Logs();
+  auto up = log->WaitFor(EventType::kNodeUp, 1, kSlack * 2);
+  ASSERT_TRUE(up.has_value()) << "no kNodeUp after restart";
+  EXPECT_TRUE(c->node(1).alive);
+  EXPECT_NE(c->node(1).daemon_id, old_daemon_id);
+  auto group = c->AllocateGroup(3);
+  ASSERT_TRUE(group.has_value()) << group.error().ToString();
+
+  // The lost leases are accepted by Free (nothing to do) along with the live ones.
+  Status st = c->Free(*leases);
+  EXPECT_TRUE(st.ok()) << st.ToString();
+  EXPECT_TRUE(c->Free(*after).ok());
+  EXPECT_TRUE(c->Free(*group).ok());
+  for (NodeId i = 0; i < 3; ++i) EXPECT_EQ(FreeSlabs(*c, i), 16u) << "node " << i;
+}
+
+TEST(Cluster, QuickRestartReportsEveryLeaseThereAsLost) {
+  DaemonSet daemons;
+  ASSERT_TRUE(daemons.Start(2).ok());
+  auto c = MustConnect(OptionsFor(daemons), daemons);
+  ASSERT_TRUE(c);
+  auto log = Record(*c);
+  auto leases = c->Allocate(8);
+  ASSERT_TRUE(leases.has_value()) << leases.error().ToString();
+  const std::set<uint64_t> on_0 = IdsOn(*leases, 0);
+  ASSERT_FALSE(on_0.empty());
+  const uint64_t old_daemon_id = c->node(0).daemon_id;
+
+  ASSERT_TRUE(daemons[0].Restart().ok()) << daemons.Logs();
+  // Depending on timing the client sees a restart (kLeasesLost) or a death then a return
+  // (kNodeDown, kNodeUp); either way every lease on daemon 0 is reported lost, exactly once.
+  std::set<uint64_t> lost;
+  const auto deadline = Clock::now() + kFailureTimeout + kSlack * 2;
+  while (Clock::now() < deadline) {
+    lost.clear();
+    for (const Event& e : log->events()) {
+      if (e.node == 0 && (e.type == EventType::kLeasesLost || e.type == EventType::kNodeDown)) {
+        lost.insert(e.lease_ids.begin(), e.lease_ids.end());
+      }
+    }
+    if (lost == on_0 && c->node(0).alive && c->node(0).daemon_id != old_daemon_id) break;
+    std::this_thread::sleep_for(milliseconds(20));
+  }
+  EXPECT_EQ(lost, on_0);
+  EXPECT_TRUE(c->node(0).alive);
+  EXPECT_NE(c->node(0).daemon_id, old_daemon_id);
+  EXPECT_EQ(c->node(0).leases_held, 0u);
+  EXPECT_EQ(FreeSlabs(*c, 0), 16u);
+}
+
+TEST(Cluster, HungDaemonIsDeclaredDownAndItsLeasesAreReturnedWhenItWakes) {
+  DaemonSet daemons;
+  ASSERT_TRUE(daemons.Start(2).ok());
+  auto c = MustConnect(OptionsFor(daemons), daemons);
+  ASSERT_TRUE(c);
+  auto log = Record(*c);
+  auto leases = c->AllocateGroup(2);
+  ASSERT_TRUE(leases.has_value()) << leases.error().ToString();
+  const std::set<uint64_t> on_1 = IdsOn(*leases, 1);
+
+  daemons[1].Pause();  // accepts TCP connections, answers nothing
+  auto down = log->WaitFor(EventType::kNodeDown, 1, kFailureTimeout + kSlack);
+  daemons[1].Resume();
+  ASSERT_TRUE(down.has_value()) << "no kNodeDown for a hung daemon";
+  EXPECT_EQ(std::set<uint64_t>(down->lease_ids.begin(), down->lease_ids.end()), on_1);
+  EXPECT_TRUE(c->node(0).alive);
+
+  // Same daemon (same node id) comes back: the client gives back the leases it dropped.
+  auto up = log->WaitFor(EventType::kNodeUp, 1, kSlack * 2);
+  ASSERT_TRUE(up.has_value()) << "no kNodeUp after SIGCONT";
+  const auto deadline = Clock::now() + kSlack;
+  while (Clock::now() < deadline && FreeSlabs(*c, 1) != 16u) {
+    std::this_thread::sleep_for(milliseconds(20));
+  }
+  EXPECT_EQ(FreeSlabs(*c, 1), 16u);
+}
+
+TEST(Cluster, ReportFailureProbesAtOnce) {
+  DaemonSet daemons;
+  ASSERT_TRUE(daemons.Start(2).ok());
+  ClusterOptions o = OptionsFor(daemons);
+  o.heartbeat_interval = milliseconds(3000);  // a heartbeat would not notice for seconds
+  o.failure_timeout = milliseconds(10000);
+  auto c = MustConnect(o, daemons);
+  ASSERT_TRUE(c);
+  auto log = Record(*c);
+  std::this_thread::sleep_for(milliseconds(100));  // let the first heartbeat round pass
+  daemons[0].Kill();
+  const auto reported_at = Clock::now();
+  c->ReportFailure(0, Unavailable("read on lease 1 failed: connection reset"));
+  auto down = log->WaitFor(EventType::kNodeDown, 0, milliseconds(2000 * kTimeScale));
+  ASSERT_TRUE(down.has_value()) << "ReportFailure did not lead to a probe";
+  EXPECT_LT(Clock::now() - reported_at, milliseconds(2000 * kTimeScale));
+}
+
+TEST(Cluster, ConnectWithOnePeerDownStillWorks) {
+  DaemonSet daemons;
+  ASSERT_TRUE(daemons.Start(3).ok());
+  daemons[2].Kill();
+  auto c = MustConnect(OptionsFor(daemons), daemons);
+  ASSERT_TRUE(c);
+  auto log = Record(*c);
+  ASSERT_EQ(c->node_count(), 3u);
+  EXPECT_EQ(c->alive_count(), 2u);
+  NodeInfo dead = c->node(2);
+  EXPECT_FALSE(dead.alive);
+  EXPECT_FALSE(dead.last_error.ok());
+  EXPECT_EQ(dead.endpoint, daemons[2].endpoint());
+
+  auto l = c->Allocate(6);
+  ASSERT_TRUE(l.has_value()) << l.error().ToString();
+  EXPECT_EQ(CountByNode(*l).count(2), 0u);
+
+  ASSERT_TRUE(daemons[2].Restart().ok()) << daemons.Logs();
+  ASSERT_TRUE(log->WaitFor(EventType::kNodeUp, 2, kSlack * 2)) << "late peer never joined";
+  EXPECT_EQ(c->alive_count(), 3u);
+  auto g = c->AllocateGroup(3);
+  EXPECT_TRUE(g.has_value()) << g.error().ToString();
+}
+
+TEST(Cluster, WrongSecretIsPermissionDenied) {
+  DaemonSet daemons;
+  ASSERT_TRUE(daemons.Start(2).ok());
+  ClusterOptions o = OptionsFor(daemons);
+  o.secret = "not-the-secret";
+  auto c = Cluster::Connect(o);
+  ASSERT_FALSE(c.has_value());
+  EXPECT_EQ(c.error().code(), StatusCode::kPermissionDenied) << c.error().ToString();
+  EXPECT_NE(c.error().message().find(daemons[0].endpoint().ToString()), std::string::npos)
+      << c.error().message();
+  EXPECT_NE(c.error().message().find(daemons[1].endpoint().ToString()), std::string::npos)
+      << c.error().message();
+}
+
+TEST(Cluster, DnsNameResolvesToPeers) {
+  DaemonSet daemons;
+  ASSERT_TRUE(daemons.Start(1).ok());
+  ClusterOptions o = OptionsFor(daemons);
+  o.peers.clear();
+  o.peers_dns = "localhost:" + std::to_string(daemons[0].port());
+  auto c = MustConnect(o, daemons);
+  ASSERT_TRUE(c);
+  // localhost may also give ::1, where this daemon does not listen: only answering addresses
+  // become nodes.
+  ASSERT_EQ(c->node_count(), 1u);
+  EXPECT_TRUE(c->node(0).alive);
+  EXPECT_EQ(c->node(0).endpoint.port, daemons[0].port());
+  auto l = c->Allocate(2);
+  ASSERT_TRUE(l.has_value()) << l.error().ToString();
+}
+
+TEST(Cluster, DnsAndExplicitPeerForTheSameDaemonAreOneNode) {
+  DaemonSet daemons(DaemonConfig{.listen_host = "::"});  // reachable as 127.0.0.1 and ::1
+  Status started = daemons.Start(1);
+  if (!started.ok()) GTEST_SKIP() << "no IPv6 wildcard listen here: " << started.ToString();
+  ClusterOptions o = OptionsFor(daemons);
+  o.peers_dns = "localhost:" + std::to_string(daemons[0].port());
+  auto c = MustConnect(o, daemons);
+  ASSERT_TRUE(c);
+  // 127.0.0.1 (explicit, and again from DNS) and ::1 (from DNS, if resolved) are one daemon.
+  EXPECT_EQ(c->node_count(), 1u);
+  auto g = c->AllocateGroup(2);
+  ASSERT_FALSE(g.has_value()) << "a group of 2 landed twice on one daemon";
+  EXPECT_EQ(g.error().code(), StatusCode::kInvalidArgument);
+}
+
+TEST(Cluster, TwoAddressesOfOneDaemonAreOneNode) {
+  DaemonSet daemons(DaemonConfig{.listen_host = "::"});  // reachable as 127.0.0.1 and ::1
+  Status started = daemons.Start(2);
+  if (!started.ok()) GTEST_SKIP() << "no IPv6 wildcard listen here: " << started.ToString();
+  ClusterOptions o = OptionsFor(daemons);
+  const Endpoint v6{"::1", daemons[0].port()};
+  o.peers = {daemons[0].endpoint(), v6, daemons[1].endpoint()};
+  auto c = MustConnect(o, daemons);
+  ASSERT_TRUE(c);
+  if (c->node_count() == 3 && !c->node(1).alive) GTEST_SKIP() << "::1 unreachable here";
+  // Same HELLO node id through both addresses: one node, so groups stay on distinct daemons.
+  ASSERT_EQ(c->node_count(), 2u);
+  EXPECT_EQ(c->node(0).endpoint, daemons[0].endpoint());
+  EXPECT_EQ(c->node(1).endpoint, daemons[1].endpoint());
+  EXPECT_FALSE(c->AllocateGroup(3).has_value());
+  auto g = c->AllocateGroup(2);
+  ASSERT_TRUE(g.has_value()) << g.error().ToString();
+}
+
+TEST(Cluster, DataChannelReadsWhatItWroteToALease) {
+  DaemonSet daemons;
+  ASSERT_TRUE(daemons.Start(2).ok());
+  auto c = MustConnect(OptionsFor(daemons), daemons);
+  ASSERT_TRUE(c);
+  auto g = c->AllocateGroup(2);
+  ASSERT_TRUE(g.has_value()) << g.error().ToString();
+  for (const Lease& lease : *g) {
+    auto ch = c->OpenChannel(lease.node);
+    ASSERT_TRUE(ch.has_value()) << ch.error().ToString();
+    std::vector<uint8_t> out(4096);
+    for (size_t i = 0; i < out.size(); ++i) out[i] = static_cast<uint8_t>(i * 7 + lease.node);
+    const uint64_t offset = lease.slab().length - out.size();  // the last page of the slab
+    Status w = (*ch)->Write(lease.slab(), offset, out);
+    ASSERT_TRUE(w.ok()) << w.ToString();
+    std::vector<uint8_t> in(out.size());
+    Status r = (*ch)->Read(lease.slab(), offset, in);
+    ASSERT_TRUE(r.ok()) << r.ToString();
+    EXPECT_EQ(in, out);
+  }
+}
+
+TEST(Cluster, HeartbeatsKeepLeasesAlivePastTheLeaseTtl) {
+  DaemonSet daemons(DaemonConfig{.lease_ttl_ms = 1000 * kTimeScale});
+  ASSERT_TRUE(daemons.Start(1).ok());
+  auto c = MustConnect(OptionsFor(daemons), daemons);
+  ASSERT_TRUE(c);
+  auto l = c->Allocate(3);
+  ASSERT_TRUE(l.has_value()) << l.error().ToString();
+  std::this_thread::sleep_for(milliseconds(2500 * kTimeScale));  // 2.5 lease TTLs
+  EXPECT_EQ(FreeSlabs(*c, 0), 13u);
+  EXPECT_EQ(c->node(0).lease_ttl_ms, 1000u * kTimeScale);
+  auto ch = c->OpenChannel(0);
+  ASSERT_TRUE(ch.has_value()) << ch.error().ToString();
+  std::vector<uint8_t> page(4096, 0xab);
+  Status w = (*ch)->Write(l->front().slab(), 0, page);
+  EXPECT_TRUE(w.ok()) << w.ToString();
+  EXPECT_TRUE(c->Free(*l).ok());
+}
+
+TEST(Cluster, CloseFreesEveryLeaseAndStopsTheClient) {
+  DaemonSet daemons;
+  ASSERT_TRUE(daemons.Start(2).ok());
+  auto observer = MustConnect(OptionsFor(daemons), daemons);
+  auto c = MustConnect(OptionsFor(daemons), daemons);
+  ASSERT_TRUE(observer && c);
+  EXPECT_NE(observer->client_id(), c->client_id());
+  auto l = c->Allocate(10);
+  ASSERT_TRUE(l.has_value()) << l.error().ToString();
+  EXPECT_EQ(FreeSlabs(*observer, 0) + FreeSlabs(*observer, 1), 22u);
+  Status st = c->Close();
+  EXPECT_TRUE(st.ok()) << st.ToString();
+  EXPECT_EQ(FreeSlabs(*observer, 0) + FreeSlabs(*observer, 1), 32u);
+  EXPECT_TRUE(c->Close().ok());  // idempotent
+  auto after = c->Allocate(1);
+  ASSERT_FALSE(after.has_value());
+  EXPECT_EQ(after.error().code(), StatusCode::kAborted);
+  EXPECT_EQ(c->Free(*l).code(), StatusCode::kAborted);
+}
+
+TEST(Cluster, ConcurrentAllocateAndFreeFromManyThreads) {
+  DaemonSet daemons;
+  ASSERT_TRUE(daemons.Start(3).ok());
+  auto c = MustConnect(OptionsFor(daemons), daemons);
+  ASSERT_TRUE(c);
+  std::vector<std::thread> threads;
+  std::atomic<int> failures{0};
+  for (int t = 0; t < 4; ++t) {
+    threads.emplace_back([&] {
+      for (int i = 0; i < 25; ++i) {
+        auto l = (i % 2 == 0) ? c->Allocate(2) : c->AllocateGroup(3);
+        if (!l.has_value() || !c->Free(*l).ok()) ++failures;
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  EXPECT_EQ(failures.load(), 0);
+  for (NodeId i = 0; i < 3; ++i) {
+    EXPECT_EQ(FreeSlabs(*c, i), 16u);
+    EXPECT_EQ(c->node(i).leases_held, 0u);
+  }
+}
+
+TEST(Cluster, UnsubscribedCallbackIsNotCalledAgain) {
+  DaemonSet daemons;
+  ASSERT_TRUE(daemons.Start(2).ok());
+  auto c = MustConnect(OptionsFor(daemons), daemons);
+  ASSERT_TRUE(c);
+  std::atomic<int> calls{0};
+  SubscriptionId id = c->Subscribe([&](const Event&) { ++calls; });
+  auto log = Record(*c);
+  c->Unsubscribe(id);
+  daemons[1].Kill();
+  ASSERT_TRUE(log->WaitFor(EventType::kNodeDown, 1, kFailureTimeout + kSlack));
+  EXPECT_EQ(calls.load(), 0);
+}
+
+}  // namespace
+}  // namespace farmem::client
