@@ -9,7 +9,7 @@ build_pkgs=(
   build-essential cmake pkg-config ninja-build
   libboost-dev libisal-dev liburing-dev libibverbs-dev librdmacm-dev
   libgtest-dev libgmock-dev libbenchmark-dev libcli11-dev libspdlog-dev libfmt-dev libssl-dev
-  clang-14 libclang-rt-14-dev
+  clang-14 libclang-rt-14-dev clang-16 libclang-rt-16-dev
 )
 tool_pkgs=(
   nbdkit nbd-client libnbd-bin fio qemu-utils util-linux procps iproute2

@@ -26,6 +26,8 @@ const char* OpcodeName(uint8_t op) {
       return "BATCH";
     case Opcode::kEvictNotice:
       return "EVICT_NOTICE";
+    case Opcode::kRdmaToken:
+      return "RDMA_TOKEN";
   }
   return "UNKNOWN";
 }
@@ -318,6 +320,77 @@ Result<EvictNotice> DecodeEvictNotice(std::span<const uint8_t> body) {
   m.grace_ms = r.U32();
   FARMEM_ASSIGN_OR_RETURN(m.lease_ids, DecodeIdList("EVICT_NOTICE", body.subspan(8)));
   return m;
+}
+
+void EncodeRdmaTokenReply(const RdmaTokenReply& m, std::vector<uint8_t>* out) {
+  Writer w(out);
+  w.Bytes(m.token);
+  w.U16(m.rdma_port);
+  w.U16(0);
+  w.U32(m.valid_ms);
+}
+
+Result<RdmaTokenReply> DecodeRdmaTokenReply(std::span<const uint8_t> body) {
+  Reader r(body);
+  RdmaTokenReply m;
+  ReadArray(r, &m.token);
+  m.rdma_port = r.U16();
+  r.U16();
+  m.valid_ms = r.U32();
+  if (!r.ok()) return Err(Malformed("RDMA_TOKEN reply", body));
+  if (m.rdma_port == 0) return Err(ProtocolError("RDMA_TOKEN reply names rdma port 0"));
+  return m;
+}
+
+void EncodeRdmaConnectData(const RdmaToken& token, uint8_t out[kRdmaConnectDataSize]) {
+  std::vector<uint8_t> buf;
+  buf.reserve(kRdmaConnectDataSize);
+  Writer w(&buf);
+  w.U32(kRdmaMagic);
+  w.U8(kVersion);
+  w.Zeros(3);
+  w.Bytes(token);
+  std::memcpy(out, buf.data(), kRdmaConnectDataSize);
+}
+
+Result<RdmaToken> DecodeRdmaConnectData(std::span<const uint8_t> data) {
+  Reader r(data);
+  const uint32_t magic = r.U32();
+  const uint8_t version = r.U8();
+  r.Skip(3);
+  RdmaToken token{};
+  ReadArray(r, &token);
+  if (!r.ok() || magic != kRdmaMagic) {
+    return Err(Unauthenticated(fmt::format(
+        "RDMA connect request without a farmem token ({} bytes of private data)", data.size())));
+  }
+  if (version != kVersion) {
+    return Err(
+        ProtocolError(fmt::format("RDMA connect request of protocol version {} (this build "
+                                  "speaks {})",
+                                  version, kVersion)));
+  }
+  return token;
+}
+
+void EncodeRdmaRejectData(StatusCode why, uint8_t out[kRdmaRejectDataSize]) {
+  std::vector<uint8_t> buf;
+  buf.reserve(kRdmaRejectDataSize);
+  Writer w(&buf);
+  w.U32(kRdmaMagic);
+  w.U8(kVersion);
+  w.U8(0);
+  w.U16(static_cast<uint16_t>(why));
+  std::memcpy(out, buf.data(), kRdmaRejectDataSize);
+}
+
+StatusCode DecodeRdmaRejectData(std::span<const uint8_t> data) {
+  Reader r(data);
+  const uint32_t magic = r.U32();
+  r.Skip(2);
+  const uint16_t why = r.U16();
+  if (!r.ok() || magic != kRdmaMagic) return StatusCode::kInternal;
+  return StatusCodeFromWire(why);
 }
 
 void EncodeDataOp(const DataOp& m, uint8_t out[kDataOpSize]) {

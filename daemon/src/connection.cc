@@ -1,6 +1,7 @@
 #include "connection.h"
 
 #include <fmt/format.h>
+#include <poll.h>
 #include <spdlog/spdlog.h>
 #include <sys/socket.h>
 
@@ -31,6 +32,17 @@ Connection::~Connection() {
 void Connection::Shutdown() { socket_.Shutdown(); }
 
 void Connection::Serve() {
+  ServeFrames();
+  // Let the peer see the close now: the socket itself is only closed when the server reaps this
+  // connection, which may be much later.
+  socket_.Shutdown();
+  if (counted_client_) {
+    counted_client_ = false;
+    server_->ClientDisconnected(client_id_);
+  }
+}
+
+void Connection::ServeFrames() {
   rbuf_.resize(kRecvBuffer);
   wbuf_.reserve(64 << 10);
   scratch_.resize(64 << 10);
@@ -45,6 +57,20 @@ void Connection::Serve() {
       std::memmove(rbuf_.data(), Cursor(), Buffered());
       end_ -= pos_;
       pos_ = 0;
+    }
+    // A frame has started: the rest of it is due within kFrameTimeout. (An idle connection may
+    // wait for ever; a half-sent frame may not hold its thread and connection slot.)
+    if (Buffered() > 0) {
+      pollfd p{socket_.fd(), POLLIN, 0};
+      int r;
+      do {
+        r = ::poll(&p, 1, static_cast<int>(kFrameTimeout.count()));
+      } while (r < 0 && errno == EINTR);
+      if (r == 0) {
+        spdlog::warn("{} ({}): frame cut short: nothing more for {} ms; closing", peer_,
+                     client_name_, kFrameTimeout.count());
+        return;
+      }
     }
     const ssize_t n = ::recv(socket_.fd(), rbuf_.data() + end_, rbuf_.size() - end_, 0);
     if (n == 0) {
@@ -84,6 +110,16 @@ Connection::Next Connection::HandleFrame() {
                       server_->options().secret.empty() ? "" : " and AUTH")));
     return Next::kClose;
   }
+  // A body too short for its fixed part is refused from the header alone: waiting for the fixed
+  // part would read bytes of the next frame (or wait forever for bytes that never come).
+  if ((op == wire::Opcode::kWrite && h.body_len < wire::kDataOpSize) ||
+      (op == wire::Opcode::kBatch && h.body_len < 8)) {
+    server_->counters().protocol_errors++;
+    ReplyError(h, ProtocolError(fmt::format("{} body of {} bytes is shorter than its fixed part",
+                                            wire::OpcodeName(h.opcode), h.body_len)));
+    Consume(wire::kHeaderSize);
+    return TakePayload(nullptr, h.body_len) ? Next::kContinue : Next::kClose;
+  }
   if (op == wire::Opcode::kWrite) {
     if (Buffered() < wire::kHeaderSize + wire::kDataOpSize) return Next::kNeedMore;
     return HandleWrite(h);
@@ -101,7 +137,8 @@ Connection::Next Connection::HandleFrame() {
   }
   const bool known = op == wire::Opcode::kHello || op == wire::Opcode::kAuth ||
                      op == wire::Opcode::kStat || op == wire::Opcode::kAlloc ||
-                     op == wire::Opcode::kFree || op == wire::Opcode::kHeartbeat || data_op;
+                     op == wire::Opcode::kFree || op == wire::Opcode::kHeartbeat ||
+                     op == wire::Opcode::kRdmaToken || data_op;
   if (!known) {
     server_->counters().protocol_errors++;
     Consume(wire::kHeaderSize);
@@ -167,6 +204,7 @@ Connection::Next Connection::HandleHello(const wire::FrameHeader& h,
   reply.node_id = server_->node_id();
   reply.server_nonce = server_nonce_;
   if (!server_->options().secret.empty()) reply.features |= wire::kFeatureAuthRequired;
+  if (server_->rdma() != nullptr) reply.features |= wire::kFeatureVerbs;
   body_.clear();
   wire::EncodeHelloReply(reply, &body_);
   Reply(h, body_);
@@ -221,6 +259,10 @@ Connection::Next Connection::HandleControl(const wire::FrameHeader& h,
       r.free_slabs = ps.free_slabs;
       r.clients = server_->client_count();
       r.features = server_->options().secret.empty() ? 0u : uint32_t{wire::kFeatureAuthRequired};
+      if (server_->rdma() != nullptr) {
+        r.features |= wire::kFeatureVerbs;
+        r.rdma_port = server_->rdma()->port();
+      }
       r.ops = server_->counters().ops.load(std::memory_order_relaxed);
       r.bytes_read = server_->counters().bytes_read.load(std::memory_order_relaxed);
       r.bytes_written = server_->counters().bytes_written.load(std::memory_order_relaxed);
@@ -266,6 +308,24 @@ Connection::Next Connection::HandleControl(const wire::FrameHeader& h,
       r.leases_held = pool.Renew(client_id_);
       r.lease_ttl_ms = static_cast<uint64_t>(pool.lease_ttl().count());
       wire::EncodeHeartbeatReply(r, &body_);
+      break;
+    }
+    case wire::Opcode::kRdmaToken: {
+      if (!body.empty()) {
+        ReplyError(h, InvalidArgument("RDMA_TOKEN carries no body"));
+        return Next::kContinue;
+      }
+      if (server_->rdma() == nullptr) {
+        ReplyError(h, Unavailable("this daemon does not serve RDMA (--rdma off, or no RDMA "
+                                  "device): use the tcp transport"));
+        return Next::kContinue;
+      }
+      Result<wire::RdmaTokenReply> token = server_->rdma()->IssueToken(client_id_);
+      if (!token.has_value()) {
+        ReplyError(h, token.error());
+        return Next::kContinue;
+      }
+      wire::EncodeRdmaTokenReply(*token, &body_);
       break;
     }
     default:
@@ -347,6 +407,7 @@ Connection::Next Connection::HandleBatch(const wire::FrameHeader& h) {
   if (d->write_bytes > 0 && !pins_.empty() && !FlushReplies()) return Next::kClose;
   Consume(wire::kHeaderSize + d->payload_offset);
   const size_t n = d->ops.size();
+  const size_t pieces_before = pieces_.size(), pins_before = pins_.size();
   // Reply: header, count, reserved, one u32 status per op, then the data of the OK reads.
   const size_t at = wbuf_.size();
   wbuf_.resize(at + wire::kHeaderSize + 8 + 4 * n);
@@ -363,6 +424,10 @@ Connection::Next Connection::HandleBatch(const wire::FrameHeader& h) {
     uint16_t code = pin.has_value() ? 0 : static_cast<uint16_t>(pin.error().code());
     if (op.op == wire::Opcode::kWrite) {
       if (!TakePayload(pin.has_value() ? pin->data() + op.offset : nullptr, op.length)) {
+        // Drop this batch's half-built reply (its header is not written yet).
+        pieces_.resize(pieces_before);
+        pins_.resize(pins_before);
+        wbuf_.resize(at);
         return Next::kClose;
       }
       if (pin.has_value()) counters.bytes_written.fetch_add(op.length, std::memory_order_relaxed);

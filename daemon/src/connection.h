@@ -30,6 +30,7 @@ class Connection {
  private:
   enum class Next { kContinue, kNeedMore, kClose };
 
+  void ServeFrames();
   Next HandleFrame();
   Next HandleHello(const wire::FrameHeader& h, std::span<const uint8_t> body);
   Next HandleAuth(const wire::FrameHeader& h, std::span<const uint8_t> body);

@@ -16,12 +16,13 @@ using namespace farmem;
 
 int main(int argc, char** argv) {
   CLI::App app{
-      "farmemd - lends slabs of this machine's memory to farmem clients over TCP.\n"
+      "farmemd - lends slabs of this machine's memory to farmem clients over TCP and RDMA.\n"
       "Every option may also be set in a config file (--config), one `name = value` per line."};
   std::string listen = fmt::format("127.0.0.1:{}", kDefaultPort);
   std::string capacity = "1G", slab_size = "64M", secret_file, port_file, log_level = "info";
   uint32_t lease_ttl_ms = 10000, max_connections = 256;
   bool no_mlock = false, no_prefault = false;
+  std::string rdma = "auto", rdma_listen;
   app.set_config("--config", "", "Read options from this file (INI/TOML: name = value)");
   app.add_option("--listen", listen, "Address and port to serve on, host:port; port 0 picks one")
       ->capture_default_str();
@@ -40,6 +41,14 @@ int main(int argc, char** argv) {
   app.add_option("--max-connections", max_connections, "Connections served at once")
       ->capture_default_str()
       ->check(CLI::Range(1u, 65536u));
+  app.add_option("--rdma", rdma,
+                 "Serve one-sided RDMA (rdma_cm + verbs) next to TCP: auto (when a device serves "
+                 "the address), on (or fail), off")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"auto", "on", "off"}));
+  app.add_option("--rdma-listen", rdma_listen,
+                 "rdma_cm address, host:port (default: the --listen host, its port + 1; "
+                 "port 0 picks one)");
   app.add_flag("--no-mlock", no_mlock, "Do not try to mlock the pool");
   app.add_flag("--no-prefault", no_prefault, "Do not touch the pool's pages at start");
   app.add_option("--port-file", port_file, "Write the port actually bound to this file");
@@ -71,6 +80,14 @@ int main(int argc, char** argv) {
   pool_opts.prefault = !no_prefault;
   server_opts.listen = *ep;
   server_opts.max_connections = max_connections;
+  auto rdma_mode = daemon::ParseRdmaMode(rdma);
+  if (!rdma_mode) return fail(rdma_mode.error());
+  server_opts.rdma = *rdma_mode;
+  if (!rdma_listen.empty()) {
+    auto rep = ParseEndpoint(rdma_listen);
+    if (!rep) return fail(rep.error().WithContext("--rdma-listen"));
+    server_opts.rdma_listen = *rep;
+  }
   if (!secret_file.empty()) {
     auto secret = auth::LoadSecretFile(secret_file);
     if (!secret) return fail(secret.error().WithContext("--secret-file"));

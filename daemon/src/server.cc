@@ -37,6 +37,7 @@ Server::~Server() { Stop(); }
 Status Server::Start() {
   FARMEM_ASSIGN_OR_RETURN(listener_, ListenTcp(options_.listen));
   FARMEM_ASSIGN_OR_RETURN(port_, LocalPort(listener_));
+  FARMEM_RETURN_IF_ERROR(StartRdma());
   if (options_.secret.empty()) {
     spdlog::warn(
         "NO AUTHENTICATION: any client that reaches {}:{} can lease and read this "
@@ -66,6 +67,36 @@ void Server::Stop() {
   for (Live& l : conns) l.conn->Shutdown();
   for (Live& l : conns) l.thread.join();
   listener_.Close();
+  if (rdma_ != nullptr) {
+    pool_->SetRegistrar(nullptr);
+    rdma_->Stop();
+  }
+}
+
+Status Server::StartRdma() {
+  if (options_.rdma == RdmaMode::kOff) return Status::Ok();
+  Endpoint ep = options_.rdma_listen.value_or(
+      Endpoint{options_.listen.host,
+               static_cast<uint16_t>(options_.listen.port == 0 || options_.listen.port == 65535
+                                         ? 0
+                                         : options_.listen.port + 1)});
+  const bool loopback = ep.host == "localhost" || ep.host == "::1" || ep.host.starts_with("127.");
+  if (loopback && options_.rdma == RdmaMode::kAuto) {
+    spdlog::info(
+        "RDMA not served on the loopback address {} (soft-RoCE cannot use lo); serving TCP only: "
+        "listen on an interface's address, or give --rdma-listen",
+        ep.host);
+    return Status::Ok();
+  }
+  Result<std::unique_ptr<RdmaListener>> r = RdmaListener::Start(ep);
+  if (!r.has_value()) {
+    if (options_.rdma == RdmaMode::kOn) return r.error().WithContext("--rdma on");
+    spdlog::info("no RDMA device; serving TCP only ({})", r.error().message());
+    return Status::Ok();
+  }
+  rdma_ = std::move(*r);
+  pool_->SetRegistrar(rdma_.get());
+  return Status::Ok();
 }
 
 void Server::AcceptLoop() {

@@ -4,7 +4,8 @@
 // to completion (read the frame, touch slab memory, answer) and batches the replies of all frames
 // that arrived together into one sendmsg. There is no hand-off between threads on the data path:
 // on these machines a cross-core wake-up costs more than the whole operation (design.md).
-// A housekeeping thread reclaims leases whose clients stopped heartbeating.
+// A housekeeping thread reclaims leases whose clients stopped heartbeating. With RDMA, an
+// RdmaListener (rdma_listener.h) admits queue pairs and registers leases; it has no data path.
 //
 // Threading: Start/Stop from the main thread; everything else is internal.
 #pragma once
@@ -14,12 +15,14 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "farmem/common/config.h"
 #include "farmem/common/socket.h"
+#include "rdma_listener.h"
 #include "slab_pool.h"
 
 namespace farmem::daemon {
@@ -29,6 +32,9 @@ struct ServerOptions {
   std::string secret;  // empty: no authentication (the daemon says so loudly)
   uint32_t max_connections = 256;
   std::chrono::milliseconds idle_timeout{0};  // 0: connections may stay idle forever
+  RdmaMode rdma = RdmaMode::kAuto;
+  // Unset: the TCP host, port = TCP port + 1 (any free port when the TCP port is 0).
+  std::optional<Endpoint> rdma_listen;
 };
 
 struct ServerCounters {
@@ -54,11 +60,13 @@ class Server {
   SlabPool& pool() { return *pool_; }
   const ServerOptions& options() const { return options_; }
   ServerCounters& counters() { return counters_; }
+  RdmaListener* rdma() { return rdma_.get(); }  // null: this daemon serves TCP only
   void ClientConnected(const wire::ClientId& id);
   void ClientDisconnected(const wire::ClientId& id);
   uint32_t client_count();
 
  private:
+  Status StartRdma();
   void AcceptLoop();
   void HousekeepingLoop();
   void ReapFinished();
@@ -68,6 +76,7 @@ class Server {
   uint64_t node_id_ = 0;
   uint16_t port_ = 0;
   Socket listener_;
+  std::unique_ptr<RdmaListener> rdma_;
   std::atomic<bool> stopping_{false};
   std::thread accept_thread_;
   std::thread housekeeping_thread_;

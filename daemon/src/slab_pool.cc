@@ -72,6 +72,7 @@ SlabPool::~SlabPool() {
 
 Result<std::vector<wire::LeaseGrant>> SlabPool::Grant(uint32_t count, const wire::ClientId& owner) {
   std::lock_guard lock(mu_);
+  ReclaimDrained();
   if (count > free_list_.size()) {
     return Err(ResourceExhausted(fmt::format("asked for {} slabs but only {} of {} are free", count,
                                              free_list_.size(), total_)));
@@ -81,6 +82,16 @@ Result<std::vector<wire::LeaseGrant>> SlabPool::Grant(uint32_t count, const wire
   out.reserve(count);
   for (uint32_t i = 0; i < count; ++i) {
     const uint32_t index = free_list_.back();
+    uint8_t* addr = base_ + uint64_t{index} * options_.slab_size;
+    uint32_t rkey = 0;
+    if (registrar_ != nullptr) {
+      Result<uint32_t> r = registrar_->RegisterLease(index, owner, addr, options_.slab_size);
+      if (!r.has_value()) {  // all or nothing: undo this grant
+        for (const wire::LeaseGrant& g : out) EndLease(wire::LeaseSlab(g.lease_id));
+        return Err(r.error());
+      }
+      rkey = *r;
+    }
     free_list_.pop_back();
     if (++next_epoch_ == 0) next_epoch_ = 1;
     Slab& s = slabs_[index];
@@ -88,8 +99,7 @@ Result<std::vector<wire::LeaseGrant>> SlabPool::Grant(uint32_t count, const wire
     s.expiry = expiry;
     const uint64_t id = wire::MakeLeaseId(next_epoch_, index);
     s.lease_id.store(id, std::memory_order_seq_cst);
-    out.push_back({id, options_.slab_size,
-                   reinterpret_cast<uint64_t>(base_ + uint64_t{index} * options_.slab_size), 0});
+    out.push_back({id, options_.slab_size, reinterpret_cast<uint64_t>(addr), rkey});
   }
   return out;
 }
@@ -97,17 +107,32 @@ Result<std::vector<wire::LeaseGrant>> SlabPool::Grant(uint32_t count, const wire
 void SlabPool::EndLease(uint32_t index) {
   Slab& s = slabs_[index];
   s.lease_id.store(0, std::memory_order_seq_cst);
-  while (s.users.load(std::memory_order_seq_cst) != 0) std::this_thread::yield();
-  std::memset(base_ + uint64_t{index} * options_.slab_size, 0, options_.slab_size);
-  s.owner = {};
-  free_list_.push_back(index);
+  if (registrar_ != nullptr) registrar_->DeregisterLease(index);
+  draining_.push_back(index);
+  ReclaimDrained();
+}
+
+void SlabPool::ReclaimDrained() {
+  for (size_t i = 0; i < draining_.size();) {
+    const uint32_t index = draining_[i];
+    if (slabs_[index].users.load(std::memory_order_seq_cst) != 0) {
+      ++i;
+      continue;
+    }
+    std::memset(base_ + uint64_t{index} * options_.slab_size, 0, options_.slab_size);
+    slabs_[index].owner = {};  // only now: an Acquire that raced the end may still read it
+    free_list_.push_back(index);
+    draining_[i] = draining_.back();
+    draining_.pop_back();
+  }
 }
 
 Status SlabPool::Release(std::span<const uint64_t> lease_ids, const wire::ClientId& owner) {
   std::lock_guard lock(mu_);
   for (uint64_t id : lease_ids) {
     const uint32_t index = wire::LeaseSlab(id);
-    if (index >= total_ || slabs_[index].lease_id.load() != id) {
+    // Epoch 0 is never granted: lease id 0 must not match a free slab (whose id is 0).
+    if (index >= total_ || wire::LeaseEpoch(id) == 0 || slabs_[index].lease_id.load() != id) {
       return Expired(
           fmt::format("lease {:#x} is not held (already freed, expired or evicted)", id));
     }
@@ -138,6 +163,7 @@ uint32_t SlabPool::Renew(const wire::ClientId& owner) {
 
 uint32_t SlabPool::ReclaimExpired() {
   std::lock_guard lock(mu_);
+  ReclaimDrained();
   const auto now = std::chrono::steady_clock::now();
   uint32_t reclaimed = 0;
   for (uint32_t i = 0; i < total_; ++i) {
@@ -158,6 +184,9 @@ uint32_t SlabPool::ReclaimExpired() {
 Result<Pin> SlabPool::Acquire(uint64_t lease_id, const wire::ClientId& owner, uint64_t offset,
                               uint64_t length) {
   const uint32_t index = wire::LeaseSlab(lease_id);
+  if (wire::LeaseEpoch(lease_id) == 0) {  // never granted; and a free slab's id is 0
+    return Err(NotFound(fmt::format("lease {:#x} was never granted (epoch 0)", lease_id)));
+  }
   if (index >= total_) {
     return Err(NotFound(
         fmt::format("lease {:#x} names slab {} but this daemon has {}", lease_id, index, total_)));
@@ -177,6 +206,11 @@ Result<Pin> SlabPool::Acquire(uint64_t lease_id, const wire::ClientId& owner, ui
                                       length, offset, lease_id, options_.slab_size)));
   }
   return Pin(std::move(pin));
+}
+
+void SlabPool::SetRegistrar(LeaseRegistrar* registrar) {
+  std::lock_guard lock(mu_);
+  registrar_ = registrar;
 }
 
 PoolStats SlabPool::stats() const {

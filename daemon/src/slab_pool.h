@@ -58,6 +58,19 @@ class Pin {
   uint8_t* data_ = nullptr;
 };
 
+// Makes lent memory reachable by RDMA, one memory region per lease (rdma_listener.h implements
+// it). The pool calls it with its lock held: at grant, before the lease id is published, and when
+// a lease ends (freed, expired, evicted), before the memory is zeroed — after DeregisterLease
+// returns, the lease's rkey is dead and no RDMA access can reach the slab.
+class LeaseRegistrar {
+ public:
+  virtual ~LeaseRegistrar() = default;
+  // Returns the rkey of a region over [addr, addr + length) that only `owner` can use.
+  virtual Result<uint32_t> RegisterLease(uint32_t slab, const wire::ClientId& owner, void* addr,
+                                         uint64_t length) = 0;
+  virtual void DeregisterLease(uint32_t slab) = 0;
+};
+
 struct PoolStats {
   uint64_t capacity = 0;
   uint64_t slab_size = 0;
@@ -84,6 +97,10 @@ class SlabPool {
                       uint64_t length);
 
   PoolStats stats() const;
+  // Every lease granted from now on is registered with `registrar` (nullptr: none). Set before
+  // serving; detach (nullptr) only when no lease is registered any more or the registrar has
+  // dropped its regions itself (RdmaListener::Stop does).
+  void SetRegistrar(LeaseRegistrar* registrar);
   uint8_t* base() const { return base_; }
   uint64_t slab_size() const { return options_.slab_size; }
   std::chrono::milliseconds lease_ttl() const { return options_.lease_ttl; }
@@ -97,8 +114,12 @@ class SlabPool {
   };
 
   explicit SlabPool(const PoolOptions& options) : options_(options) {}
-  // Clears the lease and zeroes the slab once no data operation uses it. Caller holds mu_.
+  // Clears the lease at once (no new data operation can start on it, its RDMA region is gone);
+  // the slab is zeroed and freed by ReclaimDrained once no data operation still uses it, so
+  // ending a lease never waits, under mu_, for a peer that is slow to send or receive.
+  // Caller holds mu_.
   void EndLease(uint32_t index);
+  void ReclaimDrained();
 
   PoolOptions options_;
   uint8_t* base_ = nullptr;
@@ -106,8 +127,10 @@ class SlabPool {
   std::unique_ptr<Slab[]> slabs_;
   uint32_t total_ = 0;
   mutable std::mutex mu_;
-  std::vector<uint32_t> free_list_;  // GUARDED_BY(mu_)
-  uint32_t next_epoch_ = 1;          // GUARDED_BY(mu_)
+  std::vector<uint32_t> free_list_;      // GUARDED_BY(mu_)
+  std::vector<uint32_t> draining_;       // GUARDED_BY(mu_): ended, still pinned by a data operation
+  uint32_t next_epoch_ = 1;              // GUARDED_BY(mu_)
+  LeaseRegistrar* registrar_ = nullptr;  // GUARDED_BY(mu_)
 };
 
 }  // namespace farmem::daemon

@@ -77,10 +77,9 @@ class TcpChannel final : public Channel {
     if (n > 0 || inflight_.empty() || out.empty()) return n;
     if (timeout.count() == 0) {
       uint8_t probe;
-      if (::recv(conn_.socket().fd(), &probe, 1, MSG_PEEK | MSG_DONTWAIT) <= 0 &&
-          (errno == EAGAIN || errno == EWOULDBLOCK)) {
-        return size_t{0};
-      }
+      // recv() returning 0 (the daemon closed) leaves errno alone: only < 0 may look at it.
+      const ssize_t r = ::recv(conn_.socket().fd(), &probe, 1, MSG_PEEK | MSG_DONTWAIT);
+      if (r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return size_t{0};
     }
     if (timeout != rcv_timeout_) {
       FARMEM_RETURN_IF_ERROR(SetReceiveTimeout(conn_.socket().fd(), timeout));
@@ -97,6 +96,7 @@ class TcpChannel final : public Channel {
   std::string peer() const override { return options_.endpoint.ToString(); }
   bool broken() const override { return !broken_.ok(); }
   ChannelStats stats() const override { return stats_; }
+  int wait_fd() const override { return broken() ? -1 : conn_.socket().fd(); }
 
  private:
   struct InFlight {

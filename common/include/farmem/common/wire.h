@@ -47,6 +47,7 @@ enum class Opcode : uint8_t {
   kWrite = 8,
   kBatch = 9,
   kEvictNotice = 10,  // daemon -> client push: these leases will be evicted
+  kRdmaToken = 11,    // a one-time token that admits one RDMA connection of this client
 };
 const char* OpcodeName(uint8_t op);
 
@@ -216,6 +217,22 @@ struct EvictNotice {
   uint32_t grace_ms = 0;
 };
 
+// RDMA_TOKEN reply: the token a client puts in its rdma_cm connect request (docs/rdma.md).
+inline constexpr size_t kRdmaTokenSize = 32;
+using RdmaToken = std::array<uint8_t, kRdmaTokenSize>;
+struct RdmaTokenReply {
+  RdmaToken token{};
+  uint16_t rdma_port = 0;  // where the daemon's rdma_cm listens (same host as its TCP port)
+  uint32_t valid_ms = 0;   // the token admits one connection within this time
+};
+
+// rdma_cm private data. Connect request (client -> daemon), 40 bytes: magic u32, version u8,
+// reserved [3], token [32]. Reject (daemon -> client), 8 bytes: magic u32, version u8, reserved
+// u8, status u16 (why). Transports may pad private data: readers ignore bytes past these.
+inline constexpr uint32_t kRdmaMagic = 0x43524D46;  // bytes 'F' 'M' 'R' 'C'
+inline constexpr size_t kRdmaConnectDataSize = 40;
+inline constexpr size_t kRdmaRejectDataSize = 8;
+
 // Fixed part of READ and WRITE bodies; WRITE's payload follows it.
 struct DataOp {
   uint64_t lease_id = 0;
@@ -252,6 +269,14 @@ void EncodeHeartbeatReply(const HeartbeatReply& m, std::vector<uint8_t>* out);
 Result<HeartbeatReply> DecodeHeartbeatReply(std::span<const uint8_t> body);
 void EncodeEvictNotice(const EvictNotice& m, std::vector<uint8_t>* out);
 Result<EvictNotice> DecodeEvictNotice(std::span<const uint8_t> body);
+
+void EncodeRdmaTokenReply(const RdmaTokenReply& m, std::vector<uint8_t>* out);
+Result<RdmaTokenReply> DecodeRdmaTokenReply(std::span<const uint8_t> body);
+void EncodeRdmaConnectData(const RdmaToken& token, uint8_t out[kRdmaConnectDataSize]);
+Result<RdmaToken> DecodeRdmaConnectData(std::span<const uint8_t> data);
+void EncodeRdmaRejectData(StatusCode why, uint8_t out[kRdmaRejectDataSize]);
+// The status a daemon gave for rejecting a connection; Internal when `data` is not ours.
+StatusCode DecodeRdmaRejectData(std::span<const uint8_t> data);
 
 void EncodeDataOp(const DataOp& m, uint8_t out[kDataOpSize]);
 Result<DataOp> DecodeDataOp(std::span<const uint8_t> fixed);  // exactly the first kDataOpSize bytes

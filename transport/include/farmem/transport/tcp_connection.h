@@ -33,6 +33,7 @@ class TcpConnection {
   const wire::HelloReply& hello() const { return hello_; }
   const Endpoint& endpoint() const { return endpoint_; }
   Socket& socket() { return socket_; }
+  const Socket& socket() const { return socket_; }
   uint64_t NextRequestId() { return ++next_request_id_; }
   bool broken() const { return broken_; }
   void MarkBroken() { broken_ = true; }

@@ -95,6 +95,10 @@ class Channel {
   virtual std::string peer() const = 0;
   virtual bool broken() const = 0;
   virtual ChannelStats stats() const = 0;
+  // A file descriptor that poll(2) reports readable when Poll() may have a completion to reap,
+  // so one thread can wait on many channels at once (reads spread over k+r daemons). -1 when the
+  // channel cannot be waited on that way: then the caller polls with a zero timeout.
+  virtual int wait_fd() const { return -1; }
 
   // Synchronous conveniences. Execute posts all ops (flushing as the window allows), waits for
   // all, stores each op's status in `results` (if given) and returns the first error.

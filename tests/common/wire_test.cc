@@ -1,0 +1,962 @@
+// The wire format (docs/wire-protocol.md): every encoder's output decodes to what went in, and
+// every decoder refuses what the document forbids (bad magic/version/flags/lengths, truncation,
+// counts over the limits) with the documented code, without reading past what it was given.
+#include "farmem/common/wire.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+namespace farmem::wire {
+namespace {
+
+using ::testing::HasSubstr;
+
+constexpr uint64_t kU64Max = std::numeric_limits<uint64_t>::max();
+
+std::vector<uint8_t> HeaderBytes(const FrameHeader& h) {
+  std::vector<uint8_t> out(kHeaderSize);
+  EncodeHeader(h, out.data());
+  return out;
+}
+
+void PutU16(std::vector<uint8_t>& b, size_t at, uint16_t v) { std::memcpy(&b[at], &v, 2); }
+void PutU32(std::vector<uint8_t>& b, size_t at, uint32_t v) { std::memcpy(&b[at], &v, 4); }
+
+template <typename T>
+StatusCode CodeOf(const Result<T>& r) {
+  return r.has_value() ? StatusCode::kOk : r.error().code();
+}
+
+// ---------------------------------------------------------------- header
+
+TEST(WireHeader, RoundTripsEveryField) {
+  FrameHeader h;
+  h.opcode = static_cast<uint8_t>(Opcode::kBatch);
+  h.flags = kFlagReply;
+  h.request_id = 0x0123456789abcdefull;
+  h.body_len = kMaxBodyLen;
+  h.status = static_cast<uint16_t>(StatusCode::kExpired);
+  const std::vector<uint8_t> bytes = HeaderBytes(h);
+  // The layout is the document's: magic, version, opcode, flags, id, body_len, status, reserved.
+  EXPECT_EQ(bytes[0], 'F');
+  EXPECT_EQ(bytes[1], 'M');
+  EXPECT_EQ(bytes[2], 'E');
+  EXPECT_EQ(bytes[3], 'M');
+  EXPECT_EQ(bytes[4], kVersion);
+  EXPECT_EQ(bytes[5], static_cast<uint8_t>(Opcode::kBatch));
+  EXPECT_EQ(bytes[8], 0xef);  // little-endian request id
+  EXPECT_EQ(bytes[15], 0x01);
+  EXPECT_EQ(bytes[22], 0);
+  EXPECT_EQ(bytes[23], 0);
+
+  auto d = DecodeHeader(bytes);
+  ASSERT_TRUE(d.has_value()) << d.error().ToString();
+  EXPECT_EQ(d->version, kVersion);
+  EXPECT_EQ(d->opcode, h.opcode);
+  EXPECT_EQ(d->flags, h.flags);
+  EXPECT_EQ(d->request_id, h.request_id);
+  EXPECT_EQ(d->body_len, h.body_len);
+  EXPECT_EQ(d->status, h.status);
+  EXPECT_TRUE(d->is_reply());
+}
+
+TEST(WireHeader, PushFlagAndZeroFieldsRoundTrip) {
+  FrameHeader h;
+  h.opcode = static_cast<uint8_t>(Opcode::kEvictNotice);
+  h.flags = kFlagPush;
+  auto d = DecodeHeader(HeaderBytes(h));
+  ASSERT_TRUE(d.has_value());
+  EXPECT_EQ(d->flags, kFlagPush);
+  EXPECT_FALSE(d->is_reply());
+  EXPECT_EQ(d->request_id, 0u);
+  EXPECT_EQ(d->body_len, 0u);
+}
+
+TEST(WireHeader, ReadsOnlyTheFirst24Bytes) {
+  FrameHeader h;
+  h.opcode = static_cast<uint8_t>(Opcode::kStat);
+  std::vector<uint8_t> bytes = HeaderBytes(h);
+  bytes.resize(100, 0xff);  // whatever follows is body, not header
+  EXPECT_TRUE(DecodeHeader(bytes).has_value());
+}
+
+TEST(WireHeader, RejectsTruncatedHeaderAtEveryLength) {
+  const std::vector<uint8_t> bytes = HeaderBytes(FrameHeader{});
+  for (size_t n = 0; n < kHeaderSize; ++n) {
+    auto d = DecodeHeader(std::span(bytes).first(n));
+    ASSERT_FALSE(d.has_value()) << n;
+    EXPECT_EQ(d.error().code(), StatusCode::kProtocolError) << n;
+  }
+}
+
+TEST(WireHeader, RejectsBadMagicInEachByte) {
+  for (size_t i = 0; i < 4; ++i) {
+    std::vector<uint8_t> bytes = HeaderBytes(FrameHeader{});
+    bytes[i] ^= 0x20;
+    auto d = DecodeHeader(bytes);
+    ASSERT_FALSE(d.has_value()) << i;
+    EXPECT_EQ(d.error().code(), StatusCode::kProtocolError);
+    EXPECT_THAT(d.error().message(), HasSubstr("magic"));
+  }
+  // Byte-swapped magic: a big-endian peer.
+  std::vector<uint8_t> bytes = HeaderBytes(FrameHeader{});
+  std::swap(bytes[0], bytes[3]);
+  std::swap(bytes[1], bytes[2]);
+  EXPECT_EQ(CodeOf(DecodeHeader(bytes)), StatusCode::kProtocolError);
+}
+
+TEST(WireHeader, RejectsEveryOtherVersion) {
+  for (int v : {0, 2, 3, 0x7f, 0xff}) {
+    FrameHeader h;
+    h.version = static_cast<uint8_t>(v);
+    auto d = DecodeHeader(HeaderBytes(h));
+    ASSERT_FALSE(d.has_value()) << v;
+    EXPECT_EQ(d.error().code(), StatusCode::kProtocolError);
+    EXPECT_THAT(d.error().message(), HasSubstr("version"));
+  }
+}
+
+TEST(WireHeader, RejectsReservedBits) {
+  for (uint16_t reserved : {uint16_t{1}, uint16_t{0x8000}, uint16_t{0xffff}}) {
+    std::vector<uint8_t> bytes = HeaderBytes(FrameHeader{});
+    PutU16(bytes, 22, reserved);
+    auto d = DecodeHeader(bytes);
+    ASSERT_FALSE(d.has_value()) << reserved;
+    EXPECT_EQ(d.error().code(), StatusCode::kProtocolError);
+    EXPECT_THAT(d.error().message(), HasSubstr("reserved"));
+  }
+}
+
+TEST(WireHeader, RejectsUnknownFlags) {
+  for (int bit = 2; bit < 16; ++bit) {
+    FrameHeader h;
+    h.flags = static_cast<uint16_t>((1u << bit) | kFlagReply);
+    auto d = DecodeHeader(HeaderBytes(h));
+    ASSERT_FALSE(d.has_value()) << bit;
+    EXPECT_EQ(d.error().code(), StatusCode::kProtocolError) << bit;
+  }
+  FrameHeader both;
+  both.flags = kFlagReply | kFlagPush;  // both known: the header layer accepts it
+  EXPECT_TRUE(DecodeHeader(HeaderBytes(both)).has_value());
+}
+
+TEST(WireHeader, EnforcesBodyLimit) {
+  FrameHeader h;
+  h.body_len = kMaxBodyLen;
+  EXPECT_TRUE(DecodeHeader(HeaderBytes(h)).has_value());
+  for (uint32_t len : {kMaxBodyLen + 1, 0x80000000u, 0xffffffffu}) {
+    h.body_len = len;
+    auto d = DecodeHeader(HeaderBytes(h));
+    ASSERT_FALSE(d.has_value()) << len;
+    EXPECT_EQ(d.error().code(), StatusCode::kResourceExhausted);
+    EXPECT_THAT(d.error().message(), HasSubstr(std::to_string(len)));
+  }
+  // A caller's tighter limit (control replies).
+  h.body_len = kMaxControlBodyLen;
+  EXPECT_TRUE(DecodeHeader(HeaderBytes(h), kMaxControlBodyLen).has_value());
+  h.body_len = kMaxControlBodyLen + 1;
+  EXPECT_EQ(CodeOf(DecodeHeader(HeaderBytes(h), kMaxControlBodyLen)),
+            StatusCode::kResourceExhausted);
+  h.body_len = 1;
+  EXPECT_EQ(CodeOf(DecodeHeader(HeaderBytes(h), 0)), StatusCode::kResourceExhausted);
+}
+
+TEST(WireHeader, LimitsAreConsistent) {
+  // The biggest BATCH (full descriptor table plus a full payload) fits in one frame.
+  EXPECT_EQ(kMaxBodyLen, kMaxDataLen + 8 + kMaxOpsPerBatch * kBatchOpSize);
+  EXPECT_EQ(kMaxBodyLen, (16u << 20) + 8 + 24 * 1024);
+  EXPECT_EQ(kBatchOpSize, 24u);
+  EXPECT_EQ(kDataOpSize, 24u);
+}
+
+TEST(WireHeader, OpcodeNames) {
+  EXPECT_STREQ(OpcodeName(1), "HELLO");
+  EXPECT_STREQ(OpcodeName(2), "AUTH");
+  EXPECT_STREQ(OpcodeName(3), "STAT");
+  EXPECT_STREQ(OpcodeName(4), "ALLOC");
+  EXPECT_STREQ(OpcodeName(5), "FREE");
+  EXPECT_STREQ(OpcodeName(6), "HEARTBEAT");
+  EXPECT_STREQ(OpcodeName(7), "READ");
+  EXPECT_STREQ(OpcodeName(8), "WRITE");
+  EXPECT_STREQ(OpcodeName(9), "BATCH");
+  EXPECT_STREQ(OpcodeName(10), "EVICT_NOTICE");
+  EXPECT_STREQ(OpcodeName(11), "RDMA_TOKEN");
+  for (int op : {0, 12, 100, 255}) EXPECT_STREQ(OpcodeName(static_cast<uint8_t>(op)), "UNKNOWN");
+}
+
+// ---------------------------------------------------------------- Reader / Writer
+
+TEST(WireReader, FailureIsStickyAndYieldsZeros) {
+  const std::vector<uint8_t> bytes = {1, 2, 3};
+  Reader r(bytes);
+  EXPECT_EQ(r.U16(), 0x0201);
+  EXPECT_EQ(r.U32(), 0u);  // only one byte left
+  EXPECT_FALSE(r.ok());
+  EXPECT_EQ(r.U8(), 0u);  // the one byte is no longer handed out
+  EXPECT_TRUE(r.Bytes(0).empty());
+  EXPECT_EQ(r.remaining(), 0u);
+}
+
+TEST(WireReader, BytesNeverOverflowsTheSpan) {
+  const std::vector<uint8_t> bytes(8, 7);
+  Reader r(bytes);
+  r.Skip(4);
+  EXPECT_TRUE(r.Bytes(std::numeric_limits<size_t>::max()).empty());
+  EXPECT_FALSE(r.ok());
+  Reader r2(bytes);
+  EXPECT_EQ(r2.Bytes(8).size(), 8u);
+  EXPECT_TRUE(r2.ok());
+  EXPECT_EQ(r2.remaining(), 0u);
+}
+
+TEST(WireWriter, IsLittleEndian) {
+  std::vector<uint8_t> out;
+  Writer w(&out);
+  w.U16(0x0102);
+  w.U32(0x03040506);
+  w.U64(0x0708090a0b0c0d0eull);
+  w.Zeros(2);
+  EXPECT_EQ(out, (std::vector<uint8_t>{2, 1, 6, 5, 4, 3, 0xe, 0xd, 0xc, 0xb, 0xa, 9, 8, 7, 0, 0}));
+}
+
+// ---------------------------------------------------------------- HELLO / AUTH
+
+HelloRequest SampleHello() {
+  HelloRequest m;
+  m.min_version = 1;
+  m.max_version = 3;
+  for (size_t i = 0; i < m.client_id.size(); ++i) m.client_id[i] = static_cast<uint8_t>(i + 1);
+  for (size_t i = 0; i < m.client_nonce.size(); ++i) {
+    m.client_nonce[i] = static_cast<uint8_t>(0xa0 + i);
+  }
+  m.client_name = "blockdev@host-7";
+  return m;
+}
+
+TEST(WireHello, RoundTrips) {
+  const HelloRequest m = SampleHello();
+  std::vector<uint8_t> body;
+  EncodeHello(m, &body);
+  EXPECT_EQ(body.size(), 4 + kClientIdSize + kNonceSize + m.client_name.size());
+  auto d = DecodeHello(body);
+  ASSERT_TRUE(d.has_value()) << d.error().ToString();
+  EXPECT_EQ(d->min_version, 1);
+  EXPECT_EQ(d->max_version, 3);
+  EXPECT_EQ(d->client_id, m.client_id);
+  EXPECT_EQ(d->client_nonce, m.client_nonce);
+  EXPECT_EQ(d->client_name, m.client_name);
+}
+
+TEST(WireHello, EmptyNameAndLongestName) {
+  HelloRequest m = SampleHello();
+  m.client_name = "";
+  std::vector<uint8_t> body;
+  EncodeHello(m, &body);
+  auto d = DecodeHello(body);
+  ASSERT_TRUE(d.has_value());
+  EXPECT_EQ(d->client_name, "");
+
+  m.client_name = std::string(kMaxClientName, 'n');
+  body.clear();
+  EncodeHello(m, &body);
+  d = DecodeHello(body);
+  ASSERT_TRUE(d.has_value());
+  EXPECT_EQ(d->client_name, m.client_name);
+}
+
+TEST(WireHello, EncoderCutsOverlongNames) {
+  HelloRequest m = SampleHello();
+  m.client_name = std::string(kMaxClientName + 50, 'x');
+  std::vector<uint8_t> body;
+  EncodeHello(m, &body);
+  auto d = DecodeHello(body);
+  ASSERT_TRUE(d.has_value());
+  EXPECT_EQ(d->client_name, std::string(kMaxClientName, 'x'));
+}
+
+TEST(WireHello, NonPrintableNameBytesAreReplaced) {
+  HelloRequest m = SampleHello();
+  m.client_name = std::string("a\nb\x1b[31m\x7f\xff", 10);
+  std::vector<uint8_t> body;
+  EncodeHello(m, &body);
+  auto d = DecodeHello(body);
+  ASSERT_TRUE(d.has_value());
+  EXPECT_EQ(d->client_name, "a?b?[31m??");
+}
+
+TEST(WireHello, RejectsNameLengthOverLimitOrInconsistent) {
+  std::vector<uint8_t> body;
+  EncodeHello(SampleHello(), &body);
+  const size_t fixed = 4 + kClientIdSize + kNonceSize;
+  // name_len larger than what follows
+  std::vector<uint8_t> b = body;
+  PutU16(b, 2, static_cast<uint16_t>(b.size() - fixed + 1));
+  EXPECT_EQ(CodeOf(DecodeHello(b)), StatusCode::kProtocolError);
+  // trailing bytes after the name
+  b = body;
+  b.push_back('!');
+  EXPECT_EQ(CodeOf(DecodeHello(b)), StatusCode::kProtocolError);
+  // name_len over the limit, with that many bytes present
+  HelloRequest m = SampleHello();
+  m.client_name.clear();
+  b.clear();
+  EncodeHello(m, &b);
+  b.resize(fixed + kMaxClientName + 1, 'y');
+  PutU16(b, 2, static_cast<uint16_t>(kMaxClientName + 1));
+  EXPECT_EQ(CodeOf(DecodeHello(b)), StatusCode::kProtocolError);
+  PutU16(b, 2, 0xffff);
+  EXPECT_EQ(CodeOf(DecodeHello(b)), StatusCode::kProtocolError);
+}
+
+TEST(WireHello, RejectsEmptyVersionRange) {
+  HelloRequest m = SampleHello();
+  m.min_version = 2;
+  m.max_version = 1;
+  std::vector<uint8_t> body;
+  EncodeHello(m, &body);
+  auto d = DecodeHello(body);
+  ASSERT_FALSE(d.has_value());
+  EXPECT_EQ(d.error().code(), StatusCode::kProtocolError);
+  EXPECT_THAT(d.error().message(), HasSubstr("2..1"));
+}
+
+TEST(WireHello, RejectsEveryTruncation) {
+  std::vector<uint8_t> body;
+  EncodeHello(SampleHello(), &body);
+  for (size_t n = 0; n < body.size(); ++n) {
+    EXPECT_EQ(CodeOf(DecodeHello(std::span(body).first(n))), StatusCode::kProtocolError) << n;
+  }
+}
+
+TEST(WireHelloReply, RoundTripsAndRejectsTruncation) {
+  HelloReply m;
+  m.version = 1;
+  m.features = kFeatureAuthRequired | kFeatureVerbs;
+  m.node_id = 0xfeedfacecafebeefull;
+  for (size_t i = 0; i < m.server_nonce.size(); ++i) m.server_nonce[i] = static_cast<uint8_t>(i);
+  std::vector<uint8_t> body;
+  EncodeHelloReply(m, &body);
+  EXPECT_EQ(body.size(), 16 + kNonceSize);
+  auto d = DecodeHelloReply(body);
+  ASSERT_TRUE(d.has_value());
+  EXPECT_EQ(d->version, 1);
+  EXPECT_EQ(d->features, m.features);
+  EXPECT_EQ(d->node_id, m.node_id);
+  EXPECT_EQ(d->server_nonce, m.server_nonce);
+  for (size_t n = 0; n < body.size(); ++n) {
+    EXPECT_EQ(CodeOf(DecodeHelloReply(std::span(body).first(n))), StatusCode::kProtocolError) << n;
+  }
+}
+
+TEST(WireAuth, RoundTripsAndNeedsExactly32Bytes) {
+  AuthRequest m;
+  for (size_t i = 0; i < kMacSize; ++i) m.client_mac[i] = static_cast<uint8_t>(3 * i);
+  std::vector<uint8_t> body;
+  EncodeAuth(m, &body);
+  ASSERT_EQ(body.size(), kMacSize);
+  auto d = DecodeAuth(body);
+  ASSERT_TRUE(d.has_value());
+  EXPECT_EQ(d->client_mac, m.client_mac);
+  for (size_t n = 0; n < kMacSize; ++n) {
+    EXPECT_EQ(CodeOf(DecodeAuth(std::span(body).first(n))), StatusCode::kProtocolError) << n;
+  }
+  body.push_back(0);
+  EXPECT_EQ(CodeOf(DecodeAuth(body)), StatusCode::kProtocolError);
+
+  AuthReply r;
+  r.server_mac = m.client_mac;
+  r.server_mac[31] = 0x99;
+  std::vector<uint8_t> rb;
+  EncodeAuthReply(r, &rb);
+  auto dr = DecodeAuthReply(rb);
+  ASSERT_TRUE(dr.has_value());
+  EXPECT_EQ(dr->server_mac, r.server_mac);
+  for (size_t n = 0; n < kMacSize; ++n) {
+    EXPECT_EQ(CodeOf(DecodeAuthReply(std::span(rb).first(n))), StatusCode::kProtocolError) << n;
+  }
+  rb.push_back(0);
+  EXPECT_EQ(CodeOf(DecodeAuthReply(rb)), StatusCode::kProtocolError);
+}
+
+// ---------------------------------------------------------------- STAT
+
+TEST(WireStat, RoundTripsEveryField) {
+  StatReply m;
+  m.node_id = 1;
+  m.capacity = 2ull << 40;
+  m.slab_size = 64ull << 20;
+  m.total_slabs = 32768;
+  m.free_slabs = 17;
+  m.clients = 3;
+  m.features = kFeatureAuthRequired;
+  m.ops = kU64Max;
+  m.bytes_read = 5;
+  m.bytes_written = 6;
+  m.rdma_port = 4791;
+  std::vector<uint8_t> body;
+  EncodeStatReply(m, &body);
+  EXPECT_EQ(body.size(), 72u);
+  auto d = DecodeStatReply(body);
+  ASSERT_TRUE(d.has_value());
+  EXPECT_EQ(d->node_id, m.node_id);
+  EXPECT_EQ(d->capacity, m.capacity);
+  EXPECT_EQ(d->slab_size, m.slab_size);
+  EXPECT_EQ(d->total_slabs, m.total_slabs);
+  EXPECT_EQ(d->free_slabs, m.free_slabs);
+  EXPECT_EQ(d->clients, m.clients);
+  EXPECT_EQ(d->features, m.features);
+  EXPECT_EQ(d->ops, m.ops);
+  EXPECT_EQ(d->bytes_read, m.bytes_read);
+  EXPECT_EQ(d->bytes_written, m.bytes_written);
+  EXPECT_EQ(d->rdma_port, m.rdma_port);
+}
+
+TEST(WireStat, IgnoresAppendedFieldsAndRejectsTruncation) {
+  StatReply m;
+  m.free_slabs = 9;
+  std::vector<uint8_t> body;
+  EncodeStatReply(m, &body);
+  std::vector<uint8_t> longer = body;
+  longer.resize(body.size() + 40, 0xab);  // a newer daemon's fields
+  auto d = DecodeStatReply(longer);
+  ASSERT_TRUE(d.has_value());
+  EXPECT_EQ(d->free_slabs, 9u);
+  for (size_t n = 0; n < body.size(); ++n) {
+    EXPECT_EQ(CodeOf(DecodeStatReply(std::span(body).first(n))), StatusCode::kProtocolError) << n;
+  }
+}
+
+// ---------------------------------------------------------------- ALLOC / FREE / HEARTBEAT
+
+TEST(WireAlloc, RoundTripsCountsAtTheLimits) {
+  for (uint32_t count : {1u, 7u, kMaxLeasesPerCall}) {
+    std::vector<uint8_t> body;
+    EncodeAlloc({count}, &body);
+    EXPECT_EQ(body.size(), 8u);
+    auto d = DecodeAlloc(body);
+    ASSERT_TRUE(d.has_value()) << count;
+    EXPECT_EQ(d->count, count);
+  }
+}
+
+TEST(WireAlloc, RejectsZeroAndTooManyWithInvalidArgument) {
+  for (uint32_t count : {0u, kMaxLeasesPerCall + 1, 0xffffffffu}) {
+    std::vector<uint8_t> body;
+    EncodeAlloc({count}, &body);
+    auto d = DecodeAlloc(body);
+    ASSERT_FALSE(d.has_value()) << count;
+    EXPECT_EQ(d.error().code(), StatusCode::kInvalidArgument);
+    EXPECT_THAT(d.error().message(), HasSubstr("1 to 1024"));
+  }
+}
+
+TEST(WireAlloc, RejectsWrongBodySize) {
+  std::vector<uint8_t> body;
+  EncodeAlloc({3}, &body);
+  for (size_t n = 0; n < body.size(); ++n) {
+    EXPECT_EQ(CodeOf(DecodeAlloc(std::span(body).first(n))), StatusCode::kProtocolError) << n;
+  }
+  body.push_back(0);
+  EXPECT_EQ(CodeOf(DecodeAlloc(body)), StatusCode::kProtocolError);
+}
+
+AllocReply SampleAllocReply(size_t n) {
+  AllocReply m;
+  for (size_t i = 0; i < n; ++i) {
+    m.leases.push_back({MakeLeaseId(static_cast<uint32_t>(100 + i), static_cast<uint32_t>(i)),
+                        64ull << 20, 0x7f0000000000ull + i * (64ull << 20),
+                        static_cast<uint32_t>(0x1000 + i)});
+  }
+  return m;
+}
+
+TEST(WireAllocReply, RoundTrips) {
+  for (size_t n : {size_t{0}, size_t{1}, size_t{5}, size_t{kMaxLeasesPerCall}}) {
+    const AllocReply m = SampleAllocReply(n);
+    std::vector<uint8_t> body;
+    EncodeAllocReply(m, &body);
+    EXPECT_EQ(body.size(), 8 + n * kLeaseGrantSize);
+    auto d = DecodeAllocReply(body);
+    ASSERT_TRUE(d.has_value()) << n;
+    ASSERT_EQ(d->leases.size(), n);
+    for (size_t i = 0; i < n; ++i) {
+      EXPECT_EQ(d->leases[i].lease_id, m.leases[i].lease_id);
+      EXPECT_EQ(d->leases[i].length, m.leases[i].length);
+      EXPECT_EQ(d->leases[i].remote_addr, m.leases[i].remote_addr);
+      EXPECT_EQ(d->leases[i].rkey, m.leases[i].rkey);
+    }
+  }
+}
+
+TEST(WireAllocReply, RejectsCountMismatchOverLimitAndTruncation) {
+  std::vector<uint8_t> body;
+  EncodeAllocReply(SampleAllocReply(3), &body);
+  for (size_t n = 0; n < body.size(); ++n) {
+    EXPECT_EQ(CodeOf(DecodeAllocReply(std::span(body).first(n))), StatusCode::kProtocolError) << n;
+  }
+  std::vector<uint8_t> b = body;
+  b.push_back(0);
+  EXPECT_EQ(CodeOf(DecodeAllocReply(b)), StatusCode::kProtocolError);
+  b = body;
+  PutU32(b, 0, 2);
+  EXPECT_EQ(CodeOf(DecodeAllocReply(b)), StatusCode::kProtocolError);
+  // A count over the limit is refused before anything is sized by it.
+  b = std::vector<uint8_t>(8, 0);
+  PutU32(b, 0, 0xffffffff);
+  EXPECT_EQ(CodeOf(DecodeAllocReply(b)), StatusCode::kProtocolError);
+  b.clear();
+  EncodeAllocReply(SampleAllocReply(kMaxLeasesPerCall + 1), &b);
+  EXPECT_EQ(CodeOf(DecodeAllocReply(b)), StatusCode::kProtocolError);
+}
+
+TEST(WireFree, RoundTrips) {
+  for (size_t n : {size_t{0}, size_t{1}, size_t{3}, size_t{kMaxLeasesPerCall}}) {
+    FreeRequest m;
+    for (size_t i = 0; i < n; ++i) m.lease_ids.push_back(kU64Max - i);
+    std::vector<uint8_t> body;
+    EncodeFree(m, &body);
+    EXPECT_EQ(body.size(), 8 + 8 * n);
+    auto d = DecodeFree(body);
+    ASSERT_TRUE(d.has_value()) << n;
+    EXPECT_EQ(d->lease_ids, m.lease_ids);
+  }
+}
+
+TEST(WireFree, RejectsCountMismatchOverLimitAndTruncation) {
+  FreeRequest m{{1, 2, 3}};
+  std::vector<uint8_t> body;
+  EncodeFree(m, &body);
+  for (size_t n = 0; n < body.size(); ++n) {
+    EXPECT_EQ(CodeOf(DecodeFree(std::span(body).first(n))), StatusCode::kProtocolError) << n;
+  }
+  std::vector<uint8_t> b = body;
+  PutU32(b, 0, 4);
+  EXPECT_EQ(CodeOf(DecodeFree(b)), StatusCode::kProtocolError);
+  b = body;
+  b.push_back(1);
+  EXPECT_EQ(CodeOf(DecodeFree(b)), StatusCode::kProtocolError);
+  FreeRequest big;
+  big.lease_ids.assign(kMaxLeasesPerCall + 1, 5);
+  b.clear();
+  EncodeFree(big, &b);
+  EXPECT_EQ(CodeOf(DecodeFree(b)), StatusCode::kProtocolError);
+  b = std::vector<uint8_t>(8, 0);
+  PutU32(b, 0, 0xffffffff);
+  EXPECT_EQ(CodeOf(DecodeFree(b)), StatusCode::kProtocolError);
+}
+
+TEST(WireHeartbeat, RoundTripsAndRejectsTruncation) {
+  HeartbeatReply m{12, 10000};
+  std::vector<uint8_t> body;
+  EncodeHeartbeatReply(m, &body);
+  EXPECT_EQ(body.size(), 16u);
+  auto d = DecodeHeartbeatReply(body);
+  ASSERT_TRUE(d.has_value());
+  EXPECT_EQ(d->leases_held, 12u);
+  EXPECT_EQ(d->lease_ttl_ms, 10000u);
+  for (size_t n = 0; n < body.size(); ++n) {
+    EXPECT_EQ(CodeOf(DecodeHeartbeatReply(std::span(body).first(n))), StatusCode::kProtocolError)
+        << n;
+  }
+}
+
+TEST(WireEvictNotice, RoundTrips) {
+  for (size_t n : {size_t{0}, size_t{2}, size_t{kMaxLeasesPerCall}}) {
+    EvictNotice m;
+    m.grace_ms = 2500;
+    for (size_t i = 0; i < n; ++i) m.lease_ids.push_back(MakeLeaseId(9, static_cast<uint32_t>(i)));
+    std::vector<uint8_t> body;
+    EncodeEvictNotice(m, &body);
+    EXPECT_EQ(body.size(), 16 + 8 * n);  // grace, reserved, count, reserved, ids
+    auto d = DecodeEvictNotice(body);
+    ASSERT_TRUE(d.has_value()) << n;
+    EXPECT_EQ(d->grace_ms, 2500u);
+    EXPECT_EQ(d->lease_ids, m.lease_ids);
+  }
+}
+
+TEST(WireEvictNotice, RejectsTruncationAndCountMismatch) {
+  EvictNotice m{{7, 8}, 100};
+  std::vector<uint8_t> body;
+  EncodeEvictNotice(m, &body);
+  for (size_t n = 0; n < body.size(); ++n) {
+    EXPECT_EQ(CodeOf(DecodeEvictNotice(std::span(body).first(n))), StatusCode::kProtocolError) << n;
+  }
+  std::vector<uint8_t> b = body;
+  PutU32(b, 8, 3);
+  EXPECT_EQ(CodeOf(DecodeEvictNotice(b)), StatusCode::kProtocolError);
+  b = body;
+  PutU32(b, 8, 0xffffffff);
+  EXPECT_EQ(CodeOf(DecodeEvictNotice(b)), StatusCode::kProtocolError);
+}
+
+// ---------------------------------------------------------------- RDMA_TOKEN and rdma_cm data
+
+RdmaToken SampleToken() {
+  RdmaToken t{};
+  for (size_t i = 0; i < t.size(); ++i) t[i] = static_cast<uint8_t>(0xf0 - i);
+  return t;
+}
+
+TEST(WireRdmaToken, ReplyRoundTripsAndIgnoresAppendedBytes) {
+  const RdmaTokenReply m{SampleToken(), 7412, 5000};
+  std::vector<uint8_t> body;
+  EncodeRdmaTokenReply(m, &body);
+  EXPECT_EQ(body.size(), kRdmaTokenSize + 8);
+  auto d = DecodeRdmaTokenReply(body);
+  ASSERT_TRUE(d.has_value()) << d.error().ToString();
+  EXPECT_EQ(d->token, m.token);
+  EXPECT_EQ(d->rdma_port, 7412);
+  EXPECT_EQ(d->valid_ms, 5000u);
+  body.resize(body.size() + 16, 0x99);
+  EXPECT_TRUE(DecodeRdmaTokenReply(body).has_value());
+}
+
+TEST(WireRdmaToken, ReplyRejectsTruncationAndPortZero) {
+  std::vector<uint8_t> body;
+  EncodeRdmaTokenReply({SampleToken(), 7412, 5000}, &body);
+  for (size_t n = 0; n < body.size(); ++n) {
+    EXPECT_EQ(CodeOf(DecodeRdmaTokenReply(std::span(body).first(n))), StatusCode::kProtocolError)
+        << n;
+  }
+  body.clear();
+  EncodeRdmaTokenReply({SampleToken(), 0, 5000}, &body);
+  EXPECT_EQ(CodeOf(DecodeRdmaTokenReply(body)), StatusCode::kProtocolError);
+}
+
+TEST(WireRdmaConnectData, RoundTripsAndToleratesPadding) {
+  uint8_t buf[kRdmaConnectDataSize];
+  EncodeRdmaConnectData(SampleToken(), buf);
+  EXPECT_EQ(buf[0], 'F');
+  EXPECT_EQ(buf[1], 'M');
+  EXPECT_EQ(buf[2], 'R');
+  EXPECT_EQ(buf[3], 'C');
+  EXPECT_EQ(buf[4], kVersion);
+  auto d = DecodeRdmaConnectData(buf);
+  ASSERT_TRUE(d.has_value()) << d.error().ToString();
+  EXPECT_EQ(*d, SampleToken());
+  std::vector<uint8_t> padded(buf, buf + sizeof(buf));
+  padded.resize(56, 0);  // rdma_cm private data comes padded
+  EXPECT_EQ(DecodeRdmaConnectData(padded).value_or(RdmaToken{}), SampleToken());
+}
+
+TEST(WireRdmaConnectData, WithoutOurMagicOrTooShortIsUnauthenticated) {
+  uint8_t buf[kRdmaConnectDataSize];
+  EncodeRdmaConnectData(SampleToken(), buf);
+  for (size_t n = 0; n < kRdmaConnectDataSize; ++n) {
+    EXPECT_EQ(CodeOf(DecodeRdmaConnectData(std::span(buf, n))), StatusCode::kUnauthenticated) << n;
+  }
+  std::vector<uint8_t> b(buf, buf + sizeof(buf));
+  b[0] ^= 1;
+  EXPECT_EQ(CodeOf(DecodeRdmaConnectData(b)), StatusCode::kUnauthenticated);
+  b = std::vector<uint8_t>(buf, buf + sizeof(buf));
+  b[4] = 2;
+  EXPECT_EQ(CodeOf(DecodeRdmaConnectData(b)), StatusCode::kProtocolError);
+}
+
+TEST(WireRdmaRejectData, CarriesTheStatusCode) {
+  for (StatusCode why : {StatusCode::kUnauthenticated, StatusCode::kExpired,
+                         StatusCode::kResourceExhausted, StatusCode::kRemoteAccessError}) {
+    uint8_t buf[kRdmaRejectDataSize];
+    EncodeRdmaRejectData(why, buf);
+    EXPECT_EQ(DecodeRdmaRejectData(buf), why);
+    std::vector<uint8_t> padded(buf, buf + sizeof(buf));
+    padded.resize(148, 0);
+    EXPECT_EQ(DecodeRdmaRejectData(padded), why);
+  }
+}
+
+TEST(WireRdmaRejectData, ForeignOrShortDataIsInternal) {
+  uint8_t buf[kRdmaRejectDataSize];
+  EncodeRdmaRejectData(StatusCode::kExpired, buf);
+  for (size_t n = 0; n < kRdmaRejectDataSize; ++n) {
+    EXPECT_EQ(DecodeRdmaRejectData(std::span(buf, n)), StatusCode::kInternal) << n;
+  }
+  std::vector<uint8_t> b(buf, buf + sizeof(buf));
+  b[3] = 0;
+  EXPECT_EQ(DecodeRdmaRejectData(b), StatusCode::kInternal);
+  b = std::vector<uint8_t>(buf, buf + sizeof(buf));
+  PutU16(b, 6, 0xffff);  // a code this build does not know
+  EXPECT_EQ(DecodeRdmaRejectData(b), StatusCode::kInternal);
+}
+
+// ---------------------------------------------------------------- READ / WRITE data op
+
+TEST(WireDataOp, RoundTripsAtTheLimits) {
+  for (const DataOp& m : {DataOp{MakeLeaseId(5, 3), 0, 1}, DataOp{kU64Max, kU64Max, kMaxDataLen},
+                          DataOp{1, 4096, 4096}}) {
+    uint8_t buf[kDataOpSize];
+    EncodeDataOp(m, buf);
+    auto d = DecodeDataOp(buf);
+    ASSERT_TRUE(d.has_value()) << d.error().ToString();
+    EXPECT_EQ(d->lease_id, m.lease_id);
+    EXPECT_EQ(d->offset, m.offset);
+    EXPECT_EQ(d->length, m.length);
+  }
+}
+
+TEST(WireDataOp, DecodesOnlyTheFixedPart) {
+  std::vector<uint8_t> body(kDataOpSize + 100, 0xcc);  // a WRITE: data op, then payload
+  EncodeDataOp({9, 10, 100}, body.data());
+  auto d = DecodeDataOp(body);
+  ASSERT_TRUE(d.has_value());
+  EXPECT_EQ(d->length, 100u);
+}
+
+TEST(WireDataOp, RejectsZeroAndOversizedLength) {
+  for (uint32_t len : {0u, kMaxDataLen + 1, 0xffffffffu}) {
+    uint8_t buf[kDataOpSize];
+    EncodeDataOp({1, 0, len}, buf);
+    auto d = DecodeDataOp(buf);
+    ASSERT_FALSE(d.has_value()) << len;
+    EXPECT_EQ(d.error().code(), StatusCode::kInvalidArgument) << len;
+  }
+}
+
+TEST(WireDataOp, RejectsReservedFieldAndTruncation) {
+  uint8_t buf[kDataOpSize];
+  EncodeDataOp({1, 0, 8}, buf);
+  std::vector<uint8_t> b(buf, buf + kDataOpSize);
+  PutU32(b, 20, 1);
+  EXPECT_EQ(CodeOf(DecodeDataOp(b)), StatusCode::kProtocolError);
+  for (size_t n = 0; n < kDataOpSize; ++n) {
+    EXPECT_EQ(CodeOf(DecodeDataOp(std::span(buf, n))), StatusCode::kProtocolError) << n;
+  }
+}
+
+// ---------------------------------------------------------------- BATCH
+
+struct BatchBody {
+  std::vector<uint8_t> bytes;
+  uint32_t body_len = 0;
+};
+
+// A BATCH body as a client builds it: table, then the write payloads.
+BatchBody MakeBatch(const std::vector<BatchOp>& ops, uint32_t count_override = 0,
+                    bool with_payload = true) {
+  BatchBody b;
+  Writer w(&b.bytes);
+  w.U32(count_override != 0 ? count_override : static_cast<uint32_t>(ops.size()));
+  w.U32(0);
+  uint64_t payload = 0;
+  for (const BatchOp& op : ops) {
+    const size_t at = b.bytes.size();
+    b.bytes.resize(at + kBatchOpSize);
+    EncodeBatchOp(op, b.bytes.data() + at);
+    if (op.op == Opcode::kWrite) payload += op.length;
+  }
+  if (with_payload) b.bytes.resize(b.bytes.size() + payload, 0x5a);
+  b.body_len = static_cast<uint32_t>(8 + ops.size() * kBatchOpSize + payload);
+  return b;
+}
+
+TEST(WireBatch, RoundTripsMixedReadsAndWrites) {
+  const std::vector<BatchOp> ops = {
+      {Opcode::kWrite, 10, MakeLeaseId(1, 2), 100},
+      {Opcode::kRead, 4096, MakeLeaseId(1, 3), 0},
+      {Opcode::kWrite, 1, MakeLeaseId(7, 0), kU64Max},
+      {Opcode::kRead, 1, kU64Max, 5},
+  };
+  BatchBody b = MakeBatch(ops);
+  auto d = DecodeBatch(b.bytes, b.body_len);
+  ASSERT_TRUE(d.has_value()) << d.error().ToString();
+  ASSERT_EQ(d->ops.size(), ops.size());
+  for (size_t i = 0; i < ops.size(); ++i) {
+    EXPECT_EQ(d->ops[i].op, ops[i].op) << i;
+    EXPECT_EQ(d->ops[i].length, ops[i].length) << i;
+    EXPECT_EQ(d->ops[i].lease_id, ops[i].lease_id) << i;
+    EXPECT_EQ(d->ops[i].offset, ops[i].offset) << i;
+  }
+  EXPECT_EQ(d->payload_offset, 8 + 4 * kBatchOpSize);
+  EXPECT_EQ(d->write_bytes, 11u);
+  EXPECT_EQ(d->read_bytes, 4097u);
+}
+
+TEST(WireBatch, NeedsOnlyTheDescriptorTable) {
+  // The daemon decodes the table before the payload has arrived.
+  BatchBody b = MakeBatch({{Opcode::kWrite, 1000, 1, 0}}, 0, /*with_payload=*/false);
+  ASSERT_EQ(b.bytes.size(), 8 + kBatchOpSize);
+  auto d = DecodeBatch(b.bytes, b.body_len);
+  ASSERT_TRUE(d.has_value()) << d.error().ToString();
+  EXPECT_EQ(d->write_bytes, 1000u);
+}
+
+TEST(WireBatch, MaxOpsAndMaxBytesAreAccepted) {
+  std::vector<BatchOp> ops(
+      kMaxOpsPerBatch, BatchOp{Opcode::kRead, kMaxDataLen / kMaxOpsPerBatch, MakeLeaseId(1, 1), 0});
+  BatchBody b = MakeBatch(ops);
+  auto d = DecodeBatch(b.bytes, b.body_len);
+  ASSERT_TRUE(d.has_value()) << d.error().ToString();
+  EXPECT_EQ(d->read_bytes, kMaxDataLen);
+
+  // One write of the full 16 MiB plus reads of the full 16 MiB: each direction at its limit.
+  b = MakeBatch({{Opcode::kWrite, kMaxDataLen, 1, 0}, {Opcode::kRead, kMaxDataLen, 1, 0}}, 0,
+                /*with_payload=*/false);
+  EXPECT_EQ(b.body_len, 8 + 2 * kBatchOpSize + kMaxDataLen);
+  EXPECT_LE(b.body_len, kMaxBodyLen);
+  EXPECT_TRUE(DecodeBatch(b.bytes, b.body_len).has_value());
+}
+
+TEST(WireBatch, RejectsCountZeroAndOverLimit) {
+  for (uint32_t count : {0u, kMaxOpsPerBatch + 1, 0xffffffffu}) {
+    std::vector<uint8_t> body(8, 0);
+    PutU32(body, 0, count);
+    body.resize(8 + size_t{kMaxOpsPerBatch + 1} * kBatchOpSize, 0);
+    auto d = DecodeBatch(body, static_cast<uint32_t>(body.size()));
+    ASSERT_FALSE(d.has_value()) << count;
+    EXPECT_EQ(d.error().code(), StatusCode::kInvalidArgument) << count;
+    EXPECT_THAT(d.error().message(), HasSubstr("1 to 1024"));
+  }
+}
+
+TEST(WireBatch, RejectsZeroAndOversizedOpLength) {
+  for (uint32_t len : {0u, kMaxDataLen + 1, 0xffffffffu}) {
+    for (Opcode op : {Opcode::kRead, Opcode::kWrite}) {
+      BatchBody b = MakeBatch({{Opcode::kRead, 8, 1, 0}, {op, len, 1, 0}}, 0, false);
+      // The length check comes before the body_len check: pass just the table's size.
+      auto d = DecodeBatch(b.bytes, static_cast<uint32_t>(b.bytes.size()));
+      ASSERT_FALSE(d.has_value()) << len;
+      EXPECT_EQ(d.error().code(), StatusCode::kInvalidArgument) << len;
+    }
+  }
+}
+
+TEST(WireBatch, RejectsOpCodesOtherThanReadAndWrite) {
+  for (int code : {0, 1, 2, 3, 4, 5, 6, 9, 10, 11, 0x87, 0xff}) {
+    BatchBody b = MakeBatch({{Opcode::kRead, 8, 1, 0}, {Opcode::kRead, 8, 1, 0}});
+    b.bytes[8 + kBatchOpSize] = static_cast<uint8_t>(code);
+    auto d = DecodeBatch(b.bytes, b.body_len);
+    ASSERT_FALSE(d.has_value()) << code;
+    EXPECT_EQ(d.error().code(), StatusCode::kInvalidArgument) << code;
+  }
+}
+
+TEST(WireBatch, RejectsTooManyBytesInOneDirection) {
+  BatchBody b = MakeBatch({{Opcode::kWrite, kMaxDataLen, 1, 0}, {Opcode::kWrite, 1, 1, 0}}, 0,
+                          /*with_payload=*/false);
+  auto d = DecodeBatch(b.bytes, b.body_len);
+  ASSERT_FALSE(d.has_value());
+  EXPECT_EQ(d.error().code(), StatusCode::kResourceExhausted);
+  b = MakeBatch({{Opcode::kRead, kMaxDataLen, 1, 0}, {Opcode::kRead, 1, 1, 0}});
+  d = DecodeBatch(b.bytes, b.body_len);
+  ASSERT_FALSE(d.has_value());
+  EXPECT_EQ(d.error().code(), StatusCode::kResourceExhausted);
+  // 1024 maximal reads: the sum is computed in 64 bits and still refused.
+  std::vector<BatchOp> ops(kMaxOpsPerBatch, BatchOp{Opcode::kRead, kMaxDataLen, 1, 0});
+  b = MakeBatch(ops);
+  d = DecodeBatch(b.bytes, b.body_len);
+  ASSERT_FALSE(d.has_value());
+  EXPECT_EQ(d.error().code(), StatusCode::kResourceExhausted);
+}
+
+TEST(WireBatch, RejectsBodyLenInconsistentWithDescriptors) {
+  const std::vector<BatchOp> ops = {{Opcode::kWrite, 100, 1, 0}, {Opcode::kRead, 50, 1, 0}};
+  BatchBody b = MakeBatch(ops);
+  for (uint32_t delta : {1u, 99u, 100u}) {  // payload shorter than the writes
+    auto d = DecodeBatch(b.bytes, b.body_len - delta);
+    ASSERT_FALSE(d.has_value()) << delta;
+    EXPECT_EQ(d.error().code(), StatusCode::kProtocolError) << delta;
+  }
+  for (uint32_t delta : {1u, 50u, 1000000u}) {  // more body than the writes account for
+    auto d = DecodeBatch(b.bytes, b.body_len + delta);
+    ASSERT_FALSE(d.has_value()) << delta;
+    EXPECT_EQ(d.error().code(), StatusCode::kProtocolError) << delta;
+    EXPECT_THAT(d.error().message(), HasSubstr("account for"));
+  }
+}
+
+TEST(WireBatch, RejectsBodyLenShorterThanItsTable) {
+  BatchBody b = MakeBatch({{Opcode::kRead, 8, 1, 0}, {Opcode::kRead, 8, 1, 0}});
+  for (uint32_t len : {0u, 8u, 8u + kBatchOpSize, 8u + 2 * kBatchOpSize - 1}) {
+    auto d = DecodeBatch(b.bytes, len);
+    ASSERT_FALSE(d.has_value()) << len;
+    EXPECT_EQ(d.error().code(), StatusCode::kProtocolError) << len;
+  }
+}
+
+TEST(WireBatch, RejectsEveryTruncationOfTheTable) {
+  BatchBody b = MakeBatch({{Opcode::kRead, 8, 1, 0}, {Opcode::kWrite, 3, 1, 0}}, 0, false);
+  for (size_t n = 0; n < b.bytes.size(); ++n) {
+    auto d = DecodeBatch(std::span(b.bytes).first(n), b.body_len);
+    EXPECT_FALSE(d.has_value()) << n;
+  }
+}
+
+// ---------------------------------------------------------------- errors
+
+TEST(WireError, RoundTripsCodeAndMessage) {
+  const Status s = Expired("lease 0x1a2b00000003 is not held");
+  std::vector<uint8_t> body;
+  EncodeError(s, &body);
+  const Status d = DecodeError(static_cast<uint16_t>(s.code()), body);
+  EXPECT_EQ(d.code(), StatusCode::kExpired);
+  EXPECT_EQ(d.message(), s.message());
+}
+
+TEST(WireError, TruncatesLongMessagesAndSanitizesBytes) {
+  std::vector<uint8_t> body;
+  EncodeError(Internal(std::string(5000, 'z')), &body);
+  EXPECT_EQ(body.size(), kMaxErrorMessage);
+  std::vector<uint8_t> longer(3000, 'q');
+  EXPECT_EQ(DecodeError(1, longer).message().size(), kMaxErrorMessage);
+  const std::vector<uint8_t> evil = {'o', 'k', '\n', 0, 0x1b, 0xff, '!'};
+  EXPECT_EQ(DecodeError(1, evil).message(), "ok" + std::string(4, '?') + "!");
+}
+
+TEST(WireError, UntrustedCodesBecomeInternal) {
+  EXPECT_EQ(DecodeError(0, {}).code(), StatusCode::kInternal);  // "error" with status OK
+  EXPECT_EQ(DecodeError(17, {}).code(), StatusCode::kInternal);
+  EXPECT_EQ(DecodeError(0xffff, {}).code(), StatusCode::kInternal);
+  EXPECT_EQ(DecodeError(16, {}).code(), StatusCode::kRemoteAccessError);
+  EXPECT_FALSE(DecodeError(0, {}).ok());
+}
+
+// ---------------------------------------------------------------- ranges and lease ids
+
+TEST(WireRangeFits, InsideAndAtTheEdges) {
+  EXPECT_TRUE(RangeFits(0, 0, 0));
+  EXPECT_FALSE(RangeFits(0, 1, 0));
+  EXPECT_FALSE(RangeFits(1, 0, 0));
+  EXPECT_TRUE(RangeFits(0, 4096, 4096));
+  EXPECT_TRUE(RangeFits(4095, 1, 4096));
+  EXPECT_TRUE(RangeFits(4096, 0, 4096));
+  EXPECT_FALSE(RangeFits(4095, 2, 4096));
+  EXPECT_FALSE(RangeFits(4096, 1, 4096));
+  EXPECT_FALSE(RangeFits(4097, 0, 4096));
+}
+
+TEST(WireRangeFits, NeverOverflows64Bits) {
+  constexpr uint64_t kSlab = 64ull << 20;
+  // offset + length wraps around to something small: must not look like it fits.
+  EXPECT_FALSE(RangeFits(kU64Max, 1, kSlab));
+  EXPECT_FALSE(RangeFits(kU64Max - 15, 32, kSlab));
+  EXPECT_FALSE(RangeFits(1, kU64Max, kSlab));
+  EXPECT_FALSE(RangeFits(kU64Max, kU64Max, kSlab));
+  EXPECT_FALSE(RangeFits(1ull << 63, 1ull << 63, kSlab));
+  // With a limit at the very top of the range.
+  EXPECT_TRUE(RangeFits(0, kU64Max, kU64Max));
+  EXPECT_TRUE(RangeFits(kU64Max, 0, kU64Max));
+  EXPECT_TRUE(RangeFits(kU64Max - 1, 1, kU64Max));
+  EXPECT_FALSE(RangeFits(kU64Max, 1, kU64Max));
+  EXPECT_FALSE(RangeFits(1, kU64Max, kU64Max));
+  EXPECT_TRUE(RangeFits(1ull << 63, (1ull << 63) - 1, kU64Max));
+  EXPECT_FALSE(RangeFits(1ull << 63, 1ull << 63, kU64Max));
+  EXPECT_FALSE(RangeFits(1ull << 63, 1ull << 63, kU64Max - 1));
+}
+
+TEST(WireLeaseId, PacksEpochAndSlab) {
+  const uint64_t id = MakeLeaseId(0xdeadbeef, 0x12345678);
+  EXPECT_EQ(id, 0xdeadbeef12345678ull);
+  EXPECT_EQ(LeaseEpoch(id), 0xdeadbeefu);
+  EXPECT_EQ(LeaseSlab(id), 0x12345678u);
+  EXPECT_EQ(LeaseSlab(MakeLeaseId(1, 0)), 0u);
+  EXPECT_EQ(LeaseEpoch(MakeLeaseId(0xffffffff, 0xffffffff)), 0xffffffffu);
+  EXPECT_EQ(MakeLeaseId(0xffffffff, 0xffffffff), kU64Max);
+}
+
+}  // namespace
+}  // namespace farmem::wire
