@@ -1,0 +1,203 @@
+// farmem-nbd: serves a block device over NBD. With --backend memory the device lives in this
+// process's RAM (tests, benchmarks); the farmem backend (remote page store) plugs in at
+// OpenBackend() below. The protocol itself is in the farmem_blockdev library (nbd_server.h).
+#include <malloc.h>
+#include <signal.h>
+#include <spdlog/sinks/stdout_color_sinks.h>
+#include <spdlog/spdlog.h>
+
+#include <CLI/CLI.hpp>
+#include <cstdio>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "farmem/blockdev/block_backend.h"
+#include "farmem/blockdev/nbd_server.h"
+#include "farmem/blockdev/swap_safety.h"
+#include "farmem/client/cluster.h"
+#include "farmem/common/auth.h"
+#include "farmem/common/config.h"
+#include "farmem/common/status.h"
+#include "page_store.h"
+
+namespace {
+
+using farmem::Result;
+using farmem::Status;
+using farmem::blockdev::BlockBackend;
+
+// ---- backends ----
+// To add a backend: give it a name in BackendConfig::kind's check, add its flags (for the remote
+// page store: --peers, --resilience, ...) in AddBackendFlags, and open it in OpenBackend.
+struct BackendConfig {
+  std::string kind = "memory";
+  std::string size = "1G";
+  // --backend farmem: the remote page store on farmemd daemons.
+  std::string peers, peers_dns, secret_file, resilience = "ec:4+2", backup, transport = "auto";
+  uint32_t heartbeat_ms = 500, failure_timeout_ms = 2000;
+  std::unique_ptr<farmem::client::Cluster> cluster;  // outlives the page store (declared first)
+};
+
+void AddBackendFlags(CLI::App& app, BackendConfig* cfg) {
+  app.add_option("--backend", cfg->kind,
+                 "Where the device's bytes live. 'memory': this process's RAM, allocated (and "
+                 "with --swap-safe locked) up front; for tests and benchmarks.")
+      ->check(CLI::IsMember({"memory", "farmem"}))
+      ->capture_default_str();
+  app.add_option("--size", cfg->size,
+                 "Device size, e.g. 1G, 512M, 1073741824 (a multiple of 512 bytes; 4096 for "
+                 "farmem).")
+      ->capture_default_str();
+  app.add_option("--peers", cfg->peers,
+                 "farmem: the daemons, host:port,host:port (port defaults to 7411)");
+  app.add_option("--peers-dns", cfg->peers_dns,
+                 "farmem: a name:port whose every address is a "
+                 "daemon");
+  app.add_option("--secret-file", cfg->secret_file, "farmem: the daemons' shared secret");
+  app.add_option("--resilience", cfg->resilience,
+                 "farmem: none, replicate:N or ec:k+r (each 4 KiB page split into k fragments "
+                 "plus r parity, on k+r daemons)")
+      ->capture_default_str();
+  app.add_option("--backup", cfg->backup,
+                 "farmem: also write every block to this local file (io_uring); reads fall back "
+                 "to it when remote copies are gone");
+  app.add_option("--transport", cfg->transport, "farmem: tcp, verbs or auto")
+      ->capture_default_str();
+  app.add_option("--heartbeat-ms", cfg->heartbeat_ms, "farmem: heartbeat period")
+      ->capture_default_str();
+  app.add_option("--failure-timeout-ms", cfg->failure_timeout_ms,
+                 "farmem: a daemon silent this long is declared down and its data rebuilt")
+      ->capture_default_str();
+}
+
+Result<std::unique_ptr<BlockBackend>> OpenBackend(BackendConfig& cfg) {
+  if (cfg.kind == "farmem") {
+    farmem::client::ClusterOptions co;
+    FARMEM_ASSIGN_OR_RETURN(co.peers, farmem::ParseEndpointList(cfg.peers, farmem::kDefaultPort));
+    co.peers_dns = cfg.peers_dns;
+    co.transport = cfg.transport;
+    co.client_name = "farmem-nbd";
+    co.heartbeat_interval = std::chrono::milliseconds(cfg.heartbeat_ms);
+    co.failure_timeout = std::chrono::milliseconds(cfg.failure_timeout_ms);
+    if (!cfg.secret_file.empty()) {
+      FARMEM_ASSIGN_OR_RETURN(co.secret, farmem::auth::LoadSecretFile(cfg.secret_file));
+    }
+    if (co.peers.empty() && co.peers_dns.empty()) {
+      return farmem::Err(farmem::InvalidArgument("--backend farmem needs --peers or --peers-dns"));
+    }
+    FARMEM_ASSIGN_OR_RETURN(cfg.cluster, farmem::client::Cluster::Connect(std::move(co)));
+    farmem::blockdev::PageStoreOptions po;
+    FARMEM_ASSIGN_OR_RETURN(po.size, farmem::ParseSize(cfg.size));
+    FARMEM_ASSIGN_OR_RETURN(po.resilience, farmem::blockdev::Resilience::Parse(cfg.resilience));
+    po.backup_path = cfg.backup;
+    FARMEM_ASSIGN_OR_RETURN(auto store,
+                            farmem::blockdev::PageStore::Create(cfg.cluster.get(), std::move(po)));
+    return std::unique_ptr<BlockBackend>(std::move(store));
+  }
+  if (cfg.kind == "memory") {
+    FARMEM_ASSIGN_OR_RETURN(uint64_t size, farmem::ParseSize(cfg.size));
+    FARMEM_ASSIGN_OR_RETURN(auto backend, farmem::blockdev::MemoryBackend::Create(size));
+    return std::unique_ptr<BlockBackend>(std::move(backend));
+  }
+  return farmem::Err(farmem::InvalidArgument("unknown backend '" + cfg.kind + "'"));
+}
+
+int Fail(const Status& s) {
+  spdlog::error("farmem-nbd: {}", s.ToString());
+  return 1;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{
+      "farmem-nbd: serves a block device over the NBD protocol (fixed newstyle, structured "
+      "replies).\nConnect with e.g. nbd-client, qemu, nbdinfo, or fio's nbd engine. Listens on "
+      "--unix, --listen and on sockets passed by systemd socket activation (LISTEN_FDS)."};
+  app.get_formatter()->column_width(34);
+
+  BackendConfig backend_cfg;
+  AddBackendFlags(app, &backend_cfg);
+
+  farmem::blockdev::NbdServerOptions opts;
+  std::vector<std::string> tcp;
+  bool swap_safe = true;
+  std::string log_level = "info";
+  double handshake_timeout_s = 30;
+  app.add_option("--unix", opts.unix_paths,
+                 "Listen on this Unix socket path (repeatable). A stale socket file is replaced; "
+                 "the file is removed on exit.");
+  app.add_option("--listen", tcp,
+                 "Listen on TCP HOST:PORT (repeatable), e.g. 127.0.0.1:10809 or [::]:10809. "
+                 "The protocol has no authentication or encryption: bind to trusted networks.");
+  app.add_option("--export-name", opts.export_name,
+                 "Name of the export. Clients may always ask for the default export ('').");
+  app.add_option("--description", opts.description,
+                 "Free text shown to clients (NBD_INFO_DESCRIPTION, NBD_OPT_LIST).");
+  app.add_option("--max-connections", opts.max_connections,
+                 "Refuse connections beyond this many; each one costs about 34 MiB of "
+                 "buffers (locked in swap-safe mode).")
+      ->check(CLI::Range(1, 4096))
+      ->capture_default_str();
+  app.add_option("--handshake-timeout", handshake_timeout_s,
+                 "Seconds a client may take for each handshake message before it is dropped.")
+      ->check(CLI::Range(0.1, 3600.0))
+      ->capture_default_str();
+  app.add_flag("--swap-safe,!--no-swap-safe", swap_safe,
+               "Make the process fit to serve swap: mlockall(MCL_CURRENT|MCL_FUTURE), "
+               "PR_SET_IO_FLUSHER, oom_score_adj -1000; each failure is a warning. On by "
+               "default; --no-swap-safe (or --swap-safe=false) turns it off.");
+  app.add_option("--log-level", log_level, "trace, debug, info, warn or error.")
+      ->check(CLI::IsMember({"trace", "debug", "info", "warn", "error"}))
+      ->capture_default_str();
+  CLI11_PARSE(app, argc, argv);
+
+  spdlog::set_default_logger(spdlog::stderr_color_mt("farmem-nbd"));
+  spdlog::set_level(spdlog::level::from_str(log_level));
+
+  // Signals: SIGINT/SIGTERM are taken synchronously by the main thread (blocked in every thread,
+  // which inherit the mask); a vanished client must not kill the server through SIGPIPE.
+  sigset_t stop_signals;
+  sigemptyset(&stop_signals);
+  sigaddset(&stop_signals, SIGINT);
+  sigaddset(&stop_signals, SIGTERM);
+  pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
+  signal(SIGPIPE, SIG_IGN);
+
+  if (swap_safe) {
+    // One malloc arena: under MCL_FUTURE every per-thread arena (64 MiB reserved each) would be
+    // locked memory too, and the request path does not allocate, so there is nothing to gain.
+    mallopt(M_ARENA_MAX, 1);
+    // Before anything is allocated, so that MCL_FUTURE also locks the backend and the buffers.
+    const auto report = farmem::blockdev::EnterSwapSafeMode();
+    if (!report.memory_locked.ok()) spdlog::warn("swap-safe: {}", report.memory_locked.ToString());
+    if (!report.io_flusher.ok()) spdlog::warn("swap-safe: {}", report.io_flusher.ToString());
+    if (!report.oom_protected.ok()) spdlog::warn("swap-safe: {}", report.oom_protected.ToString());
+  }
+
+  for (const std::string& t : tcp) {
+    auto ep = farmem::ParseEndpoint(t);
+    if (!ep) return Fail(ep.error().WithContext("--listen"));
+    opts.tcp.push_back(*ep);
+  }
+  auto activated = farmem::blockdev::TakeSocketActivationFds();
+  if (!activated) return Fail(activated.error());
+  opts.inherited_fds = *activated;
+  opts.handshake_timeout =
+      std::chrono::milliseconds(static_cast<int64_t>(handshake_timeout_s * 1000));
+
+  auto backend = OpenBackend(backend_cfg);
+  if (!backend) return Fail(backend.error().WithContext("opening the backend"));
+  auto server = farmem::blockdev::NbdServer::Create(backend->get(), opts);
+  if (!server) return Fail(server.error());
+  if (Status s = (*server)->Start(); !s.ok()) return Fail(s);
+  spdlog::info("farmem-nbd: serving {} bytes from the {} backend", (*backend)->size(),
+               backend_cfg.kind);
+
+  int sig = 0;
+  sigwait(&stop_signals, &sig);
+  spdlog::info("farmem-nbd: {} received, shutting down", sig == SIGINT ? "SIGINT" : "SIGTERM");
+  (*server)->Stop();
+  return 0;
+}

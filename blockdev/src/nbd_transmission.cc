@@ -1,0 +1,305 @@
+// The NBD request path: batches of requests run to completion on the connection's thread.
+// See nbd_connection.h for the buffer layout and the loop; nothing here allocates except when
+// logging a failure.
+#include <errno.h>
+#include <spdlog/spdlog.h>
+#include <sys/socket.h>
+
+#include <cstring>
+
+#include "nbd_connection.h"
+
+namespace farmem::blockdev {
+
+using nbd::kRequestHeaderSize;
+
+void NbdConnection::Transmit() {
+  in_ = std::make_unique_for_overwrite<uint8_t[]>(kInBufferSize);
+  data_ = std::make_unique_for_overwrite<uint8_t[]>(nbd::kMaxPayload);
+  pending_ = std::make_unique<std::array<Pending, kMaxBatch>>();
+  ops_ = std::make_unique<std::array<BlockOp, kMaxBatch>>();
+  headers_ = std::make_unique<std::array<std::array<uint8_t, kReplyHeaderMax>, kMaxBatch>>();
+  iov_ = std::make_unique<std::array<iovec, kMaxIov>>();
+  in_start_ = in_end_ = 0;
+
+  for (;;) {
+    // Nothing is waiting to be sent here, so blocking on the socket is fine.
+    if (!Fill(kRequestHeaderSize)) return;
+
+    size_t count = 0;    // requests in this batch
+    size_t n_ops = 0;    // of which run on the backend
+    uint64_t arena = 0;  // bytes of data_ promised to reads of this batch
+    bool disconnect = false;
+    bool violation = false;
+    size_t pos = in_start_;
+    while (count < kMaxBatch) {
+      const nbd::Framing f = nbd::NextFrame({in_.get() + pos, in_end_ - pos});
+      if (f.kind == nbd::Framing::kNeedMore) break;
+      if (f.kind == nbd::Framing::kBadMagic) {
+        violation = true;
+        break;
+      }
+      const nbd::Request& r = f.request;
+      const nbd::RequestCheck check = nbd::CheckRequest(r, session_);
+      if (check.disconnect) {
+        disconnect = true;
+        pos += kRequestHeaderSize;
+        break;
+      }
+      if (f.payload > in_end_ - pos - kRequestHeaderSize) break;  // payload still on its way
+      if (check.error == 0 && r.type == nbd::kCmdRead && arena + r.length > nbd::kMaxPayload) {
+        break;  // data_ is full; this read starts the next batch
+      }
+      Pending& p = (*pending_)[count++];
+      p.request = r;
+      p.error = check.error;
+      p.message = check.message;
+      p.op = -1;
+      if (check.error == 0) {
+        BlockOp& op = (*ops_)[n_ops];
+        p.op = static_cast<int>(n_ops++);
+        op.status = Status::Ok();
+        op.fua = (r.flags & nbd::kCmdFlagFua) != 0;
+        op.may_trim = (r.flags & nbd::kCmdFlagNoHole) == 0;
+        op.offset = r.offset;
+        op.length = r.length;
+        op.read_into = {};
+        op.data = {};
+        switch (r.type) {
+          case nbd::kCmdRead:
+            op.kind = BlockOp::Kind::kRead;
+            op.read_into = {data_.get() + arena, r.length};
+            arena += r.length;
+            break;
+          case nbd::kCmdWrite:
+            op.kind = BlockOp::Kind::kWrite;
+            op.data = {in_.get() + pos + kRequestHeaderSize, r.length};  // read in place
+            break;
+          case nbd::kCmdFlush:
+            op.kind = BlockOp::Kind::kFlush;
+            break;
+          case nbd::kCmdTrim:
+            op.kind = BlockOp::Kind::kTrim;
+            break;
+          case nbd::kCmdWriteZeroes:
+            op.kind = BlockOp::Kind::kWriteZeroes;
+            break;
+          default:  // CheckRequest accepts nothing else
+            p.op = -1;
+            --n_ops;
+            p.error = nbd::kEinval;
+            p.message = "unknown command";
+            break;
+        }
+      }
+      pos += kRequestHeaderSize + f.payload;
+    }
+
+    if (count == 0 && !disconnect && !violation) {
+      // The first request is a WRITE whose payload has not fully arrived.
+      nbd::Request r;
+      nbd::DecodeRequestHeader({in_.get() + in_start_, in_end_ - in_start_}, &r);
+      const nbd::RequestCheck check = nbd::CheckRequest(r, session_);
+      const uint64_t need = kRequestHeaderSize + uint64_t{r.length};
+      if (need <= kInBufferSize) {
+        if (!Fill(need)) return;
+      } else if (!HandleLargeWrite(r, check)) {
+        return;
+      }
+      continue;
+    }
+
+    // The write payloads of this batch live in in_[in_start_, pos): consume only after running.
+    if (!Complete(count, n_ops)) return;
+    in_start_ = pos;
+    if (violation) {
+      end_reason_ = "bad request magic (protocol violation)";
+      return;
+    }
+    if (disconnect) {
+      end_reason_ = "client sent NBD_CMD_DISC";
+      return;
+    }
+  }
+}
+
+bool NbdConnection::Fill(size_t n) {
+  if (in_start_ == in_end_) in_start_ = in_end_ = 0;
+  if (in_end_ - in_start_ >= n) return true;
+  if (in_start_ + n > kInBufferSize || in_start_ > kInBufferSize / 2) {
+    std::memmove(in_.get(), in_.get() + in_start_, in_end_ - in_start_);
+    in_end_ -= in_start_;
+    in_start_ = 0;
+  }
+  while (in_end_ - in_start_ < n) {
+    const ssize_t got = ::recv(fd_, in_.get() + in_end_, kInBufferSize - in_end_, 0);
+    if (got > 0) {
+      in_end_ += static_cast<size_t>(got);
+    } else if (got == 0) {
+      if (in_end_ != in_start_) end_reason_ = "client disconnected in the middle of a request";
+      return false;
+    } else if (errno != EINTR) {
+      end_reason_ = "receive failed";
+      return false;
+    }
+  }
+  return true;
+}
+
+namespace {
+
+// Receives exactly `len` bytes into `buf`. False on EOF or error.
+bool RecvExactly(int fd, uint8_t* buf, size_t len) {
+  while (len > 0) {
+    const ssize_t got = ::recv(fd, buf, len, MSG_WAITALL);
+    if (got > 0) {
+      buf += got;
+      len -= static_cast<size_t>(got);
+    } else if (got == 0 || errno != EINTR) {
+      return false;
+    }
+  }
+  return true;
+}
+
+}  // namespace
+
+bool NbdConnection::HandleLargeWrite(const nbd::Request& r, const nbd::RequestCheck& check) {
+  in_start_ += kRequestHeaderSize;
+  const size_t have = in_end_ - in_start_;  // less than r.length, or we would not be here
+  Pending& p = (*pending_)[0];
+  p.request = r;
+  p.error = check.error;
+  p.message = check.message;
+  p.op = -1;
+  if (check.error == 0) {
+    // Valid, so r.length <= kMaxPayload: the whole payload fits in data_.
+    std::memcpy(data_.get(), in_.get() + in_start_, have);
+    in_start_ = in_end_ = 0;
+    if (!RecvExactly(fd_, data_.get() + have, r.length - have)) {
+      end_reason_ = "client disconnected in the middle of a write payload";
+      return false;
+    }
+    BlockOp& op = (*ops_)[0];
+    op = BlockOp{};
+    op.kind = BlockOp::Kind::kWrite;
+    op.fua = (r.flags & nbd::kCmdFlagFua) != 0;
+    op.offset = r.offset;
+    op.length = r.length;
+    op.data = {data_.get(), r.length};
+    p.op = 0;
+    return Complete(1, 1);
+  }
+  // Refused (e.g. longer than 32 MiB): the payload is still part of the stream. Read and drop
+  // it so the next request can be found, then answer with the error.
+  uint64_t left = r.length - have;
+  in_start_ = in_end_ = 0;
+  while (left > 0) {
+    const size_t n = left < nbd::kMaxPayload ? static_cast<size_t>(left) : nbd::kMaxPayload;
+    if (!RecvExactly(fd_, data_.get(), n)) {
+      end_reason_ = "client disconnected in the middle of a write payload";
+      return false;
+    }
+    left -= n;
+  }
+  return Complete(1, 0);
+}
+
+bool NbdConnection::Complete(size_t count, size_t n_ops) {
+  if (n_ops > 0) backend_->ExecuteBatch({ops_->data(), n_ops});
+  requests_ += count;
+  return SendReplies(count);
+}
+
+uint32_t NbdConnection::NbdError(const Status& s, const nbd::Request& r) {
+  switch (s.code()) {
+    case StatusCode::kOutOfRange:
+      return r.type == nbd::kCmdRead ? nbd::kEinval : nbd::kEnospc;
+    case StatusCode::kResourceExhausted:
+      return nbd::kEnospc;
+    case StatusCode::kInvalidArgument:
+    case StatusCode::kUnimplemented:
+      return nbd::kEinval;
+    case StatusCode::kPermissionDenied:
+      return nbd::kEperm;
+    case StatusCode::kAborted:
+      return nbd::kEshutdown;
+    default:
+      return nbd::kEio;  // the data could not be produced or stored
+  }
+}
+
+bool NbdConnection::SendReplies(size_t count) {
+  iovec* iov = iov_->data();
+  int n = 0;
+  for (size_t i = 0; i < count; ++i) {
+    const Pending& p = (*pending_)[i];
+    const nbd::Request& r = p.request;
+    uint8_t* h = (*headers_)[i].data();
+    uint32_t error = p.error;
+    const char* message = p.message;
+    std::span<uint8_t> read_data;
+    if (p.op >= 0) {
+      const BlockOp& op = (*ops_)[static_cast<size_t>(p.op)];
+      if (!op.status.ok()) {
+        error = NbdError(op.status, r);
+        message = "the storage backend failed";
+        spdlog::warn("nbd: {}: {} of {} bytes at {} failed: {}", peer_, nbd::CommandName(r.type),
+                     r.length, r.offset, op.status.ToString());
+      } else if (r.type == nbd::kCmdRead) {
+        read_data = op.read_into;
+      }
+    }
+    if (error != 0) {
+      ++failed_requests_;
+      spdlog::debug("nbd: {}: {} offset {} length {} flags 0x{:x}: error {} ({})", peer_,
+                    nbd::CommandName(r.type), r.offset, r.length, r.flags, error, message);
+    }
+    const bool is_read = r.type == nbd::kCmdRead;
+    if (session_.structured_replies && (is_read || error != 0)) {
+      // With structured replies a READ must get a structured reply; errors of other commands
+      // get one too so that the message reaches the user.
+      if (error != 0) {
+        const uint16_t len = nbd::ErrorMessageLength(message);
+        nbd::EncodeErrorChunkHeader(h, r.handle, error, len);
+        iov[n++] = {h, nbd::kErrorChunkFixedSize};
+        if (len > 0) iov[n++] = {const_cast<char*>(message), len};
+      } else {
+        nbd::EncodeOffsetDataHeader(h, r.handle, r.offset, r.length);
+        iov[n++] = {h, nbd::kOffsetDataHeaderSize};
+        iov[n++] = {read_data.data(), read_data.size()};
+      }
+    } else {
+      nbd::EncodeSimpleReply(h, error, r.handle);
+      iov[n++] = {h, nbd::kSimpleReplySize};
+      if (is_read && error == 0) iov[n++] = {read_data.data(), read_data.size()};
+    }
+  }
+  return SendAllIov(iov, n);
+}
+
+bool NbdConnection::SendAllIov(iovec* iov, int n) {
+  while (n > 0) {
+    msghdr msg{};
+    msg.msg_iov = iov;
+    msg.msg_iovlen = static_cast<size_t>(n);
+    ssize_t sent = ::sendmsg(fd_, &msg, MSG_NOSIGNAL);
+    if (sent < 0) {
+      if (errno == EINTR) continue;
+      end_reason_ = "send failed (client gone?)";
+      return false;
+    }
+    while (n > 0 && static_cast<size_t>(sent) >= iov->iov_len) {
+      sent -= static_cast<ssize_t>(iov->iov_len);
+      ++iov;
+      --n;
+    }
+    if (n > 0) {
+      iov->iov_base = static_cast<uint8_t*>(iov->iov_base) + sent;
+      iov->iov_len -= static_cast<size_t>(sent);
+    }
+  }
+  return true;
+}
+
+}  // namespace farmem::blockdev

@@ -1,0 +1,1236 @@
+#include "page_store.h"
+
+#include <fmt/format.h>
+#include <poll.h>
+#include <spdlog/spdlog.h>
+
+#include <algorithm>
+#include <bit>
+#include <charconv>
+#include <cstring>
+
+namespace farmem::blockdev {
+
+namespace {
+constexpr uint64_t kPage = 4096;
+// A piece moves at most this much export data; a round at most kRoundBytes.
+constexpr uint64_t kMaxPiece = 1 << 20;
+constexpr uint64_t kRoundBytes = 2 << 20;
+constexpr int kMaxRetries = 3;
+const std::vector<uint8_t>& ZeroBuffer() {
+  static const std::vector<uint8_t> zeros(kMaxPiece, 0);
+  return zeros;
+}
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// Resilience
+
+Result<Resilience> Resilience::Parse(std::string_view text) {
+  Resilience r;
+  auto num = [&](std::string_view s, int* out) {
+    auto [p, ec] = std::from_chars(s.data(), s.data() + s.size(), *out);
+    return ec == std::errc() && p == s.data() + s.size();
+  };
+  if (text == "none") {
+    r.mode = Mode::kNone;
+    return r;
+  }
+  if (text.starts_with("replicate:")) {
+    r.mode = Mode::kReplicate;
+    if (!num(text.substr(10), &r.copies) || r.copies < 1 || r.copies > 8) {
+      return Err(InvalidArgument(fmt::format("'{}': replicate:N needs N from 1 to 8", text)));
+    }
+    return r;
+  }
+  if (text.starts_with("ec:")) {
+    r.mode = Mode::kErasure;
+    std::string_view rest = text.substr(3);
+    const size_t plus = rest.find('+');
+    if (plus == std::string_view::npos || !num(rest.substr(0, plus), &r.k) ||
+        !num(rest.substr(plus + 1), &r.r)) {
+      return Err(InvalidArgument(fmt::format("'{}': write ec:k+r, e.g. ec:4+2", text)));
+    }
+    if (r.k < 1 || r.r < 0 || r.k + r.r > 32 || kPage % static_cast<uint64_t>(r.k) != 0) {
+      return Err(InvalidArgument(fmt::format(
+          "'{}': k must divide 4096 (1, 2, 4, 8, 16) and k+r must be at most 32", text)));
+    }
+    return r;
+  }
+  return Err(InvalidArgument(
+      fmt::format("unknown resilience '{}': use none, replicate:N or ec:k+r", text)));
+}
+
+std::string Resilience::ToString() const {
+  switch (mode) {
+    case Mode::kNone:
+      return "none";
+    case Mode::kReplicate:
+      return fmt::format("replicate:{}", copies);
+    case Mode::kErasure:
+      return fmt::format("ec:{}+{}", k, r);
+  }
+  return "?";
+}
+
+int Resilience::group_size() const {
+  switch (mode) {
+    case Mode::kNone:
+      return 1;
+    case Mode::kReplicate:
+      return copies;
+    case Mode::kErasure:
+      return k + r;
+  }
+  return 1;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Internal structures
+
+struct PageStore::Extent {
+  std::shared_mutex mu;
+  std::atomic<bool> mapped{false};
+  // Set under mu exclusive; read under mu shared.
+  std::vector<client::Lease> members;
+  std::atomic<uint32_t> failed{0};  // bit j: member j's copy is gone
+  uint64_t pages = 0;
+  std::unique_ptr<std::atomic<uint64_t>[]> written;  // page has data
+  std::unique_ptr<std::atomic<uint64_t>[]> lost;     // page's data is gone for good
+
+  size_t words() const { return static_cast<size_t>((pages + 63) / 64); }
+  bool Test(const std::unique_ptr<std::atomic<uint64_t>[]>& bits, uint64_t p) const {
+    return (bits[p / 64].load(std::memory_order_acquire) >> (p % 64)) & 1;
+  }
+  void Set(std::unique_ptr<std::atomic<uint64_t>[]>& bits, uint64_t p, bool v) {
+    const uint64_t m = uint64_t{1} << (p % 64);
+    if (v) {
+      bits[p / 64].fetch_or(m, std::memory_order_acq_rel);
+    } else {
+      bits[p / 64].fetch_and(~m, std::memory_order_acq_rel);
+    }
+  }
+  bool Any() const {
+    for (size_t i = 0; i < words(); ++i) {
+      if (written[i].load(std::memory_order_acquire) != 0) return true;
+    }
+    return false;
+  }
+  uint32_t live_mask() const {
+    const uint32_t all = members.size() >= 32 ? ~0u : ((1u << members.size()) - 1);
+    return all & ~failed.load(std::memory_order_acquire);
+  }
+};
+
+struct PageStore::Worker {
+  std::vector<std::unique_ptr<transport::Channel>> channels;  // by NodeId, opened lazily
+  std::vector<uint8_t> staging;
+  std::vector<transport::Completion> comps;
+  std::vector<pollfd> pfds;
+  std::vector<client::NodeId> pfd_nodes;
+};
+
+// One piece: whole pages of one extent.
+struct PageStore::Piece {
+  Extent* extent = nullptr;
+  uint64_t index = 0;       // extent index
+  uint64_t first_page = 0;  // within the extent
+  uint64_t npages = 0;
+  bool write = false;
+  size_t op = 0;             // index of the BlockOp it came from
+  uint8_t* buf = nullptr;    // export bytes: destination (read) or source (write)
+  uint8_t* stage = nullptr;  // ec: (k+r) fragment arrays of npages*frag bytes
+  uint32_t ok_mask = 0;      // members whose op completed OK
+  uint32_t fail_mask = 0;    // members whose op failed
+  uint32_t posted_mask = 0;
+  int8_t order[32] = {};  // ec read: members in arrival order
+  int arrived = 0;
+  Status first_error;
+};
+
+// ---------------------------------------------------------------------------------------------
+// Setup
+
+PageStore::PageStore(client::Cluster* cluster, PageStoreOptions options)
+    : cluster_(cluster), options_(std::move(options)) {}
+
+Result<std::unique_ptr<PageStore>> PageStore::Create(client::Cluster* cluster,
+                                                     PageStoreOptions options) {
+  if (options.size == 0 || options.size % kPage != 0) {
+    return Err(InvalidArgument(
+        fmt::format("export size {} must be a non-zero multiple of 4096", options.size)));
+  }
+  std::unique_ptr<PageStore> ps(new PageStore(cluster, std::move(options)));
+  FARMEM_RETURN_IF_ERROR(ps->Init());
+  return ps;
+}
+
+Status PageStore::Init() {
+  const Resilience& res = options_.resilience;
+  if (res.mode == Resilience::Mode::kErasure) {
+    FARMEM_ASSIGN_OR_RETURN(codec_, ec::ReedSolomon::Create(res.k, res.r));
+    frag_size_ = static_cast<uint32_t>(kPage / static_cast<uint64_t>(res.k));
+  }
+  if (static_cast<size_t>(res.group_size()) > cluster_->node_count()) {
+    return InvalidArgument(fmt::format("resilience {} needs {} daemons, the cluster has {}",
+                                       res.ToString(), res.group_size(), cluster_->node_count()));
+  }
+  for (client::NodeId id = 0; id < cluster_->node_count() && slab_size_ == 0; ++id) {
+    if (auto st = cluster_->Stat(id)) slab_size_ = st->slab_size;
+  }
+  if (slab_size_ == 0) return Unavailable("no daemon answered STAT: cannot learn the slab size");
+  extent_bytes_ = slab_size_ / frag_size_ * kPage;  // pages per slab * page size
+  const uint64_t n = (options_.size + extent_bytes_ - 1) / extent_bytes_;
+  extents_.reserve(n);
+  for (uint64_t i = 0; i < n; ++i) {
+    auto e = std::make_unique<Extent>();
+    e->pages = std::min(extent_bytes_, options_.size - i * extent_bytes_) / kPage;
+    e->written = std::make_unique<std::atomic<uint64_t>[]>(e->words());
+    e->lost = std::make_unique<std::atomic<uint64_t>[]>(e->words());
+    extents_.push_back(std::move(e));
+  }
+  if (!options_.backup_path.empty()) {
+    FARMEM_ASSIGN_OR_RETURN(backup_, BackupFile::Open(options_.backup_path, options_.size));
+  }
+  const size_t stage = static_cast<size_t>(kRoundBytes / kPage) * static_cast<size_t>(frag_size_) *
+                       static_cast<size_t>(res.group_size());
+  for (size_t i = 0; i < options_.workers + 1; ++i) {  // +1: the rebuild thread's
+    auto w = std::make_unique<Worker>();
+    if (res.mode == Resilience::Mode::kErasure) w->staging.resize(stage);
+    w->comps.resize(256);
+    all_workers_.push_back(std::move(w));
+  }
+  for (size_t i = 0; i < options_.workers; ++i) free_workers_.push_back(all_workers_[i].get());
+  subscription_ = cluster_->Subscribe([this](const client::Event& ev) { OnClusterEvent(ev); });
+  rebuild_thread_ = std::thread([this] { RebuildLoop(); });
+  spdlog::info("page store: {} export, {}, {} extents of {} (slabs of {}){}",
+               FormatSize(options_.size), res.ToString(), n, FormatSize(extent_bytes_),
+               FormatSize(slab_size_), backup_ ? ", backup " + backup_->path() : "");
+  return Status::Ok();
+}
+
+PageStore::~PageStore() {
+  cluster_->Unsubscribe(subscription_);
+  {
+    std::lock_guard lock(rebuild_mu_);
+    stopping_ = true;
+  }
+  rebuild_cv_.notify_all();
+  if (rebuild_thread_.joinable()) rebuild_thread_.join();
+  std::vector<client::Lease> leases;
+  for (auto& e : extents_) {
+    if (e->mapped.load()) leases.insert(leases.end(), e->members.begin(), e->members.end());
+  }
+  if (!leases.empty()) {
+    if (Status s = cluster_->Free(leases); !s.ok()) spdlog::warn("page store: {}", s.ToString());
+  }
+}
+
+PageStore::Worker* PageStore::Checkout() {
+  std::unique_lock lock(workers_mu_);
+  workers_cv_.wait(lock, [&] { return !free_workers_.empty(); });
+  Worker* w = free_workers_.back();
+  free_workers_.pop_back();
+  return w;
+}
+
+void PageStore::Return(Worker* w) {
+  {
+    std::lock_guard lock(workers_mu_);
+    free_workers_.push_back(w);
+  }
+  workers_cv_.notify_one();
+}
+
+PageStoreStats PageStore::stats() const {
+  std::lock_guard lock(stats_mu_);
+  PageStoreStats s = stats_;
+  s.extents_mapped = 0;
+  for (auto& e : extents_) s.extents_mapped += e->mapped.load() ? 1 : 0;
+  return s;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Rounds: many pieces' remote operations posted together, one doorbell per daemon, one wait.
+
+class PageStore::Round {
+ public:
+  Round(PageStore* ps, Worker* w) : ps_(ps), w_(w) {}
+
+  // Whether the piece's operations fit this round's windows and staging.
+  bool Fits(const Piece& p) const {
+    if (count_ == kMaxPieces) return false;
+    if (ps_->codec_ && stage_used_ + StageBytes(p) > w_->staging.size()) return false;
+    for (const client::Lease& m : p.extent->members) {
+      if (m.node < per_node_.size() && per_node_[m.node] + 1 > 48) return false;
+    }
+    return true;
+  }
+  size_t StageBytes(const Piece& p) const {
+    return static_cast<size_t>(p.npages * ps_->frag_size_) * p.extent->members.size();
+  }
+  bool empty() const { return count_ == 0; }
+  size_t size() const { return count_; }
+  Piece& piece(size_t i) { return pieces_[i]; }
+
+  // Adds a piece and prepares its operations (encodes parity for ec writes).
+  Status Add(Piece p) {
+    if (ps_->codec_) {
+      p.stage = w_->staging.data() + stage_used_;
+      stage_used_ += StageBytes(p);
+    }
+    pieces_[count_] = p;
+    Piece& q = pieces_[count_];
+    const size_t pi = count_++;
+    const Resilience& res = ps_->options_.resilience;
+    const uint32_t live = q.extent->live_mask();
+    const uint64_t len = q.npages * kPage;
+    const uint32_t f = ps_->frag_size_;
+    if (res.mode == Resilience::Mode::kErasure) {
+      const size_t flen = static_cast<size_t>(q.npages) * f;
+      const int n = res.k + res.r;
+      if (q.write) {
+        // Fragment j of page p: bytes [j*f, (j+1)*f) of the page, gathered into stage array j.
+        for (uint64_t pg = 0; pg < q.npages; ++pg) {
+          for (int j = 0; j < res.k; ++j) {
+            std::memcpy(q.stage + static_cast<size_t>(j) * flen + pg * f,
+                        q.buf + pg * kPage + static_cast<uint64_t>(j) * f, f);
+          }
+        }
+        const uint8_t* data[32];
+        uint8_t* parity[32];
+        for (int j = 0; j < res.k; ++j) data[j] = q.stage + static_cast<size_t>(j) * flen;
+        for (int j = 0; j < res.r; ++j) parity[j] = q.stage + static_cast<size_t>(res.k + j) * flen;
+        FARMEM_RETURN_IF_ERROR(ps_->codec_->Encode({data, static_cast<size_t>(res.k)},
+                                                   {parity, static_cast<size_t>(res.r)}, flen));
+      }
+      for (int j = 0; j < n; ++j) {
+        if (!((live >> j) & 1)) continue;
+        Post(pi, j, q.write, q.first_page * f, q.stage + static_cast<size_t>(j) * flen,
+             static_cast<uint32_t>(flen));
+      }
+      return Status::Ok();
+    }
+    const uint64_t off = q.first_page * kPage;
+    if (q.write) {
+      for (size_t j = 0; j < q.extent->members.size(); ++j) {
+        if ((live >> j) & 1)
+          Post(pi, static_cast<int>(j), true, off, q.buf, static_cast<uint32_t>(len));
+      }
+    } else {
+      // One replica, spread over the live ones by page.
+      const int nm = static_cast<int>(q.extent->members.size());
+      for (int t = 0; t < nm; ++t) {
+        const int j =
+            static_cast<int>((q.first_page + static_cast<uint64_t>(t)) % static_cast<uint64_t>(nm));
+        if ((live >> j) & 1) {
+          Post(pi, j, false, off, q.buf, static_cast<uint32_t>(len));
+          break;
+        }
+      }
+    }
+    return Status::Ok();
+  }
+
+  // Sends everything and waits: for writes and plain reads until every op completed, for ec reads
+  // until each piece has k fragments (stragglers stay outstanding; DrainStragglers reaps them).
+  void Run() {
+    for (size_t i = 0; i < ops_.size(); ++i) {
+      RemoteOp& r = ops_[i];
+      transport::Channel* ch = ps_->ChannelFor(*w_, r.node, &r.status);
+      if (ch == nullptr) {
+        Complete(i, r.status);
+        continue;
+      }
+      r.op.user_data = i;
+      Status s = ch->Post(r.op);
+      if (!s.ok()) {
+        Complete(i, s);
+        continue;
+      }
+      r.posted = true;
+    }
+    for (client::NodeId n = 0; n < w_->channels.size(); ++n) {
+      if (w_->channels[n] && w_->channels[n]->outstanding() > 0) {
+        (void)w_->channels[n]->Flush();  // a failure completes the ops with errors
+      }
+    }
+    const Deadline deadline = DeadlineIn(ps_->options_.op_timeout);
+    while (!Satisfied()) {
+      if (!ps_->PollChannels(*w_, deadline, [&](const transport::Completion& c) {
+            Complete(static_cast<size_t>(c.user_data), c.status);
+          })) {
+        // Timed out: whatever is still missing failed.
+        for (size_t i = 0; i < ops_.size(); ++i) {
+          if (!ops_[i].done) Complete(i, DeadlineExceeded("daemon did not answer in time"));
+        }
+        ps_->ResetStuckChannels(*w_);
+        break;
+      }
+    }
+  }
+
+ private:
+  struct RemoteOp {
+    client::NodeId node = 0;
+    transport::Op op;
+    size_t piece = 0;
+    int member = 0;
+    bool posted = false;
+    bool done = false;
+    Status status;
+  };
+  static constexpr size_t kMaxPieces = 64;
+
+  void Post(size_t piece, int member, bool write, uint64_t offset, uint8_t* local, uint32_t len) {
+    Piece& p = pieces_[piece];
+    const client::Lease& m = p.extent->members[static_cast<size_t>(member)];
+    RemoteOp r;
+    r.node = m.node;
+    r.op = {write ? transport::OpType::kWrite : transport::OpType::kRead,
+            m.slab(),
+            offset,
+            local,
+            len,
+            nullptr,
+            0};
+    r.piece = piece;
+    r.member = member;
+    if (per_node_.size() <= m.node) per_node_.resize(m.node + 1, 0);
+    ++per_node_[m.node];
+    p.posted_mask |= 1u << member;
+    ops_.push_back(std::move(r));
+  }
+
+  void Complete(size_t i, const Status& s) {
+    RemoteOp& r = ops_[i];
+    if (r.done) return;
+    r.done = true;
+    Piece& p = pieces_[r.piece];
+    if (s.ok()) {
+      p.ok_mask |= 1u << r.member;
+      if (p.arrived < 32) p.order[p.arrived++] = static_cast<int8_t>(r.member);
+    } else {
+      p.fail_mask |= 1u << r.member;
+      if (p.first_error.ok()) {
+        p.first_error = s.WithContext(
+            fmt::format("lease {:#x} on {}", p.extent->members[static_cast<size_t>(r.member)].id(),
+                        ps_->cluster_->node(r.node).endpoint.ToString()));
+      }
+      ps_->cluster_->ReportFailure(r.node, s);
+    }
+  }
+
+  bool Satisfied() const {
+    const bool ec_read_early = ps_->codec_ != nullptr;
+    for (const RemoteOp& r : ops_) {
+      if (r.done) continue;
+      const Piece& p = pieces_[r.piece];
+      if (ec_read_early && !p.write && std::popcount(p.ok_mask) >= ps_->options_.resilience.k) {
+        continue;  // late binding: this piece has its k fragments
+      }
+      if (ec_read_early && !p.write &&
+          std::popcount(p.posted_mask & ~p.fail_mask) < ps_->options_.resilience.k) {
+        continue;  // can never reach k: no point waiting for the rest
+      }
+      return false;
+    }
+    return true;
+  }
+
+  PageStore* ps_;
+  Worker* w_;
+  Piece pieces_[kMaxPieces];
+  size_t count_ = 0;
+  size_t stage_used_ = 0;
+  std::vector<RemoteOp> ops_;
+  std::vector<uint32_t> per_node_;
+};
+
+transport::Channel* PageStore::ChannelFor(Worker& w, client::NodeId node, Status* error) {
+  if (w.channels.size() <= node) w.channels.resize(node + 1);
+  auto& ch = w.channels[node];
+  if (ch && ch->broken()) {
+    if (ch->outstanding() > 0) {
+      transport::Completion c[64];
+      while (ch->outstanding() > 0) {
+        auto n = ch->Poll(c, std::chrono::milliseconds(0));
+        if (!n || *n == 0) break;
+      }
+    }
+    ch.reset();
+  }
+  if (!ch) {
+    if (!cluster_->node(node).alive) {
+      *error =
+          Unavailable(fmt::format("daemon {} is down", cluster_->node(node).endpoint.ToString()));
+      return nullptr;
+    }
+    auto opened = cluster_->OpenChannel(node);
+    if (!opened) {
+      *error = opened.error();
+      cluster_->ReportFailure(node, opened.error());
+      return nullptr;
+    }
+    ch = std::move(*opened);
+  }
+  return ch.get();
+}
+
+template <typename Fn>
+bool PageStore::PollChannels(Worker& w, Deadline deadline, Fn&& on_completion) {
+  w.pfds.clear();
+  w.pfd_nodes.clear();
+  bool any = false;
+  // Reap what is already there first: a reply may sit in a channel's buffer.
+  for (client::NodeId n = 0; n < w.channels.size(); ++n) {
+    auto& ch = w.channels[n];
+    if (!ch || ch->outstanding() == 0) continue;
+    auto got = ch->Poll(w.comps, std::chrono::milliseconds(0));
+    if (got && *got > 0) {
+      for (size_t i = 0; i < *got; ++i) on_completion(w.comps[i]);
+      any = true;
+      continue;
+    }
+    w.pfds.push_back({ch->wait_fd(), POLLIN, 0});
+    w.pfd_nodes.push_back(n);
+  }
+  if (any) return true;
+  if (w.pfds.empty()) return true;  // nothing outstanding: the caller re-checks its condition
+  const bool pollable =
+      std::all_of(w.pfds.begin(), w.pfds.end(), [](const pollfd& p) { return p.fd >= 0; });
+  const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+  if (left.count() <= 0) return false;
+  if (pollable) {
+    const int rc = ::poll(w.pfds.data(), w.pfds.size(), static_cast<int>(left.count()));
+    if (rc == 0) return false;
+  }
+  for (size_t i = 0; i < w.pfds.size(); ++i) {
+    if (pollable && w.pfds[i].revents == 0) continue;
+    auto& ch = w.channels[w.pfd_nodes[i]];
+    auto got = ch->Poll(w.comps, pollable ? left : std::chrono::milliseconds(0));
+    if (got) {
+      for (size_t j = 0; j < *got; ++j) on_completion(w.comps[j]);
+    }
+  }
+  return true;
+}
+
+void PageStore::ResetStuckChannels(Worker& w) {
+  for (auto& ch : w.channels) {
+    if (ch && ch->outstanding() > 0) ch.reset();  // its buffers are ours; nothing can land now
+  }
+}
+
+void PageStore::DrainStragglers(Worker& w) {
+  const Deadline deadline = DeadlineIn(options_.op_timeout);
+  for (;;) {
+    bool any = false;
+    for (auto& ch : w.channels) any = any || (ch && ch->outstanding() > 0);
+    if (!any) return;
+    if (!PollChannels(w, deadline, [](const transport::Completion&) {})) {
+      ResetStuckChannels(w);
+      return;
+    }
+  }
+}
+
+void PageStore::CountStat(uint64_t PageStoreStats::*field, uint64_t n) {
+  std::lock_guard lock(stats_mu_);
+  stats_.*field += n;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Mapping
+
+Status PageStore::MapExtent(uint64_t index) {
+  Extent& e = *extents_[index];
+  std::lock_guard lock(map_mu_);  // a leaf lock: never wait on an extent lock while holding it
+  if (e.mapped.load(std::memory_order_acquire)) return Status::Ok();
+  const size_t n = static_cast<size_t>(options_.resilience.group_size());
+  Result<std::vector<client::Lease>> leases =
+      n == 1 ? cluster_->Allocate(1) : cluster_->AllocateGroup(n);
+  if (!leases) {
+    return leases.error().WithContext(fmt::format("mapping extent {} (export bytes {}..{})", index,
+                                                  index * extent_bytes_,
+                                                  index * extent_bytes_ + e.pages * kPage));
+  }
+  e.members = std::move(*leases);
+  e.failed.store(0, std::memory_order_release);
+  e.mapped.store(true, std::memory_order_release);
+  spdlog::debug("extent {} mapped to {} lease(s)", index, n);
+  return Status::Ok();
+}
+
+void PageStore::UnmapIfEmpty(uint64_t index) {
+  Extent& e = *extents_[index];
+  std::vector<client::Lease> freed;
+  {
+    std::unique_lock ex(e.mu);
+    std::lock_guard lock(map_mu_);
+    if (!e.mapped.load() || e.Any()) return;
+    e.mapped.store(false, std::memory_order_release);
+    freed.swap(e.members);
+    e.failed.store(0);
+  }
+  spdlog::debug("extent {} holds no data any more: its {} lease(s) go back", index, freed.size());
+  if (Status s = cluster_->Free(freed); !s.ok()) spdlog::warn("page store: {}", s.ToString());
+}
+
+// ---------------------------------------------------------------------------------------------
+// Request paths
+
+void PageStore::SplitPieces(uint64_t offset, uint64_t len, uint8_t* buf, bool write, size_t op,
+                            std::vector<Piece>* out) {
+  uint64_t done = 0;
+  while (done < len) {
+    const uint64_t at = offset + done;
+    const uint64_t index = at / extent_bytes_;
+    const uint64_t in_extent = at % extent_bytes_;
+    const uint64_t n = std::min({len - done, extent_bytes_ - in_extent, kMaxPiece});
+    Piece p;
+    p.extent = extents_[index].get();
+    p.index = index;
+    p.first_page = in_extent / kPage;
+    p.npages = n / kPage;
+    p.write = write;
+    p.op = op;
+    p.buf = buf + done;
+    out->push_back(p);
+    done += n;
+  }
+}
+
+void PageStore::RunPieces(Worker& w, std::vector<Piece>& pieces, std::span<Status> op_status,
+                          int attempt) {
+  std::vector<Piece> retry;
+  std::vector<uint64_t> rebuild_now;
+  size_t next = 0;
+  while (next < pieces.size()) {
+    DrainStragglers(w);  // the staging memory of the last round is about to be reused
+    Round round(this, &w);
+    std::vector<std::shared_lock<std::shared_mutex>> locks;
+    std::vector<Extent*> locked;
+    while (next < pieces.size()) {
+      Piece& p = pieces[next];
+      if (!op_status[p.op].ok()) {  // an earlier piece of this op failed for good
+        ++next;
+        continue;
+      }
+      if (p.write && !p.extent->mapped.load(std::memory_order_acquire)) {
+        if (Status s = MapExtent(p.index); !s.ok()) {
+          op_status[p.op] = s;
+          ++next;
+          continue;
+        }
+      }
+      if (std::find(locked.begin(), locked.end(), p.extent) == locked.end()) {
+        if (!round.empty() && locked.size() >= 16) break;
+        locks.emplace_back(p.extent->mu);
+        locked.push_back(p.extent);
+      }
+      if (p.write && !p.extent->mapped.load(std::memory_order_acquire)) {
+        continue;  // unmapped by a trim in between: map again (we hold it shared: fine)
+      }
+      if (!p.write) {
+        // Pages never written read as zeroes; lost pages are errors.
+        bool any = false;
+        for (uint64_t pg = 0; pg < p.npages; ++pg) {
+          const uint64_t page = p.first_page + pg;
+          if (p.extent->Test(p.extent->lost, page)) {
+            op_status[p.op] = IoError(fmt::format(
+                "export page {} (offset {}) was lost with its daemon and has not been written "
+                "since",
+                (p.index * extent_bytes_) / kPage + page, p.index * extent_bytes_ + page * kPage));
+            spdlog::error("page store: {}", op_status[p.op].message());
+          }
+          any = any || p.extent->Test(p.extent->written, page);
+        }
+        if (!any || !p.extent->mapped.load(std::memory_order_acquire) || !op_status[p.op].ok()) {
+          if (op_status[p.op].ok()) std::memset(p.buf, 0, p.npages * kPage);
+          ++next;
+          continue;
+        }
+      }
+      if (p.extent->live_mask() == 0 ||
+          (codec_ && std::popcount(p.extent->live_mask()) < options_.resilience.k)) {
+        // No remote copy can serve or take this piece.
+        if (!p.write && backup_) {
+          op_status[p.op] = backup_->Read(p.index * extent_bytes_ + p.first_page * kPage,
+                                          {p.buf, p.npages * kPage});
+          CountStat(&PageStoreStats::backup_reads);
+          CountStat(&PageStoreStats::degraded_reads);
+        } else if (p.write && backup_) {
+          // The data is in the backup file (DoWrite wrote it first): the write stands there.
+          for (uint64_t pg = 0; pg < p.npages; ++pg) {
+            p.extent->Set(p.extent->written, p.first_page + pg, true);
+            p.extent->Set(p.extent->lost, p.first_page + pg, false);
+          }
+        } else {
+          op_status[p.op] = IoError(fmt::format(
+              "export bytes {}..{}: every daemon holding them failed and there is no backup file",
+              p.index * extent_bytes_ + p.first_page * kPage,
+              p.index * extent_bytes_ + (p.first_page + p.npages) * kPage));
+          spdlog::error("page store: {}", op_status[p.op].message());
+        }
+        ++next;
+        continue;
+      }
+      if (!round.Fits(p)) break;
+      if (Status s = round.Add(p); !s.ok()) {
+        op_status[p.op] = s;
+      }
+      ++next;
+    }
+    if (round.empty()) continue;
+    round.Run();
+    // Outcomes, still under the extent locks.
+    const int k = options_.resilience.k;
+    for (size_t i = 0; i < round.size(); ++i) {
+      Piece& p = round.piece(i);
+      if (p.fail_mask != 0) {
+        p.extent->failed.fetch_or(p.fail_mask, std::memory_order_acq_rel);
+        QueueRebuild(p.index);
+      }
+      const bool ec = codec_ != nullptr;
+      if (p.write) {
+        const int ok = std::popcount(p.ok_mask);
+        const bool recoverable = ec ? ok >= k : ok >= 1;
+        if (recoverable || backup_) {
+          for (uint64_t pg = 0; pg < p.npages; ++pg) {
+            p.extent->Set(p.extent->written, p.first_page + pg, true);
+            p.extent->Set(p.extent->lost, p.first_page + pg, false);
+          }
+          if (p.fail_mask != 0) rebuild_now.push_back(p.index);
+        } else {
+          retry.push_back(p);
+        }
+        continue;
+      }
+      // Reads.
+      if (!ec) {
+        if (p.ok_mask != 0) {
+          if (p.fail_mask != 0) CountStat(&PageStoreStats::degraded_reads);
+        } else {
+          retry.push_back(p);
+          continue;
+        }
+      } else {
+        if (std::popcount(p.ok_mask) < k) {
+          retry.push_back(p);
+          continue;
+        }
+        const size_t flen = static_cast<size_t>(p.npages) * frag_size_;
+        const uint32_t data_mask = (1u << k) - 1;
+        uint8_t* frags[32];
+        for (size_t j = 0; j < p.extent->members.size(); ++j) frags[j] = p.stage + j * flen;
+        // Decode when a data fragment is not among the first k to arrive.
+        uint32_t first_k = 0;
+        for (int t = 0; t < k; ++t) first_k |= 1u << p.order[t];
+        if ((first_k & data_mask) != data_mask) {
+          int present[32];
+          for (int t = 0; t < k; ++t) present[t] = p.order[t];
+          Status s = codec_->ReconstructData({frags, p.extent->members.size()},
+                                             {present, static_cast<size_t>(k)}, flen);
+          if (!s.ok()) {
+            op_status[p.op] = s;
+            continue;
+          }
+          CountStat(&PageStoreStats::degraded_reads);
+        }
+        for (uint64_t pg = 0; pg < p.npages; ++pg) {
+          for (int j = 0; j < k; ++j) {
+            std::memcpy(p.buf + pg * kPage + static_cast<uint64_t>(j) * frag_size_,
+                        frags[j] + pg * frag_size_, frag_size_);
+          }
+        }
+      }
+      for (uint64_t pg = 0; pg < p.npages; ++pg) {
+        if (!p.extent->Test(p.extent->written, p.first_page + pg)) {
+          std::memset(p.buf + pg * kPage, 0, kPage);
+        }
+      }
+    }
+  }
+  // Writes that lost redundancy: make the group whole again before acknowledging, when a daemon
+  // is there to take the lost members (otherwise the group runs degraded, said in the log).
+  std::sort(rebuild_now.begin(), rebuild_now.end());
+  rebuild_now.erase(std::unique(rebuild_now.begin(), rebuild_now.end()), rebuild_now.end());
+  for (uint64_t index : rebuild_now) (void)RebuildExtent(w, index);
+  if (!retry.empty()) {
+    CountStat(&PageStoreStats::write_retries, retry.size());
+    if (attempt + 1 >= kMaxRetries) {
+      for (const Piece& p : retry) {
+        if (op_status[p.op].ok()) {
+          op_status[p.op] =
+              IoError(fmt::format("export bytes {}..{}: {} failed on too many daemons ({})",
+                                  p.index * extent_bytes_ + p.first_page * kPage,
+                                  p.index * extent_bytes_ + (p.first_page + p.npages) * kPage,
+                                  p.write ? "write" : "read", p.first_error.ToString()));
+          spdlog::error("page store: {}", op_status[p.op].message());
+        }
+      }
+      return;
+    }
+    for (Piece& p : retry) {
+      p.ok_mask = p.fail_mask = p.posted_mask = 0;
+      p.arrived = 0;
+      p.first_error = Status();
+    }
+    for (const Piece& p : retry) (void)RebuildExtent(w, p.index);
+    RunPieces(w, retry, op_status, attempt + 1);
+  }
+}
+
+Status PageStore::PartialPage(Worker& w, uint64_t page_offset, uint64_t at,
+                              std::span<uint8_t> read_into, std::span<const uint8_t> write_from) {
+  uint8_t page[kPage];
+  Status st;
+  std::vector<Piece> pieces;
+  SplitPieces(page_offset, kPage, page, false, 0, &pieces);
+  if (write_from.empty()) {
+    RunPieces(w, pieces, {&st, 1}, 0);
+    FARMEM_RETURN_IF_ERROR(st);
+    std::memcpy(read_into.data(), page + (at - page_offset), read_into.size());
+    return Status::Ok();
+  }
+  // Read-modify-write. Partial writes are serialized so that two of them to different bytes of
+  // one page cannot lose each other's update (overlapping writes are unspecified in NBD anyway).
+  std::lock_guard plock(partial_mu_);
+  RunPieces(w, pieces, {&st, 1}, 0);
+  FARMEM_RETURN_IF_ERROR(st);
+  std::memcpy(page + (at - page_offset), write_from.data(), write_from.size());
+  pieces.clear();
+  SplitPieces(page_offset, kPage, page, true, 0, &pieces);
+  RunPieces(w, pieces, {&st, 1}, 0);
+  return st;
+}
+
+Status PageStore::DoRead(Worker& w, uint64_t offset, std::span<uint8_t> buf) {
+  std::vector<Piece> pieces;
+  Status st;
+  uint64_t at = offset, left = buf.size();
+  uint8_t* out = buf.data();
+  if (at % kPage != 0 || left < kPage) {  // head of a page
+    const uint64_t page = at / kPage * kPage;
+    const uint64_t n = std::min(left, page + kPage - at);
+    FARMEM_RETURN_IF_ERROR(PartialPage(w, page, at, {out, n}, {}));
+    at += n, out += n, left -= n;
+  }
+  const uint64_t middle = left / kPage * kPage;
+  if (middle > 0) {
+    SplitPieces(at, middle, out, false, 0, &pieces);
+    RunPieces(w, pieces, {&st, 1}, 0);
+    FARMEM_RETURN_IF_ERROR(st);
+    at += middle, out += middle, left -= middle;
+  }
+  if (left > 0) FARMEM_RETURN_IF_ERROR(PartialPage(w, at, at, {out, left}, {}));
+  return Status::Ok();
+}
+
+Status PageStore::DoWrite(Worker& w, uint64_t offset, std::span<const uint8_t> data, bool fua) {
+  if (backup_) FARMEM_RETURN_IF_ERROR(backup_->Write(offset, data));
+  Status st;
+  uint64_t at = offset, left = data.size();
+  const uint8_t* in = data.data();
+  if (at % kPage != 0 || left < kPage) {
+    const uint64_t page = at / kPage * kPage;
+    const uint64_t n = std::min(left, page + kPage - at);
+    FARMEM_RETURN_IF_ERROR(PartialPage(w, page, at, {}, {in, n}));
+    at += n, in += n, left -= n;
+  }
+  const uint64_t middle = left / kPage * kPage;
+  if (middle > 0) {
+    std::vector<Piece> pieces;
+    SplitPieces(at, middle, const_cast<uint8_t*>(in), true, 0, &pieces);
+    RunPieces(w, pieces, {&st, 1}, 0);
+    FARMEM_RETURN_IF_ERROR(st);
+    at += middle, in += middle, left -= middle;
+  }
+  if (left > 0) FARMEM_RETURN_IF_ERROR(PartialPage(w, at, at, {}, {in, left}));
+  if (fua && backup_) FARMEM_RETURN_IF_ERROR(backup_->Flush());
+  return Status::Ok();
+}
+
+Status PageStore::DoZero(Worker& w, uint64_t offset, uint64_t length, bool may_trim, bool fua) {
+  // Whole pages: clear their bits (they read as zeroes from then on) when allowed to deallocate;
+  // otherwise, and for partial pages, write real zeroes.
+  const uint64_t first_full = (offset + kPage - 1) / kPage * kPage;
+  const uint64_t end = offset + length;
+  const uint64_t last_full = end / kPage * kPage;
+  auto write_zeros = [&](uint64_t from, uint64_t to) -> Status {
+    for (uint64_t at = from; at < to;) {
+      const uint64_t n = std::min<uint64_t>(to - at, kMaxPiece);
+      FARMEM_RETURN_IF_ERROR(DoWrite(w, at, {ZeroBuffer().data(), static_cast<size_t>(n)}, false));
+      at += n;
+    }
+    return Status::Ok();
+  };
+  if (!may_trim || first_full >= last_full) {
+    FARMEM_RETURN_IF_ERROR(write_zeros(offset, end));
+  } else {
+    FARMEM_RETURN_IF_ERROR(write_zeros(offset, first_full));
+    FARMEM_RETURN_IF_ERROR(write_zeros(last_full, end));
+    std::vector<uint64_t> emptied;
+    for (uint64_t at = first_full; at < last_full;) {
+      const uint64_t index = at / extent_bytes_;
+      Extent& e = *extents_[index];
+      const uint64_t stop = std::min(last_full, (index + 1) * extent_bytes_);
+      {
+        std::shared_lock lock(e.mu);
+        for (uint64_t p = at; p < stop; p += kPage) {
+          e.Set(e.written, (p % extent_bytes_) / kPage, false);
+          e.Set(e.lost, (p % extent_bytes_) / kPage, false);
+        }
+        if (e.mapped.load() && !e.Any()) emptied.push_back(index);
+      }
+      at = stop;
+    }
+    if (backup_) FARMEM_RETURN_IF_ERROR(backup_->Zero(first_full, last_full - first_full));
+    for (uint64_t index : emptied) UnmapIfEmpty(index);
+  }
+  if (fua && backup_) FARMEM_RETURN_IF_ERROR(backup_->Flush());
+  return Status::Ok();
+}
+
+Status PageStore::Read(uint64_t offset, std::span<uint8_t> buf) {
+  BlockOp op;
+  op.kind = BlockOp::Kind::kRead;
+  op.offset = offset;
+  op.length = buf.size();
+  op.read_into = buf;
+  ExecuteBatch({&op, 1});
+  return op.status;
+}
+
+Status PageStore::Write(uint64_t offset, std::span<const uint8_t> data, bool fua) {
+  BlockOp op;
+  op.kind = BlockOp::Kind::kWrite;
+  op.offset = offset;
+  op.length = data.size();
+  op.data = data;
+  op.fua = fua;
+  ExecuteBatch({&op, 1});
+  return op.status;
+}
+
+Status PageStore::Flush() {
+  if (backup_) return backup_->Flush();
+  return Status::Ok();  // remote writes are acknowledged only once they are on the daemons
+}
+
+Status PageStore::Trim(uint64_t offset, uint64_t length, bool fua) {
+  BlockOp op;
+  op.kind = BlockOp::Kind::kTrim;
+  op.offset = offset;
+  op.length = length;
+  op.fua = fua;
+  ExecuteBatch({&op, 1});
+  return op.status;
+}
+
+Status PageStore::WriteZeroes(uint64_t offset, uint64_t length, bool may_trim, bool fua) {
+  BlockOp op;
+  op.kind = BlockOp::Kind::kWriteZeroes;
+  op.offset = offset;
+  op.length = length;
+  op.may_trim = may_trim;
+  op.fua = fua;
+  ExecuteBatch({&op, 1});
+  return op.status;
+}
+
+void PageStore::ExecuteBatch(std::span<BlockOp> ops) {
+  Worker* w = Checkout();
+  // Aligned reads and writes of the whole batch go out together; the rest one by one.
+  std::vector<Piece> pieces;
+  std::vector<Status> status(ops.size());
+  bool any_fua = false;
+  for (size_t i = 0; i < ops.size(); ++i) {
+    BlockOp& op = ops[i];
+    if (op.offset > options_.size || op.length > options_.size - op.offset) {
+      status[i] = OutOfRange(fmt::format("{} bytes at {} pass the end of the {}-byte export",
+                                         op.length, op.offset, options_.size));
+      continue;
+    }
+    const bool aligned = op.offset % kPage == 0 && op.length % kPage == 0;
+    switch (op.kind) {
+      case BlockOp::Kind::kRead:
+        if (aligned) {
+          SplitPieces(op.offset, op.length, op.read_into.data(), false, i, &pieces);
+        } else {
+          status[i] = DoRead(*w, op.offset, op.read_into);
+        }
+        break;
+      case BlockOp::Kind::kWrite:
+        if (aligned) {
+          if (backup_) status[i] = backup_->Write(op.offset, op.data);
+          if (status[i].ok()) {
+            SplitPieces(op.offset, op.length, const_cast<uint8_t*>(op.data.data()), true, i,
+                        &pieces);
+          }
+          any_fua = any_fua || op.fua;
+        } else {
+          status[i] = DoWrite(*w, op.offset, op.data, op.fua);
+        }
+        break;
+      case BlockOp::Kind::kFlush:
+        status[i] = Flush();
+        break;
+      case BlockOp::Kind::kTrim:
+        // Trimmed contents are unspecified: deallocate whole pages, leave partial ones alone.
+        if (const uint64_t from = (op.offset + kPage - 1) / kPage * kPage,
+            to = (op.offset + op.length) / kPage * kPage;
+            from < to) {
+          status[i] = DoZero(*w, from, to - from, /*may_trim=*/true, op.fua);
+        }
+        break;
+      case BlockOp::Kind::kWriteZeroes:
+        status[i] = DoZero(*w, op.offset, op.length, op.may_trim, op.fua);
+        break;
+    }
+  }
+  if (!pieces.empty()) RunPieces(*w, pieces, status, 0);
+  if (any_fua && backup_) {
+    Status s = backup_->Flush();
+    for (size_t i = 0; i < ops.size(); ++i) {
+      if (ops[i].kind == BlockOp::Kind::kWrite && ops[i].fua && status[i].ok()) status[i] = s;
+    }
+  }
+  for (size_t i = 0; i < ops.size(); ++i) ops[i].status = status[i];
+  Return(w);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Failures and rebuild
+
+void PageStore::OnClusterEvent(const client::Event& ev) {
+  if (ev.lease_ids.empty()) return;
+  if (ev.type != client::EventType::kNodeDown && ev.type != client::EventType::kLeasesLost &&
+      ev.type != client::EventType::kEvictNotice) {
+    return;
+  }
+  {
+    std::lock_guard lock(rebuild_mu_);
+    lost_leases_.insert(lost_leases_.end(), ev.lease_ids.begin(), ev.lease_ids.end());
+  }
+  rebuild_cv_.notify_all();
+}
+
+void PageStore::MarkLost(std::span<const uint64_t> lease_ids) {
+  for (uint64_t index = 0; index < extents_.size(); ++index) {
+    Extent& e = *extents_[index];
+    std::shared_lock lock(e.mu);
+    if (!e.mapped.load()) continue;
+    uint32_t bits = 0;
+    for (size_t j = 0; j < e.members.size(); ++j) {
+      if (std::find(lease_ids.begin(), lease_ids.end(), e.members[j].id()) != lease_ids.end()) {
+        bits |= 1u << j;
+      }
+    }
+    if (bits != 0) {
+      e.failed.fetch_or(bits);
+      std::lock_guard q(rebuild_mu_);
+      rebuild_queue_.push_back(index);
+    }
+  }
+}
+
+void PageStore::QueueRebuild(uint64_t index) {
+  {
+    std::lock_guard lock(rebuild_mu_);
+    rebuild_queue_.push_back(index);
+  }
+  rebuild_cv_.notify_all();
+}
+
+void PageStore::WaitForRebuilds() {
+  std::unique_lock lock(rebuild_mu_);
+  rebuild_cv_.wait(lock, [&] {
+    return stopping_ || (rebuild_queue_.empty() && lost_leases_.empty() && !rebuilding_);
+  });
+}
+
+void PageStore::RebuildLoop() {
+  Worker& w = *all_workers_.back();
+  std::unique_lock lock(rebuild_mu_);
+  for (;;) {
+    rebuild_cv_.wait(lock,
+                     [&] { return stopping_ || !rebuild_queue_.empty() || !lost_leases_.empty(); });
+    if (stopping_) return;
+    rebuilding_ = true;
+    std::vector<uint64_t> lost;
+    lost.swap(lost_leases_);
+    lock.unlock();
+    if (!lost.empty()) MarkLost(lost);
+    lock.lock();
+    std::vector<uint64_t> todo(rebuild_queue_.begin(), rebuild_queue_.end());
+    rebuild_queue_.clear();
+    lock.unlock();
+    std::sort(todo.begin(), todo.end());
+    todo.erase(std::unique(todo.begin(), todo.end()), todo.end());
+    for (uint64_t index : todo) (void)RebuildExtent(w, index);
+    lock.lock();
+    rebuilding_ = false;
+    rebuild_cv_.notify_all();
+  }
+}
+
+Status PageStore::RebuildExtent(Worker& w, uint64_t index) {
+  DrainStragglers(w);  // the synchronous reads below need idle channels
+  Extent& e = *extents_[index];
+  std::unique_lock ex(e.mu);
+  const uint32_t failed = e.failed.load();
+  if (!e.mapped.load() || failed == 0) return Status::Ok();
+  const Resilience& res = options_.resilience;
+  const size_t n = e.members.size();
+  std::vector<client::NodeId> used;
+  for (size_t j = 0; j < n; ++j) {
+    if (!((failed >> j) & 1)) used.push_back(e.members[j].node);
+  }
+  const uint32_t live = e.live_mask();
+  const bool can_read = codec_ ? std::popcount(live) >= res.k : live != 0;
+  Status result;
+  for (size_t j = 0; j < n; ++j) {
+    if (!((failed >> j) & 1)) continue;
+    Result<client::Lease> fresh = cluster_->AllocateExcluding(used);
+    if (!fresh) {
+      spdlog::warn("page store: extent {} runs degraded ({} of {} members): {}", index,
+                   std::popcount(e.live_mask()), n, fresh.error().ToString());
+      result = fresh.error();
+      continue;
+    }
+    // Rebuild member j's contents for every written page, a run of pages at a time.
+    Status s;
+    const uint64_t run_pages = std::max<uint64_t>(1, kMaxPiece / kPage / 4);
+    std::vector<uint8_t> frag_buf;  // rebuild path: allocating here is fine (not a request path)
+    for (uint64_t p = 0; p < e.pages && s.ok(); p += run_pages) {
+      const uint64_t np = std::min(run_pages, e.pages - p);
+      bool any = false;
+      for (uint64_t q = p; q < p + np; ++q) any = any || e.Test(e.written, q);
+      if (!any) continue;
+      const uint64_t member_off = p * frag_size_;
+      const size_t flen = static_cast<size_t>(np) * frag_size_;
+      frag_buf.assign(flen * n, 0);
+      if (!can_read) {
+        if (!backup_) {
+          s = DataLoss("no surviving copy and no backup file");
+          break;
+        }
+        // none (or every copy gone): the backup file has the export bytes.
+        std::vector<uint8_t> pagebuf(np * kPage);
+        s = backup_->Read(index * extent_bytes_ + p * kPage, pagebuf);
+        if (!s.ok()) break;
+        if (codec_) {
+          // Re-encode the pages into fragment j.
+          for (uint64_t pg = 0; pg < np; ++pg) {
+            for (int d = 0; d < res.k; ++d) {
+              std::memcpy(frag_buf.data() + static_cast<size_t>(d) * flen + pg * frag_size_,
+                          pagebuf.data() + pg * kPage + static_cast<uint64_t>(d) * frag_size_,
+                          frag_size_);
+            }
+          }
+          const uint8_t* data[32];
+          uint8_t* parity[32];
+          for (int d = 0; d < res.k; ++d) data[d] = frag_buf.data() + static_cast<size_t>(d) * flen;
+          for (int d = 0; d < res.r; ++d) {
+            parity[d] = frag_buf.data() + static_cast<size_t>(res.k + d) * flen;
+          }
+          s = codec_->Encode({data, static_cast<size_t>(res.k)},
+                             {parity, static_cast<size_t>(res.r)}, flen);
+        } else {
+          std::memcpy(frag_buf.data() + j * flen, pagebuf.data(), flen);
+        }
+      } else if (codec_) {
+        std::vector<transport::Op> ops;
+        std::vector<client::NodeId> nodes;
+        std::vector<int> present;
+        for (size_t m = 0; m < n && static_cast<int>(present.size()) < res.k; ++m) {
+          if (!((live >> m) & 1)) continue;
+          present.push_back(static_cast<int>(m));
+        }
+        for (int m : present) {
+          Status cs;
+          transport::Channel* ch = ChannelFor(w, e.members[static_cast<size_t>(m)].node, &cs);
+          if (ch == nullptr) {
+            s = cs;
+            break;
+          }
+          s = ch->Read(e.members[static_cast<size_t>(m)].slab(), member_off,
+                       {frag_buf.data() + static_cast<size_t>(m) * flen, flen});
+          if (!s.ok()) break;
+        }
+        if (!s.ok()) break;
+        uint8_t* frags[32];
+        for (size_t m = 0; m < n; ++m) frags[m] = frag_buf.data() + m * flen;
+        const int erased[1] = {static_cast<int>(j)};
+        // Decode reads the first k fragments that are not erased: make sure those are the ones
+        // we read by erasing, for the decoder, every member we did not read.
+        std::vector<int> not_read;
+        for (size_t m = 0; m < n; ++m) {
+          if (std::find(present.begin(), present.end(), static_cast<int>(m)) == present.end()) {
+            not_read.push_back(static_cast<int>(m));
+          }
+        }
+        (void)erased;
+        if (static_cast<int>(not_read.size()) > res.r) {
+          s = DataLoss("fewer than k members survive");
+          break;
+        }
+        s = codec_->Decode({frags, n}, not_read, flen);
+      } else {
+        // A surviving replica has the bytes.
+        for (size_t m = 0; m < n; ++m) {
+          if (!((live >> m) & 1)) continue;
+          Status cs;
+          transport::Channel* ch = ChannelFor(w, e.members[m].node, &cs);
+          s = ch == nullptr
+                  ? cs
+                  : ch->Read(e.members[m].slab(), member_off, {frag_buf.data() + j * flen, flen});
+          if (s.ok()) break;
+        }
+      }
+      if (!s.ok()) break;
+      Status cs;
+      transport::Channel* ch = ChannelFor(w, fresh->node, &cs);
+      s = ch == nullptr ? cs
+                        : ch->Write(fresh->slab(), member_off, {frag_buf.data() + j * flen, flen});
+    }
+    if (!s.ok()) {
+      if (!can_read && !backup_) {
+        // Nothing can bring the pages back: say which, and let new writes use the fresh lease.
+        uint64_t count = 0;
+        for (uint64_t q = 0; q < e.pages; ++q) {
+          if (e.Test(e.written, q)) {
+            e.Set(e.lost, q, true);
+            e.Set(e.written, q, false);
+            ++count;
+          }
+        }
+        spdlog::error(
+            "page store: {} pages of extent {} (export bytes {}..{}) are LOST: their "
+            "daemon failed, resilience {} keeps no other copy and there is no backup "
+            "file",
+            count, index, index * extent_bytes_, index * extent_bytes_ + e.pages * kPage,
+            res.ToString());
+      } else {
+        spdlog::warn("page store: rebuilding member {} of extent {} failed: {}", j, index,
+                     s.ToString());
+        (void)cluster_->Free({&*fresh, 1});
+        result = s;
+        continue;
+      }
+    }
+    const client::Lease old = e.members[j];
+    e.members[j] = *fresh;
+    e.failed.fetch_and(~(1u << j));
+    used.push_back(fresh->node);
+    (void)cluster_->Free({&old, 1});
+    CountStat(&PageStoreStats::rebuilds);
+    spdlog::info("page store: extent {} member {} rebuilt on {}", index, j,
+                 cluster_->node(fresh->node).endpoint.ToString());
+  }
+  return result;
+}
+
+}  // namespace farmem::blockdev

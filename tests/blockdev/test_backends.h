@@ -1,0 +1,85 @@
+// Backends for tests: one that records what the server asked for (to check that NBD flags such as
+// FUA and NO_HOLE arrive), and one that fails on demand (to check error replies).
+#pragma once
+
+#include <memory>
+#include <mutex>
+#include <vector>
+
+#include "farmem/blockdev/block_backend.h"
+
+namespace farmem::blockdev::testing {
+
+struct RecordedOp {
+  BlockOp::Kind kind;
+  uint64_t offset;
+  uint64_t length;
+  bool fua;
+  bool may_trim;
+};
+
+// Forwards to a MemoryBackend and records every call. Thread-safe.
+class RecordingBackend : public BlockBackend {
+ public:
+  explicit RecordingBackend(std::unique_ptr<MemoryBackend> inner) : inner_(std::move(inner)) {}
+
+  uint64_t size() const override { return inner_->size(); }
+  Status Read(uint64_t offset, std::span<uint8_t> buf) override {
+    Record({BlockOp::Kind::kRead, offset, buf.size(), false, false});
+    return Fail() ? IoError("injected read failure") : inner_->Read(offset, buf);
+  }
+  Status Write(uint64_t offset, std::span<const uint8_t> data, bool fua) override {
+    Record({BlockOp::Kind::kWrite, offset, data.size(), fua, false});
+    return Fail() ? IoError("injected write failure") : inner_->Write(offset, data, fua);
+  }
+  Status Flush() override {
+    Record({BlockOp::Kind::kFlush, 0, 0, false, false});
+    return Fail() ? IoError("injected flush failure") : inner_->Flush();
+  }
+  Status Trim(uint64_t offset, uint64_t length, bool fua) override {
+    Record({BlockOp::Kind::kTrim, offset, length, fua, false});
+    return Fail() ? IoError("injected trim failure") : inner_->Trim(offset, length, fua);
+  }
+  Status WriteZeroes(uint64_t offset, uint64_t length, bool may_trim, bool fua) override {
+    Record({BlockOp::Kind::kWriteZeroes, offset, length, fua, may_trim});
+    return Fail() ? IoError("injected zero failure")
+                  : inner_->WriteZeroes(offset, length, may_trim, fua);
+  }
+  bool can_flush() const override { return true; }
+  bool can_fua() const override { return true; }
+  bool can_trim() const override { return true; }
+  bool can_write_zeroes() const override { return true; }
+  bool can_multi_conn() const override { return multi_conn_; }
+
+  void set_fail(bool fail) {
+    std::lock_guard lock(mu_);
+    fail_ = fail;
+  }
+  void set_multi_conn(bool v) { multi_conn_ = v; }
+  std::vector<RecordedOp> ops() {
+    std::lock_guard lock(mu_);
+    return ops_;
+  }
+  void clear() {
+    std::lock_guard lock(mu_);
+    ops_.clear();
+  }
+
+ private:
+  void Record(const RecordedOp& op) {
+    std::lock_guard lock(mu_);
+    ops_.push_back(op);
+  }
+  bool Fail() {
+    std::lock_guard lock(mu_);
+    return fail_;
+  }
+
+  std::unique_ptr<MemoryBackend> inner_;
+  bool multi_conn_ = true;
+  std::mutex mu_;
+  std::vector<RecordedOp> ops_;  // guarded by mu_
+  bool fail_ = false;            // guarded by mu_
+};
+
+}  // namespace farmem::blockdev::testing
