@@ -1,0 +1,297 @@
+// far_ptr benchmarks, each printed next to its baseline from the same run
+// (docs/benchmarks-farptr.md):
+//
+//   local   deref of a local far_ptr vs a raw pointer deref (ns per deref; the instruction count of
+//           the fast path comes from `objdump -d` of FarDerefOne/RawDerefOne, see the doc)
+//   miss    deref of a remote object = swap-in of one span vs a bare Channel::Read of the same
+//           size from the same daemons (median and p99 µs)
+//   tput    far_vector random get and far_hash_map find throughput at local fractions
+//           100/50/25/12.5% of the working set, relative to 100%
+//   compact remote bytes before/after compaction of a churned heap, and the bytes the client
+//           moved to do it
+//
+//   farptr_bench [--mode all|local|miss|tput|compact] [--daemons 6] [--span 65536]
+//
+// Starts its own farmemd processes (next to this binary, or $FARMEM_BIN_DIR).
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "farmem/client/cluster.h"
+#include "farmem/far_hash_map.h"
+#include "farmem/far_ptr.h"
+#include "farmem/far_vector.h"
+#include "farmem/runtime.h"
+#include "support/daemon_fixture.h"
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using farmem::DerefScope;
+using farmem::far_ptr;
+
+struct Args {
+  std::string mode = "all";
+  size_t daemons = 6;
+  uint32_t span = 64u << 10;
+};
+
+[[noreturn]] void Die(const std::string& m) {
+  std::fprintf(stderr, "farptr_bench: %s\n", m.c_str());
+  std::exit(1);
+}
+
+double Ns(Clock::duration d) { return std::chrono::duration<double, std::nano>(d).count(); }
+
+// The two fast paths the doc disassembles.
+[[gnu::noinline]] uint64_t FarDerefOne(const far_ptr<uint64_t>& p, const DerefScope& s) {
+  return p.deref(s);
+}
+[[gnu::noinline]] uint64_t RawDerefOne(const uint64_t* p) { return *p; }
+
+std::unique_ptr<farmem::Runtime> OpenRuntime(farmem::testing::DaemonSet& d, uint64_t budget,
+                                             uint32_t span, const std::string& res = "ec:4+2") {
+  farmem::RuntimeOptions o;
+  o.peers = d.endpoints();
+  o.secret = d.secret();
+  o.local_budget = budget;
+  o.span_size = span;
+  o.resilience = res;
+  auto rt = farmem::Runtime::Create(o);
+  if (!rt) Die(rt.error().ToString());
+  return std::move(*rt);
+}
+
+void BenchLocal(farmem::testing::DaemonSet& d, const Args& a) {
+  constexpr size_t kN = 1 << 16;  // 64 Ki objects: fits in L2 with the entries
+  constexpr int kRounds = 200;
+  auto rt = OpenRuntime(d, 256u << 20, a.span);
+  std::vector<far_ptr<uint64_t>> fp;
+  std::vector<std::unique_ptr<uint64_t>> raw;
+  std::vector<uint32_t> order(kN);
+  for (size_t i = 0; i < kN; ++i) {
+    fp.push_back(farmem::make_far_in<uint64_t>(*rt, i));
+    raw.push_back(std::make_unique<uint64_t>(i));
+    order[i] = static_cast<uint32_t>(i);
+  }
+  std::shuffle(order.begin(), order.end(), std::mt19937(1));
+  uint64_t sum = 0;
+  for (const bool random : {false, true}) {
+    std::vector<uint32_t> idx(kN);
+    for (size_t i = 0; i < kN; ++i) idx[i] = static_cast<uint32_t>(i);
+    if (random) idx = order;
+    double far_ns = 1e30, raw_ns = 1e30;
+    for (int rep = 0; rep < 5; ++rep) {
+      {
+        DerefScope s;
+        const auto t0 = Clock::now();
+        for (int r = 0; r < kRounds; ++r) {
+          for (uint32_t i : idx) sum += FarDerefOne(fp[i], s);
+        }
+        far_ns = std::min(far_ns, Ns(Clock::now() - t0) / (kRounds * double(kN)));
+      }
+      const auto t0 = Clock::now();
+      for (int r = 0; r < kRounds; ++r) {
+        for (uint32_t i : idx) sum += RawDerefOne(raw[i].get());
+      }
+      raw_ns = std::min(raw_ns, Ns(Clock::now() - t0) / (kRounds * double(kN)));
+    }
+    std::printf(
+        "local deref (%s order, %zu objects, best of 5, call included): far_ptr %.2f ns, "
+        "raw pointer %.2f ns, ratio %.2fx\n",
+        random ? "random" : "allocation", kN, far_ns, raw_ns, far_ns / raw_ns);
+  }
+  std::printf("  [checksum %lu]\n", static_cast<unsigned long>(sum));
+}
+
+void Percentiles(std::vector<double>& v, double* med, double* p99) {
+  std::sort(v.begin(), v.end());
+  *med = v[v.size() / 2];
+  *p99 = v[std::min(v.size() - 1, v.size() * 99 / 100)];
+}
+
+void BenchMiss(farmem::testing::DaemonSet& d, const Args& a) {
+  constexpr size_t kSpans = 256;
+  constexpr int kRounds = 4;
+  for (const char* res : {"ec:4+2", "none"}) {
+    auto rt = OpenRuntime(d, 64u << 20, a.span, res);
+    // One object per span: every miss is the swap-in of exactly one span.
+    std::vector<farmem::far_bytes> objs;
+    for (size_t i = 0; i < kSpans; ++i) objs.push_back(farmem::make_far_bytes_in(*rt, a.span));
+    // Baseline: a bare transport read of the same size, same daemons, same run.
+    farmem::client::Cluster& cl = rt->cluster();
+    auto lease = cl.Allocate(1);
+    if (!lease) Die(lease.error().ToString());
+    auto ch = cl.OpenChannel((*lease)[0].node);
+    if (!ch) Die(ch.error().ToString());
+    std::vector<uint8_t> buf(a.span);
+    std::vector<double> miss_us, read_us;
+    for (int round = 0; round < kRounds; ++round) {
+      if (auto s = rt->EvictUntil(0); !s.ok()) Die(s.ToString());
+      for (size_t i = 0; i < kSpans; ++i) {
+        {
+          const auto t0 = Clock::now();
+          DerefScope s;
+          auto bytes = objs[i].deref(s);
+          miss_us.push_back(Ns(Clock::now() - t0) / 1000);
+          if (bytes.size() != a.span) Die("bad size");
+        }
+        const auto t0 = Clock::now();
+        if (auto s = (*ch)->Read((*lease)[0].slab(), (i % 8) * a.span, buf); !s.ok()) {
+          Die(s.ToString());
+        }
+        read_us.push_back(Ns(Clock::now() - t0) / 1000);
+      }
+    }
+    (void)cl.Free(*lease);
+    double mm, mp, rm, rp;
+    Percentiles(miss_us, &mm, &mp);
+    Percentiles(read_us, &rm, &rp);
+    std::printf(
+        "deref miss (%s, %u B span, %zu misses): median %.1f us p99 %.1f us | bare "
+        "transport read %u B: median %.1f us p99 %.1f us | ratio median %.2fx p99 %.2fx\n",
+        res, a.span, miss_us.size(), mm, mp, a.span, rm, rp, mm / rm, mp / rp);
+  }
+}
+
+void BenchThroughput(farmem::testing::DaemonSet& d, const Args& a) {
+  constexpr size_t kVec = 2u << 20;  // 16 MiB of uint64_t
+  constexpr size_t kKeys = 256u << 10;
+  constexpr int kOps = 30000;
+  const uint64_t vec_bytes = kVec * sizeof(uint64_t);
+  const uint64_t map_bytes = kKeys * 32;  // measured: bucket bytes per key at the default load
+  double vec_base = 0, map_base = 0;
+  std::vector<double> fracs = {1.0, 0.5, 0.25, 0.125};
+  if (const char* only = std::getenv("FARPTR_BENCH_FRACTIONS")) {
+    fracs.clear();
+    for (std::string_view rest = only; !rest.empty();) {
+      const size_t comma = rest.find(',');
+      fracs.push_back(std::stod(std::string(rest.substr(0, comma))));
+      rest = comma == std::string_view::npos ? std::string_view() : rest.substr(comma + 1);
+    }
+  }
+  for (double frac : fracs) {
+    {
+      // 100%: the budget holds everything (+ headroom for the watermarks).
+      const uint64_t budget = frac >= 1.0
+                                  ? vec_bytes * 2
+                                  : static_cast<uint64_t>(static_cast<double>(vec_bytes) * frac);
+      auto rt = OpenRuntime(d, budget, a.span);
+      farmem::far_vector<uint64_t> v(*rt, kVec, 1);
+      std::mt19937_64 rng(1);
+      uint64_t sum = 0;
+      for (int i = 0; i < kOps / 4; ++i) sum += v.get(rng() % kVec);  // warm up
+      const auto t0 = Clock::now();
+      for (int i = 0; i < kOps; ++i) sum += v.get(rng() % kVec);
+      const double mops = kOps / (Ns(Clock::now() - t0) / 1000);
+      if (frac >= 1.0) vec_base = mops;
+      std::printf(
+          "far_vector random get, local %5.1f%%: %8.3f Mops/s = %.3f of 100%% (%lu "
+          "swap-ins)  [%lu]\n",
+          frac * 100, mops, mops / vec_base, static_cast<unsigned long>(rt->stats().swap_ins),
+          static_cast<unsigned long>(sum % 10));
+    }
+    {
+      const uint64_t budget = frac >= 1.0
+                                  ? map_bytes * 3
+                                  : static_cast<uint64_t>(static_cast<double>(map_bytes) * frac);
+      auto rt = OpenRuntime(d, std::max<uint64_t>(budget, 8 * a.span), a.span);
+      farmem::far_hash_map<uint64_t, uint64_t> m(*rt, kKeys);
+      for (uint64_t k = 0; k < kKeys; ++k) m.insert(k, k * 3);
+      std::mt19937_64 rng(2);
+      uint64_t hits = 0;
+      for (int i = 0; i < kOps / 4; ++i) hits += m.find(rng() % kKeys).has_value();
+      const auto t0 = Clock::now();
+      for (int i = 0; i < kOps; ++i) hits += m.find(rng() % kKeys).has_value();
+      const double mops = kOps / (Ns(Clock::now() - t0) / 1000);
+      if (frac >= 1.0) map_base = mops;
+      const farmem::RuntimeStats st = rt->stats();
+      std::printf(
+          "far_hash_map find,     local %5.1f%%: %8.3f Mops/s = %.3f of 100%% (%lu "
+          "swap-ins, working set %.1f MiB)  [%lu]\n",
+          frac * 100, mops, mops / map_base, static_cast<unsigned long>(st.swap_ins),
+          st.object_bytes / 1048576.0, static_cast<unsigned long>(hits % 10));
+    }
+  }
+}
+
+struct Churned {
+  uint64_t id;
+  char pad[120];
+};
+
+void BenchCompact(farmem::testing::DaemonSet& d, const Args& a) {
+  constexpr size_t kObjects = 64000;  // 8 MiB
+  farmem::RuntimeOptions o;
+  o.peers = d.endpoints();
+  o.secret = d.secret();
+  o.local_budget = kObjects * sizeof(Churned) / 8;
+  o.span_size = a.span;
+  o.auto_compact = false;  // measure one explicit compaction
+  auto rt = farmem::Runtime::Create(o);
+  if (!rt) Die(rt.error().ToString());
+  std::vector<far_ptr<Churned>> objs;
+  for (size_t i = 0; i < kObjects; ++i)
+    objs.push_back(farmem::make_far_in<Churned>(**rt, Churned{i, {}}));
+  std::mt19937_64 rng(3);
+  for (int round = 0; round < 3; ++round) {
+    for (size_t i = 0; i < kObjects; ++i) {
+      if (rng() % 2 == 0) objs[i] = farmem::make_far_in<Churned>(**rt, Churned{i, {}});
+    }
+  }
+  if (auto s = (*rt)->EvictUntil(0); !s.ok()) Die(s.ToString());
+  const farmem::RuntimeStats before = (*rt)->stats();
+  const auto t0 = Clock::now();
+  if (auto s = (*rt)->Compact(); !s.ok()) Die(s.ToString());
+  const double ms = Ns(Clock::now() - t0) / 1e6;
+  const farmem::RuntimeStats after = (*rt)->stats();
+  std::printf(
+      "compaction (ec:4+2, %zu objects of %zu B, half reallocated 3 times): span sets "
+      "%.2f -> %.2f MiB, slabs leased %.2f -> %.2f MiB, remote live %.2f MiB; client "
+      "moved %.2f MiB (read + written) in %.0f ms; parity offload: not implemented\n",
+      kObjects, sizeof(Churned), before.remote_set_bytes / 1048576.0,
+      after.remote_set_bytes / 1048576.0, before.remote_leased_bytes / 1048576.0,
+      after.remote_leased_bytes / 1048576.0, after.remote_object_bytes / 1048576.0,
+      (after.compaction_client_bytes - before.compaction_client_bytes) / 1048576.0, ms);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Args a;
+  for (int i = 1; i < argc; ++i) {
+    const std::string k = argv[i];
+    auto val = [&]() -> std::string {
+      if (i + 1 >= argc) Die("missing value for " + k);
+      return argv[++i];
+    };
+    if (k == "--mode")
+      a.mode = val();
+    else if (k == "--daemons")
+      a.daemons = std::stoul(val());
+    else if (k == "--span")
+      a.span = static_cast<uint32_t>(std::stoul(val()));
+    else
+      Die("usage: farptr_bench [--mode all|local|miss|tput|compact] [--daemons N] [--span B]");
+  }
+  if (std::getenv("FARMEM_BIN_DIR") == nullptr) {
+    const std::string dir = std::filesystem::absolute(argv[0]).parent_path().string();
+    ::setenv("FARMEM_BIN_DIR", dir.c_str(), 1);
+  }
+  farmem::testing::DaemonConfig cfg;
+  cfg.capacity = "96M";
+  cfg.slab_size = "4M";
+  cfg.log_level = "warn";
+  farmem::testing::DaemonSet d(cfg);
+  if (auto s = d.Start(a.daemons); !s.ok()) Die(s.ToString());
+  if (a.mode == "all" || a.mode == "local") BenchLocal(d, a);
+  if (a.mode == "all" || a.mode == "miss") BenchMiss(d, a);
+  if (a.mode == "all" || a.mode == "tput") BenchThroughput(d, a);
+  if (a.mode == "all" || a.mode == "compact") BenchCompact(d, a);
+  return 0;
+}

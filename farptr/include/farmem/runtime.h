@@ -1,0 +1,153 @@
+// Runtime: one program's far-memory heap. It owns the local memory budget, the spans objects live
+// in, the evictor that moves cold spans out to farmem daemons as erasure-coded span sets
+// (Carbink), the remote store those span sets live in, and the compactor that keeps remote usage
+// close to the live data.
+//
+//   farmem::RuntimeOptions opts;
+//   opts.peers = {...};  opts.secret = "...";
+//   opts.local_budget = 64 << 20;  opts.resilience = "ec:4+2";
+//   auto rt = farmem::Runtime::Create(opts);           // Result<std::unique_ptr<Runtime>>
+//   farmem::far_ptr<Point> p = farmem::make_far<Point>(1, 2);   // see far_ptr.h
+//
+// Ownership: a Runtime owns a client::Cluster (its leases and connections), every span (local
+// frames and remote span sets) and three background threads (evictor, prefetcher, recovery).
+// Every far_ptr made from a Runtime must be destroyed before the Runtime.
+//
+// Threads: every method may be called from any thread. far_ptrs of one Runtime may be used by
+// many threads at once (each object by one writer at a time, as with plain memory; see
+// docs/farptr.md for the exact rules).
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "farmem/common/config.h"
+#include "farmem/common/status.h"
+
+namespace farmem {
+
+namespace client {
+class Cluster;
+}
+namespace farptr_internal {
+class Heap;
+}
+
+// How swapped-out spans are protected.
+struct SpanResilience {
+  enum class Mode { kNone, kReplicate, kErasure };
+  Mode mode = Mode::kErasure;
+  int k = 4;  // data spans per span set (1 for none / replicate)
+  int r = 2;  // parity spans (erasure) or extra copies (replicate) per span set
+
+  // "none", "replicate:N" (N copies, 1..8), "ec:k+r" (k >= 1, r >= 0, k + r <= 16).
+  static Result<SpanResilience> Parse(std::string_view text);
+  std::string ToString() const;
+  int width() const { return k + r; }  // daemons one span set is spread over
+};
+
+struct RuntimeOptions {
+  // The daemons (client::ClusterOptions has the details).
+  std::vector<Endpoint> peers;
+  std::string peers_dns;
+  std::string secret;
+  // Local memory for object data. Objects beyond it live remote. Metadata (16-32 bytes per
+  // object, ~100 bytes per span) is not counted.
+  uint64_t local_budget = 256ull << 20;
+  std::string resilience = "ec:4+2";
+  // Bytes per span: a power of two from 4 KiB to 1 MiB, at most the daemons' slab size. The
+  // largest object is one span.
+  uint32_t span_size = 64u << 10;
+  // The evictor starts when resident spans pass high_watermark * budget and stops at
+  // low_watermark * budget. Threads entering an outermost DerefScope wait while the budget is
+  // exceeded (see docs/farptr.md, "sizing the budget").
+  double high_watermark = 0.90;
+  double low_watermark = 0.75;
+  // Background compaction starts when remote bytes leased exceed
+  // (k + r) / k * remote live bytes * compact_trigger.
+  bool auto_compact = true;
+  double compact_trigger = 1.15;
+  // Background prefetch threads (far_vector's sequential prefetch). 0 disables prefetching.
+  int prefetch_threads = 1;
+  // Failure detection and control calls (client::ClusterOptions).
+  std::chrono::milliseconds heartbeat_interval{500};
+  std::chrono::milliseconds failure_timeout{2000};
+  std::chrono::milliseconds op_timeout{5000};
+  // Make this runtime the one make_far<T>(args...) without a runtime uses.
+  bool make_default = true;
+};
+
+struct RuntimeStats {
+  // Objects.
+  uint64_t objects = 0;              // live objects
+  uint64_t object_bytes = 0;         // their size-class bytes
+  uint64_t remote_object_bytes = 0;  // ... of those living in remote spans
+  // Local memory.
+  uint64_t local_budget = 0;
+  uint64_t local_bytes = 0;  // resident span frames
+  uint64_t resident_spans = 0;
+  uint64_t remote_spans = 0;
+  // Remote memory.
+  uint64_t span_sets = 0;
+  uint64_t remote_set_bytes = 0;     // rows in use: span sets * (k + r) * span_size
+  uint64_t remote_leased_bytes = 0;  // slabs held from daemons
+  // Traffic and events since start.
+  uint64_t swap_ins = 0;        // spans read back on a miss or prefetch
+  uint64_t prefetches = 0;      // ... of those by the prefetcher
+  uint64_t degraded_reads = 0;  // swap-ins that needed a decode / another replica
+  uint64_t spans_evicted = 0;
+  uint64_t sets_written = 0;
+  uint64_t eviction_cancels = 0;   // spans a deref pulled back while being evicted
+  uint64_t objects_relocated = 0;  // hot objects moved out of cold spans
+  uint64_t members_reprotected = 0;
+  uint64_t spans_lost = 0;
+  uint64_t compactions = 0;
+  uint64_t compaction_spans_in = 0;
+  uint64_t compaction_spans_out = 0;
+  uint64_t compaction_client_bytes = 0;  // bytes the client moved (read + written) compacting
+  uint64_t bytes_read = 0;               // all remote reads
+  uint64_t bytes_written = 0;            // all remote writes
+};
+
+class Runtime {
+ public:
+  // Connects to the daemons and starts the background threads. Fails if no daemon answers, if
+  // the resilience needs more daemons than there are, or on a bad option (InvalidArgument).
+  static Result<std::unique_ptr<Runtime>> Create(RuntimeOptions options);
+  // The runtime make_far<T>(args...) uses: the last one created with make_default (null if
+  // none is alive).
+  static Runtime* Default();
+
+  ~Runtime();
+  Runtime(const Runtime&) = delete;
+  Runtime& operator=(const Runtime&) = delete;
+
+  const RuntimeOptions& options() const;
+  const SpanResilience& resilience() const;
+  RuntimeStats stats() const;
+  // Where span sets live: each slab group's daemons in member order (k data members first,
+  // then parity or copies). For tools and tests.
+  std::vector<std::vector<Endpoint>> span_set_layout() const;
+  client::Cluster& cluster();
+
+  // Moves spans out until local usage is at most `target_bytes` (0: everything that is not
+  // pinned by a live scope). For benchmarks and tests; the evictor does this on its own.
+  Status EvictUntil(uint64_t target_bytes);
+  // One compaction pass now (the background one runs when auto_compact is set).
+  Status Compact();
+  // Waits until no failed span-set member is waiting to be re-protected. DeadlineExceeded if
+  // some still are after `timeout` (e.g. no daemon outside their group has room).
+  Status WaitForRecovery(std::chrono::milliseconds timeout = std::chrono::seconds(30));
+
+  farptr_internal::Heap* heap() const { return heap_.get(); }
+
+ private:
+  explicit Runtime(RuntimeOptions options);
+  std::unique_ptr<farptr_internal::Heap> heap_;
+};
+
+}  // namespace farmem

@@ -1,0 +1,244 @@
+// Remote compaction, done by the client: span sets with holes, sparse remote spans and the sets
+// of a group that could be emptied are read back (one read per span, no local frame), their live
+// objects are packed densely into new span images per size class, and the images go out as new
+// full span sets. The old cells become holes, so their rows and then their slab groups go back
+// to the daemons. Remote usage then tracks live data instead of growing with every swap-in and
+// free.
+//
+// Objects that move keep their entries (far_ptrs never change): entry->span / slot are updated
+// while both the old and the new span are locked, and a mutator that waited on the old span's
+// lock sees that its entry moved and retries on the new one.
+//
+// Cost: every byte compacted crosses the network twice (read back, written out with parity).
+// Parity offload to farmemd (docs/farptr.md, "not done yet") would keep the parity bytes on the
+// daemons.
+#include <fmt/format.h>
+#include <spdlog/spdlog.h>
+
+#include <algorithm>
+#include <cstring>
+#include <map>
+#include <set>
+
+#include "heap.h"
+
+namespace farmem::farptr_internal {
+
+namespace {
+// Remote spans fuller than this are left alone unless their set has holes. 85% keeps span-set
+// bytes within ~1.25x of (k + r) / k x live bytes; lower values compact less often.
+constexpr double kSparseFill = 0.85;
+}  // namespace
+
+bool Heap::CompactionWanted() const {
+  const RemoteStoreStats rs = store_->stats();
+  const double expansion = static_cast<double>(res_.width()) / res_.k;
+  const double live = static_cast<double>(remote_object_bytes_.load(std::memory_order_relaxed));
+  const double slack = 2.0 * res_.width() * span_size_;
+  if (static_cast<double>(rs.set_bytes) > expansion * live * options_.compact_trigger + slack) {
+    return true;
+  }
+  // Slabs held beyond the rows in use: at least one whole group could go back.
+  return rs.groups > 0 && rs.leased_bytes - rs.set_bytes >= rs.leased_bytes / rs.groups;
+}
+
+Status Heap::Compact() {
+  if (InScope()) return InvalidArgument("Compact inside a DerefScope");
+  std::lock_guard round(evict_round_mu_);
+  size_t moved = 0;
+  for (int i = 0; i < 64; ++i) {
+    FARMEM_RETURN_IF_ERROR(CompactOnce(&moved));
+    if (moved == 0 || !CompactionWanted()) break;
+  }
+  return Status::Ok();
+}
+
+Status Heap::CompactOnce(size_t* moved) {
+  *moved = 0;
+  const size_t k = static_cast<size_t>(res_.k);
+  // Every victim stays locked for the whole pass: keep the batch modest (ThreadSanitizer also
+  // tracks at most 64 locks held by one thread).
+  const size_t batch = std::min<size_t>(std::max<size_t>(4 * k, 16), 32);
+  std::vector<Span*> cands = store_->CompactionCandidates(batch);
+  const std::set<Span*> from_sets(cands.begin(), cands.end());
+  if (cands.size() < batch) {
+    // Sparse remote spans, emptiest first.
+    std::vector<std::pair<double, Span*>> sparse;
+    {
+      std::lock_guard lock(spans_mu_);
+      for (auto& s : spans_) {
+        if (from_sets.count(s.get()) != 0) continue;
+        const uint32_t live = s->live.load(std::memory_order_relaxed);
+        if (live == 0) continue;
+        const double fill = static_cast<double>(live) / s->cls->slots;
+        if (fill < kSparseFill) sparse.emplace_back(fill, s.get());
+      }
+    }
+    std::sort(sparse.begin(), sparse.end());
+    for (auto& [fill, s] : sparse) {
+      if (cands.size() >= batch) break;
+      cands.push_back(s);
+    }
+  }
+  std::sort(cands.begin(), cands.end());
+  cands.erase(std::unique(cands.begin(), cands.end()), cands.end());
+
+  // Lock what is still remote (in address order; skip spans someone is using).
+  std::vector<std::unique_lock<std::mutex>> locks;
+  std::vector<Span*> victims;
+  for (Span* s : cands) {
+    std::unique_lock l(s->mu, std::try_to_lock);
+    if (!l.owns_lock() || s->state != SpanState::kRemote || s->set == nullptr) continue;
+    victims.push_back(s);
+    locks.push_back(std::move(l));
+  }
+  // Per size class: is rewriting worth it?
+  std::map<SizeClass*, std::vector<Span*>> by_class;
+  for (Span* s : victims) by_class[s->cls].push_back(s);
+  std::vector<Span*> work;
+  size_t new_total = 0;
+  std::set<SpanSet*> sets_touched;
+  for (auto& [cls, spans] : by_class) {
+    uint64_t live = 0;
+    bool holed = false;
+    for (Span* s : spans) {
+      live += s->live.load(std::memory_order_relaxed);
+      holed = holed || from_sets.count(s) != 0;
+    }
+    const size_t out = static_cast<size_t>((live + cls->slots - 1) / cls->slots);
+    if (out >= spans.size() && !holed) continue;
+    new_total += out;
+    for (Span* s : spans) {
+      work.push_back(s);
+      sets_touched.insert(s->set);
+    }
+  }
+  if (work.empty() ||
+      (new_total >= work.size() && (new_total + k - 1) / k >= sets_touched.size())) {
+    return Status::Ok();  // nothing to gain
+  }
+
+  // Read the victims back.
+  IoContext* io = CheckoutIo();
+  std::vector<uint8_t> in(static_cast<size_t>(span_size_) * work.size());
+  uint64_t client_bytes = 0;
+  Status st;
+  for (size_t i = 0; i < work.size() && st.ok(); ++i) {
+    st = store_->ReadSpan(*io, work[i]->set, work[i]->member,
+                          in.data() + i * static_cast<size_t>(span_size_));
+    client_bytes += span_size_;
+    if (st.code() == StatusCode::kDataLoss) {
+      // Nothing to move: the span is lost (deref reports it). Try again without it.
+      MarkLostLocked(work[i], Status(st.code(), Describe(work[i]) + " is lost: " + st.message()));
+      ReturnIo(io);
+      return Status::Ok();
+    }
+    if (!st.ok()) st = st.WithContext(Describe(work[i]));
+  }
+  if (!st.ok()) {
+    ReturnIo(io);
+    return st.WithContext("compaction");
+  }
+  // Pack live objects into new images, class by class. The new spans reuse the victims' structs
+  // (same class, already locked): image i of a class goes to that class's i-th victim.
+  struct Move {
+    ObjectEntry* e;
+    size_t target;  // index into `targets`
+    uint32_t slot;
+  };
+  std::vector<Move> moves;
+  std::vector<Span*> targets;  // victims that receive an image, in image order
+  std::vector<uint8_t> out(static_cast<size_t>(span_size_) * new_total, 0);
+  {
+    size_t wi = 0;
+    while (wi < work.size()) {
+      SizeClass* cls = work[wi]->cls;
+      const size_t first_victim = wi;
+      size_t class_images = 0;
+      uint32_t next_slot = cls->slots;  // forces a new image at the first object
+      for (; wi < work.size() && work[wi]->cls == cls; ++wi) {
+        Span* s = work[wi];
+        const uint8_t* src = in.data() + wi * static_cast<size_t>(span_size_);
+        for (uint32_t i = 0; i < s->owner.size(); ++i) {
+          ObjectEntry* e = s->owner[i];
+          if (e == nullptr) continue;
+          if (next_slot == cls->slots) {
+            targets.push_back(work[first_victim + class_images++]);
+            next_slot = 0;
+          }
+          const size_t t = targets.size() - 1;
+          std::memcpy(out.data() + t * span_size_ + static_cast<size_t>(next_slot) * cls->size,
+                      src + static_cast<size_t>(i) * cls->size, cls->size);
+          moves.push_back({e, t, next_slot});
+          ++next_slot;
+        }
+      }
+    }
+  }
+  // Write the new span sets.
+  std::vector<std::pair<SpanSet*, size_t>> written;  // set, first target index
+  for (size_t i = 0; i < targets.size() && st.ok(); i += k) {
+    const size_t n = std::min(k, targets.size() - i);
+    const uint8_t* data[kMaxSetWidth];
+    for (size_t j = 0; j < n; ++j) data[j] = out.data() + (i + j) * span_size_;
+    Result<SpanSet*> set = store_->WriteSet(*io, {data, n}, {targets.data() + i, n});
+    if (!set) {
+      st = set.error();
+      break;
+    }
+    written.emplace_back(*set, i);
+    client_bytes += static_cast<uint64_t>(res_.width()) * span_size_;
+  }
+  ReturnIo(io);
+  if (!st.ok()) {
+    for (auto& [set, first] : written) {
+      for (size_t j = 0; j < k && first + j < targets.size(); ++j) {
+        store_->Release(set, static_cast<int>(j));
+      }
+    }
+    return st.WithContext("compaction");
+  }
+  // Committed: the old cells become holes, the victims take their new identities.
+  for (Span* s : work) {
+    store_->Release(s->set, s->member);
+    s->set = nullptr;
+    s->owner.assign(s->cls->slots, nullptr);
+    s->live.store(0, std::memory_order_relaxed);
+  }
+  for (auto& [set, first] : written) {
+    for (size_t j = 0; j < k && first + j < targets.size(); ++j) {
+      targets[first + j]->set = set;
+      targets[first + j]->member = static_cast<int>(j);
+    }
+  }
+  for (const Move& m : moves) {
+    Span* t = targets[m.target];
+    t->owner[m.slot] = m.e;
+    t->live.fetch_add(1, std::memory_order_relaxed);
+    m.e->slot.store(m.slot, std::memory_order_relaxed);
+    m.e->span.store(t, std::memory_order_release);
+  }
+  for (Span* s : work) {
+    if (s->set == nullptr) {
+      RetireLocked(s);
+      continue;
+    }
+    s->free_slots.clear();
+    for (uint32_t i = s->cls->slots; i-- > 0;) {
+      if (s->owner[i] == nullptr) s->free_slots.push_back(i);
+    }
+  }
+  const size_t fresh_count = targets.size();
+  remote_spans_.fetch_add(fresh_count, std::memory_order_relaxed);
+  remote_spans_.fetch_sub(work.size(), std::memory_order_relaxed);
+  compactions_.fetch_add(1, std::memory_order_relaxed);
+  compaction_spans_in_.fetch_add(work.size(), std::memory_order_relaxed);
+  compaction_spans_out_.fetch_add(fresh_count, std::memory_order_relaxed);
+  compaction_client_bytes_.fetch_add(client_bytes, std::memory_order_relaxed);
+  *moved = work.size();
+  spdlog::debug("far memory: compacted {} remote spans ({} sets) into {}", work.size(),
+                sets_touched.size(), fresh_count);
+  return Status::Ok();
+}
+
+}  // namespace farmem::farptr_internal

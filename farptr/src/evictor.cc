@@ -1,0 +1,314 @@
+// The evictor: CLOCK over resident spans, hot objects moved out of cold spans, cold spans written
+// out as span sets (Carbink's swap-out).
+//
+// One round:
+//   1. Sweep: for each resident span, count objects whose kHot bit is set and clear the bits
+//      (CLOCK second chance). A span with no hot object is a victim. A span with only a few hot
+//      objects gives them up: they are relocated into the size class's hot span so the rest of
+//      the span can go cold and leave. Victims get kEvacuating on every object and state
+//      kEvicting; relocated objects get kEvacuating.
+//   2. Grace period: wait until every scope that was open at step 1 has ended (scope.cc). A deref
+//      that meets kEvacuating meanwhile cancels (the bytes never moved).
+//   3. Relocate the hot objects that are still marked; commit the victims still kEvicting
+//      (state kWriting) and write them in sets of k with r parity spans, one batch per set.
+//   4. Each written span becomes kRemote, its frame returns to the pool.
+#include <fmt/format.h>
+#include <spdlog/spdlog.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include "heap.h"
+
+namespace farmem::farptr_internal {
+
+namespace {
+// A span whose hot objects are at most this fraction of its live ones gives them up.
+constexpr uint32_t kRelocateDivisor = 8;
+}  // namespace
+
+bool Heap::ShouldLog() {
+  const int64_t now =
+      std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now().time_since_epoch())
+          .count();
+  int64_t last = last_warning_ms_.load(std::memory_order_relaxed);
+  return now - last >= 5000 &&
+         last_warning_ms_.compare_exchange_strong(last, now, std::memory_order_relaxed);
+}
+
+void Heap::EvictorLoop() {
+  auto last_compact = Clock::now();
+  int zero_rounds = 0;
+  std::unique_lock lock(evict_mu_);
+  for (;;) {
+    evict_cv_.wait_for(lock, std::chrono::milliseconds(50),
+                       [&] { return stopping_ || evict_wanted_; });
+    if (stopping_) return;
+    evict_wanted_ = false;
+    lock.unlock();
+    if (frames_in_use_.load() > high_frames_) {
+      std::lock_guard round(evict_round_mu_);
+      // Keep going while the mutators keep allocating.
+      size_t progress = 0;
+      for (int i = 0; i < 64 && frames_in_use_.load() > low_frames_; ++i) {
+        // Swap-ins leave holes as fast as evictions fill sets: compact as we go, or remote
+        // usage grows with every miss.
+        if (options_.auto_compact && CompactionWanted()) {
+          size_t moved = 0;
+          (void)CompactOnce(&moved);
+        }
+        const size_t n = EvictRound(low_frames_, false);
+        if (n == 0) break;
+        progress += n;
+      }
+      // A round can come back empty because derefs cancelled every victim (a scan walking into
+      // the spans the sweep found coldest); only a second of that in a row counts as stuck.
+      zero_rounds = progress > 0 ? 0 : zero_rounds + 1;
+      if (progress > 0) {
+        eviction_stalled_.store(false, std::memory_order_relaxed);
+      } else if (zero_rounds >= 20 && frames_in_use_.load() > budget_frames_ &&
+                 !eviction_stalled_.exchange(true, std::memory_order_relaxed)) {
+        // Nothing can go out (daemons full or gone, everything pinned): holding threads at the
+        // gate would only stall the program. Run over budget until eviction works again.
+        if (ShouldLog()) {
+          spdlog::warn("far memory: eviction is stuck at {} local (budget {}); running over budget",
+                       FormatSize(frames_in_use_.load() * span_size_),
+                       FormatSize(options_.local_budget));
+        }
+        SetOverBudget(over_budget_, false);
+      }
+    }
+    if (options_.auto_compact && Clock::now() - last_compact > std::chrono::milliseconds(100)) {
+      last_compact = Clock::now();
+      if (CompactionWanted()) {
+        std::lock_guard round(evict_round_mu_);
+        size_t moved = 0;
+        for (int i = 0; i < 8 && CompactionWanted(); ++i) {
+          if (Status s = CompactOnce(&moved); !s.ok() || moved == 0) break;
+          if (frames_in_use_.load() > high_frames_) break;  // eviction comes first
+        }
+      }
+    }
+    lock.lock();
+  }
+}
+
+Status Heap::EvictUntil(uint64_t target_bytes) {
+  if (InScope()) {
+    return InvalidArgument("EvictUntil inside a DerefScope would wait for its own scope");
+  }
+  const size_t target = static_cast<size_t>(target_bytes / span_size_);
+  std::lock_guard round(evict_round_mu_);
+  for (int i = 0; i < 1000 && frames_in_use_.load() > target; ++i) {
+    if (EvictRound(target, target == 0) == 0) break;
+  }
+  if (frames_in_use_.load() > target) {
+    return ResourceExhausted(fmt::format(
+        "{} of local memory still in use after evicting (target {}): pinned by scopes, or the "
+        "daemons have no room",
+        FormatSize(frames_in_use_.load() * span_size_), FormatSize(target_bytes)));
+  }
+  return Status::Ok();
+}
+
+size_t Heap::PickVictims(size_t need, bool force, std::vector<Span*>* victims,
+                         std::vector<Relocation>* relocations) {
+  size_t total = 0;
+  {
+    std::lock_guard lock(resident_mu_);
+    total = resident_.size();
+  }
+  // Two passes of the hand at most: the first clears hot bits that the second then sees clear.
+  for (size_t scanned = 0; scanned < 2 * total && victims->size() < need; ++scanned) {
+    Span* s = nullptr;
+    {
+      std::lock_guard lock(resident_mu_);
+      if (resident_.empty()) break;
+      if (clock_hand_ >= resident_.size()) clock_hand_ = 0;
+      s = resident_[clock_hand_++];
+    }
+    std::unique_lock sl(s->mu, std::try_to_lock);
+    if (!sl.owns_lock() || s->state != SpanState::kLocal) continue;
+    uint32_t hot = 0;
+    uint32_t live = 0;
+    hot_slots_.clear();
+    for (uint32_t i = 0; i < s->owner.size(); ++i) {
+      ObjectEntry* o = s->owner[i];
+      if (o == nullptr) continue;
+      ++live;
+      if ((o->word.load(std::memory_order_relaxed) & kHot) != 0) {
+        ++hot;
+        hot_slots_.push_back(i);
+        o->word.fetch_and(~kHot, std::memory_order_relaxed);
+      }
+    }
+    if (live == 0) continue;
+    if (hot > 0 && !force) {
+      // Carbink's hot/cold separation: a mostly cold span hands its few hot objects to the hot
+      // span of its class, and leaves as a whole at a later sweep.
+      if (hot * kRelocateDivisor <= live && s->cls->slots > 1) {
+        for (uint32_t i : hot_slots_) {
+          ObjectEntry* o = s->owner[i];
+          o->word.fetch_or(kEvacuating, std::memory_order_seq_cst);
+          relocations->push_back({s, i, o});
+        }
+      }
+      continue;
+    }
+    s->state = SpanState::kEvicting;
+    for (ObjectEntry* o : s->owner) {
+      if (o != nullptr) o->word.fetch_or(kEvacuating, std::memory_order_seq_cst);
+    }
+    victims->push_back(s);
+  }
+  return victims->size();
+}
+
+void Heap::Relocate(const std::vector<Relocation>& relocations) {
+  for (const Relocation& r : relocations) {
+    SizeClass* c = r.span->cls;
+    std::lock_guard cl(c->mu);
+    Span* dst = c->hot_span;
+    if (dst != nullptr) {
+      std::lock_guard dl(dst->mu);
+      if (dst->state != SpanState::kLocal || dst->free_slots.empty()) dst = nullptr;
+    }
+    if (dst == r.span) dst = nullptr;  // the hot span itself went cold: start a new one
+    if (dst == nullptr) {
+      dst = NewSpan(c, SpanState::kLocal);
+      std::lock_guard dl(dst->mu);
+      dst->frame = GetFrame();
+      AddResident(dst);
+      c->hot_span = dst;
+    }
+    Span* src = r.span;
+    std::unique_lock l1(src < dst ? src->mu : dst->mu);
+    std::unique_lock l2(src < dst ? dst->mu : src->mu);
+    if (src->owner[r.slot] != r.entry) continue;  // freed meanwhile
+    // The sweep's second pass may have made src a victim after all: then kEvacuating belongs
+    // to the eviction and must stay.
+    if (src->state != SpanState::kLocal) continue;
+    if (dst->state != SpanState::kLocal || dst->free_slots.empty()) {
+      r.entry->word.fetch_and(~kEvacuating, std::memory_order_seq_cst);
+      continue;
+    }
+    const uint64_t w = r.entry->word.load(std::memory_order_seq_cst);
+    if ((w & kEvacuating) == 0) continue;  // a deref wanted it where it is
+    const uint32_t slot = dst->free_slots.back();
+    dst->free_slots.pop_back();
+    uint8_t* to = dst->frame + static_cast<size_t>(slot) * c->size;
+    std::memcpy(to, src->frame + static_cast<size_t>(r.slot) * c->size, c->size);
+    dst->owner[slot] = r.entry;
+    dst->live.fetch_add(1, std::memory_order_relaxed);
+    r.entry->slot.store(slot, std::memory_order_relaxed);
+    r.entry->span.store(dst, std::memory_order_release);
+    r.entry->word.store(reinterpret_cast<uint64_t>(to) | kPresent | kHot | (w & kDirty),
+                        std::memory_order_seq_cst);
+    src->owner[r.slot] = nullptr;
+    src->free_slots.push_back(r.slot);
+    if (src->live.fetch_sub(1, std::memory_order_relaxed) == 1) ReleaseLocalLocked(src);
+    objects_relocated_.fetch_add(1, std::memory_order_relaxed);
+  }
+}
+
+size_t Heap::EvictRound(size_t target_frames, bool force) {
+  const size_t in_use = frames_in_use_.load();
+  if (in_use <= target_frames) return 0;
+  size_t need = in_use - target_frames;
+  const size_t k = static_cast<size_t>(res_.k);
+  need = (need + k - 1) / k * k;
+  std::vector<Span*> victims;
+  std::vector<Relocation> relocations;
+  PickVictims(need, force, &victims, &relocations);
+  if (victims.empty() && relocations.empty()) return 0;
+  WaitForScopesToDrain();
+  const size_t relocated_before = objects_relocated_.load();
+  Relocate(relocations);
+  const size_t relocated = objects_relocated_.load() - relocated_before;
+  std::vector<Span*> committed;
+  for (Span* s : victims) {
+    std::lock_guard sl(s->mu);
+    if (s->state != SpanState::kEvicting) continue;  // a deref took it back
+    if (s->live.load(std::memory_order_relaxed) == 0) {
+      ReleaseLocalLocked(s);
+      continue;
+    }
+    s->state = SpanState::kWriting;
+    committed.push_back(s);
+  }
+  return WriteOut(committed) + relocated;
+}
+
+size_t Heap::WriteOut(std::vector<Span*>& spans) {
+  const size_t k = static_cast<size_t>(res_.k);
+  size_t written = 0;
+  IoContext* io = CheckoutIo();
+  size_t i = 0;
+  for (; i < spans.size(); i += k) {
+    const size_t n = std::min(k, spans.size() - i);
+    const uint8_t* data[kMaxSetWidth];
+    Span* members[kMaxSetWidth];
+    for (size_t j = 0; j < n; ++j) {
+      members[j] = spans[i + j];
+      // The span is kWriting: nobody writes its frame (derefs wait), frees only touch metadata.
+      std::lock_guard sl(members[j]->mu);
+      data[j] = members[j]->frame;
+    }
+    Result<SpanSet*> set = store_->WriteSet(*io, {data, n}, {members, n});
+    if (!set && set.error().code() == StatusCode::kResourceExhausted) {
+      // The daemons are full: compaction may give rows back.
+      size_t moved = 0;
+      for (int c = 0; c < 4 && !set; ++c) {
+        if (!CompactOnce(&moved).ok() || moved == 0) break;
+        set = store_->WriteSet(*io, {data, n}, {members, n});
+      }
+    }
+    if (!set) {
+      if (!eviction_stalled_.load(std::memory_order_relaxed) && ShouldLog()) {
+        spdlog::warn("far memory: cannot swap out {} spans: {}", n, set.error().ToString());
+      }
+      break;
+    }
+    sets_written_.fetch_add(1, std::memory_order_relaxed);
+    for (size_t j = 0; j < n; ++j) {
+      Span* s = members[j];
+      std::lock_guard sl(s->mu);
+      for (ObjectEntry* o : s->owner) {
+        if (o != nullptr) o->word.store(0, std::memory_order_release);
+      }
+      PutFrame(s->frame);
+      s->frame = nullptr;
+      RemoveResident(s);
+      spans_evicted_.fetch_add(1, std::memory_order_relaxed);
+      const uint32_t live = s->live.load(std::memory_order_relaxed);
+      if (live == 0) {
+        // Every object died while it was being written.
+        store_->Release(*set, static_cast<int>(j));
+        RetireLocked(s);
+      } else {
+        s->state = SpanState::kRemote;
+        s->set = *set;
+        s->member = static_cast<int>(j);
+        remote_spans_.fetch_add(1, std::memory_order_relaxed);
+        remote_object_bytes_.fetch_add(static_cast<uint64_t>(live) * s->cls->size,
+                                       std::memory_order_relaxed);
+      }
+      s->cv.notify_all();
+      ++written;
+    }
+  }
+  // Whatever could not be written stays local.
+  for (; i < spans.size(); ++i) {
+    Span* s = spans[i];
+    std::lock_guard sl(s->mu);
+    for (ObjectEntry* o : s->owner) {
+      if (o != nullptr) o->word.fetch_and(~kEvacuating, std::memory_order_seq_cst);
+    }
+    s->state = SpanState::kLocal;
+    s->cv.notify_all();
+  }
+  ReturnIo(io);
+  return written;
+}
+
+}  // namespace farmem::farptr_internal

@@ -1,0 +1,224 @@
+// Heap: the implementation behind farmem::Runtime — size-class spans, the local frame budget,
+// object entries, swap-in, the evictor and the compactor.
+//
+// Spans. Every object lives in a span: span_size bytes cut into slots of one size class. A span
+// is in one of these states (Span::state, guarded by Span::mu):
+//
+//   kLocal     its frame is resident; objects have kPresent words
+//   kEvicting  picked by the evictor; every object's word has kEvacuating; the evictor waits for
+//              scopes open at that moment to end. A deref in this state cancels the eviction
+//              (the bytes are still here), so no mutator ever waits for the evictor here
+//   kWriting   committed: the span is being written out as part of a span set; derefs wait on
+//              Span::cv (the evictor does no more waiting on scopes, so this cannot deadlock)
+//   kRemote    lives in cell `member` of span set `set`; object words are 0
+//   kLost      its data cannot be produced; `lost` says why
+//   kFree      no live object; the struct is kept (never reused) so stale pointers stay safe
+//
+// Locks, in the order they may be taken:
+//   SizeClass::mu  ->  Span::mu (of one span, or of several in address order)  ->
+//   RemoteStore::mu_ / resident_mu_ / frames_mu_ / entries_mu_ / io_mu_ / spans_mu_ (leaves)
+// An entry's `span`/`slot` change only while the lock of the span it points to is held, so a
+// reader locks entry->span and checks it is still the entry's span.
+//
+// Threads: mutators (any thread, inside DerefScopes) take the slow paths here; the evictor thread
+// sweeps, evicts, relocates hot objects and compacts; prefetch threads swap spans in ahead of
+// far_vector scans; the RemoteStore's recovery thread re-protects failed members.
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "farmem/client/cluster.h"
+#include "farmem/client/thread_annotations.h"
+#include "farmem/internal/object.h"
+#include "farmem/runtime.h"
+#include "remote_store.h"
+
+namespace farmem::farptr_internal {
+
+class Heap;
+struct SizeClass;
+
+enum class SpanState : uint8_t { kLocal, kEvicting, kWriting, kRemote, kLost, kFree };
+
+struct Span {
+  Heap* heap = nullptr;
+  SizeClass* cls = nullptr;
+  uint64_t id = 0;
+  std::mutex mu;
+  std::condition_variable cv;  // state left kWriting
+  SpanState state GUARDED_BY(mu) = SpanState::kFree;
+  uint8_t* frame GUARDED_BY(mu) = nullptr;
+  std::vector<ObjectEntry*> owner GUARDED_BY(mu);  // slot -> entry; null = free slot
+  std::vector<uint32_t> free_slots GUARDED_BY(mu);
+  std::atomic<uint32_t> live{0};  // written under mu; read racily by stats and the compactor
+  SpanSet* set GUARDED_BY(mu) = nullptr;
+  int member GUARDED_BY(mu) = -1;
+  Status lost GUARDED_BY(mu);
+  bool in_partial = false;      // guarded by cls->mu
+  int64_t resident_index = -1;  // guarded by Heap::resident_mu_
+};
+
+struct SizeClass {
+  uint32_t index = 0;
+  uint32_t size = 0;   // slot bytes
+  uint32_t slots = 0;  // per span
+  std::mutex mu;
+  std::vector<Span*> partial GUARDED_BY(mu);  // spans that may have free slots (checked on use)
+  Span* hot_span GUARDED_BY(mu) = nullptr;    // where relocated hot objects go
+  std::mutex free_mu;                         // a leaf
+  std::vector<Span*> free_spans GUARDED_BY(free_mu);  // kFree spans of this class, for reuse
+};
+
+class Heap {
+ public:
+  Heap(Runtime* rt, RuntimeOptions options);
+  ~Heap();
+  Status Start();
+  void Stop();
+
+  Runtime* runtime() const { return rt_; }
+  const RuntimeOptions& options() const { return options_; }
+  const SpanResilience& resilience() const { return res_; }
+  client::Cluster& cluster() { return *cluster_; }
+  RuntimeStats stats() const;
+  std::vector<std::vector<Endpoint>> GroupLayout() const { return store_->GroupLayout(); }
+
+  // Object paths (object_heap.cc).
+  ObjectEntry* Allocate(size_t size, void** addr);
+  void Free(ObjectEntry* e);
+  Result<void*> Deref(ObjectEntry* e, bool mut);
+  void Prefetch(ObjectEntry* e);
+
+  // Evictor (evictor.cc).
+  Status EvictUntil(uint64_t target_bytes);
+  // Compactor (compactor.cc).
+  Status Compact();
+  bool WaitForRecovery(std::chrono::milliseconds timeout) {
+    return store_->WaitForRecovery(timeout);
+  }
+
+ private:
+  friend struct SpanLocker;
+
+  // ---- object_heap.cc ----
+  SizeClass* ClassFor(size_t size);
+  Span* NewSpan(SizeClass* cls, SpanState state);
+  ObjectEntry* NewEntry();
+  void DeleteEntry(ObjectEntry* e);
+  void AddPartial(Span* s);
+  // Swaps `s` in (s->mu held, state kRemote). On success the span is kLocal.
+  Status SwapInLocked(Span* s, std::unique_lock<std::mutex>& lock, bool prefetch);
+  // Frees a local span that has no live object (s->mu held).
+  void ReleaseLocalLocked(Span* s);
+  // A remote span whose data cannot be produced (s->mu held).
+  void MarkLostLocked(Span* s, const Status& why);
+  // Marks a span with no live object kFree and offers it for reuse (s->mu held, no frame).
+  void RetireLocked(Span* s);
+  void AddResident(Span* s);
+  void RemoveResident(Span* s);
+  std::string Describe(Span* s);  // s->mu held
+  void PrefetchLoop();
+
+  // Frames: span_size bytes of local memory each, counted against the budget.
+  uint8_t* GetFrame();
+  void PutFrame(uint8_t* f);
+  IoContext* CheckoutIo();
+  void ReturnIo(IoContext* io);
+
+  // ---- evictor.cc ----
+  void EvictorLoop();
+  // Evicts until at most `target_frames` are resident (or nothing more can go). Returns spans
+  // evicted.
+  size_t EvictRound(size_t target_frames, bool force);
+  struct Relocation {
+    Span* span;
+    uint32_t slot;
+    ObjectEntry* entry;
+  };
+  size_t PickVictims(size_t need, bool force, std::vector<Span*>* victims,
+                     std::vector<Relocation>* relocations);
+  void Relocate(const std::vector<Relocation>& relocations);
+  // Writes committed spans (state kWriting) in sets of k.
+  size_t WriteOut(std::vector<Span*>& spans);
+
+  std::vector<uint32_t> hot_slots_;  // PickVictims scratch (evictor thread)
+  // Rate limit for warnings that a struggling evictor would repeat: one per 5 s.
+  bool ShouldLog();
+  std::atomic<int64_t> last_warning_ms_{-100000};
+
+  // ---- compactor.cc ----
+  bool CompactionWanted() const;
+  Status CompactOnce(size_t* moved);
+
+  Runtime* rt_;
+  RuntimeOptions options_;
+  SpanResilience res_;
+  std::unique_ptr<client::Cluster> cluster_;
+  std::unique_ptr<RemoteStore> store_;
+  uint32_t span_size_ = 0;
+  size_t budget_frames_ = 0, high_frames_ = 0, low_frames_ = 0;
+  std::vector<std::unique_ptr<SizeClass>> classes_;
+  std::vector<uint16_t> class_of_;  // (size + 15) / 16 -> class index
+
+  mutable std::mutex spans_mu_;
+  std::vector<std::unique_ptr<Span>> spans_ GUARDED_BY(spans_mu_);  // every span ever made
+  std::atomic<uint64_t> next_span_id_{1};
+
+  std::mutex resident_mu_;
+  std::vector<Span*> resident_ GUARDED_BY(resident_mu_);
+  size_t clock_hand_ GUARDED_BY(resident_mu_) = 0;
+
+  std::mutex frames_mu_;
+  std::vector<uint8_t*> free_frames_ GUARDED_BY(frames_mu_);
+  std::atomic<size_t> frames_in_use_{0};
+  std::atomic<bool> over_budget_{false};
+  std::atomic<bool> eviction_stalled_{false};  // the last eviction attempt moved nothing
+
+  std::mutex entries_mu_;
+  std::vector<std::unique_ptr<ObjectEntry[]>> entry_chunks_ GUARDED_BY(entries_mu_);
+  std::vector<ObjectEntry*> free_entries_ GUARDED_BY(entries_mu_);
+
+  std::mutex io_mu_;
+  std::vector<std::unique_ptr<IoContext>> io_all_ GUARDED_BY(io_mu_);
+  std::vector<IoContext*> io_free_ GUARDED_BY(io_mu_);
+
+  // Evictor thread.
+  std::mutex evict_mu_;
+  std::condition_variable evict_cv_;
+  bool stopping_ GUARDED_BY(evict_mu_) = false;
+  bool evict_wanted_ GUARDED_BY(evict_mu_) = false;
+  std::mutex evict_round_mu_;  // one eviction or compaction at a time
+  std::thread evictor_;
+
+  // Prefetchers.
+  std::mutex prefetch_mu_;
+  std::condition_variable prefetch_cv_;
+  std::deque<ObjectEntry*> prefetch_queue_ GUARDED_BY(prefetch_mu_);
+  std::vector<std::thread> prefetchers_;
+
+  // Counters.
+  std::atomic<uint64_t> objects_{0}, object_bytes_{0}, remote_object_bytes_{0};
+  std::atomic<uint64_t> resident_spans_{0}, remote_spans_{0};
+  std::atomic<uint64_t> swap_ins_{0}, prefetches_{0}, spans_evicted_{0}, sets_written_{0};
+  std::atomic<uint64_t> eviction_cancels_{0}, objects_relocated_{0}, spans_lost_{0};
+  std::atomic<uint64_t> compactions_{0}, compaction_spans_in_{0}, compaction_spans_out_{0};
+  std::atomic<uint64_t> compaction_client_bytes_{0};
+  std::atomic<uint64_t> bytes_read_{0}, bytes_written_{0};
+};
+
+// Scopes and grace periods (scope.cc).
+// Waits until every thread that was inside an outermost DerefScope when this was called has
+// left it.
+void WaitForScopesToDrain();
+// The budget gate: while any heap is over its budget, threads entering an outermost scope wait
+// (up to a bound) for the evictor.
+void SetOverBudget(std::atomic<bool>& flag, bool over);
+
+}  // namespace farmem::farptr_internal

@@ -1,0 +1,478 @@
+// Object paths: allocate, free, deref miss (swap-in of one span), prefetch; frames and entries.
+#include <fmt/format.h>
+#include <spdlog/spdlog.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+
+#include "heap.h"
+
+namespace farmem::farptr_internal {
+
+namespace {
+constexpr size_t kEntriesPerChunk = 4096;
+constexpr size_t kMaxFreeFrames = 64;
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// Entry points used by far_ptr.h
+
+Result<void*> DerefSlow(ObjectEntry* e, bool mut) {
+  if (e == nullptr) return Err(InvalidArgument("deref of a null far_ptr"));
+  return e->span.load(std::memory_order_acquire)->heap->Deref(e, mut);
+}
+
+void* DerefOrDie(ObjectEntry* e, bool mut) {
+  Result<void*> r = DerefSlow(e, mut);
+  if (!r) {
+    spdlog::critical("far memory: deref failed: {}", r.error().ToString());
+    std::fprintf(stderr, "far memory: deref failed: %s\n", r.error().ToString().c_str());
+    std::abort();
+  }
+  return *r;
+}
+
+ObjectEntry* AllocateObject(Runtime* rt, size_t size, void** addr) {
+  if (rt == nullptr) {
+    std::fprintf(stderr, "far memory: make_far without a runtime (create a farmem::Runtime)\n");
+    std::abort();
+  }
+  return rt->heap()->Allocate(size, addr);
+}
+
+void FreeObject(ObjectEntry* e) { e->span.load(std::memory_order_acquire)->heap->Free(e); }
+
+void PrefetchObject(ObjectEntry* e) { e->span.load(std::memory_order_acquire)->heap->Prefetch(e); }
+
+Runtime* RuntimeOf(const ObjectEntry* e) {
+  return e->span.load(std::memory_order_acquire)->heap->runtime();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Frames, entries, I/O contexts
+
+uint8_t* Heap::GetFrame() {
+  uint8_t* f = nullptr;
+  {
+    std::lock_guard lock(frames_mu_);
+    if (!free_frames_.empty()) {
+      f = free_frames_.back();
+      free_frames_.pop_back();
+    }
+  }
+  if (f == nullptr) {
+    f = static_cast<uint8_t*>(std::aligned_alloc(4096, span_size_));
+    if (f == nullptr) {
+      std::fprintf(stderr, "far memory: out of local memory for a %u-byte span\n", span_size_);
+      std::abort();
+    }
+  }
+  const size_t used = frames_in_use_.fetch_add(1, std::memory_order_acq_rel) + 1;
+  if (used > budget_frames_ && !eviction_stalled_.load(std::memory_order_relaxed)) {
+    SetOverBudget(over_budget_, true);
+  }
+  if (used > high_frames_) {
+    std::lock_guard lock(evict_mu_);
+    if (!evict_wanted_) {
+      evict_wanted_ = true;
+      evict_cv_.notify_one();
+    }
+  }
+  return f;
+}
+
+void Heap::PutFrame(uint8_t* f) {
+  {
+    std::lock_guard lock(frames_mu_);
+    if (free_frames_.size() < kMaxFreeFrames) {
+      free_frames_.push_back(f);
+      f = nullptr;
+    }
+  }
+  std::free(f);
+  const size_t used = frames_in_use_.fetch_sub(1, std::memory_order_acq_rel) - 1;
+  if (used <= budget_frames_ && over_budget_.load(std::memory_order_relaxed)) {
+    SetOverBudget(over_budget_, false);
+  }
+}
+
+ObjectEntry* Heap::NewEntry() {
+  std::lock_guard lock(entries_mu_);
+  if (free_entries_.empty()) {
+    entry_chunks_.push_back(std::make_unique<ObjectEntry[]>(kEntriesPerChunk));
+    ObjectEntry* chunk = entry_chunks_.back().get();
+    for (size_t i = kEntriesPerChunk; i-- > 0;) free_entries_.push_back(&chunk[i]);
+  }
+  ObjectEntry* e = free_entries_.back();
+  free_entries_.pop_back();
+  return e;
+}
+
+void Heap::DeleteEntry(ObjectEntry* e) {
+  std::lock_guard lock(entries_mu_);
+  free_entries_.push_back(e);
+}
+
+IoContext* Heap::CheckoutIo() {
+  std::lock_guard lock(io_mu_);
+  if (io_free_.empty()) {
+    io_all_.push_back(std::make_unique<IoContext>());
+    return io_all_.back().get();
+  }
+  IoContext* io = io_free_.back();
+  io_free_.pop_back();
+  return io;
+}
+
+void Heap::ReturnIo(IoContext* io) {
+  bytes_read_.fetch_add(std::exchange(io->bytes_read, 0), std::memory_order_relaxed);
+  bytes_written_.fetch_add(std::exchange(io->bytes_written, 0), std::memory_order_relaxed);
+  std::lock_guard lock(io_mu_);
+  io_free_.push_back(io);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Spans
+
+SizeClass* Heap::ClassFor(size_t size) {
+  if (size > span_size_) return nullptr;
+  return classes_[class_of_[(size + 15) / 16]].get();
+}
+
+Span* Heap::NewSpan(SizeClass* cls, SpanState state) {
+  Span* s = nullptr;
+  {
+    std::lock_guard lock(cls->free_mu);
+    if (!cls->free_spans.empty()) {
+      s = cls->free_spans.back();
+      cls->free_spans.pop_back();
+    }
+  }
+  if (s == nullptr) {
+    auto fresh = std::make_unique<Span>();
+    fresh->heap = this;
+    fresh->cls = cls;
+    std::lock_guard lock(spans_mu_);
+    spans_.push_back(std::move(fresh));
+    s = spans_.back().get();
+  }
+  std::lock_guard sl(s->mu);
+  s->id = next_span_id_.fetch_add(1, std::memory_order_relaxed);
+  s->state = state;
+  s->frame = nullptr;
+  s->set = nullptr;
+  s->member = -1;
+  s->lost = Status::Ok();
+  s->live.store(0, std::memory_order_relaxed);
+  s->owner.assign(cls->slots, nullptr);
+  s->free_slots.clear();
+  s->free_slots.reserve(cls->slots);
+  for (uint32_t i = cls->slots; i-- > 0;) s->free_slots.push_back(i);
+  return s;
+}
+
+void Heap::MarkLostLocked(Span* s, const Status& why) {
+  s->state = SpanState::kLost;
+  s->lost = why;
+  store_->Release(s->set, s->member);
+  s->set = nullptr;
+  spans_lost_.fetch_add(1, std::memory_order_relaxed);
+  remote_spans_.fetch_sub(1, std::memory_order_relaxed);
+  remote_object_bytes_.fetch_sub(
+      static_cast<uint64_t>(s->live.load(std::memory_order_relaxed)) * s->cls->size,
+      std::memory_order_relaxed);
+  spdlog::debug("far memory: {}", why.ToString());
+}
+
+void Heap::RetireLocked(Span* s) {
+  s->state = SpanState::kFree;
+  s->set = nullptr;
+  s->member = -1;
+  s->owner.clear();
+  s->owner.shrink_to_fit();
+  s->free_slots.clear();
+  s->free_slots.shrink_to_fit();
+  s->cv.notify_all();
+  std::lock_guard lock(s->cls->free_mu);
+  s->cls->free_spans.push_back(s);
+}
+
+void Heap::AddResident(Span* s) {
+  std::lock_guard lock(resident_mu_);
+  s->resident_index = static_cast<int64_t>(resident_.size());
+  resident_.push_back(s);
+  resident_spans_.fetch_add(1, std::memory_order_relaxed);
+}
+
+void Heap::RemoveResident(Span* s) {
+  std::lock_guard lock(resident_mu_);
+  if (s->resident_index < 0) return;
+  const size_t i = static_cast<size_t>(s->resident_index);
+  resident_[i] = resident_.back();
+  resident_[i]->resident_index = static_cast<int64_t>(i);
+  resident_.pop_back();
+  s->resident_index = -1;
+  resident_spans_.fetch_sub(1, std::memory_order_relaxed);
+}
+
+void Heap::AddPartial(Span* s) {
+  SizeClass* c = s->cls;
+  std::lock_guard lock(c->mu);
+  if (!s->in_partial) {
+    s->in_partial = true;
+    c->partial.push_back(s);
+  }
+}
+
+void Heap::ReleaseLocalLocked(Span* s) {
+  PutFrame(s->frame);
+  s->frame = nullptr;
+  RemoveResident(s);
+  RetireLocked(s);
+}
+
+std::string Heap::Describe(Span* s) {
+  return fmt::format("span {} (size class {} B, {} live objects)", s->id, s->cls->size,
+                     s->live.load(std::memory_order_relaxed));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Allocate / free
+
+ObjectEntry* Heap::Allocate(size_t size, void** addr) {
+  SizeClass* cls = ClassFor(size);
+  if (cls == nullptr) {
+    std::fprintf(stderr, "far memory: object of %zu bytes exceeds the span size %u\n", size,
+                 span_size_);
+    std::abort();
+  }
+  ObjectEntry* e = NewEntry();
+  e->size = static_cast<uint32_t>(size);
+  std::unique_lock clock(cls->mu);
+  Span* s = nullptr;
+  while (!cls->partial.empty()) {
+    Span* cand = cls->partial.back();
+    std::unique_lock sl(cand->mu);
+    if (cand->state == SpanState::kLocal && !cand->free_slots.empty()) {
+      s = cand;
+      sl.release();
+      break;
+    }
+    sl.unlock();
+    cls->partial.pop_back();
+    cand->in_partial = false;
+  }
+  if (s == nullptr) {
+    s = NewSpan(cls, SpanState::kLocal);
+    s->mu.lock();
+    s->frame = GetFrame();
+    AddResident(s);
+    s->in_partial = true;
+    cls->partial.push_back(s);
+  }
+  const uint32_t slot = s->free_slots.back();
+  s->free_slots.pop_back();
+  s->owner[slot] = e;
+  s->live.fetch_add(1, std::memory_order_relaxed);
+  uint8_t* p = s->frame + static_cast<size_t>(slot) * cls->size;
+  e->slot.store(slot, std::memory_order_relaxed);
+  e->span.store(s, std::memory_order_release);
+  e->word.store(reinterpret_cast<uint64_t>(p) | kPresent | kHot | kDirty,
+                std::memory_order_release);
+  if (s->free_slots.empty() && cls->partial.back() == s) {
+    cls->partial.pop_back();
+    s->in_partial = false;
+  }
+  s->mu.unlock();
+  clock.unlock();
+  objects_.fetch_add(1, std::memory_order_relaxed);
+  object_bytes_.fetch_add(cls->size, std::memory_order_relaxed);
+  *addr = p;
+  return e;
+}
+
+void Heap::Free(ObjectEntry* e) {
+  Span* s = nullptr;
+  std::unique_lock<std::mutex> lock;
+  for (;;) {
+    s = e->span.load(std::memory_order_acquire);
+    lock = std::unique_lock(s->mu);
+    if (e->span.load(std::memory_order_acquire) == s) break;
+    lock.unlock();
+  }
+  const uint32_t slot = e->slot.load(std::memory_order_relaxed);
+  const uint32_t csize = s->cls->size;
+  s->owner[slot] = nullptr;
+  s->free_slots.push_back(slot);
+  const uint32_t live = s->live.fetch_sub(1, std::memory_order_relaxed) - 1;
+  e->word.store(0, std::memory_order_release);
+  bool add_partial = false;
+  switch (s->state) {
+    case SpanState::kLocal:
+      if (live == 0) {
+        ReleaseLocalLocked(s);
+      } else {
+        add_partial = true;
+      }
+      break;
+    case SpanState::kEvicting:
+    case SpanState::kWriting:
+      break;  // the evictor notices an empty span
+    case SpanState::kRemote:
+      remote_object_bytes_.fetch_sub(csize, std::memory_order_relaxed);
+      if (live == 0) {
+        store_->Release(s->set, s->member);
+        RetireLocked(s);
+        remote_spans_.fetch_sub(1, std::memory_order_relaxed);
+      }
+      break;
+    case SpanState::kLost:
+      if (live == 0) RetireLocked(s);
+      break;
+    case SpanState::kFree:
+      break;
+  }
+  lock.unlock();
+  if (add_partial) AddPartial(s);
+  objects_.fetch_sub(1, std::memory_order_relaxed);
+  object_bytes_.fetch_sub(csize, std::memory_order_relaxed);
+  DeleteEntry(e);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Deref miss
+
+Result<void*> Heap::Deref(ObjectEntry* e, bool mut) {
+  const uint64_t bits = kHot | (mut ? kDirty : 0);
+  for (;;) {
+    uint64_t w = LoadWord(e);
+    if ((w & kPresent) != 0 && (w & kEvacuating) == 0) {
+      // Present, only the hot/dirty bits missing.
+      if (e->word.compare_exchange_weak(w, w | bits, std::memory_order_seq_cst)) {
+        return reinterpret_cast<void*>(w & kAddrMask);
+      }
+      continue;
+    }
+    Span* s = e->span.load(std::memory_order_acquire);
+    std::unique_lock lock(s->mu);
+    if (e->span.load(std::memory_order_acquire) != s) continue;
+    bool add_partial = false;
+    switch (s->state) {
+      case SpanState::kEvicting: {
+        // The bytes are still here: take the span back rather than wait for the evictor (which
+        // may be waiting for this very scope).
+        for (ObjectEntry* o : s->owner) {
+          if (o != nullptr) o->word.fetch_and(~kEvacuating, std::memory_order_seq_cst);
+        }
+        s->state = SpanState::kLocal;
+        eviction_cancels_.fetch_add(1, std::memory_order_relaxed);
+        break;
+      }
+      case SpanState::kLocal:
+        // A hot-object relocation was pending for this object: cancel it.
+        e->word.fetch_and(~kEvacuating, std::memory_order_seq_cst);
+        break;
+      case SpanState::kWriting:
+        s->cv.wait(lock, [&] { return s->state != SpanState::kWriting; });
+        continue;
+      case SpanState::kRemote: {
+        FARMEM_RETURN_IF_ERROR(SwapInLocked(s, lock, false));
+        add_partial = !s->free_slots.empty();
+        break;
+      }
+      case SpanState::kLost:
+        return Err(s->lost);
+      case SpanState::kFree:
+        return Err(Internal("deref of an object whose span was freed (use after free?)"));
+    }
+    const uint64_t now = e->word.fetch_or(bits, std::memory_order_seq_cst);
+    lock.unlock();
+    if (add_partial) AddPartial(s);
+    return reinterpret_cast<void*>(now & kAddrMask);
+  }
+}
+
+Status Heap::SwapInLocked(Span* s, std::unique_lock<std::mutex>& lock, bool prefetch) {
+  (void)lock;
+  uint8_t* frame = GetFrame();
+  IoContext* io = CheckoutIo();
+  Status st = store_->ReadSpan(*io, s->set, s->member, frame);
+  ReturnIo(io);
+  if (!st.ok()) {
+    st =
+        Status(st.code(), fmt::format("{} {}: {}", Describe(s),
+                                      st.code() == StatusCode::kDataLoss ? "is lost" : "unreadable",
+                                      st.message()));
+    PutFrame(frame);
+    if (st.code() == StatusCode::kDataLoss) MarkLostLocked(s, st);
+    return st;
+  }
+  s->frame = frame;
+  s->state = SpanState::kLocal;
+  const uint32_t csize = s->cls->size;
+  uint32_t live = 0;
+  for (uint32_t i = 0; i < s->owner.size(); ++i) {
+    if (ObjectEntry* o = s->owner[i]; o != nullptr) {
+      o->word.store(reinterpret_cast<uint64_t>(frame + static_cast<size_t>(i) * csize) | kPresent,
+                    std::memory_order_release);
+      ++live;
+    }
+  }
+  store_->Release(s->set, s->member);
+  s->set = nullptr;
+  s->member = -1;
+  AddResident(s);
+  remote_spans_.fetch_sub(1, std::memory_order_relaxed);
+  remote_object_bytes_.fetch_sub(static_cast<uint64_t>(live) * csize, std::memory_order_relaxed);
+  swap_ins_.fetch_add(1, std::memory_order_relaxed);
+  if (prefetch) prefetches_.fetch_add(1, std::memory_order_relaxed);
+  return Status::Ok();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Prefetch
+
+void Heap::Prefetch(ObjectEntry* e) {
+  if (prefetchers_.empty()) return;
+  {
+    std::lock_guard lock(prefetch_mu_);
+    if (prefetch_queue_.size() >= 256) return;  // behind: drop hints rather than queue forever
+    prefetch_queue_.push_back(e);
+  }
+  prefetch_cv_.notify_one();
+}
+
+void Heap::PrefetchLoop() {
+  for (;;) {
+    ObjectEntry* e = nullptr;
+    {
+      std::unique_lock lock(prefetch_mu_);
+      prefetch_cv_.wait(lock, [&] {
+        std::lock_guard el(evict_mu_);
+        return stopping_ || !prefetch_queue_.empty();
+      });
+      {
+        std::lock_guard el(evict_mu_);
+        if (stopping_) return;
+      }
+      e = prefetch_queue_.front();
+      prefetch_queue_.pop_front();
+    }
+    // The entry may have been freed (and even reused) since the hint: every step re-checks
+    // under the span lock, and a stale hint at worst swaps in a span someone else wanted.
+    if ((LoadWord(e) & kPresent) != 0) continue;
+    Span* s = e->span.load(std::memory_order_acquire);
+    if (s == nullptr) continue;
+    std::unique_lock lock(s->mu);
+    if (s->state != SpanState::kRemote) continue;
+    if (frames_in_use_.load(std::memory_order_relaxed) >= high_frames_) continue;  // no room
+    if (SwapInLocked(s, lock, true).ok()) {
+      const bool partial = !s->free_slots.empty();
+      lock.unlock();
+      if (partial) AddPartial(s);
+    }
+  }
+}
+
+}  // namespace farmem::farptr_internal

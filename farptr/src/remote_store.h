@@ -1,0 +1,172 @@
+// RemoteStore: where swapped-out spans live — span sets in rows of slab groups on the daemons.
+//
+// A group is k + r slabs on k + r distinct daemons (one client::Cluster::AllocateGroup). A slab
+// is cut into rows of span_size bytes; row i of member j is the j-th cell of the span set that
+// owns row i. Members 0..k-1 hold data spans, members k..k+r-1 parity (erasure) or copies
+// (replicate: k = 1, every member holds the same bytes; none: k = 1, r = 0).
+//
+//   WriteSet   k spans (fewer: the rest are zero and born as holes) + their parity, written to
+//              the k + r members in one batch (one doorbell per daemon).
+//   ReadSpan   one read of one cell from its one daemon; no decode. If that daemon is gone:
+//              read k survivors (holes included: their bytes stay on the daemon until the row is
+//              freed, so parity still covers them) and rebuild the cell (degraded read).
+//   Release    a data cell whose span was swapped in or died becomes a hole; a row whose k data
+//              cells are all holes is freed; a group with no rows in use goes back to the
+//              daemons.
+// Failed members (node down, leases lost, evict notice, I/O error) are re-protected in the
+// background: a new slab on a daemon the group does not use, each used row's cell rebuilt from
+// survivors and written there. With none, a failed member's spans are lost: ReadSpan says which.
+//
+// Rows are placed in the fullest group that has room, so groups left sparse by swap-ins drain
+// and return to the daemons once compaction moves their last sets.
+//
+// Threads: every method may be called from any thread. mu_ guards the group/set bookkeeping and
+// is never held across network I/O; each caller brings its own IoContext (channels are
+// single-threaded).
+#pragma once
+
+#include <array>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <span>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+#include "farmem/client/cluster.h"
+#include "farmem/client/thread_annotations.h"
+#include "farmem/ec/reed_solomon.h"
+#include "farmem/runtime.h"
+
+namespace farmem::farptr_internal {
+
+struct Group;
+struct Span;
+
+inline constexpr int kMaxSetWidth = 16;
+
+// One span set: a row of one group.
+struct SpanSet {
+  Group* group = nullptr;
+  uint32_t row = 0;
+  uint32_t live_mask = 0;  // data members whose span still lives here (not holes)
+  uint32_t id = 0;         // for messages
+  bool writing = true;     // reserved, its cells not all written yet: re-protection skips it
+  std::array<Span*, kMaxSetWidth> spans{};  // data member -> span stored there (null: hole)
+};
+
+struct Group {
+  uint32_t id = 0;
+  std::vector<client::Lease> members;  // k + r
+  uint32_t failed_mask = 0;            // members whose slab is gone, not yet re-protected
+  uint32_t lost_mask = 0;              // members given up for good (none, or too many failures)
+  std::vector<SpanSet*> rows;          // nullptr: free row
+  uint32_t used_rows = 0;
+  bool rebuilding = false;
+  uint64_t epoch = 0;            // bumped whenever a member is replaced
+  bool degraded_logged = false;  // recovery thread only: say "runs degraded" once
+};
+
+// Per-thread I/O state: channels by node, scratch for parity and degraded reads.
+struct IoContext {
+  std::vector<std::unique_ptr<transport::Channel>> channels;
+  std::vector<uint8_t> scratch;  // (k + r) spans
+  std::vector<transport::Completion> comps = std::vector<transport::Completion>(64);
+  uint64_t bytes_read = 0;
+  uint64_t bytes_written = 0;
+};
+
+struct RemoteStoreStats {
+  uint64_t sets = 0;
+  uint64_t set_bytes = 0;
+  uint64_t leased_bytes = 0;
+  uint64_t degraded_reads = 0;
+  uint64_t members_reprotected = 0;
+  uint64_t groups = 0;
+};
+
+class RemoteStore {
+ public:
+  static Result<std::unique_ptr<RemoteStore>> Create(client::Cluster* cluster, SpanResilience res,
+                                                     uint32_t span_size,
+                                                     std::chrono::milliseconds op_timeout);
+  ~RemoteStore();
+
+  const SpanResilience& resilience() const { return res_; }
+  uint32_t span_size() const { return span_size_; }
+  int k() const { return res_.k; }
+
+  // Writes data[0..n) (n <= k; null entries are zero spans that start as holes) as one span
+  // set holding spans[i] at member i. `data` must stay unchanged until it returns. Retries on
+  // other daemons when a write fails. Returns the set; live_mask has a bit per non-null entry.
+  Result<SpanSet*> WriteSet(IoContext& io, std::span<const uint8_t* const> data,
+                            std::span<Span* const> spans);
+  // Reads data member `member` of `set` into dst (span_size bytes); degraded if needed. Errors
+  // say where the span lived; the caller adds what it was.
+  Status ReadSpan(IoContext& io, SpanSet* set, int member, uint8_t* dst);
+  // Makes data member `member` a hole; frees the row / group when nothing is left.
+  void Release(SpanSet* set, int member);
+
+  // For the compactor: the spans of sets that have holes, emptiest sets first, and then the
+  // spans of the emptiest group when leased slabs exceed the rows in use by more than a group.
+  // Snapshots: the caller locks each span and checks it still lives in a set.
+  std::vector<Span*> CompactionCandidates(size_t max_spans);
+
+  RemoteStoreStats stats() const;
+  // Each slab group's daemons in member order (k data members, then parity / copies).
+  std::vector<std::vector<Endpoint>> GroupLayout() const;
+  // False if members still wait for re-protection after `timeout`.
+  bool WaitForRecovery(std::chrono::milliseconds timeout);
+  void Shutdown();
+
+  // Opens (once) the channel to `node` in `io`.
+  transport::Channel* ChannelFor(IoContext& io, client::NodeId node, Status* error);
+
+ private:
+  RemoteStore(client::Cluster* cluster, SpanResilience res, uint32_t span_size,
+              std::chrono::milliseconds op_timeout);
+  Status Init();
+
+  // Reserves a free row in a healthy group (allocating a group if none has room).
+  Result<SpanSet*> ReserveRow();
+  void FreeRowLocked(SpanSet* set) REQUIRES(mu_);
+  // Runs `ops` (each with user_data = index) over their nodes; results[i] = status of op i.
+  void RunOps(IoContext& io, std::span<transport::Op> ops, std::span<const client::NodeId> nodes,
+              std::span<Status> results);
+  // Notes that member `m` of `g` failed (if it still holds `lease_id`), queues re-protection.
+  void MarkFailed(Group* g, int m, uint64_t lease_id, const Status& why);
+  void OnClusterEvent(const client::Event& ev);
+  void RecoveryLoop();
+  void Reprotect(IoContext& io, Group* g);
+
+  client::Cluster* cluster_;
+  const SpanResilience res_;
+  const uint32_t span_size_;
+  const std::chrono::milliseconds op_timeout_;
+  uint64_t slab_size_ = 0;
+  uint32_t rows_per_group_ = 0;
+  std::unique_ptr<ec::ReedSolomon> codec_;
+  std::vector<uint8_t> zeros_;
+  client::SubscriptionId subscription_ = 0;
+
+  mutable std::mutex mu_;
+  std::condition_variable recovery_cv_;
+  std::vector<std::unique_ptr<Group>> groups_ GUARDED_BY(mu_);
+  std::unordered_map<uint64_t, std::pair<Group*, int>> by_lease_ GUARDED_BY(mu_);
+  std::deque<Group*> recovery_queue_ GUARDED_BY(mu_);
+  bool recovering_ GUARDED_BY(mu_) = false;
+  bool stopping_ GUARDED_BY(mu_) = false;
+  uint32_t next_group_id_ GUARDED_BY(mu_) = 1;
+  uint32_t next_set_id_ GUARDED_BY(mu_) = 1;
+  uint64_t sets_ GUARDED_BY(mu_) = 0;
+  uint64_t degraded_reads_ GUARDED_BY(mu_) = 0;
+  uint64_t reprotected_ GUARDED_BY(mu_) = 0;
+  std::mutex alloc_mu_;  // one group allocation at a time
+  std::thread recovery_thread_;
+};
+
+}  // namespace farmem::farptr_internal

@@ -1,0 +1,340 @@
+// RemoteStore data path: writing span sets, reading one span (degraded when its daemon is gone).
+#include <fmt/format.h>
+#include <poll.h>
+#include <spdlog/spdlog.h>
+
+#include <algorithm>
+#include <bit>
+#include <cstring>
+
+#include "remote_store.h"
+
+namespace farmem::farptr_internal {
+
+namespace {
+bool NodeGone(const Status& s) {
+  switch (s.code()) {
+    case StatusCode::kUnavailable:
+    case StatusCode::kDeadlineExceeded:
+    case StatusCode::kExpired:
+    case StatusCode::kNotFound:
+    case StatusCode::kRemoteAccessError:
+    case StatusCode::kPermissionDenied:
+    case StatusCode::kAborted:
+      return true;
+    default:
+      return false;
+  }
+}
+}  // namespace
+
+transport::Channel* RemoteStore::ChannelFor(IoContext& io, client::NodeId node, Status* error) {
+  if (io.channels.size() <= node) io.channels.resize(node + 1);
+  auto& ch = io.channels[node];
+  if (ch && ch->broken()) ch.reset();
+  if (!ch) {
+    if (!cluster_->node(node).alive) {
+      *error =
+          Unavailable(fmt::format("daemon {} is down", cluster_->node(node).endpoint.ToString()));
+      return nullptr;
+    }
+    auto opened = cluster_->OpenChannel(node);
+    if (!opened) {
+      *error = opened.error();
+      cluster_->ReportFailure(node, opened.error());
+      return nullptr;
+    }
+    ch = std::move(*opened);
+  }
+  return ch.get();
+}
+
+void RemoteStore::RunOps(IoContext& io, std::span<transport::Op> ops,
+                         std::span<const client::NodeId> nodes, std::span<Status> results) {
+  // At most one span set's worth of operations: everything lives on the stack.
+  if (ops.size() > static_cast<size_t>(kMaxSetWidth)) {
+    for (size_t i = 0; i < ops.size(); i += kMaxSetWidth) {
+      const size_t n = std::min<size_t>(kMaxSetWidth, ops.size() - i);
+      RunOps(io, ops.subspan(i, n), nodes.subspan(i, n), results.subspan(i, n));
+    }
+    return;
+  }
+  bool done[kMaxSetWidth] = {};
+  size_t left = 0;
+  client::NodeId used[kMaxSetWidth];
+  size_t nused = 0;
+  for (size_t i = 0; i < ops.size(); ++i) {
+    Status err;
+    transport::Channel* ch = ChannelFor(io, nodes[i], &err);
+    if (ch == nullptr) {
+      results[i] = err;
+      done[i] = true;
+      continue;
+    }
+    ops[i].user_data = i;
+    if (Status s = ch->Post(ops[i]); !s.ok()) {
+      results[i] = s;
+      done[i] = true;
+      continue;
+    }
+    ++left;
+    if (std::find(used, used + nused, nodes[i]) == used + nused) used[nused++] = nodes[i];
+  }
+  for (size_t u = 0; u < nused; ++u) (void)io.channels[used[u]]->Flush();  // errors complete ops
+  const Deadline deadline = DeadlineIn(op_timeout_);
+  pollfd pfds[kMaxSetWidth];
+  client::NodeId pnodes[kMaxSetWidth];
+  size_t npfds = 0;
+  auto complete = [&](const transport::Completion& c) {
+    const size_t i = static_cast<size_t>(c.user_data);
+    if (i >= ops.size() || done[i]) return;
+    done[i] = true;
+    results[i] = c.status;
+    --left;
+    if (c.status.ok()) {
+      if (ops[i].type == transport::OpType::kRead)
+        io.bytes_read += ops[i].length;
+      else
+        io.bytes_written += ops[i].length;
+    }
+  };
+  while (left > 0) {
+    npfds = 0;
+    bool any = false;
+    for (size_t u = 0; u < nused; ++u) {
+      auto& ch = io.channels[used[u]];
+      if (!ch || ch->outstanding() == 0) continue;
+      auto got = ch->Poll(io.comps, std::chrono::milliseconds(0));
+      if (got && *got > 0) {
+        for (size_t j = 0; j < *got; ++j) complete(io.comps[j]);
+        any = true;
+        continue;
+      }
+      pfds[npfds] = {ch->wait_fd(), POLLIN, 0};
+      pnodes[npfds++] = used[u];
+    }
+    if (any || left == 0) continue;
+    const auto wait =
+        std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+    if (wait.count() <= 0 || npfds == 0) break;
+    const bool pollable =
+        std::all_of(pfds, pfds + npfds, [](const pollfd& p) { return p.fd >= 0; });
+    if (pollable) {
+      if (::poll(pfds, npfds, static_cast<int>(wait.count())) == 0) break;
+    }
+    for (size_t j = 0; j < npfds; ++j) {
+      if (pollable && pfds[j].revents == 0) continue;
+      auto& ch = io.channels[pnodes[j]];
+      auto got = ch->Poll(io.comps,
+                          pollable ? std::chrono::milliseconds(0) : std::chrono::milliseconds(1));
+      if (got) {
+        for (size_t c = 0; c < *got; ++c) complete(io.comps[c]);
+      }
+    }
+  }
+  if (left > 0) {
+    for (size_t i = 0; i < ops.size(); ++i) {
+      if (!done[i]) {
+        results[i] = DeadlineExceeded(fmt::format("daemon {} did not answer within {} ms",
+                                                  cluster_->node(nodes[i]).endpoint.ToString(),
+                                                  op_timeout_.count()));
+      }
+    }
+    // Their buffers are the caller's: nothing may land in them after we return.
+    for (size_t u = 0; u < nused; ++u) {
+      auto& ch = io.channels[used[u]];
+      if (ch && ch->outstanding() > 0) ch.reset();
+    }
+  }
+}
+
+Result<SpanSet*> RemoteStore::WriteSet(IoContext& io, std::span<const uint8_t* const> data,
+                                       std::span<Span* const> spans) {
+  const int k = res_.k;
+  const int n = res_.width();
+  const size_t span = span_size_;
+  if (data.empty() || data.size() > static_cast<size_t>(k) || spans.size() != data.size()) {
+    return Err(Internal(fmt::format("WriteSet with {} spans (k = {})", data.size(), k)));
+  }
+  // The k data cells (zeros where there is no span), then parity or copies.
+  const uint8_t* cells[kMaxSetWidth];
+  uint32_t live = 0;
+  for (int m = 0; m < k; ++m) {
+    const uint8_t* d =
+        static_cast<size_t>(m) < data.size() ? data[static_cast<size_t>(m)] : nullptr;
+    cells[m] = d != nullptr ? d : zeros_.data();
+    if (d != nullptr) live |= 1u << m;
+  }
+  if (res_.mode == SpanResilience::Mode::kErasure && res_.r > 0) {
+    if (io.scratch.size() < span * static_cast<size_t>(n)) io.scratch.resize(span * n);
+    uint8_t* parity[kMaxSetWidth];
+    for (int j = 0; j < res_.r; ++j) parity[j] = io.scratch.data() + static_cast<size_t>(j) * span;
+    FARMEM_RETURN_IF_ERROR(codec_->Encode({cells, static_cast<size_t>(k)},
+                                          {parity, static_cast<size_t>(res_.r)}, span));
+    for (int j = 0; j < res_.r; ++j) cells[k + j] = parity[j];
+  } else if (res_.mode == SpanResilience::Mode::kReplicate) {
+    for (int j = 1; j < n; ++j) cells[j] = cells[0];
+  }
+  Status last;
+  for (int attempt = 0; attempt < 4; ++attempt) {
+    FARMEM_ASSIGN_OR_RETURN(SpanSet * set, ReserveRow());
+    std::vector<client::Lease> members;
+    uint64_t epoch = 0;
+    {
+      std::lock_guard lock(mu_);
+      members = set->group->members;
+      epoch = set->group->epoch;
+    }
+    transport::Op ops[kMaxSetWidth];
+    client::NodeId nodes[kMaxSetWidth];
+    Status results[kMaxSetWidth];
+    const uint64_t off = static_cast<uint64_t>(set->row) * span;
+    for (int m = 0; m < n; ++m) {
+      ops[m] = {transport::OpType::kWrite,
+                members[static_cast<size_t>(m)].slab(),
+                off,
+                const_cast<uint8_t*>(cells[m]),
+                static_cast<uint32_t>(span),
+                nullptr,
+                0};
+      nodes[m] = members[static_cast<size_t>(m)].node;
+    }
+    RunOps(io, {ops, static_cast<size_t>(n)}, {nodes, static_cast<size_t>(n)},
+           {results, static_cast<size_t>(n)});
+    bool ok = true;
+    for (int m = 0; m < n; ++m) {
+      if (results[m].ok()) continue;
+      ok = false;
+      last = results[m];
+      cluster_->ReportFailure(nodes[m], results[m]);
+      if (NodeGone(results[m])) {
+        MarkFailed(set->group, m, members[static_cast<size_t>(m)].id(), results[m]);
+      }
+    }
+    if (ok) {
+      std::lock_guard lock(mu_);
+      Group* g = set->group;
+      if (g->failed_mask != 0 || g->lost_mask != 0 || g->rebuilding || g->epoch != epoch) {
+        // A member failed while we wrote: re-protection did not see this row. The data is still
+        // in the caller's hands, so place the set elsewhere rather than rebuild it.
+        last = Unavailable(fmt::format("slab group {} lost a member during the write", g->id));
+        FreeRowLocked(set);
+        continue;
+      }
+      set->writing = false;
+      set->live_mask = live;
+      for (size_t i = 0; i < spans.size(); ++i)
+        set->spans[i] = data[i] != nullptr ? spans[i] : nullptr;
+      return set;
+    }
+    {
+      std::lock_guard lock(mu_);
+      FreeRowLocked(set);
+    }
+  }
+  return Err(last.WithContext("writing a span set"));
+}
+
+Status RemoteStore::ReadSpan(IoContext& io, SpanSet* set, int member, uint8_t* dst) {
+  const int k = res_.k;
+  const int n = res_.width();
+  const size_t span = span_size_;
+  for (int attempt = 0; attempt < 4; ++attempt) {
+    std::vector<client::Lease> members;
+    uint32_t bad = 0;
+    uint32_t row = 0;
+    uint32_t set_id = 0;
+    uint32_t group_id = 0;
+    {
+      std::lock_guard lock(mu_);
+      members = set->group->members;
+      bad = set->group->failed_mask | set->group->lost_mask;
+      row = set->row;
+      set_id = set->id;
+      group_id = set->group->id;
+    }
+    const uint64_t off = static_cast<uint64_t>(row) * span;
+    // Normal case: one read of one span from its one daemon.
+    if (((bad >> member) & 1) == 0) {
+      transport::Op op{transport::OpType::kRead,
+                       members[static_cast<size_t>(member)].slab(),
+                       off,
+                       dst,
+                       static_cast<uint32_t>(span),
+                       nullptr,
+                       0};
+      client::NodeId node = members[static_cast<size_t>(member)].node;
+      Status s;
+      RunOps(io, {&op, 1}, {&node, 1}, {&s, 1});
+      if (s.ok()) return s;
+      cluster_->ReportFailure(node, s);
+      if (!NodeGone(s)) return s;
+      MarkFailed(set->group, member, members[static_cast<size_t>(member)].id(), s);
+      continue;  // look again: now degraded
+    }
+    // Degraded: rebuild the cell from survivors.
+    std::vector<int> readers;
+    for (int m = 0; m < n; ++m) {
+      if (((bad >> m) & 1) == 0) readers.push_back(m);
+    }
+    const bool erasure = res_.mode == SpanResilience::Mode::kErasure && res_.r > 0;
+    const size_t need = erasure ? static_cast<size_t>(k) : 1;
+    if (readers.size() < need) {
+      std::string gone;
+      for (int m = 0; m < n; ++m) {
+        if (((bad >> m) & 1) == 0) continue;
+        if (!gone.empty()) gone += ", ";
+        gone +=
+            fmt::format("{} (lease {})",
+                        cluster_->node(members[static_cast<size_t>(m)].node).endpoint.ToString(),
+                        members[static_cast<size_t>(m)].id());
+      }
+      return DataLoss(fmt::format(
+          "it lived in span set {} (slab group {}, row {}) whose members on {} are gone; "
+          "resilience {} can rebuild a span only while at most {} of its {} daemons are gone",
+          set_id, group_id, row, gone, res_.ToString(),
+          res_.mode == SpanResilience::Mode::kNone ? 0 : n - static_cast<int>(need), n));
+    }
+    readers.resize(need);
+    if (io.scratch.size() < span * static_cast<size_t>(n)) io.scratch.resize(span * n);
+    transport::Op ops[kMaxSetWidth];
+    client::NodeId nodes[kMaxSetWidth];
+    Status results[kMaxSetWidth];
+    uint8_t* frags[kMaxSetWidth];
+    for (int m = 0; m < n; ++m) frags[m] = io.scratch.data() + static_cast<size_t>(m) * span;
+    frags[member] = dst;
+    for (size_t i = 0; i < readers.size(); ++i) {
+      const int m = readers[i];
+      ops[i] = {transport::OpType::kRead,
+                members[static_cast<size_t>(m)].slab(),
+                off,
+                erasure ? frags[m] : dst,
+                static_cast<uint32_t>(span),
+                nullptr,
+                0};
+      nodes[i] = members[static_cast<size_t>(m)].node;
+    }
+    RunOps(io, {ops, readers.size()}, {nodes, readers.size()}, {results, readers.size()});
+    bool ok = true;
+    for (size_t i = 0; i < readers.size(); ++i) {
+      if (results[i].ok()) continue;
+      ok = false;
+      cluster_->ReportFailure(nodes[i], results[i]);
+      if (NodeGone(results[i])) {
+        MarkFailed(set->group, readers[i], members[static_cast<size_t>(readers[i])].id(),
+                   results[i]);
+      }
+    }
+    if (!ok) continue;
+    if (erasure) {
+      FARMEM_RETURN_IF_ERROR(codec_->ReconstructData({frags, static_cast<size_t>(n)},
+                                                     {readers.data(), readers.size()}, span));
+    }
+    std::lock_guard lock(mu_);
+    ++degraded_reads_;
+    return Status::Ok();
+  }
+  return Unavailable("daemons kept failing");
+}
+
+}  // namespace farmem::farptr_internal

@@ -1,0 +1,259 @@
+// Runtime setup: options, size classes, connecting, background threads, statistics.
+#include <fmt/format.h>
+#include <spdlog/spdlog.h>
+
+#include <algorithm>
+#include <bit>
+#include <charconv>
+
+#include "heap.h"
+
+namespace farmem {
+
+// ---------------------------------------------------------------------------------------------
+// SpanResilience
+
+Result<SpanResilience> SpanResilience::Parse(std::string_view text) {
+  SpanResilience r;
+  auto num = [](std::string_view s, int* out) {
+    auto [p, ec] = std::from_chars(s.data(), s.data() + s.size(), *out);
+    return ec == std::errc() && p == s.data() + s.size();
+  };
+  if (text == "none") {
+    r.mode = Mode::kNone;
+    r.k = 1;
+    r.r = 0;
+    return r;
+  }
+  if (text.starts_with("replicate:")) {
+    int copies = 0;
+    if (!num(text.substr(10), &copies) || copies < 1 || copies > 8) {
+      return Err(InvalidArgument(fmt::format("'{}': replicate:N needs N from 1 to 8", text)));
+    }
+    r.mode = Mode::kReplicate;
+    r.k = 1;
+    r.r = copies - 1;
+    return r;
+  }
+  if (text.starts_with("ec:")) {
+    const std::string_view rest = text.substr(3);
+    const size_t plus = rest.find('+');
+    if (plus == std::string_view::npos || !num(rest.substr(0, plus), &r.k) ||
+        !num(rest.substr(plus + 1), &r.r)) {
+      return Err(InvalidArgument(fmt::format("'{}': write ec:k+r, e.g. ec:4+2", text)));
+    }
+    if (r.k < 1 || r.r < 0 || r.k + r.r > 16) {
+      return Err(
+          InvalidArgument(fmt::format("'{}': ec:k+r needs k >= 1, r >= 0 and k + r <= 16", text)));
+    }
+    r.mode = Mode::kErasure;
+    return r;
+  }
+  return Err(InvalidArgument(
+      fmt::format("unknown resilience '{}': use none, replicate:N or ec:k+r", text)));
+}
+
+std::string SpanResilience::ToString() const {
+  switch (mode) {
+    case Mode::kNone:
+      return "none";
+    case Mode::kReplicate:
+      return fmt::format("replicate:{}", r + 1);
+    case Mode::kErasure:
+      return fmt::format("ec:{}+{}", k, r);
+  }
+  return "?";
+}
+
+// ---------------------------------------------------------------------------------------------
+// Runtime
+
+namespace {
+std::mutex g_default_mu;
+Runtime* g_default = nullptr;
+}  // namespace
+
+Runtime::Runtime(RuntimeOptions options)
+    : heap_(std::make_unique<farptr_internal::Heap>(this, std::move(options))) {}
+
+Result<std::unique_ptr<Runtime>> Runtime::Create(RuntimeOptions options) {
+  const bool make_default = options.make_default;
+  std::unique_ptr<Runtime> rt(new Runtime(std::move(options)));
+  FARMEM_RETURN_IF_ERROR(rt->heap_->Start());
+  if (make_default) {
+    std::lock_guard lock(g_default_mu);
+    g_default = rt.get();
+  }
+  return rt;
+}
+
+Runtime* Runtime::Default() {
+  std::lock_guard lock(g_default_mu);
+  return g_default;
+}
+
+Runtime::~Runtime() {
+  {
+    std::lock_guard lock(g_default_mu);
+    if (g_default == this) g_default = nullptr;
+  }
+  heap_->Stop();
+}
+
+const RuntimeOptions& Runtime::options() const { return heap_->options(); }
+const SpanResilience& Runtime::resilience() const { return heap_->resilience(); }
+RuntimeStats Runtime::stats() const { return heap_->stats(); }
+client::Cluster& Runtime::cluster() { return heap_->cluster(); }
+std::vector<std::vector<Endpoint>> Runtime::span_set_layout() const { return heap_->GroupLayout(); }
+Status Runtime::EvictUntil(uint64_t target_bytes) { return heap_->EvictUntil(target_bytes); }
+Status Runtime::Compact() { return heap_->Compact(); }
+Status Runtime::WaitForRecovery(std::chrono::milliseconds timeout) {
+  if (heap_->WaitForRecovery(timeout)) return Status::Ok();
+  return DeadlineExceeded(
+      fmt::format("span-set members still wait for re-protection after {} ms", timeout.count()));
+}
+
+namespace farptr_internal {
+
+// ---------------------------------------------------------------------------------------------
+// Heap setup
+
+Heap::Heap(Runtime* rt, RuntimeOptions options) : rt_(rt), options_(std::move(options)) {}
+
+Status Heap::Start() {
+  FARMEM_ASSIGN_OR_RETURN(res_, SpanResilience::Parse(options_.resilience));
+  span_size_ = options_.span_size;
+  if (span_size_ < 4096 || span_size_ > (1u << 20) || !std::has_single_bit(span_size_)) {
+    return InvalidArgument(
+        fmt::format("span_size {} must be a power of two from 4 KiB to 1 MiB", span_size_));
+  }
+  if (!(options_.low_watermark > 0 && options_.low_watermark < options_.high_watermark &&
+        options_.high_watermark <= 1.0)) {
+    return InvalidArgument(fmt::format("watermarks must satisfy 0 < low ({}) < high ({}) <= 1",
+                                       options_.low_watermark, options_.high_watermark));
+  }
+  budget_frames_ = static_cast<size_t>(options_.local_budget / span_size_);
+  if (budget_frames_ < 4) {
+    return InvalidArgument(fmt::format("local budget {} holds fewer than 4 spans of {}",
+                                       FormatSize(options_.local_budget), FormatSize(span_size_)));
+  }
+  high_frames_ = std::max<size_t>(2, static_cast<size_t>(budget_frames_ * options_.high_watermark));
+  low_frames_ = std::max<size_t>(1, static_cast<size_t>(budget_frames_ * options_.low_watermark));
+
+  // Size classes: multiples of 16 up to 256, then about 12.5% apart (rounded to 16), then the
+  // largest slot sizes that still fit 8, 7, ..., 1 objects in a span.
+  std::vector<uint32_t> sizes;
+  for (uint32_t s = 16; s <= 256; s += 16) sizes.push_back(s);
+  for (uint32_t s = 256; s < span_size_ / 8;) {
+    s = (s + s / 8 + 15) & ~15u;
+    if (s <= span_size_ / 8) sizes.push_back(s);
+  }
+  for (uint32_t n = 8; n >= 1; --n) {
+    const uint32_t s = (span_size_ / n) & ~15u;
+    if (s > sizes.back()) sizes.push_back(s);
+  }
+  for (uint32_t s : sizes) {
+    auto c = std::make_unique<SizeClass>();
+    c->index = static_cast<uint32_t>(classes_.size());
+    c->size = s;
+    c->slots = span_size_ / s;
+    classes_.push_back(std::move(c));
+  }
+  class_of_.assign(span_size_ / 16 + 1, 0);
+  size_t ci = 0;
+  for (size_t q = 0; q < class_of_.size(); ++q) {
+    while (classes_[ci]->size < q * 16) ++ci;
+    class_of_[q] = static_cast<uint16_t>(ci);
+  }
+
+  client::ClusterOptions co;
+  co.peers = options_.peers;
+  co.peers_dns = options_.peers_dns;
+  co.secret = options_.secret;
+  co.client_name = fmt::format("farptr-{}", ::getpid());
+  co.heartbeat_interval = options_.heartbeat_interval;
+  co.failure_timeout = options_.failure_timeout;
+  co.op_timeout = options_.op_timeout;
+  FARMEM_ASSIGN_OR_RETURN(cluster_, client::Cluster::Connect(std::move(co)));
+  FARMEM_ASSIGN_OR_RETURN(
+      store_, RemoteStore::Create(cluster_.get(), res_, span_size_, options_.op_timeout));
+  evictor_ = std::thread([this] { EvictorLoop(); });
+  for (int i = 0; i < options_.prefetch_threads; ++i) {
+    prefetchers_.emplace_back([this] { PrefetchLoop(); });
+  }
+  spdlog::info("far memory: {} local budget, spans of {}, {} size classes, resilience {}",
+               FormatSize(options_.local_budget), FormatSize(span_size_), classes_.size(),
+               res_.ToString());
+  return Status::Ok();
+}
+
+void Heap::Stop() {
+  {
+    std::lock_guard lock(evict_mu_);
+    if (stopping_ && !evictor_.joinable()) return;
+    stopping_ = true;
+  }
+  evict_cv_.notify_all();
+  {
+    std::lock_guard lock(prefetch_mu_);
+    prefetch_queue_.clear();
+  }
+  prefetch_cv_.notify_all();
+  if (evictor_.joinable()) evictor_.join();
+  for (auto& t : prefetchers_) t.join();
+  prefetchers_.clear();
+  if (store_) store_->Shutdown();
+  if (cluster_) (void)cluster_->Close();
+  SetOverBudget(over_budget_, false);
+  std::vector<Span*> all;
+  {
+    std::lock_guard lock(spans_mu_);
+    for (auto& s : spans_) all.push_back(s.get());
+  }
+  for (Span* s : all) {
+    std::lock_guard sl(s->mu);
+    if (s->frame != nullptr) {
+      std::free(s->frame);
+      s->frame = nullptr;
+    }
+  }
+  std::lock_guard flock(frames_mu_);
+  for (uint8_t* f : free_frames_) std::free(f);
+  free_frames_.clear();
+}
+
+Heap::~Heap() { Stop(); }
+
+RuntimeStats Heap::stats() const {
+  RuntimeStats s;
+  s.objects = objects_.load();
+  s.object_bytes = object_bytes_.load();
+  s.remote_object_bytes = remote_object_bytes_.load();
+  s.local_budget = options_.local_budget;
+  s.local_bytes = frames_in_use_.load() * static_cast<uint64_t>(span_size_);
+  s.resident_spans = resident_spans_.load();
+  s.remote_spans = remote_spans_.load();
+  const RemoteStoreStats rs = store_->stats();
+  s.span_sets = rs.sets;
+  s.remote_set_bytes = rs.set_bytes;
+  s.remote_leased_bytes = rs.leased_bytes;
+  s.degraded_reads = rs.degraded_reads;
+  s.members_reprotected = rs.members_reprotected;
+  s.swap_ins = swap_ins_.load();
+  s.prefetches = prefetches_.load();
+  s.spans_evicted = spans_evicted_.load();
+  s.sets_written = sets_written_.load();
+  s.eviction_cancels = eviction_cancels_.load();
+  s.objects_relocated = objects_relocated_.load();
+  s.spans_lost = spans_lost_.load();
+  s.compactions = compactions_.load();
+  s.compaction_spans_in = compaction_spans_in_.load();
+  s.compaction_spans_out = compaction_spans_out_.load();
+  s.compaction_client_bytes = compaction_client_bytes_.load();
+  s.bytes_read = bytes_read_.load();
+  s.bytes_written = bytes_written_.load();
+  return s;
+}
+
+}  // namespace farptr_internal
+}  // namespace farmem

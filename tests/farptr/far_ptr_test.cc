@@ -1,0 +1,243 @@
+// far_ptr / DerefScope / Runtime against real farmemd daemons: objects go out as span sets and
+// come back right, in every resilience mode; scopes pin; a dead daemon is survived (ec,
+// replicate) or named (none).
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <random>
+#include <thread>
+#include <vector>
+
+#include "farmem/client/cluster.h"
+#include "farptr_fixture.h"
+
+namespace farmem::farptr_test {
+namespace {
+
+struct Point {
+  uint64_t id;
+  uint64_t version;
+  double x, y;
+};
+
+TEST(FarPtrLayout, PointerIsEightBytes) {
+  static_assert(sizeof(far_ptr<Point>) == 8);
+  static_assert(sizeof(far_bytes) == 8);
+  EXPECT_EQ(sizeof(far_ptr<std::array<char, 3000>>), 8u);
+}
+
+TEST(SpanResilienceTest, Parses) {
+  EXPECT_EQ(SpanResilience::Parse("ec:4+2")->ToString(), "ec:4+2");
+  EXPECT_EQ(SpanResilience::Parse("replicate:3")->width(), 3);
+  EXPECT_EQ(SpanResilience::Parse("none")->width(), 1);
+  EXPECT_FALSE(SpanResilience::Parse("ec:4").has_value());
+  EXPECT_FALSE(SpanResilience::Parse("ec:10+10").has_value());
+  EXPECT_FALSE(SpanResilience::Parse("mirror").has_value());
+}
+
+class FarPtrTest : public FarptrTest, public ::testing::WithParamInterface<std::string> {};
+
+// Allocate 8x the budget in objects of many sizes (16 B .. 3 spans' worth capped at a span),
+// read every one back, mutate, read again.
+TEST_P(FarPtrTest, ObjectsOfManySizesSurviveEviction) {
+  ASSERT_NO_FATAL_FAILURE(StartDaemons(6));
+  ASSERT_NO_FATAL_FAILURE(Open(Options(GetParam(), 1 << 20)));
+  std::mt19937_64 rng(7);
+  std::vector<far_bytes> objs;
+  std::vector<uint64_t> version;
+  uint64_t total = 0;
+  while (total < (8u << 20)) {
+    size_t size = 1 + rng() % 200;
+    if (rng() % 8 == 0) size = 1 + rng() % 16384;  // up to one span, many larger than a page
+    far_bytes b = make_far_bytes_in(*rt_, size);
+    {
+      DerefScope s;
+      Fill(b.deref_mut(s), objs.size(), 0);
+    }
+    total += size;
+    objs.push_back(std::move(b));
+    version.push_back(0);
+  }
+  RuntimeStats st = rt_->stats();
+  EXPECT_GT(st.spans_evicted, 0u);
+  EXPECT_LE(st.local_bytes, st.local_budget + (256u << 10));
+  for (int pass = 0; pass < 2; ++pass) {
+    for (size_t i = 0; i < objs.size(); ++i) {
+      DerefScope s;
+      ASSERT_TRUE(Matches(objs[i].deref(s), i, version[i])) << "object " << i << " pass " << pass;
+      if (i % 3 == 0) Fill(objs[i].deref_mut(s), i, ++version[i]);
+    }
+  }
+  st = rt_->stats();
+  EXPECT_GT(st.swap_ins, 0u);
+  EXPECT_EQ(st.objects, objs.size());
+  objs.clear();
+  EXPECT_EQ(rt_->stats().objects, 0u);
+}
+
+INSTANTIATE_TEST_SUITE_P(Modes, FarPtrTest,
+                         ::testing::Values("ec:4+2", "replicate:2", "none", "ec:2+1"),
+                         [](const auto& info) {
+                           std::string n = info.param;
+                           for (char& c : n) {
+                             if (!isalnum(static_cast<unsigned char>(c))) c = '_';
+                           }
+                           return n;
+                         });
+
+TEST_F(FarptrTest, MakeFarConstructsAndDerefIsLocalAfterwards) {
+  ASSERT_NO_FATAL_FAILURE(StartDaemons(6));
+  ASSERT_NO_FATAL_FAILURE(Open(Options("ec:4+2", 1 << 20)));
+  far_ptr<Point> p = make_far<Point>(Point{1, 2, 3.5, 4.5});
+  EXPECT_TRUE(p.is_local());
+  {
+    DerefScope s;
+    EXPECT_EQ(p.deref(s).x, 3.5);
+    p.deref_mut(s).y = 9;
+  }
+  ASSERT_TRUE(rt_->EvictUntil(0).ok());
+  EXPECT_FALSE(p.is_local());
+  EXPECT_EQ(p.read().y, 9);
+  EXPECT_TRUE(p.is_local());
+  far_ptr<Point> q = std::move(p);
+  EXPECT_FALSE(p);
+  EXPECT_EQ(q.read().id, 1u);
+}
+
+// A pointer obtained inside a scope stays valid (same address, same bytes) while another thread
+// allocates far past the budget and the evictor runs; the pinned objects are never evicted.
+TEST_F(FarptrTest, ScopePinsAgainstTheEvictor) {
+  ASSERT_NO_FATAL_FAILURE(StartDaemons(6));
+  ASSERT_NO_FATAL_FAILURE(Open(Options("ec:4+2", 1 << 20)));
+  std::vector<far_ptr<Point>> pinned;
+  for (uint64_t i = 0; i < 200; ++i) pinned.push_back(make_far<Point>(Point{i, 0, 1.0 * i, 0}));
+  ASSERT_TRUE(rt_->EvictUntil(0).ok());
+  std::atomic<bool> stop{false};
+  std::thread pressure([&] {
+    std::vector<far_bytes> junk;
+    uint64_t n = 0;
+    while (!stop.load()) {
+      junk.push_back(make_far_bytes_in(*rt_, 1000));
+      if (++n % 64 == 0) std::this_thread::yield();
+      if (junk.size() > 20000) junk.erase(junk.begin(), junk.begin() + 10000);
+    }
+  });
+  const uint64_t evicted_before = rt_->stats().spans_evicted;
+  {
+    DerefScope s;
+    std::vector<const Point*> addrs;
+    for (auto& p : pinned) addrs.push_back(&p.deref(s));
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(2);
+    while (std::chrono::steady_clock::now() < deadline) {
+      for (size_t i = 0; i < pinned.size(); ++i) {
+        ASSERT_EQ(addrs[i]->id, i);
+        ASSERT_EQ(addrs[i]->x, 1.0 * i);
+        ASSERT_TRUE(pinned[i].is_local());
+        ASSERT_EQ(&pinned[i].deref(s), addrs[i]) << "object " << i << " moved inside a scope";
+      }
+    }
+  }
+  stop = true;
+  pressure.join();
+  EXPECT_GT(rt_->stats().spans_evicted, evicted_before) << "the evictor never ran";
+}
+
+// Reads every object and checks it.
+void ExpectAllRight(std::vector<far_ptr<Point>>& objs, const char* when) {
+  for (uint64_t i = 0; i < objs.size(); ++i) {
+    DerefScope s;
+    auto p = objs[i].try_deref(s);
+    ASSERT_TRUE(p.has_value()) << when << ": object " << i << ": " << p.error().ToString();
+    ASSERT_EQ((*p)->id, i) << when;
+    ASSERT_EQ((*p)->version, i % 7) << when;
+  }
+}
+
+// ec:4+2 over 8 daemons: kill two real daemons; every object still reads back right and the lost
+// members are re-protected on the two spare daemons; then kill two more: still nothing lost.
+TEST_F(FarptrTest, EcSurvivesTwoKilledDaemonsTwice) {
+  ASSERT_NO_FATAL_FAILURE(StartDaemons(8));
+  ASSERT_NO_FATAL_FAILURE(Open(Options("ec:4+2", 1 << 20)));
+  std::vector<far_ptr<Point>> objs;
+  for (uint64_t i = 0; i < 40000; ++i) objs.push_back(make_far<Point>(Point{i, i % 7, 0, 0}));
+  ASSERT_TRUE(rt_->EvictUntil(0).ok());
+  (*daemons_)[1].Kill();
+  (*daemons_)[4].Kill();
+  ASSERT_NO_FATAL_FAILURE(ExpectAllRight(objs, "after the first two kills"));
+  ASSERT_TRUE(rt_->EvictUntil(0).ok());
+  // Wait until both failures were noticed and re-protected.
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+  while (rt_->cluster().alive_count() > 6 && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  ASSERT_TRUE(rt_->WaitForRecovery().ok());
+  (*daemons_)[0].Kill();
+  (*daemons_)[6].Kill();
+  ASSERT_NO_FATAL_FAILURE(ExpectAllRight(objs, "after the second two kills"));
+  RuntimeStats st = rt_->stats();
+  EXPECT_EQ(st.spans_lost, 0u);
+  EXPECT_GT(st.members_reprotected, 0u);
+}
+
+// ec:4+2 over exactly 6 daemons: after two die there is nowhere to re-protect, so every span
+// whose daemon died is read degraded (k survivors, decode) — and right.
+TEST_F(FarptrTest, EcReadsDegradedWithoutSpareDaemons) {
+  ASSERT_NO_FATAL_FAILURE(StartDaemons(6));
+  ASSERT_NO_FATAL_FAILURE(Open(Options("ec:4+2", 1 << 20)));
+  std::vector<far_ptr<Point>> objs;
+  for (uint64_t i = 0; i < 40000; ++i) objs.push_back(make_far<Point>(Point{i, i % 7, 0, 0}));
+  ASSERT_TRUE(rt_->EvictUntil(0).ok());
+  // Kill the daemons of two data members (a parity member's death needs no decoding).
+  const auto layout = rt_->span_set_layout();
+  ASSERT_FALSE(layout.empty());
+  for (int m = 0; m < 2; ++m) {
+    for (size_t d = 0; d < daemons_->size(); ++d) {
+      if ((*daemons_)[d].endpoint() == layout[0][static_cast<size_t>(m)]) (*daemons_)[d].Kill();
+    }
+  }
+  ASSERT_NO_FATAL_FAILURE(ExpectAllRight(objs, "after two kills"));
+  RuntimeStats st = rt_->stats();
+  EXPECT_GT(st.degraded_reads, 0u);
+  EXPECT_EQ(st.spans_lost, 0u);
+}
+
+// none: a killed daemon loses what lived there, and the error says what and where.
+TEST_F(FarptrTest, NoneNamesWhatWasLost) {
+  ASSERT_NO_FATAL_FAILURE(StartDaemons(3));
+  ASSERT_NO_FATAL_FAILURE(Open(Options("none", 1 << 20)));
+  std::vector<far_ptr<Point>> objs;
+  for (uint64_t i = 0; i < 40000; ++i) objs.push_back(make_far<Point>(Point{i, 1, 0, 0}));
+  ASSERT_TRUE(rt_->EvictUntil(0).ok());
+  // Kill a daemon that holds some of the data.
+  size_t victim = daemons_->size();
+  for (const client::NodeInfo& n : rt_->cluster().nodes()) {
+    if (n.leases_held == 0) continue;
+    for (size_t d = 0; d < daemons_->size(); ++d) {
+      if ((*daemons_)[d].endpoint() == n.endpoint) victim = d;
+    }
+  }
+  ASSERT_LT(victim, daemons_->size());
+  (*daemons_)[victim].Kill();
+  size_t lost = 0;
+  std::string message;
+  for (uint64_t i = 0; i < objs.size(); ++i) {
+    DerefScope s;
+    auto p = objs[i].try_deref(s);
+    if (!p) {
+      ++lost;
+      EXPECT_EQ(p.error().code(), StatusCode::kDataLoss);
+      message = p.error().message();
+    } else {
+      ASSERT_EQ((*p)->id, i);
+    }
+  }
+  EXPECT_GT(lost, 0u);
+  EXPECT_NE(message.find((*daemons_)[victim].endpoint().ToString()), std::string::npos) << message;
+  EXPECT_NE(message.find("none"), std::string::npos) << message;
+  EXPECT_NE(message.find("size class"), std::string::npos) << message;
+  EXPECT_GT(rt_->stats().spans_lost, 0u);
+}
+
+}  // namespace
+}  // namespace farmem::farptr_test

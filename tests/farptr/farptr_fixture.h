@@ -1,0 +1,97 @@
+// Shared setup for the far_ptr tests: real farmemd daemons and a Runtime over them.
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "farmem/far_ptr.h"
+#include "farmem/runtime.h"
+#include "support/daemon_fixture.h"
+
+namespace farmem::farptr_test {
+
+// ThreadSanitizer runs these ~10x slower: its build (tests/run --tsan) does less work.
+#if defined(__SANITIZE_THREAD__)
+inline constexpr int kTsanScale = 8;
+#else
+inline constexpr int kTsanScale = 1;
+#endif
+
+// Deterministic contents for object `id` at `version`: any byte that comes back wrong shows.
+inline void Fill(std::span<std::byte> out, uint64_t id, uint64_t version) {
+  uint64_t x = id * 0x9E3779B97F4A7C15ull + version * 0xBF58476D1CE4E5B9ull + 1;
+  for (size_t i = 0; i < out.size(); ++i) {
+    if (i % 8 == 0) {
+      x ^= x >> 31;
+      x *= 0x94D049BB133111EBull;
+      x ^= x >> 29;
+    }
+    out[i] = static_cast<std::byte>(x >> ((i % 8) * 8));
+  }
+}
+inline bool Matches(std::span<const std::byte> got, uint64_t id, uint64_t version) {
+  std::vector<std::byte> want(got.size());
+  Fill(want, id, version);
+  return std::memcmp(want.data(), got.data(), got.size()) == 0;
+}
+
+class FarptrTest : public ::testing::Test {
+ protected:
+  void StartDaemons(size_t n, const std::string& capacity = "64M", const std::string& slab = "1M") {
+    testing::DaemonConfig cfg;
+    cfg.capacity = capacity;
+    cfg.slab_size = slab;
+    cfg.log_level = "warn";
+    daemons_ = std::make_unique<testing::DaemonSet>(cfg);
+    Status s = daemons_->Start(n);
+    ASSERT_TRUE(s.ok()) << s.ToString();
+  }
+
+  RuntimeOptions Options(const std::string& resilience, uint64_t budget, uint32_t span = 16384) {
+    RuntimeOptions o;
+    o.peers = daemons_->endpoints();
+    o.secret = daemons_->secret();
+    o.resilience = resilience;
+    o.local_budget = budget;
+    o.span_size = span;
+    o.heartbeat_interval = std::chrono::milliseconds(100);
+    // Kills are noticed at once (connections close); a long timeout keeps slow (sanitized)
+    // daemons from being declared down by mistake.
+    o.failure_timeout = std::chrono::milliseconds(3000);
+    o.op_timeout = std::chrono::milliseconds(2000);
+    return o;
+  }
+
+  void Open(const RuntimeOptions& o) {
+    auto rt = Runtime::Create(o);
+    ASSERT_TRUE(rt.has_value()) << rt.error().ToString();
+    rt_ = std::move(*rt);
+  }
+
+  void TearDown() override {
+    if (rt_ && (HasFailure() || std::getenv("FARPTR_TEST_STATS") != nullptr)) {
+      RuntimeStats s = rt_->stats();
+      std::fprintf(stderr,
+                   "runtime: objects %lu local %lu/%lu remote spans %lu sets %lu swap-ins %lu "
+                   "(prefetch %lu) evicted %lu cancels %lu relocated %lu degraded %lu lost %lu "
+                   "compactions %lu (%lu -> %lu spans) set bytes %lu leased %lu remote live %lu\n",
+                   s.objects, s.local_bytes, s.local_budget, s.remote_spans, s.span_sets,
+                   s.swap_ins, s.prefetches, s.spans_evicted, s.eviction_cancels,
+                   s.objects_relocated, s.degraded_reads, s.spans_lost, s.compactions,
+                   s.compaction_spans_in, s.compaction_spans_out, s.remote_set_bytes,
+                   s.remote_leased_bytes, s.remote_object_bytes);
+    }
+  }
+
+  std::unique_ptr<testing::DaemonSet> daemons_;
+  std::unique_ptr<Runtime> rt_;
+};
+
+}  // namespace farmem::farptr_test
