@@ -1,6 +1,7 @@
 // Cluster setup and the calls user threads make: connect, stat, place, free, open channels.
 // The background thread (heartbeats, failure detection, events) is in cluster_monitor.cc.
 #include "farmem/client/cluster.h"
+#include "farmem/transport/verbs.h"
 
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>
@@ -123,10 +124,18 @@ Status Cluster::Start() {
   credentials_.client_name = options_.client_name.empty()
                                  ? fmt::format("farmem-client-{}", ::getpid())
                                  : options_.client_name;
-  if (options_.transport == "verbs") {
-    return Unimplemented("the verbs transport is not available yet: use transport=tcp or auto");
-  }
   transport_ = transport::MakeTcpTransport();
+  if (options_.transport != "tcp") {
+    // verbs wherever both ends have an RDMA device; tcp otherwise (auto) or an error (verbs).
+    auto verbs = transport::MakeVerbsTransport();
+    if (verbs) {
+      verbs_ = std::move(*verbs);
+    } else if (options_.transport == "verbs") {
+      return verbs.error().WithContext("transport=verbs");
+    } else {
+      spdlog::info("farmem client: {}; data moves over tcp", verbs.error().message());
+    }
+  }
 
   // Peers to dial: the explicit ones (each a node even if down), then every DNS address (a node
   // only once it answers).
@@ -620,12 +629,14 @@ Result<std::unique_ptr<transport::Channel>> Cluster::OpenChannel(NodeId id) {
   if (node == nullptr) {
     return Err(NotFound(fmt::format("no node {}: the cluster has {}", id, node_count())));
   }
+  uint32_t features = 0;
   {
     std::lock_guard lock(mu_);
     if (!node->alive) {
       return Err(
           Unavailable(fmt::format("{} is down: {}", node->name(), node->last_error.ToString())));
     }
+    features = node->features;
   }
   transport::ChannelOptions o;
   o.endpoint = node->endpoint;
@@ -633,6 +644,24 @@ Result<std::unique_ptr<transport::Channel>> Cluster::OpenChannel(NodeId id) {
   o.connect_timeout = options_.connect_timeout;
   o.op_timeout = options_.op_timeout;
   o.max_outstanding = options_.channel_depth;
+  if (verbs_ && (features & wire::kFeatureVerbs)) {
+    auto ch = verbs_->OpenChannel(o);
+    if (ch) {
+      spdlog::info("farmem client: data channel to {} uses verbs", node->name());
+      return ch;
+    }
+    if (options_.transport == "verbs") {
+      if (ch.error().code() == StatusCode::kUnavailable ||
+          ch.error().code() == StatusCode::kDeadlineExceeded) {
+        ReportFailure(id, ch.error());
+      }
+      return Err(ch.error().WithContext(fmt::format("opening a verbs channel to {}", node->name())));
+    }
+    spdlog::warn("farmem client: verbs to {} failed ({}); using tcp", node->name(),
+                 ch.error().ToString());
+  } else if (options_.transport == "verbs") {
+    return Err(Unavailable(fmt::format("{} does not serve RDMA", node->name())));
+  }
   auto channel = transport_->OpenChannel(o);
   if (!channel) {
     if (channel.error().code() == StatusCode::kUnavailable ||

@@ -38,6 +38,7 @@ struct Cluster::Node {
   // ---- guarded by Cluster::mu_ ----
   bool alive = false;
   uint64_t daemon_id = 0;
+  uint32_t features = 0;  // HELLO features: kFeatureVerbs when the daemon serves RDMA
   std::optional<wire::StatReply> stat;
   std::set<uint64_t> leases;  // granted to this client there and not freed
   // Reported lost (kNodeDown / kLeasesLost) and not yet passed to Free(): Free accepts them.

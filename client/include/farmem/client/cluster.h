@@ -72,7 +72,7 @@ struct ClusterOptions {
   // How often a down daemon is retried. Zero: 2 * heartbeat_interval.
   std::chrono::milliseconds reconnect_interval{0};
   std::chrono::milliseconds dns_refresh_interval{10000};
-  std::string transport = "auto";  // tcp | verbs | auto (verbs comes later; auto = tcp for now)
+  std::string transport = "auto";  // tcp | verbs | auto (verbs where both ends have a device)
   uint32_t channel_depth = 64;     // max outstanding ops per data channel
   // Seeds placement's RNG; unset = std::random_device. For reproducible tests.
   std::optional<uint64_t> rng_seed;
@@ -234,6 +234,7 @@ class Cluster {
   transport::Credentials credentials_;
   std::optional<Endpoint> dns_endpoint_;  // parsed peers_dns
   std::unique_ptr<transport::Transport> transport_;
+  std::unique_ptr<transport::Transport> verbs_;  // null: transport=tcp, or no RDMA device here
   std::chrono::milliseconds reconnect_interval_;
 
   // Lock order: Node::call_mu, then mu_. dispatch_mu_, then subs_mu_ (never with the others).
