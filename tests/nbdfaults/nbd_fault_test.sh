@@ -63,7 +63,7 @@ for _ in $(seq 200); do [[ -S "$sock" ]] && break; sleep 0.05; done
 killer=$!
 
 fio --name=faults --ioengine=nbd --uri="nbd+unix:///?socket=$sock" --rw=randwrite --bs=4k \
-  --size=96M --iodepth=16 --verify=crc32c --do_verify=1 --verify_fatal=1 --numjobs=1 \
+  --size=96M --iodepth=16 --verify=crc32c --do_verify=1 --verify_fatal=1 --verify_state_save=0 --numjobs=1 \
   --random_generator=tausworthe64 --output-format=terse --terse-version=3 >"$work/fio.out" 2>&1 || {
   echo "fio failed:"; cat "$work/fio.out"; echo "--- farmem-nbd log:"; tail -40 "$work/nbd.log"; exit 1; }
 wait "$killer" || true
