@@ -8,10 +8,10 @@
 //
 //   tcp_bench [--seconds 1] [--rounds 3] [--size 4096] [--placement same|spread] [--farmemd PATH]
 #include <fmt/format.h>
-#include <sched.h>
-#include <signal.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
+#include <sched.h>
+#include <signal.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -177,7 +177,8 @@ Figures RunFarmem(uint16_t port, const Args& a) {
   std::vector<uint8_t> buf(static_cast<size_t>(a.size) * 64, 0x5a);
   auto lat = [&](bool write) {
     auto one = [&] {
-      Status s = write ? c.Write(slab, 0, {buf.data(), a.size}) : c.Read(slab, 0, {buf.data(), a.size});
+      Status s =
+          write ? c.Write(slab, 0, {buf.data(), a.size}) : c.Read(slab, 0, {buf.data(), a.size});
       if (!s.ok()) Die(s.ToString());
     };
     for (int i = 0; i < 1000; ++i) one();
@@ -193,8 +194,8 @@ Figures RunFarmem(uint16_t port, const Args& a) {
     std::vector<transport::Op> ops;
     for (int i = 0; i < depth; ++i) {
       ops.push_back({write ? transport::OpType::kWrite : transport::OpType::kRead, slab,
-                     static_cast<uint64_t>(i) * a.size, buf.data() + static_cast<size_t>(i) * a.size,
-                     a.size});
+                     static_cast<uint64_t>(i) * a.size,
+                     buf.data() + static_cast<size_t>(i) * a.size, a.size});
     }
     uint64_t n = 0;
     const auto t0 = Clock::now();
@@ -229,12 +230,18 @@ int main(int argc, char** argv) {
       if (i + 1 >= argc) Die("missing value for " + k);
       return argv[++i];
     };
-    if (k == "--seconds") a.seconds = std::stod(val());
-    else if (k == "--rounds") a.rounds = std::stoi(val());
-    else if (k == "--size") a.size = static_cast<uint32_t>(std::stoul(val()));
-    else if (k == "--placement") a.placement = val();
-    else if (k == "--farmemd") a.farmemd = val();
-    else Die("usage: tcp_bench [--seconds S] [--size B] [--placement same|spread] [--farmemd PATH]");
+    if (k == "--seconds")
+      a.seconds = std::stod(val());
+    else if (k == "--rounds")
+      a.rounds = std::stoi(val());
+    else if (k == "--size")
+      a.size = static_cast<uint32_t>(std::stoul(val()));
+    else if (k == "--placement")
+      a.placement = val();
+    else if (k == "--farmemd")
+      a.farmemd = val();
+    else
+      Die("usage: tcp_bench [--seconds S] [--size B] [--placement same|spread] [--farmemd PATH]");
   }
   if (a.farmemd.empty()) {
     a.farmemd = (std::filesystem::path(argv[0]).parent_path() / "farmemd").string();
@@ -264,8 +271,8 @@ int main(int argc, char** argv) {
   const pid_t d_pid = fork();
   if (d_pid == 0) {
     Pin(server_cpu);
-    execl(a.farmemd.c_str(), "farmemd", "--listen", "127.0.0.1:0", "--port-file",
-          port_file.c_str(), "--capacity", "64M", "--slab-size", "64M", "--log-level", "warn",
+    execl(a.farmemd.c_str(), "farmemd", "--listen", "127.0.0.1:0", "--port-file", port_file.c_str(),
+          "--capacity", "64M", "--slab-size", "64M", "--log-level", "warn",
           static_cast<char*>(nullptr));
     _exit(127);
   }
@@ -277,9 +284,11 @@ int main(int argc, char** argv) {
   if (d_port == 0) Die("farmemd did not start (" + a.farmemd + ")");
 
   Pin(client_cpu);
-  fmt::print("tcp_bench: {} B operations, {} s per figure, median of {} alternating rounds, placement '{}' (server cpu {}, client "
-             "cpu {})\n",
-             a.size, a.seconds, a.rounds, a.placement, server_cpu, client_cpu);
+  fmt::print(
+      "tcp_bench: {} B operations, {} s per figure, median of {} alternating rounds, placement "
+      "'{}' (server cpu {}, client "
+      "cpu {})\n",
+      a.size, a.seconds, a.rounds, a.placement, server_cpu, client_cpu);
   // Alternate the two a few times and keep the median of each figure, so that a burst of noise
   // from elsewhere on the machine does not land on one side only.
   std::vector<Figures> raws, fms;
@@ -306,7 +315,8 @@ int main(int argc, char** argv) {
   row_ops("read ops, depth 16", raw.read_ops_d16, fm.read_ops_d16);
   row_ops("write ops, depth 16", raw.write_ops_d16, fm.write_ops_d16);
   row_ops("read ops, depth 64", raw.read_ops_d64, fm.read_ops_d64);
-  fmt::print("(latency ratio: lower is better, target <= 1.3x; throughput ratio: higher is better, "
-             "target >= 0.8x)\n");
+  fmt::print(
+      "(latency ratio: lower is better, target <= 1.3x; throughput ratio: higher is better, "
+      "target >= 0.8x)\n");
   return 0;
 }

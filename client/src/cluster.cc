@@ -1,7 +1,6 @@
 // Cluster setup and the calls user threads make: connect, stat, place, free, open channels.
 // The background thread (heartbeats, failure detection, events) is in cluster_monitor.cc.
 #include "farmem/client/cluster.h"
-#include "farmem/transport/verbs.h"
 
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>
@@ -12,6 +11,7 @@
 #include <utility>
 
 #include "farmem/common/auth.h"
+#include "farmem/transport/verbs.h"
 #include "node.h"
 
 namespace farmem::client {
@@ -655,7 +655,8 @@ Result<std::unique_ptr<transport::Channel>> Cluster::OpenChannel(NodeId id) {
           ch.error().code() == StatusCode::kDeadlineExceeded) {
         ReportFailure(id, ch.error());
       }
-      return Err(ch.error().WithContext(fmt::format("opening a verbs channel to {}", node->name())));
+      return Err(
+          ch.error().WithContext(fmt::format("opening a verbs channel to {}", node->name())));
     }
     spdlog::warn("farmem client: verbs to {} failed ({}); using tcp", node->name(),
                  ch.error().ToString());

@@ -4,10 +4,10 @@
 //   farmemctl demo --peers h:p,h:p [--secret-file F] [--size 384M]
 //       borrows slabs by power-of-two-choices, writes patterned data across the daemons,
 //       reads it all back verified, shows per-daemon usage, frees everything.
-#include <CLI/CLI.hpp>
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>
 
+#include <CLI/CLI.hpp>
 #include <chrono>
 #include <map>
 
@@ -51,11 +51,10 @@ void PrintNodes(client::Cluster& cluster, const std::map<client::NodeId, uint64_
     }
     const uint64_t lent = uint64_t{st->total_slabs - st->free_slabs} * st->slab_size;
     auto it = written.find(id);
-    fmt::print("  {:<22} {:>6} {:>10} {:>10} {:>8} {:>12} {:>12}\n", info.endpoint.ToString(),
-               "up", FormatSize(st->capacity), FormatSize(lent),
+    fmt::print("  {:<22} {:>6} {:>10} {:>10} {:>8} {:>12} {:>12}\n", info.endpoint.ToString(), "up",
+               FormatSize(st->capacity), FormatSize(lent),
                fmt::format("{}/{}", st->total_slabs - st->free_slabs, st->total_slabs),
-               FormatSize(st->bytes_written),
-               it == written.end() ? "-" : FormatSize(it->second));
+               FormatSize(st->bytes_written), it == written.end() ? "-" : FormatSize(it->second));
   }
 }
 
@@ -96,8 +95,8 @@ int Demo(const Common& c, const std::string& size_text) {
     return 1;
   }
   const size_t nslabs = static_cast<size_t>((*size + slab_size - 1) / slab_size);
-  fmt::print("borrowing {} as {} slabs of {} (power-of-two-choices placement)\n",
-             FormatSize(*size), nslabs, FormatSize(slab_size));
+  fmt::print("borrowing {} as {} slabs of {} (power-of-two-choices placement)\n", FormatSize(*size),
+             nslabs, FormatSize(slab_size));
   auto leases = cl.Allocate(nslabs);
   if (!leases) {
     fmt::print(stderr, "farmemctl: {}\n", leases.error().ToString());
@@ -204,7 +203,8 @@ int main(int argc, char** argv) {
     sub->add_option("--secret-file", c.secret_file, "Shared secret the daemons require");
     sub->add_option("--transport", c.transport, "tcp, verbs or auto")->capture_default_str();
   };
-  app.add_option("--log-level", log_level, "trace, debug, info, warn, error")->capture_default_str();
+  app.add_option("--log-level", log_level, "trace, debug, info, warn, error")
+      ->capture_default_str();
   CLI::App* stat = app.add_subcommand("stat", "Show every daemon's capacity and usage");
   add_common(stat);
   CLI::App* demo = app.add_subcommand(

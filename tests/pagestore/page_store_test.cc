@@ -137,7 +137,8 @@ TEST_P(ModeTest, RandomIoMatchesShadowTrimAndZeroes) {
   VerifyAll();
 }
 
-INSTANTIATE_TEST_SUITE_P(Modes, ModeTest, ::testing::Values("none", "replicate:2", "ec:4+2", "ec:8+2"));
+INSTANTIATE_TEST_SUITE_P(Modes, ModeTest,
+                         ::testing::Values("none", "replicate:2", "ec:4+2", "ec:8+2"));
 
 TEST_F(PageStoreTest, ErasureSurvivesTwoDaemonsKilled) {
   StartDaemons(6);
@@ -186,8 +187,8 @@ TEST_F(PageStoreTest, BackupFileServesWhenEveryDaemonIsGone) {
   ASSERT_TRUE(store_->Flush().ok());
   (*daemons_)[0].Kill();
   (*daemons_)[1].Kill();
-  VerifyAll();             // every read now comes from the file
-  RandomWrites(50, 10);    // and writes still complete (the file holds them)
+  VerifyAll();           // every read now comes from the file
+  RandomWrites(50, 10);  // and writes still complete (the file holds them)
   VerifyAll();
   EXPECT_GT(store_->stats().backup_reads, 0u);
 }
@@ -197,7 +198,8 @@ TEST_F(PageStoreTest, NoneWithoutBackupReportsLostPages) {
   Open("none");
   std::vector<uint8_t> page(4096, 0xab);
   // Land one page on each daemon's extent at least: write the whole export's first 8 MiB.
-  for (uint64_t off = 0; off < (8 << 20); off += 4096) ASSERT_TRUE(store_->Write(off, page, false).ok());
+  for (uint64_t off = 0; off < (8 << 20); off += 4096)
+    ASSERT_TRUE(store_->Write(off, page, false).ok());
   (*daemons_)[0].Kill();
   std::this_thread::sleep_for(std::chrono::milliseconds(1500));
   store_->WaitForRebuilds();
