@@ -216,6 +216,7 @@ Status Cluster::Start() {
       Node* n = AddNode(ep);
       n->alive = true;
       n->daemon_id = daemon_id;
+      n->features = r->hello().features;  // OpenChannel picks verbs from these
       n->last_contact = now;
       n->reconnect_backoff = reconnect_interval_;
       adopted.emplace_back(n, std::move(*r));
@@ -672,6 +673,11 @@ Result<std::unique_ptr<transport::Channel>> Cluster::OpenChannel(NodeId id) {
     return Err(
         channel.error().WithContext(fmt::format("opening a data channel to {}", node->name())));
   }
+  const char* why = options_.transport == "tcp"         ? "transport=tcp"
+                    : !verbs_                           ? "no RDMA device here"
+                    : !(features & wire::kFeatureVerbs) ? "the daemon serves no RDMA"
+                                                        : "verbs failed";
+  spdlog::info("farmem client: data channel to {} uses tcp ({})", node->name(), why);
   return channel;
 }
 
