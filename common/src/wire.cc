@@ -28,6 +28,8 @@ const char* OpcodeName(uint8_t op) {
       return "EVICT_NOTICE";
     case Opcode::kRdmaToken:
       return "RDMA_TOKEN";
+    case Opcode::kParityEncode:
+      return "PARITY_ENCODE";
   }
   return "UNKNOWN";
 }
@@ -415,6 +417,104 @@ Result<DataOp> DecodeDataOp(std::span<const uint8_t> fixed) {
   if (m.length == 0 || m.length > kMaxDataLen) {
     return Err(InvalidArgument(
         fmt::format("data operation of {} bytes: must be 1 to {}", m.length, kMaxDataLen)));
+  }
+  return m;
+}
+
+void EncodeParityEncode(const ParityEncodeRequest& m, std::vector<uint8_t>* out) {
+  Writer w(out);
+  w.U64(m.lease_id);
+  w.U64(m.offset);
+  w.U32(m.length);
+  w.U8(m.k);
+  w.U8(m.r);
+  w.U8(m.parity_index);
+  w.U8(0);
+  w.U32(m.timeout_ms);
+  w.U32(0);
+  for (const PeerCell& c : m.sources) {
+    const size_t host_len = std::min(c.host.size(), kMaxPeerHost);
+    w.U64(c.lease_id);
+    w.U64(c.offset);
+    w.U16(c.port);
+    w.U16(static_cast<uint16_t>(host_len));
+    w.U32(0);
+    w.Bytes({reinterpret_cast<const uint8_t*>(c.host.data()), host_len});
+  }
+}
+
+Result<ParityEncodeRequest> DecodeParityEncode(std::span<const uint8_t> body) {
+  Reader r(body);
+  ParityEncodeRequest m;
+  m.lease_id = r.U64();
+  m.offset = r.U64();
+  m.length = r.U32();
+  m.k = r.U8();
+  m.r = r.U8();
+  m.parity_index = r.U8();
+  const uint8_t reserved8 = r.U8();
+  m.timeout_ms = r.U32();
+  const uint32_t reserved32 = r.U32();
+  if (!r.ok()) return Err(Malformed("PARITY_ENCODE", body));
+  if (reserved8 != 0 || reserved32 != 0) {
+    return Err(ProtocolError("reserved field of PARITY_ENCODE is not zero"));
+  }
+  if (m.k == 0 || m.r == 0 || int{m.k} + int{m.r} > kMaxParityFragments) {
+    return Err(InvalidArgument(
+        fmt::format("PARITY_ENCODE for RS({},{}): need k >= 1, r >= 1 and k + r <= {}", m.k, m.r,
+                    kMaxParityFragments)));
+  }
+  if (m.parity_index >= m.r) {
+    return Err(InvalidArgument(
+        fmt::format("PARITY_ENCODE parity index {} is outside [0, {})", m.parity_index, m.r)));
+  }
+  if (m.length == 0 || m.length > kMaxDataLen) {
+    return Err(InvalidArgument(
+        fmt::format("PARITY_ENCODE cell of {} bytes: must be 1 to {}", m.length, kMaxDataLen)));
+  }
+  if (m.timeout_ms == 0 || m.timeout_ms > kMaxParityTimeoutMs) {
+    return Err(InvalidArgument(fmt::format("PARITY_ENCODE timeout of {} ms: must be 1 to {}",
+                                           m.timeout_ms, kMaxParityTimeoutMs)));
+  }
+  m.sources.resize(m.k);
+  for (size_t i = 0; i < m.sources.size(); ++i) {
+    PeerCell& c = m.sources[i];
+    c.lease_id = r.U64();
+    c.offset = r.U64();
+    c.port = r.U16();
+    const uint16_t host_len = r.U16();
+    const uint32_t reserved = r.U32();
+    if (!r.ok()) return Err(Malformed("PARITY_ENCODE", body));
+    if (reserved != 0) {
+      return Err(ProtocolError(fmt::format("PARITY_ENCODE source {}: reserved field not zero", i)));
+    }
+    if (host_len == 0 || host_len > kMaxPeerHost || c.port == 0) {
+      return Err(InvalidArgument(fmt::format(
+          "PARITY_ENCODE source {}: host of {} bytes, port {}: need 1 to {} bytes and a port", i,
+          host_len, c.port, kMaxPeerHost)));
+    }
+    auto host = r.Bytes(host_len);
+    if (!r.ok()) return Err(Malformed("PARITY_ENCODE", body));
+    c.host.assign(reinterpret_cast<const char*>(host.data()), host.size());
+    for (char ch : c.host) {
+      const bool ok = (ch >= 'a' && ch <= 'z') || (ch >= 'A' && ch <= 'Z') ||
+                      (ch >= '0' && ch <= '9') || ch == '.' || ch == '-' || ch == ':' ||
+                      ch == '_' || ch == '%';
+      if (!ok) {
+        return Err(InvalidArgument(
+            fmt::format("PARITY_ENCODE source {}: host contains a byte {:#04x} that is not in a "
+                        "host name or address",
+                        i, static_cast<uint8_t>(ch))));
+      }
+    }
+    if (!RangeFits(c.offset, m.length, ~uint64_t{0})) {
+      return Err(InvalidArgument(
+          fmt::format("PARITY_ENCODE source {}: offset {} + {} overflows", i, c.offset, m.length)));
+    }
+  }
+  if (r.remaining() != 0) {
+    return Err(ProtocolError(
+        fmt::format("PARITY_ENCODE body has {} bytes after its {} sources", r.remaining(), m.k)));
   }
   return m;
 }

@@ -138,7 +138,7 @@ Connection::Next Connection::HandleFrame() {
   const bool known = op == wire::Opcode::kHello || op == wire::Opcode::kAuth ||
                      op == wire::Opcode::kStat || op == wire::Opcode::kAlloc ||
                      op == wire::Opcode::kFree || op == wire::Opcode::kHeartbeat ||
-                     op == wire::Opcode::kRdmaToken || data_op;
+                     op == wire::Opcode::kRdmaToken || op == wire::Opcode::kParityEncode || data_op;
   if (!known) {
     server_->counters().protocol_errors++;
     Consume(wire::kHeaderSize);
@@ -166,6 +166,9 @@ Connection::Next Connection::HandleFrame() {
       break;
     case wire::Opcode::kRead:
       next = HandleRead(h, body);
+      break;
+    case wire::Opcode::kParityEncode:
+      next = HandleParityEncode(h, body);
       break;
     default:
       next = HandleControl(h, body);
@@ -447,6 +450,76 @@ Connection::Next Connection::HandleBatch(const wire::FrameHeader& h) {
   r.body_len = static_cast<uint32_t>(8 + 4 * n + read_bytes);
   wire::EncodeHeader(r, wbuf_.data() + at);
   return Next::kContinue;
+}
+
+Connection::Next Connection::HandleParityEncode(const wire::FrameHeader& h,
+                                                std::span<const uint8_t> body) {
+  Result<wire::ParityEncodeRequest> req = wire::DecodeParityEncode(body);
+  if (!req.has_value()) {
+    ReplyError(h, req.error());
+    return Next::kContinue;
+  }
+  // What is already answered goes out first: this request may take a while.
+  if (!FlushReplies()) return Next::kClose;
+  Status s = ParityEncode(*req);
+  if (!s.ok()) {
+    spdlog::debug("{} ({}): PARITY_ENCODE failed: {}", peer_, client_name_, s.ToString());
+    ReplyError(h, s);
+    return Next::kContinue;
+  }
+  Reply(h, {});
+  return Next::kContinue;
+}
+
+Status Connection::ParityEncode(const wire::ParityEncodeRequest& req) {
+  SlabPool& pool = server_->pool();
+  const uint32_t len = req.length;
+  // The target is checked before anything is read: a cell we could not store is not computed.
+  {
+    Result<Pin> pin = pool.Acquire(req.lease_id, client_id_, req.offset, len);
+    if (!pin.has_value()) return pin.error().WithContext("PARITY_ENCODE target");
+  }
+  auto& codec = codecs_[{req.k, req.r}];
+  if (codec == nullptr) {
+    Result<std::unique_ptr<ec::ReedSolomon>> c = ec::ReedSolomon::Create(req.k, req.r);
+    if (!c.has_value()) {
+      codecs_.erase({req.k, req.r});
+      return c.error();
+    }
+    codec = std::move(*c);
+  }
+  if (peers_ == nullptr) {
+    peers_ =
+        std::make_unique<PeerReader>(server_->options().secret, client_id_,
+                                     fmt::format("farmemd parity offload for {}", client_name_));
+  }
+  const Deadline deadline = DeadlineIn(std::chrono::milliseconds(req.timeout_ms));
+  Status s = peers_->Start(req.sources, len, deadline);
+  if (!s.ok()) return Unavailable("PARITY_ENCODE source: " + s.message());
+  // Accumulate parity as each data cell arrives (ec_encode_data_update, one row): parity
+  // starts at zero and every data fragment contributes coefficient * cell.
+  parity_.assign(len, 0);
+  if (cells_.size() < len) cells_.resize(len);
+  for (size_t i = 0; i < req.sources.size(); ++i) {
+    s = peers_->Finish(i, cells_.data(), deadline);
+    if (!s.ok()) {
+      peers_->Abandon();
+      const wire::PeerCell& c = req.sources[i];
+      return Unavailable(fmt::format("PARITY_ENCODE source {} (lease {} at offset {} on {}): {}", i,
+                                     c.lease_id, c.offset, Endpoint{c.host, c.port}.ToString(),
+                                     s.message()));
+    }
+    FARMEM_RETURN_IF_ERROR(codec->UpdateParityFragmentWithDelta(
+        static_cast<int>(i), req.parity_index, cells_.data(), parity_.data(), len));
+  }
+  // Stored only once complete: a failed request leaves the old cell as it was.
+  Result<Pin> pin = pool.Acquire(req.lease_id, client_id_, req.offset, len);
+  if (!pin.has_value()) return pin.error().WithContext("PARITY_ENCODE target");
+  std::memcpy(pin->data() + req.offset, parity_.data(), len);
+  pin->Reset();
+  server_->counters().ops.fetch_add(1, std::memory_order_relaxed);
+  server_->counters().bytes_written.fetch_add(len, std::memory_order_relaxed);
+  return Status::Ok();
 }
 
 bool Connection::TakePayload(uint8_t* dst, uint64_t len) {

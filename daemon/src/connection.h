@@ -10,10 +10,15 @@
 
 #include <sys/uio.h>
 
+#include <map>
+#include <memory>
+#include <utility>
 #include <vector>
 
 #include "farmem/common/socket.h"
 #include "farmem/common/wire.h"
+#include "farmem/ec/reed_solomon.h"
+#include "peer_reader.h"
 #include "slab_pool.h"
 
 namespace farmem::daemon {
@@ -38,6 +43,10 @@ class Connection {
   Next HandleRead(const wire::FrameHeader& h, std::span<const uint8_t> body);
   Next HandleWrite(const wire::FrameHeader& h);
   Next HandleBatch(const wire::FrameHeader& h);
+  // Parity offload (docs/wire-protocol.md, PARITY_ENCODE): reads the k data cells from their
+  // daemons and stores one parity cell here. Blocks this connection's thread while it runs.
+  Next HandleParityEncode(const wire::FrameHeader& h, std::span<const uint8_t> body);
+  Status ParityEncode(const wire::ParityEncodeRequest& req);
 
   // Moves `len` payload bytes into dst (nullptr: discard): first what is buffered, then straight
   // from the socket. False if the connection broke.
@@ -77,6 +86,12 @@ class Connection {
   std::vector<iovec> iov_;
   std::vector<uint8_t> scratch_;
   std::vector<uint8_t> body_;
+
+  // Parity offload state, created on first use.
+  std::unique_ptr<PeerReader> peers_;
+  std::map<std::pair<int, int>, std::unique_ptr<ec::ReedSolomon>> codecs_;  // by (k, r)
+  std::vector<uint8_t> parity_;  // the parity cell being computed
+  std::vector<uint8_t> cells_;   // the k data cells as they arrive
 };
 
 }  // namespace farmem::daemon

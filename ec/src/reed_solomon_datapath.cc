@@ -267,6 +267,24 @@ Status ReedSolomon::UpdateParityWithDelta(int index, const uint8_t* delta,
   return Status::Ok();
 }
 
+Status ReedSolomon::UpdateParityFragmentWithDelta(int index, int parity, const uint8_t* delta,
+                                                  uint8_t* parity_buf, size_t len) const {
+  if (index < 0 || index >= k_ || parity < 0 || parity >= r_ || delta == nullptr ||
+      parity_buf == nullptr || !LengthOk(len)) [[unlikely]] {
+    if (!LengthOk(len)) return LengthError(len);
+    return InvalidArgument(fmt::format(
+        "RS({},{}) parity fragment update: data index {} (need [0, {})), parity {} (need [0, "
+        "{})), or a null buffer",
+        k_, r_, index, k_, parity, r_));
+  }
+  // The r rows of encode_tables_ are 32 * k bytes apart: row `parity` alone is a one-row table.
+  unsigned char* dst[1] = {parity_buf};
+  ec_encode_data_update(static_cast<int>(len), k_, 1, index,
+                        IsalIn(encode_tables_.data() + size_t{32} * k_ * parity), IsalIn(delta),
+                        dst);
+  return Status::Ok();
+}
+
 Status ReedSolomon::UpdateParity(int index, const uint8_t* old_data, const uint8_t* new_data,
                                  std::span<uint8_t* const> parity, size_t len) const {
   bool bad = index < 0 || index >= k_ || old_data == nullptr || new_data == nullptr ||

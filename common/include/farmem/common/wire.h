@@ -46,8 +46,9 @@ enum class Opcode : uint8_t {
   kRead = 7,
   kWrite = 8,
   kBatch = 9,
-  kEvictNotice = 10,  // daemon -> client push: these leases will be evicted
-  kRdmaToken = 11,    // a one-time token that admits one RDMA connection of this client
+  kEvictNotice = 10,   // daemon -> client push: these leases will be evicted
+  kRdmaToken = 11,     // a one-time token that admits one RDMA connection of this client
+  kParityEncode = 12,  // parity offload: compute one parity cell from k data cells on peers
 };
 const char* OpcodeName(uint8_t op);
 
@@ -280,6 +281,34 @@ StatusCode DecodeRdmaRejectData(std::span<const uint8_t> data);
 
 void EncodeDataOp(const DataOp& m, uint8_t out[kDataOpSize]);
 Result<DataOp> DecodeDataOp(std::span<const uint8_t> fixed);  // exactly the first kDataOpSize bytes
+
+// PARITY_ENCODE (parity offload, docs/wire-protocol.md): the daemon reads k data cells of one
+// span set from their daemons (connecting to them as the caller, with the shared secret), computes
+// parity fragment k + parity_index of RS(k, r) (farmem::ec's Cauchy code) and stores it at
+// [offset, offset + length) of lease_id, which the caller holds on this daemon.
+inline constexpr size_t kParityEncodeFixedSize = 32;
+inline constexpr size_t kMaxPeerHost = 255;
+inline constexpr uint32_t kMaxParityTimeoutMs = 60000;
+inline constexpr int kMaxParityFragments = 32;  // k + r, as farmem::ec
+struct PeerCell {
+  std::string host;  // as the caller reaches that daemon; 1..kMaxPeerHost bytes
+  uint16_t port = 0;
+  uint64_t lease_id = 0;
+  uint64_t offset = 0;
+};
+struct ParityEncodeRequest {
+  uint64_t lease_id = 0;
+  uint64_t offset = 0;
+  uint32_t length = 0;
+  uint8_t k = 0;
+  uint8_t r = 0;
+  uint8_t parity_index = 0;       // 0..r-1: this cell is fragment k + parity_index
+  uint32_t timeout_ms = 0;        // how long the daemon may spend reading the sources
+  std::vector<PeerCell> sources;  // exactly k: data fragment i is sources[i]
+};
+void EncodeParityEncode(const ParityEncodeRequest& m, std::vector<uint8_t>* out);
+// Checks every count, index, length and host; the body must be exactly what the fields describe.
+Result<ParityEncodeRequest> DecodeParityEncode(std::span<const uint8_t> body);
 
 void EncodeBatchOp(const BatchOp& m, uint8_t out[kBatchOpSize]);
 // Decodes the descriptor table of a BATCH body: count, then count descriptors. Checks each op

@@ -109,6 +109,13 @@ class ReedSolomon {
   Status UpdateParityWithDelta(int index, const uint8_t* delta, std::span<uint8_t* const> parity,
                                size_t len) const;
 
+  // UpdateParityWithDelta for one parity fragment only: parity_buf (fragment k + parity) +=
+  // coefficient(parity, index) * delta. Starting from a zero buffer and applying each of the k
+  // data fragments once yields exactly that parity fragment of Encode: a node that holds one
+  // parity fragment computes it as the data fragments arrive (farmemd's PARITY_ENCODE).
+  Status UpdateParityFragmentWithDelta(int index, int parity, const uint8_t* delta,
+                                       uint8_t* parity_buf, size_t len) const;
+
   // Number of decode-table sets currently cached (for tests and metrics).
   size_t cached_decode_plans() const;
 
