@@ -9,11 +9,14 @@
 // while both the old and the new span are locked, and a mutator that waited on the old span's
 // lock sees that its entry moved and retries on the new one.
 //
-// Cost: every byte compacted crosses the network twice (read back, written out with parity).
-// Parity offload to farmemd (docs/farptr.md, "not done yet") would keep the parity bytes on the
-// daemons.
+// Cost: every live byte compacted crosses the client's link twice (read back, written out). With
+// parity offload (RuntimeOptions::parity_offload, remote_store_offload.cc) the r parity spans of
+// each new set are computed by the daemons that store them, so the client neither encodes nor
+// sends them; without it they are encoded here and sent too. Counters: compaction_client_bytes_*
+// and compaction_cpu_ns (this thread's CPU clock around each pass).
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>
+#include <time.h>
 
 #include <algorithm>
 #include <cstring>
@@ -28,6 +31,12 @@ namespace {
 // Remote spans fuller than this are left alone unless their set has holes. 85% keeps span-set
 // bytes within ~1.25x of (k + r) / k x live bytes; lower values compact less often.
 constexpr double kSparseFill = 0.85;
+
+uint64_t ThreadCpuNs() {
+  timespec ts{};
+  ::clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+  return static_cast<uint64_t>(ts.tv_sec) * 1000000000ull + static_cast<uint64_t>(ts.tv_nsec);
+}
 }  // namespace
 
 bool Heap::CompactionWanted() const {
@@ -45,12 +54,15 @@ bool Heap::CompactionWanted() const {
 Status Heap::Compact() {
   if (InScope()) return InvalidArgument("Compact inside a DerefScope");
   std::lock_guard round(evict_round_mu_);
+  const uint64_t cpu0 = ThreadCpuNs();
   size_t moved = 0;
+  Status st;
   for (int i = 0; i < 64; ++i) {
-    FARMEM_RETURN_IF_ERROR(CompactOnce(&moved));
-    if (moved == 0 || !CompactionWanted()) break;
+    st = CompactOnce(&moved);
+    if (!st.ok() || moved == 0 || !CompactionWanted()) break;
   }
-  return Status::Ok();
+  compaction_cpu_ns_.fetch_add(ThreadCpuNs() - cpu0, std::memory_order_relaxed);
+  return st;
 }
 
 Status Heap::CompactOnce(size_t* moved) {
@@ -120,22 +132,33 @@ Status Heap::CompactOnce(size_t* moved) {
 
   // Read the victims back.
   IoContext* io = CheckoutIo();
+  // What this pass moves over the client's links, counted where it happens (RunOps and the
+  // offload requests), before ReturnIo folds the I/O counters into the heap's.
+  const uint64_t read0 = io->bytes_read + io->offload_bytes_received;
+  const uint64_t sent0 = io->bytes_written + io->offload_bytes_sent;
+  auto account = [&] {
+    const uint64_t got = io->bytes_read + io->offload_bytes_received - read0;
+    const uint64_t sent = io->bytes_written + io->offload_bytes_sent - sent0;
+    compaction_bytes_received_.fetch_add(got, std::memory_order_relaxed);
+    compaction_bytes_sent_.fetch_add(sent, std::memory_order_relaxed);
+    compaction_client_bytes_.fetch_add(got + sent, std::memory_order_relaxed);
+  };
   std::vector<uint8_t> in(static_cast<size_t>(span_size_) * work.size());
-  uint64_t client_bytes = 0;
   Status st;
   for (size_t i = 0; i < work.size() && st.ok(); ++i) {
     st = store_->ReadSpan(*io, work[i]->set, work[i]->member,
                           in.data() + i * static_cast<size_t>(span_size_));
-    client_bytes += span_size_;
     if (st.code() == StatusCode::kDataLoss) {
       // Nothing to move: the span is lost (deref reports it). Try again without it.
       MarkLostLocked(work[i], Status(st.code(), Describe(work[i]) + " is lost: " + st.message()));
+      account();
       ReturnIo(io);
       return Status::Ok();
     }
     if (!st.ok()) st = st.WithContext(Describe(work[i]));
   }
   if (!st.ok()) {
+    account();
     ReturnIo(io);
     return st.WithContext("compaction");
   }
@@ -181,14 +204,29 @@ Status Heap::CompactOnce(size_t* moved) {
     const size_t n = std::min(k, targets.size() - i);
     const uint8_t* data[kMaxSetWidth];
     for (size_t j = 0; j < n; ++j) data[j] = out.data() + (i + j) * span_size_;
-    Result<SpanSet*> set = store_->WriteSet(*io, {data, n}, {targets.data() + i, n});
+    Result<SpanSet*> set = Err(Internal("not written"));
+    if (options_.parity_offload) {
+      Status offload_error;
+      set = store_->WriteSetOffloaded(*io, {data, n}, {targets.data() + i, n}, &offload_error);
+      if (set && offload_error.ok()) {
+        compaction_offloaded_sets_.fetch_add(1, std::memory_order_relaxed);
+      } else if (!offload_error.ok()) {
+        compaction_offload_fallbacks_.fetch_add(1, std::memory_order_relaxed);
+        if (ShouldLog()) {
+          spdlog::warn("far memory: parity offload failed, compaction computes parity itself: {}",
+                       offload_error.ToString());
+        }
+      }
+    } else {
+      set = store_->WriteSet(*io, {data, n}, {targets.data() + i, n});
+    }
     if (!set) {
       st = set.error();
       break;
     }
     written.emplace_back(*set, i);
-    client_bytes += static_cast<uint64_t>(res_.width()) * span_size_;
   }
+  account();
   ReturnIo(io);
   if (!st.ok()) {
     for (auto& [set, first] : written) {
@@ -234,7 +272,6 @@ Status Heap::CompactOnce(size_t* moved) {
   compactions_.fetch_add(1, std::memory_order_relaxed);
   compaction_spans_in_.fetch_add(work.size(), std::memory_order_relaxed);
   compaction_spans_out_.fetch_add(fresh_count, std::memory_order_relaxed);
-  compaction_client_bytes_.fetch_add(client_bytes, std::memory_order_relaxed);
   *moved = work.size();
   spdlog::debug("far memory: compacted {} remote spans ({} sets) into {}", work.size(),
                 sets_touched.size(), fresh_count);

@@ -210,6 +210,9 @@ class Heap {
   std::atomic<uint64_t> eviction_cancels_{0}, objects_relocated_{0}, spans_lost_{0};
   std::atomic<uint64_t> compactions_{0}, compaction_spans_in_{0}, compaction_spans_out_{0};
   std::atomic<uint64_t> compaction_client_bytes_{0};
+  std::atomic<uint64_t> compaction_bytes_sent_{0}, compaction_bytes_received_{0};
+  std::atomic<uint64_t> compaction_cpu_ns_{0}, compaction_offloaded_sets_{0};
+  std::atomic<uint64_t> compaction_offload_fallbacks_{0};
   std::atomic<uint64_t> bytes_read_{0}, bytes_written_{0};
 };
 

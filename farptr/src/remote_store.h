@@ -78,6 +78,10 @@ struct IoContext {
   std::vector<transport::Completion> comps = std::vector<transport::Completion>(64);
   uint64_t bytes_read = 0;
   uint64_t bytes_written = 0;
+  // Parity offload: control connections by node (PARITY_ENCODE) and the frame bytes they moved.
+  std::vector<std::unique_ptr<transport::TcpConnection>> calls;
+  uint64_t offload_bytes_sent = 0;
+  uint64_t offload_bytes_received = 0;
 };
 
 struct RemoteStoreStats {
@@ -105,6 +109,14 @@ class RemoteStore {
   // other daemons when a write fails. Returns the set; live_mask has a bit per non-null entry.
   Result<SpanSet*> WriteSet(IoContext& io, std::span<const uint8_t* const> data,
                             std::span<Span* const> spans);
+  // WriteSet with parity offload (remote_store_offload.cc): the client writes only the k data
+  // cells; each parity member's daemon reads them from their daemons and computes its own cell
+  // (PARITY_ENCODE, docs/wire-protocol.md), so r spans are neither encoded nor sent here. If
+  // anything in that fails (a daemon too old for PARITY_ENCODE, a peer it cannot reach, a member
+  // lost meanwhile), the set is written the ordinary way (WriteSet) and *offload_error says why;
+  // it stays OK when the offload worked.
+  Result<SpanSet*> WriteSetOffloaded(IoContext& io, std::span<const uint8_t* const> data,
+                                     std::span<Span* const> spans, Status* offload_error);
   // Reads data member `member` of `set` into dst (span_size bytes); degraded if needed. Errors
   // say where the span lived; the caller adds what it was.
   Status ReadSpan(IoContext& io, SpanSet* set, int member, uint8_t* dst);
@@ -123,6 +135,8 @@ class RemoteStore {
   bool WaitForRecovery(std::chrono::milliseconds timeout);
   void Shutdown();
 
+  // Opens (once) the control connection to `node` in `io` that PARITY_ENCODE requests use.
+  transport::TcpConnection* CallConnectionFor(IoContext& io, client::NodeId node, Status* error);
   // Opens (once) the channel to `node` in `io`.
   transport::Channel* ChannelFor(IoContext& io, client::NodeId node, Status* error);
 

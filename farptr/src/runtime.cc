@@ -250,6 +250,11 @@ RuntimeStats Heap::stats() const {
   s.compaction_spans_in = compaction_spans_in_.load();
   s.compaction_spans_out = compaction_spans_out_.load();
   s.compaction_client_bytes = compaction_client_bytes_.load();
+  s.compaction_client_bytes_sent = compaction_bytes_sent_.load();
+  s.compaction_client_bytes_received = compaction_bytes_received_.load();
+  s.compaction_cpu_ns = compaction_cpu_ns_.load();
+  s.compaction_offloaded_sets = compaction_offloaded_sets_.load();
+  s.compaction_offload_fallbacks = compaction_offload_fallbacks_.load();
   s.bytes_read = bytes_read_.load();
   s.bytes_written = bytes_written_.load();
   return s;

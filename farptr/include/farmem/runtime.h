@@ -71,6 +71,11 @@ struct RuntimeOptions {
   // (k + r) / k * remote live bytes * compact_trigger.
   bool auto_compact = true;
   double compact_trigger = 1.15;
+  // Parity offload: compaction writes only the k data spans of each new span set and asks the
+  // daemons that hold its r parity spans to compute them (farmemd's PARITY_ENCODE), so parity is
+  // neither computed nor sent by this process. Falls back to client-side parity, per set, on any
+  // error (e.g. daemons that predate it). See docs/farptr.md, "Compaction".
+  bool parity_offload = true;
   // Background prefetch threads (far_vector's sequential prefetch). 0 disables prefetching.
   int prefetch_threads = 1;
   // Failure detection and control calls (client::ClusterOptions).
@@ -109,6 +114,12 @@ struct RuntimeStats {
   uint64_t compaction_spans_in = 0;
   uint64_t compaction_spans_out = 0;
   uint64_t compaction_client_bytes = 0;  // bytes the client moved (read + written) compacting
+  uint64_t compaction_client_bytes_sent = 0;      // ... of those sent (writes, requests)
+  uint64_t compaction_client_bytes_received = 0;  // ... of those received (reads, replies)
+  uint64_t compaction_cpu_ns = 0;                 // CPU time of the threads that compacted
+  uint64_t compaction_offloaded_sets = 0;         // sets whose parity the daemons computed
+  uint64_t compaction_offload_fallbacks = 0;      // sets written with client parity after an
+                                                  // offload error
   uint64_t bytes_read = 0;               // all remote reads
   uint64_t bytes_written = 0;            // all remote writes
 };

@@ -1,0 +1,88 @@
+// Compaction with parity offload (RuntimeOptions::parity_offload): the daemons compute the parity
+// of the span sets compaction writes (PARITY_ENCODE). The client must send only the data spans
+// (plus small requests), and that daemon-made parity must really protect: after killing r = 2
+// daemons every object still reads back right, through degraded reads.
+#include <gtest/gtest.h>
+
+#include <random>
+#include <vector>
+
+#include "farptr_fixture.h"
+
+namespace farmem::farptr_test {
+namespace {
+
+struct Obj {
+  uint64_t id;
+  uint64_t version;
+  std::byte body[176];
+};
+
+TEST_F(FarptrTest, CompactionWithParityOffloadSurvivesTwoKilledDaemons) {
+  ASSERT_NO_FATAL_FAILURE(StartDaemons(6));
+  constexpr size_t kObjects = 12000;  // ~2.3 MiB
+  constexpr uint32_t kSpan = 16384;
+  RuntimeOptions o = Options("ec:4+2", kObjects * sizeof(Obj) / 8, kSpan);
+  o.auto_compact = false;  // compaction runs when the test says, and is counted from there
+  o.parity_offload = true;
+  ASSERT_NO_FATAL_FAILURE(Open(o));
+  std::vector<far_ptr<Obj>> objs(kObjects);
+  std::vector<uint64_t> versions(kObjects, 0);
+  auto make = [&](size_t i, uint64_t version) {
+    Obj v{i, version, {}};
+    Fill(v.body, i, version);
+    objs[i] = make_far_in<Obj>(*rt_, v);
+    versions[i] = version;
+  };
+  for (size_t i = 0; i < kObjects; ++i) make(i, 0);
+  std::mt19937_64 rng(17);
+  for (uint64_t round = 1; round <= 3; ++round) {
+    for (size_t i = 0; i < kObjects; ++i) {
+      if (rng() % 2 == 0) make(i, round);
+    }
+  }
+  ASSERT_TRUE(rt_->EvictUntil(0).ok());
+  const RuntimeStats before = rt_->stats();
+  ASSERT_TRUE(rt_->Compact().ok());
+  const RuntimeStats after = rt_->stats();
+  const uint64_t sets = after.compaction_offloaded_sets - before.compaction_offloaded_sets;
+  const uint64_t sent = after.compaction_client_bytes_sent - before.compaction_client_bytes_sent;
+  std::fprintf(stderr,
+               "compaction: %lu -> %lu spans, %lu sets with offloaded parity, %lu fallbacks, "
+               "client sent %lu B, received %lu B, CPU %.2f ms\n",
+               after.compaction_spans_in - before.compaction_spans_in,
+               after.compaction_spans_out - before.compaction_spans_out, sets,
+               after.compaction_offload_fallbacks - before.compaction_offload_fallbacks, sent,
+               after.compaction_client_bytes_received - before.compaction_client_bytes_received,
+               (after.compaction_cpu_ns - before.compaction_cpu_ns) / 1e6);
+  ASSERT_GT(sets, 0u) << "compaction wrote no set with offloaded parity";
+  EXPECT_EQ(after.compaction_offload_fallbacks, 0u);
+  // The client sent the k = 4 data spans of each set and two requests of a few hundred bytes:
+  // not the 2 parity spans.
+  EXPECT_GE(sent, sets * 4 * kSpan);
+  EXPECT_LT(sent, sets * (4 * kSpan + 1024));
+  EXPECT_GT(after.compaction_cpu_ns, before.compaction_cpu_ns);
+
+  // Kill the daemons of data members 0 and 1 of the first slab group. With six daemons every
+  // group spans all of them, so every set loses two members; sets where those were data members
+  // are read through the parity the daemons computed.
+  const auto layout = rt_->span_set_layout();
+  ASSERT_FALSE(layout.empty());
+  for (size_t m : {0, 1}) {
+    for (size_t d = 0; d < daemons_->size(); ++d) {
+      if ((*daemons_)[d].endpoint() == layout[0][m]) (*daemons_)[d].Kill();
+    }
+  }
+  for (size_t i = 0; i < kObjects; ++i) {
+    DerefScope s;
+    const Obj& v = objs[i].deref(s);
+    ASSERT_EQ(v.id, i) << "object " << i;
+    ASSERT_EQ(v.version, versions[i]) << "object " << i;
+    ASSERT_TRUE(Matches(v.body, i, versions[i])) << "object " << i << " has wrong bytes";
+  }
+  EXPECT_GT(rt_->stats().degraded_reads, 0u) << "no read needed the parity";
+  EXPECT_EQ(rt_->stats().spans_lost, 0u);
+}
+
+}  // namespace
+}  // namespace farmem::farptr_test
