@@ -5,8 +5,9 @@
 //           the fast path comes from `objdump -d` of FarDerefOne/RawDerefOne, see the doc)
 //   miss    deref of a remote object = swap-in of one span vs a bare Channel::Read of the same
 //           size from the same daemons (median and p99 µs)
-//   tput    far_vector random get and far_hash_map find throughput at local fractions
-//           100/50/25/12.5% of the working set, relative to 100%
+//   tput    far_vector (uniform, Zipfian, sequential) get and far_hash_map (uniform, Zipfian)
+//           find throughput at local fractions 100/50/25/12.5% of the working set, relative to
+//           100%
 //   compact remote bytes before/after compaction of a churned heap, and the bytes the client
 //           moved to do it
 //
@@ -17,10 +18,12 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <random>
 #include <sstream>
 #include <string>
@@ -163,13 +166,54 @@ void BenchMiss(farmem::testing::DaemonSet& d, const Args& a) {
   }
 }
 
+// YCSB's scrambled Zipfian generator (Gray et al., "Quickly generating billion-record synthetic
+// databases"): rank 0 is the most popular; ranks are hashed over [0, n) so hot items are spread
+// over the structure instead of packed at its start.
+class Zipf {
+ public:
+  Zipf(uint64_t n, double theta, uint64_t seed) : n_(n), theta_(theta), rng_(seed) {
+    for (uint64_t i = 1; i <= n; ++i) zetan_ += 1.0 / std::pow(static_cast<double>(i), theta);
+    const double zeta2 = 1.0 + 1.0 / std::pow(2.0, theta);
+    alpha_ = 1.0 / (1.0 - theta);
+    eta_ = (1.0 - std::pow(2.0 / static_cast<double>(n), 1.0 - theta)) / (1.0 - zeta2 / zetan_);
+  }
+  uint64_t Next() {
+    const double u = std::uniform_real_distribution<double>(0.0, 1.0)(rng_);
+    const double uz = u * zetan_;
+    uint64_t rank = 0;
+    if (uz < 1.0) {
+      rank = 0;
+    } else if (uz < 1.0 + std::pow(0.5, theta_)) {
+      rank = 1;
+    } else {
+      rank =
+          static_cast<uint64_t>(static_cast<double>(n_) * std::pow(eta_ * u - eta_ + 1.0, alpha_));
+    }
+    uint64_t h = (rank + 1) * 0x9E3779B97F4A7C15ull;  // scramble
+    h ^= h >> 29;
+    h *= 0xBF58476D1CE4E5B9ull;
+    h ^= h >> 32;
+    return h % n_;
+  }
+
+ private:
+  uint64_t n_;
+  double theta_, zetan_ = 0, alpha_ = 0, eta_ = 0;
+  std::mt19937_64 rng_;
+};
+
+// far_vector<uint64_t> of 2 Mi elements (16 MiB) and far_hash_map<uint64_t, uint64_t> of 256 Ki
+// keys, at each local fraction: uniform random reads (the worst case: every access equally
+// likely, so a fraction f local misses on 1 - f of them), Zipfian reads (theta 0.99, YCSB's
+// default skew) and, for the vector, a sequential scan (the prefetcher's case, AIFM's
+// DataFrame-like access). Each figure is relative to the same workload at 100% local.
 void BenchThroughput(farmem::testing::DaemonSet& d, const Args& a) {
   constexpr size_t kVec = 2u << 20;  // 16 MiB of uint64_t
   constexpr size_t kKeys = 256u << 10;
   constexpr int kOps = 30000;
+  constexpr double kTheta = 0.99;
   const uint64_t vec_bytes = kVec * sizeof(uint64_t);
   const uint64_t map_bytes = kKeys * 32;  // measured: bucket bytes per key at the default load
-  double vec_base = 0, map_base = 0;
   std::vector<double> fracs = {1.0, 0.5, 0.25, 0.125};
   if (const char* only = std::getenv("FARPTR_BENCH_FRACTIONS")) {
     fracs.clear();
@@ -179,6 +223,21 @@ void BenchThroughput(farmem::testing::DaemonSet& d, const Args& a) {
       rest = comma == std::string_view::npos ? std::string_view() : rest.substr(comma + 1);
     }
   }
+  Zipf vec_zipf(kVec, kTheta, 11), map_zipf(kKeys, kTheta, 12);
+  std::map<std::string, double> base;  // workload -> Mops/s at 100%
+  auto report = [&](const char* what, double frac, double mops, const farmem::RuntimeStats& st,
+                    uint64_t swap_ins_before) {
+    if (frac >= 1.0) base[what] = mops;
+    const double b = base.count(what) != 0 ? base[what] : 0;
+    std::printf(
+        "%-26s local %5.1f%%: %9.3f Mops/s = %.3f of 100%% (%lu swap-ins, %lu clean "
+        "evictions)\n",
+        what, frac * 100, mops, b > 0 ? mops / b : 0.0,
+        static_cast<unsigned long>(st.swap_ins - swap_ins_before),
+        static_cast<unsigned long>(st.clean_evictions));
+    std::fflush(stdout);
+  };
+  uint64_t sink = 0;
   for (double frac : fracs) {
     {
       // 100%: the budget holds everything (+ headroom for the watermarks).
@@ -188,17 +247,26 @@ void BenchThroughput(farmem::testing::DaemonSet& d, const Args& a) {
       auto rt = OpenRuntime(d, budget, a.span);
       farmem::far_vector<uint64_t> v(*rt, kVec, 1);
       std::mt19937_64 rng(1);
-      uint64_t sum = 0;
-      for (int i = 0; i < kOps / 4; ++i) sum += v.get(rng() % kVec);  // warm up
-      const auto t0 = Clock::now();
-      for (int i = 0; i < kOps; ++i) sum += v.get(rng() % kVec);
-      const double mops = kOps / (Ns(Clock::now() - t0) / 1000);
-      if (frac >= 1.0) vec_base = mops;
-      std::printf(
-          "far_vector random get, local %5.1f%%: %8.3f Mops/s = %.3f of 100%% (%lu "
-          "swap-ins)  [%lu]\n",
-          frac * 100, mops, mops / vec_base, static_cast<unsigned long>(rt->stats().swap_ins),
-          static_cast<unsigned long>(sum % 10));
+      for (int i = 0; i < kOps / 4; ++i) sink += v.get(rng() % kVec);  // warm up
+      uint64_t si = rt->stats().swap_ins;
+      auto t0 = Clock::now();
+      for (int i = 0; i < kOps; ++i) sink += v.get(rng() % kVec);
+      report("far_vector uniform get", frac, kOps / (Ns(Clock::now() - t0) / 1000), rt->stats(),
+             si);
+      for (int i = 0; i < kOps / 4; ++i) sink += v.get(vec_zipf.Next());
+      si = rt->stats().swap_ins;
+      t0 = Clock::now();
+      for (int i = 0; i < kOps; ++i) sink += v.get(vec_zipf.Next());
+      report("far_vector zipf-0.99 get", frac, kOps / (Ns(Clock::now() - t0) / 1000), rt->stats(),
+             si);
+      // Sequential: two full passes, the second timed (elements read inside one scope per chunk
+      // would be the fastest; get() is the plain API).
+      for (size_t i = 0; i < kVec; ++i) sink += v.get(i);
+      si = rt->stats().swap_ins;
+      t0 = Clock::now();
+      for (size_t i = 0; i < kVec; ++i) sink += v.get(i);
+      report("far_vector sequential get", frac, kVec / (Ns(Clock::now() - t0) / 1000), rt->stats(),
+             si);
     }
     {
       const uint64_t budget = frac >= 1.0
@@ -208,20 +276,24 @@ void BenchThroughput(farmem::testing::DaemonSet& d, const Args& a) {
       farmem::far_hash_map<uint64_t, uint64_t> m(*rt, kKeys);
       for (uint64_t k = 0; k < kKeys; ++k) m.insert(k, k * 3);
       std::mt19937_64 rng(2);
-      uint64_t hits = 0;
-      for (int i = 0; i < kOps / 4; ++i) hits += m.find(rng() % kKeys).has_value();
-      const auto t0 = Clock::now();
-      for (int i = 0; i < kOps; ++i) hits += m.find(rng() % kKeys).has_value();
-      const double mops = kOps / (Ns(Clock::now() - t0) / 1000);
-      if (frac >= 1.0) map_base = mops;
-      const farmem::RuntimeStats st = rt->stats();
-      std::printf(
-          "far_hash_map find,     local %5.1f%%: %8.3f Mops/s = %.3f of 100%% (%lu "
-          "swap-ins, working set %.1f MiB)  [%lu]\n",
-          frac * 100, mops, mops / map_base, static_cast<unsigned long>(st.swap_ins),
-          st.object_bytes / 1048576.0, static_cast<unsigned long>(hits % 10));
+      for (int i = 0; i < kOps / 4; ++i) sink += m.find(rng() % kKeys).has_value();
+      uint64_t si = rt->stats().swap_ins;
+      auto t0 = Clock::now();
+      for (int i = 0; i < kOps; ++i) sink += m.find(rng() % kKeys).has_value();
+      report("far_hash_map uniform find", frac, kOps / (Ns(Clock::now() - t0) / 1000), rt->stats(),
+             si);
+      for (int i = 0; i < kOps / 4; ++i) sink += m.find(map_zipf.Next()).has_value();
+      si = rt->stats().swap_ins;
+      t0 = Clock::now();
+      for (int i = 0; i < kOps; ++i) sink += m.find(map_zipf.Next()).has_value();
+      report("far_hash_map zipf-0.99 find", frac, kOps / (Ns(Clock::now() - t0) / 1000),
+             rt->stats(), si);
+      if (frac >= 1.0) {
+        std::printf("  (hash map working set %.1f MiB)\n", rt->stats().object_bytes / 1048576.0);
+      }
     }
   }
+  std::printf("  [%lu]\n", static_cast<unsigned long>(sink % 10));
 }
 
 struct Churned {

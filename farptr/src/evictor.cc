@@ -55,6 +55,7 @@ void Heap::EvictorLoop() {
         // usage grows with every miss.
         if (options_.auto_compact && CompactionWanted()) {
           size_t moved = 0;
+          DropCopiesInHoledSets();
           (void)CompactOnce(&moved);
         }
         const size_t n = EvictRound(low_frames_, false);
@@ -83,6 +84,7 @@ void Heap::EvictorLoop() {
       if (CompactionWanted()) {
         std::lock_guard round(evict_round_mu_);
         size_t moved = 0;
+        DropCopiesInHoledSets();
         for (int i = 0; i < 8 && CompactionWanted(); ++i) {
           if (Status s = CompactOnce(&moved); !s.ok() || moved == 0) break;
           if (frames_in_use_.load() > high_frames_) break;  // eviction comes first
@@ -194,6 +196,11 @@ void Heap::Relocate(const std::vector<Relocation>& relocations) {
     }
     const uint64_t w = r.entry->word.load(std::memory_order_seq_cst);
     if ((w & kEvacuating) == 0) continue;  // a deref wanted it where it is
+    DropCopyLocked(dst);                   // written below
+    if (src->set != nullptr) {
+      remote_object_bytes_.fetch_sub(c->size, std::memory_order_relaxed);  // src's clean copy
+      copy_object_bytes_.fetch_sub(c->size, std::memory_order_relaxed);
+    }
     const uint32_t slot = dst->free_slots.back();
     dst->free_slots.pop_back();
     uint8_t* to = dst->frame + static_cast<size_t>(slot) * c->size;
@@ -226,6 +233,7 @@ size_t Heap::EvictRound(size_t target_frames, bool force) {
   Relocate(relocations);
   const size_t relocated = objects_relocated_.load() - relocated_before;
   std::vector<Span*> committed;
+  size_t clean = 0;
   for (Span* s : victims) {
     std::lock_guard sl(s->mu);
     if (s->state != SpanState::kEvicting) continue;  // a deref took it back
@@ -233,12 +241,47 @@ size_t Heap::EvictRound(size_t target_frames, bool force) {
       ReleaseLocalLocked(s);
       continue;
     }
+    if (s->set != nullptr) {
+      if (store_->Healthy(s->set)) {
+        EvictCleanLocked(s);
+        ++clean;
+        continue;
+      }
+      DropCopyLocked(s);  // its group is degraded: write the span anew
+    }
     s->state = SpanState::kWriting;
     committed.push_back(s);
   }
   // Progress is memory given back: relocating hot objects frees nothing by itself.
   (void)relocated;
-  return WriteOut(committed);
+  return clean + WriteOut(committed);
+}
+
+void Heap::EvictCleanLocked(Span* s) {
+  // Nothing in the span was written since it came in (DropCopyLocked runs before any write):
+  // its cell still holds these bytes.
+  for (ObjectEntry* o : s->owner) {
+    if (o != nullptr) o->word.store(0, std::memory_order_release);
+  }
+  PutFrame(s->frame);
+  s->frame = nullptr;
+  RemoveResident(s);
+  s->state = SpanState::kRemote;
+  copy_object_bytes_.fetch_sub(
+      static_cast<uint64_t>(s->live.load(std::memory_order_relaxed)) * s->cls->size,
+      std::memory_order_relaxed);
+  remote_spans_.fetch_add(1, std::memory_order_relaxed);
+  spans_evicted_.fetch_add(1, std::memory_order_relaxed);
+  clean_evictions_.fetch_add(1, std::memory_order_relaxed);
+  s->cv.notify_all();
+}
+
+void Heap::DropCopiesInHoledSets() {
+  // Snapshot, then lock each span on its own (no other span lock is held here).
+  for (Span* s : store_->CompactionCandidates(256)) {
+    std::lock_guard sl(s->mu);
+    if (s->state == SpanState::kLocal || s->state == SpanState::kEvicting) DropCopyLocked(s);
+  }
 }
 
 size_t Heap::WriteOut(std::vector<Span*>& spans) {

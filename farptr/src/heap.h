@@ -4,7 +4,11 @@
 // Spans. Every object lives in a span: span_size bytes cut into slots of one size class. A span
 // is in one of these states (Span::state, guarded by Span::mu):
 //
-//   kLocal     its frame is resident; objects have kPresent words
+//   kLocal     its frame is resident; objects have kPresent words. A span swapped in keeps its
+//              remote cell (set/member stay set) while it is clean: evicting it again then costs
+//              no write at all. The first write (deref_mut, a new object in it, a relocation
+//              into it) or the compactor wanting its row turns the cell into a hole (DropCopy).
+//              Invariant: a kLocal/kEvicting span with `set` has no object word with kDirty.
 //   kEvicting  picked by the evictor; every object's word has kEvacuating; the evictor waits for
 //              scopes open at that moment to end. A deref in this state cancels the eviction
 //              (the bytes are still here), so no mutator ever waits for the evictor here
@@ -117,6 +121,12 @@ class Heap {
   Status SwapInLocked(Span* s, std::unique_lock<std::mutex>& lock, bool prefetch);
   // Frees a local span that has no live object (s->mu held).
   void ReleaseLocalLocked(Span* s);
+  // A local span is about to be written (or its row is wanted): its remote copy becomes a hole
+  // (s->mu held; no-op without a copy).
+  void DropCopyLocked(Span* s);
+  // Clean local spans whose copies sit in span sets with holes give the copies up, so the
+  // compactor can move those sets (takes span locks; not with other span locks held).
+  void DropCopiesInHoledSets();
   // A remote span whose data cannot be produced (s->mu held).
   void MarkLostLocked(Span* s, const Status& why);
   // Marks a span with no live object kFree and offers it for reuse (s->mu held, no frame).
@@ -147,6 +157,8 @@ class Heap {
   void Relocate(const std::vector<Relocation>& relocations);
   // Writes committed spans (state kWriting) in sets of k.
   size_t WriteOut(std::vector<Span*>& spans);
+  // Evicts a clean span that still has its remote copy: no I/O (s->mu held, state kEvicting).
+  void EvictCleanLocked(Span* s);
 
   std::vector<uint32_t> hot_slots_;  // PickVictims scratch (evictor thread)
   // Rate limit for warnings that a struggling evictor would repeat: one per 5 s.
@@ -204,7 +216,10 @@ class Heap {
   std::vector<std::thread> prefetchers_;
 
   // Counters.
+  // remote_object_bytes_: live objects with bytes in a remote cell (kRemote spans and the clean
+  // copies of local spans); copy_object_bytes_: the part of it that is also local.
   std::atomic<uint64_t> objects_{0}, object_bytes_{0}, remote_object_bytes_{0};
+  std::atomic<uint64_t> copy_object_bytes_{0}, clean_evictions_{0}, copies_dropped_{0};
   std::atomic<uint64_t> resident_spans_{0}, remote_spans_{0};
   std::atomic<uint64_t> swap_ins_{0}, prefetches_{0}, spans_evicted_{0}, sets_written_{0};
   std::atomic<uint64_t> eviction_cancels_{0}, objects_relocated_{0}, spans_lost_{0};

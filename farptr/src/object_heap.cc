@@ -226,10 +226,23 @@ void Heap::AddPartial(Span* s) {
 }
 
 void Heap::ReleaseLocalLocked(Span* s) {
+  DropCopyLocked(s);
   PutFrame(s->frame);
   s->frame = nullptr;
   RemoveResident(s);
   RetireLocked(s);
+}
+
+void Heap::DropCopyLocked(Span* s) {
+  if (s->set == nullptr) return;
+  const uint64_t bytes =
+      static_cast<uint64_t>(s->live.load(std::memory_order_relaxed)) * s->cls->size;
+  store_->Release(s->set, s->member);
+  s->set = nullptr;
+  s->member = -1;
+  remote_object_bytes_.fetch_sub(bytes, std::memory_order_relaxed);
+  copy_object_bytes_.fetch_sub(bytes, std::memory_order_relaxed);
+  copies_dropped_.fetch_add(1, std::memory_order_relaxed);
 }
 
 std::string Heap::Describe(Span* s) {
@@ -271,6 +284,7 @@ ObjectEntry* Heap::Allocate(size_t size, void** addr) {
     s->in_partial = true;
     cls->partial.push_back(s);
   }
+  DropCopyLocked(s);  // the new object is written into the frame
   const uint32_t slot = s->free_slots.back();
   s->free_slots.pop_back();
   s->owner[slot] = e;
@@ -308,6 +322,10 @@ void Heap::Free(ObjectEntry* e) {
   const uint32_t live = s->live.fetch_sub(1, std::memory_order_relaxed) - 1;
   e->word.store(0, std::memory_order_release);
   bool add_partial = false;
+  if (s->set != nullptr && (s->state == SpanState::kLocal || s->state == SpanState::kEvicting)) {
+    remote_object_bytes_.fetch_sub(csize, std::memory_order_relaxed);  // its clean copy
+    copy_object_bytes_.fetch_sub(csize, std::memory_order_relaxed);
+  }
   switch (s->state) {
     case SpanState::kLocal:
       if (live == 0) {
@@ -347,8 +365,9 @@ Result<void*> Heap::Deref(ObjectEntry* e, bool mut) {
   const uint64_t bits = kHot | (mut ? kDirty : 0);
   for (;;) {
     uint64_t w = LoadWord(e);
-    if ((w & kPresent) != 0 && (w & kEvacuating) == 0) {
-      // Present, only the hot/dirty bits missing.
+    if ((w & kPresent) != 0 && (w & kEvacuating) == 0 && (!mut || (w & kDirty) != 0)) {
+      // Present, only the hot bit missing. (A first write takes the span lock below: the span's
+      // clean remote copy must become a hole first.)
       if (e->word.compare_exchange_weak(w, w | bits, std::memory_order_seq_cst)) {
         return reinterpret_cast<void*>(w & kAddrMask);
       }
@@ -386,6 +405,7 @@ Result<void*> Heap::Deref(ObjectEntry* e, bool mut) {
       case SpanState::kFree:
         return Err(Internal("deref of an object whose span was freed (use after free?)"));
     }
+    if (mut) DropCopyLocked(s);
     const uint64_t now = e->word.fetch_or(bits, std::memory_order_seq_cst);
     lock.unlock();
     if (add_partial) AddPartial(s);
@@ -419,12 +439,11 @@ Status Heap::SwapInLocked(Span* s, std::unique_lock<std::mutex>& lock, bool pref
       ++live;
     }
   }
-  store_->Release(s->set, s->member);
-  s->set = nullptr;
-  s->member = -1;
+  // The remote cell stays as the span's clean copy (remote_object_bytes_ keeps counting it):
+  // evicting the span again before anything in it is written costs no I/O.
   AddResident(s);
   remote_spans_.fetch_sub(1, std::memory_order_relaxed);
-  remote_object_bytes_.fetch_sub(static_cast<uint64_t>(live) * csize, std::memory_order_relaxed);
+  copy_object_bytes_.fetch_add(static_cast<uint64_t>(live) * csize, std::memory_order_relaxed);
   swap_ins_.fetch_add(1, std::memory_order_relaxed);
   if (prefetch) prefetches_.fetch_add(1, std::memory_order_relaxed);
   return Status::Ok();

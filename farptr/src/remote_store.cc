@@ -154,6 +154,12 @@ void RemoteStore::Release(SpanSet* set, int member) {
   }
 }
 
+bool RemoteStore::Healthy(const SpanSet* set) const {
+  std::lock_guard lock(mu_);
+  const Group* g = set->group;
+  return g->failed_mask == 0 && g->lost_mask == 0 && !g->rebuilding;
+}
+
 std::vector<Span*> RemoteStore::CompactionCandidates(size_t max_spans) {
   std::lock_guard lock(mu_);
   std::vector<SpanSet*> holed;
@@ -345,7 +351,7 @@ void RemoteStore::Reprotect(IoContext& io, Group* g) {
     g->failed_mask = 0;
     spdlog::error(
         "far memory: slab group {} lost members {:#x}: {} span sets ({} rows) cannot be "
-        "rebuilt with resilience {}; their objects are LOST (deref says which)",
+        "rebuilt with resilience {}; objects that were only there are LOST (deref says which)",
         g->id, failed, rows.size(), rows.size(), res_.ToString());
     return;
   }

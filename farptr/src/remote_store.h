@@ -122,6 +122,9 @@ class RemoteStore {
   Status ReadSpan(IoContext& io, SpanSet* set, int member, uint8_t* dst);
   // Makes data member `member` a hole; frees the row / group when nothing is left.
   void Release(SpanSet* set, int member);
+  // True if `set`'s group has no failed or lost member: a clean local span whose copy is cell
+  // `member` of `set` may then be evicted by just dropping its frame.
+  bool Healthy(const SpanSet* set) const;
 
   // For the compactor: the spans of sets that have holes, emptiest sets first, and then the
   // spans of the emptiest group when leased slabs exceed the rows in use by more than a group.

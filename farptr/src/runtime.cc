@@ -229,6 +229,9 @@ RuntimeStats Heap::stats() const {
   s.objects = objects_.load();
   s.object_bytes = object_bytes_.load();
   s.remote_object_bytes = remote_object_bytes_.load();
+  s.copy_object_bytes = copy_object_bytes_.load();
+  s.clean_evictions = clean_evictions_.load();
+  s.copies_dropped = copies_dropped_.load();
   s.local_budget = options_.local_budget;
   s.local_bytes = frames_in_use_.load() * static_cast<uint64_t>(span_size_);
   s.resident_spans = resident_spans_.load();

@@ -214,6 +214,90 @@ TEST_F(FarptrTest, EcReadsDegradedWithoutSpareDaemons) {
   EXPECT_EQ(st.spans_lost, 0u);
 }
 
+// A span swapped in keeps its remote cell while clean: evicting it again writes nothing. The
+// first write to it (deref_mut, a new object placed in it) turns the cell into a hole, and the
+// next eviction writes the new bytes.
+TEST_F(FarptrTest, CleanSpansLeaveWithoutWritingAndWrittenOnesAreWrittenAgain) {
+  ASSERT_NO_FATAL_FAILURE(StartDaemons(6));
+  ASSERT_NO_FATAL_FAILURE(Open(Options("ec:4+2", 1 << 20)));
+  std::vector<far_ptr<Point>> objs;
+  for (uint64_t i = 0; i < 20000; ++i) objs.push_back(make_far<Point>(Point{i, i % 7, 0, 0}));
+  ASSERT_TRUE(rt_->EvictUntil(0).ok());
+  // Read everything back (swap-ins), then evict again: no byte may be written.
+  ASSERT_NO_FATAL_FAILURE(ExpectAllRight(objs, "first read"));
+  const RuntimeStats read_back = rt_->stats();
+  ASSERT_TRUE(rt_->EvictUntil(0).ok());
+  const RuntimeStats clean = rt_->stats();
+  EXPECT_GT(clean.clean_evictions, read_back.clean_evictions);
+  EXPECT_EQ(clean.bytes_written, read_back.bytes_written) << "clean spans were written again";
+  ASSERT_NO_FATAL_FAILURE(ExpectAllRight(objs, "after a clean eviction"));
+  // Write every third object, free and re-make every fifth (a new object lands in a swapped-in
+  // span with a clean copy), evict: the writes must go out, and come back.
+  const RuntimeStats before_writes = rt_->stats();
+  for (uint64_t i = 0; i < objs.size(); i += 3) {
+    DerefScope s;
+    objs[i].deref_mut(s).version = i % 7;  // same value: the bytes are rewritten all the same
+    objs[i].deref_mut(s).x = static_cast<double>(i);
+  }
+  for (uint64_t i = 0; i < objs.size(); i += 5) objs[i] = make_far<Point>(Point{i, i % 7, 1, 1});
+  ASSERT_TRUE(rt_->EvictUntil(0).ok());
+  const RuntimeStats after_writes = rt_->stats();
+  EXPECT_GT(after_writes.copies_dropped, before_writes.copies_dropped);
+  EXPECT_GT(after_writes.bytes_written, before_writes.bytes_written);
+  for (uint64_t i = 0; i < objs.size(); ++i) {
+    DerefScope s;
+    auto p = objs[i].try_deref(s);
+    ASSERT_TRUE(p.has_value()) << "object " << i << ": " << p.error().ToString();
+    ASSERT_EQ((*p)->id, i);
+    ASSERT_EQ((*p)->version, i % 7);
+    if (i % 5 == 0) {
+      ASSERT_EQ((*p)->x, 1.0) << "object " << i;
+    } else if (i % 3 == 0) {
+      ASSERT_EQ((*p)->x, static_cast<double>(i)) << "object " << i;
+    } else {
+      ASSERT_EQ((*p)->x, 0.0) << "object " << i;
+    }
+  }
+  // Remote usage still tracks live data once the written spans' old cells are compacted away.
+  ASSERT_TRUE(rt_->Compact().ok());
+  EXPECT_EQ(rt_->stats().spans_lost, 0u);
+}
+
+// none: objects that were local (clean, with their copy on a daemon) when that daemon died are
+// not lost: their spans are written anew instead of being evicted onto the dead copy.
+TEST_F(FarptrTest, NoneKeepsLocalObjectsWhoseCopyDied) {
+  ASSERT_NO_FATAL_FAILURE(StartDaemons(3));
+  ASSERT_NO_FATAL_FAILURE(Open(Options("none", 1 << 20)));
+  std::vector<far_ptr<Point>> objs;
+  for (uint64_t i = 0; i < 8000; ++i) objs.push_back(make_far<Point>(Point{i, i % 7, 0, 0}));
+  ASSERT_TRUE(rt_->EvictUntil(0).ok());
+  ASSERT_NO_FATAL_FAILURE(ExpectAllRight(objs, "read back"));  // all local again, clean
+  size_t victim = daemons_->size();
+  for (const client::NodeInfo& n : rt_->cluster().nodes()) {
+    if (n.leases_held == 0) continue;
+    for (size_t d = 0; d < daemons_->size(); ++d) {
+      if ((*daemons_)[d].endpoint() == n.endpoint) victim = d;
+    }
+  }
+  ASSERT_LT(victim, daemons_->size());
+  (*daemons_)[victim].Kill();
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+  auto down = [&] {
+    for (const client::NodeInfo& n : rt_->cluster().nodes()) {
+      if (n.endpoint == (*daemons_)[victim].endpoint()) return !n.alive;
+    }
+    return false;
+  };
+  while (!down() && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  ASSERT_TRUE(down()) << "the killed daemon was not noticed";
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));  // the store hears of it
+  ASSERT_TRUE(rt_->EvictUntil(0).ok());
+  ASSERT_NO_FATAL_FAILURE(ExpectAllRight(objs, "after the daemon holding the copies died"));
+  EXPECT_EQ(rt_->stats().spans_lost, 0u);
+}
+
 // none: a killed daemon loses what lived there, and the error says what and where.
 TEST_F(FarptrTest, NoneNamesWhatWasLost) {
   ASSERT_NO_FATAL_FAILURE(StartDaemons(3));

@@ -90,7 +90,8 @@ struct RuntimeStats {
   // Objects.
   uint64_t objects = 0;              // live objects
   uint64_t object_bytes = 0;         // their size-class bytes
-  uint64_t remote_object_bytes = 0;  // ... of those living in remote spans
+  uint64_t remote_object_bytes = 0;  // ... of those with their bytes in a remote span set
+  uint64_t copy_object_bytes = 0;    // ... of those also local (clean spans keep their copy)
   // Local memory.
   uint64_t local_budget = 0;
   uint64_t local_bytes = 0;  // resident span frames
@@ -105,6 +106,8 @@ struct RuntimeStats {
   uint64_t prefetches = 0;      // ... of those by the prefetcher
   uint64_t degraded_reads = 0;  // swap-ins that needed a decode / another replica
   uint64_t spans_evicted = 0;
+  uint64_t clean_evictions = 0;  // ... of those that were clean: no write, the copy was kept
+  uint64_t copies_dropped = 0;   // clean copies turned into holes (first write, compaction)
   uint64_t sets_written = 0;
   uint64_t eviction_cancels = 0;   // spans a deref pulled back while being evicted
   uint64_t objects_relocated = 0;  // hot objects moved out of cold spans
@@ -113,15 +116,15 @@ struct RuntimeStats {
   uint64_t compactions = 0;
   uint64_t compaction_spans_in = 0;
   uint64_t compaction_spans_out = 0;
-  uint64_t compaction_client_bytes = 0;  // bytes the client moved (read + written) compacting
-  uint64_t compaction_client_bytes_sent = 0;      // ... of those sent (writes, requests)
+  uint64_t compaction_client_bytes = 0;       // bytes the client moved (read + written) compacting
+  uint64_t compaction_client_bytes_sent = 0;  // ... of those sent (writes, requests)
   uint64_t compaction_client_bytes_received = 0;  // ... of those received (reads, replies)
   uint64_t compaction_cpu_ns = 0;                 // CPU time of the threads that compacted
   uint64_t compaction_offloaded_sets = 0;         // sets whose parity the daemons computed
   uint64_t compaction_offload_fallbacks = 0;      // sets written with client parity after an
                                                   // offload error
-  uint64_t bytes_read = 0;               // all remote reads
-  uint64_t bytes_written = 0;            // all remote writes
+  uint64_t bytes_read = 0;                        // all remote reads
+  uint64_t bytes_written = 0;                     // all remote writes
 };
 
 class Runtime {
