@@ -13,6 +13,7 @@ build_pkgs=(
 )
 tool_pkgs=(
   nbdkit nbd-client libnbd-bin fio qemu-utils util-linux procps iproute2
+  docker-compose shellcheck systemd  # tests/deploy: lint deploy/docker, verify deploy/systemd
 )
 vm_pkgs=(
   qemu-system-x86 busybox-static kmod cpio rdma-core ibverbs-providers ibverbs-utils

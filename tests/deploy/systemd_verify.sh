@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# deploy/systemd: `systemd-analyze verify` accepts every unit without a single warning (it checks
+# directives, sandboxing values, specifiers and that ExecStart= is executable: the unit's
+# /usr/local/bin path is pointed at this build's binaries for the check).
+#   tests/deploy/systemd_verify.sh <source dir> <farmemd> <farmem-nbd>
+set -euo pipefail
+src=${1:?usage: systemd_verify.sh <source dir> <farmemd> <farmem-nbd>}
+farmemd=${2:?}
+nbd=${3:?}
+fail() { echo "FAIL: $*" >&2; exit 1; }
+command -v systemd-analyze >/dev/null ||
+  fail "systemd-analyze not found: apt-get install systemd (deploy/install-deps.sh installs it)"
+
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+cp "$src"/deploy/systemd/* "$tmp/"
+sed -i -e "s#/usr/local/bin/farmemd #$farmemd #" -e "s#/usr/local/bin/farmem-nbd #$nbd #" "$tmp"/*.service
+grep -q /usr/local/bin "$tmp"/*.service && fail "an ExecStart= the check does not know about"
+cp "$tmp/farmemd@.service" "$tmp/farmemd@main.service"  # a template is verified as an instance
+cd "$tmp"
+units=(farmemd@main.service farmemd.service farmem-nbd.socket farmem-nbd.service)
+if ! out=$(systemd-analyze verify "${units[@]/#/./}" 2>&1) || [[ -n "$out" ]]; then
+  fail "systemd-analyze verify: ${out:-non-zero exit}"
+fi
+# The sandbox must leave RDMA and mlock possible.
+for u in farmemd@main.service farmemd.service farmem-nbd.service; do
+  grep -q '^LimitMEMLOCK=infinity$' "$u" || fail "$u: no LimitMEMLOCK=infinity (mlock, RDMA registration)"
+  grep -q '^PrivateDevices=yes' "$u" && fail "$u: PrivateDevices=yes hides /dev/infiniband"
+  grep -q '^DeviceAllow=char-infiniband_verbs rw$' "$u" || fail "$u: uverbs devices not allowed"
+done
+grep -q '^ListenStream=' farmem-nbd.socket || fail "farmem-nbd.socket listens on nothing"
+echo "deploy/systemd: ${units[*]} verify clean"
