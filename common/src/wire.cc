@@ -30,6 +30,8 @@ const char* OpcodeName(uint8_t op) {
       return "RDMA_TOKEN";
     case Opcode::kParityEncode:
       return "PARITY_ENCODE";
+    case Opcode::kGatherCell:
+      return "GATHER_CELL";
   }
   return "UNKNOWN";
 }
@@ -421,6 +423,55 @@ Result<DataOp> DecodeDataOp(std::span<const uint8_t> fixed) {
   return m;
 }
 
+namespace {
+void EncodePeerCell(Writer& w, const PeerCell& c) {
+  const size_t host_len = std::min(c.host.size(), kMaxPeerHost);
+  w.U64(c.lease_id);
+  w.U64(c.offset);
+  w.U16(c.port);
+  w.U16(static_cast<uint16_t>(host_len));
+  w.U32(0);
+  w.Bytes({reinterpret_cast<const uint8_t*>(c.host.data()), host_len});
+}
+
+Status DecodePeerCell(Reader& r, const char* what, size_t i, uint32_t length,
+                      std::span<const uint8_t> body, PeerCell* c) {
+  c->lease_id = r.U64();
+  c->offset = r.U64();
+  c->port = r.U16();
+  const uint16_t host_len = r.U16();
+  const uint32_t reserved = r.U32();
+  if (!r.ok()) return Malformed(what, body);
+  if (reserved != 0) {
+    return ProtocolError(fmt::format("{} source {}: reserved field not zero", what, i));
+  }
+  if (host_len == 0 || host_len > kMaxPeerHost || c->port == 0) {
+    return InvalidArgument(
+        fmt::format("{} source {}: host of {} bytes, port {}: need 1 to {} bytes and a port", what,
+                    i, host_len, c->port, kMaxPeerHost));
+  }
+  auto host = r.Bytes(host_len);
+  if (!r.ok()) return Malformed(what, body);
+  c->host.assign(reinterpret_cast<const char*>(host.data()), host.size());
+  for (char ch : c->host) {
+    const bool ok = (ch >= 'a' && ch <= 'z') || (ch >= 'A' && ch <= 'Z') ||
+                    (ch >= '0' && ch <= '9') || ch == '.' || ch == '-' || ch == ':' || ch == '_' ||
+                    ch == '%';
+    if (!ok) {
+      return InvalidArgument(
+          fmt::format("{} source {}: host contains a byte {:#04x} that is not in a host name or "
+                      "address",
+                      what, i, static_cast<uint8_t>(ch)));
+    }
+  }
+  if (!RangeFits(c->offset, length, ~uint64_t{0})) {
+    return InvalidArgument(
+        fmt::format("{} source {}: offset {} + {} overflows", what, i, c->offset, length));
+  }
+  return Status::Ok();
+}
+}  // namespace
+
 void EncodeParityEncode(const ParityEncodeRequest& m, std::vector<uint8_t>* out) {
   Writer w(out);
   w.U64(m.lease_id);
@@ -432,15 +483,7 @@ void EncodeParityEncode(const ParityEncodeRequest& m, std::vector<uint8_t>* out)
   w.U8(0);
   w.U32(m.timeout_ms);
   w.U32(0);
-  for (const PeerCell& c : m.sources) {
-    const size_t host_len = std::min(c.host.size(), kMaxPeerHost);
-    w.U64(c.lease_id);
-    w.U64(c.offset);
-    w.U16(c.port);
-    w.U16(static_cast<uint16_t>(host_len));
-    w.U32(0);
-    w.Bytes({reinterpret_cast<const uint8_t*>(c.host.data()), host_len});
-  }
+  for (const PeerCell& c : m.sources) EncodePeerCell(w, c);
 }
 
 Result<ParityEncodeRequest> DecodeParityEncode(std::span<const uint8_t> body) {
@@ -478,43 +521,89 @@ Result<ParityEncodeRequest> DecodeParityEncode(std::span<const uint8_t> body) {
   }
   m.sources.resize(m.k);
   for (size_t i = 0; i < m.sources.size(); ++i) {
-    PeerCell& c = m.sources[i];
-    c.lease_id = r.U64();
-    c.offset = r.U64();
-    c.port = r.U16();
-    const uint16_t host_len = r.U16();
-    const uint32_t reserved = r.U32();
-    if (!r.ok()) return Err(Malformed("PARITY_ENCODE", body));
-    if (reserved != 0) {
-      return Err(ProtocolError(fmt::format("PARITY_ENCODE source {}: reserved field not zero", i)));
-    }
-    if (host_len == 0 || host_len > kMaxPeerHost || c.port == 0) {
-      return Err(InvalidArgument(fmt::format(
-          "PARITY_ENCODE source {}: host of {} bytes, port {}: need 1 to {} bytes and a port", i,
-          host_len, c.port, kMaxPeerHost)));
-    }
-    auto host = r.Bytes(host_len);
-    if (!r.ok()) return Err(Malformed("PARITY_ENCODE", body));
-    c.host.assign(reinterpret_cast<const char*>(host.data()), host.size());
-    for (char ch : c.host) {
-      const bool ok = (ch >= 'a' && ch <= 'z') || (ch >= 'A' && ch <= 'Z') ||
-                      (ch >= '0' && ch <= '9') || ch == '.' || ch == '-' || ch == ':' ||
-                      ch == '_' || ch == '%';
-      if (!ok) {
-        return Err(InvalidArgument(
-            fmt::format("PARITY_ENCODE source {}: host contains a byte {:#04x} that is not in a "
-                        "host name or address",
-                        i, static_cast<uint8_t>(ch))));
-      }
-    }
-    if (!RangeFits(c.offset, m.length, ~uint64_t{0})) {
-      return Err(InvalidArgument(
-          fmt::format("PARITY_ENCODE source {}: offset {} + {} overflows", i, c.offset, m.length)));
-    }
+    FARMEM_RETURN_IF_ERROR(DecodePeerCell(r, "PARITY_ENCODE", i, m.length, body, &m.sources[i]));
   }
   if (r.remaining() != 0) {
     return Err(ProtocolError(
         fmt::format("PARITY_ENCODE body has {} bytes after its {} sources", r.remaining(), m.k)));
+  }
+  return m;
+}
+
+void EncodeGatherCell(const GatherCellRequest& m, std::vector<uint8_t>* out) {
+  Writer w(out);
+  w.U64(m.lease_id);
+  w.U64(m.offset);
+  w.U32(m.length);
+  w.U32(m.timeout_ms);
+  w.U16(static_cast<uint16_t>(m.sources.size()));
+  w.U16(0);
+  w.U32(static_cast<uint32_t>(m.copies.size()));
+  for (const PeerCell& c : m.sources) EncodePeerCell(w, c);
+  for (const GatherCopy& c : m.copies) {
+    w.U16(c.source);
+    w.U16(0);
+    w.U32(c.src_offset);
+    w.U32(c.dst_offset);
+    w.U32(c.length);
+  }
+}
+
+Result<GatherCellRequest> DecodeGatherCell(std::span<const uint8_t> body) {
+  Reader r(body);
+  GatherCellRequest m;
+  m.lease_id = r.U64();
+  m.offset = r.U64();
+  m.length = r.U32();
+  m.timeout_ms = r.U32();
+  const uint16_t nsources = r.U16();
+  const uint16_t reserved = r.U16();
+  const uint32_t ncopies = r.U32();
+  if (!r.ok()) return Err(Malformed("GATHER_CELL", body));
+  if (reserved != 0) return Err(ProtocolError("reserved field of GATHER_CELL is not zero"));
+  if (m.length == 0 || m.length > kMaxDataLen) {
+    return Err(InvalidArgument(
+        fmt::format("GATHER_CELL cell of {} bytes: must be 1 to {}", m.length, kMaxDataLen)));
+  }
+  if (m.timeout_ms == 0 || m.timeout_ms > kMaxParityTimeoutMs) {
+    return Err(InvalidArgument(fmt::format("GATHER_CELL timeout of {} ms: must be 1 to {}",
+                                           m.timeout_ms, kMaxParityTimeoutMs)));
+  }
+  if (nsources > kMaxGatherSources || uint64_t{nsources} * m.length > kMaxGatherSourceBytes) {
+    return Err(InvalidArgument(fmt::format(
+        "GATHER_CELL with {} sources of {} bytes: at most {} sources and {} bytes of them",
+        nsources, m.length, kMaxGatherSources, kMaxGatherSourceBytes)));
+  }
+  // Each copy takes kGatherCopySize bytes of the body: a count the body cannot hold is refused
+  // before anything is allocated for it.
+  if (ncopies > body.size() / kGatherCopySize) return Err(Malformed("GATHER_CELL", body));
+  m.sources.resize(nsources);
+  for (size_t i = 0; i < m.sources.size(); ++i) {
+    FARMEM_RETURN_IF_ERROR(DecodePeerCell(r, "GATHER_CELL", i, m.length, body, &m.sources[i]));
+  }
+  m.copies.resize(ncopies);
+  for (size_t i = 0; i < m.copies.size(); ++i) {
+    GatherCopy& c = m.copies[i];
+    c.source = r.U16();
+    const uint16_t res = r.U16();
+    c.src_offset = r.U32();
+    c.dst_offset = r.U32();
+    c.length = r.U32();
+    if (!r.ok()) return Err(Malformed("GATHER_CELL", body));
+    if (res != 0) {
+      return Err(ProtocolError(fmt::format("GATHER_CELL copy {}: reserved field not zero", i)));
+    }
+    if (c.source >= nsources || c.length == 0 || !RangeFits(c.src_offset, c.length, m.length) ||
+        !RangeFits(c.dst_offset, c.length, m.length)) {
+      return Err(InvalidArgument(fmt::format(
+          "GATHER_CELL copy {}: source {} (of {}), {} bytes from offset {} to offset {}: must "
+          "name a source and lie within cells of {} bytes",
+          i, c.source, nsources, c.length, c.src_offset, c.dst_offset, m.length)));
+    }
+  }
+  if (r.remaining() != 0) {
+    return Err(ProtocolError(
+        fmt::format("GATHER_CELL body has {} bytes after its copies", r.remaining())));
   }
   return m;
 }

@@ -138,7 +138,8 @@ Connection::Next Connection::HandleFrame() {
   const bool known = op == wire::Opcode::kHello || op == wire::Opcode::kAuth ||
                      op == wire::Opcode::kStat || op == wire::Opcode::kAlloc ||
                      op == wire::Opcode::kFree || op == wire::Opcode::kHeartbeat ||
-                     op == wire::Opcode::kRdmaToken || op == wire::Opcode::kParityEncode || data_op;
+                     op == wire::Opcode::kRdmaToken || op == wire::Opcode::kParityEncode ||
+                     op == wire::Opcode::kGatherCell || data_op;
   if (!known) {
     server_->counters().protocol_errors++;
     Consume(wire::kHeaderSize);
@@ -169,6 +170,9 @@ Connection::Next Connection::HandleFrame() {
       break;
     case wire::Opcode::kParityEncode:
       next = HandleParityEncode(h, body);
+      break;
+    case wire::Opcode::kGatherCell:
+      next = HandleGatherCell(h, body);
       break;
     default:
       next = HandleControl(h, body);
@@ -488,22 +492,18 @@ Status Connection::ParityEncode(const wire::ParityEncodeRequest& req) {
     }
     codec = std::move(*c);
   }
-  if (peers_ == nullptr) {
-    peers_ =
-        std::make_unique<PeerReader>(server_->options().secret, client_id_,
-                                     fmt::format("farmemd parity offload for {}", client_name_));
-  }
+  PeerReader& peers = Peers();
   const Deadline deadline = DeadlineIn(std::chrono::milliseconds(req.timeout_ms));
-  Status s = peers_->Start(req.sources, len, deadline);
+  Status s = peers.Start(req.sources, len, deadline);
   if (!s.ok()) return Unavailable("PARITY_ENCODE source: " + s.message());
   // Accumulate parity as each data cell arrives (ec_encode_data_update, one row): parity
   // starts at zero and every data fragment contributes coefficient * cell.
   parity_.assign(len, 0);
   if (cells_.size() < len) cells_.resize(len);
   for (size_t i = 0; i < req.sources.size(); ++i) {
-    s = peers_->Finish(i, cells_.data(), deadline);
+    s = peers.Finish(i, cells_.data(), deadline);
     if (!s.ok()) {
-      peers_->Abandon();
+      peers.Abandon();
       const wire::PeerCell& c = req.sources[i];
       return Unavailable(fmt::format("PARITY_ENCODE source {} (lease {} at offset {} on {}): {}", i,
                                      c.lease_id, c.offset, Endpoint{c.host, c.port}.ToString(),
@@ -515,6 +515,71 @@ Status Connection::ParityEncode(const wire::ParityEncodeRequest& req) {
   // Stored only once complete: a failed request leaves the old cell as it was.
   Result<Pin> pin = pool.Acquire(req.lease_id, client_id_, req.offset, len);
   if (!pin.has_value()) return pin.error().WithContext("PARITY_ENCODE target");
+  std::memcpy(pin->data() + req.offset, parity_.data(), len);
+  pin->Reset();
+  server_->counters().ops.fetch_add(1, std::memory_order_relaxed);
+  server_->counters().bytes_written.fetch_add(len, std::memory_order_relaxed);
+  return Status::Ok();
+}
+
+PeerReader& Connection::Peers() {
+  if (peers_ == nullptr) {
+    peers_ = std::make_unique<PeerReader>(server_->options().secret, client_id_,
+                                          fmt::format("farmemd offload for {}", client_name_));
+  }
+  return *peers_;
+}
+
+Connection::Next Connection::HandleGatherCell(const wire::FrameHeader& h,
+                                              std::span<const uint8_t> body) {
+  Result<wire::GatherCellRequest> req = wire::DecodeGatherCell(body);
+  if (!req.has_value()) {
+    ReplyError(h, req.error());
+    return Next::kContinue;
+  }
+  if (!FlushReplies()) return Next::kClose;
+  Status s = GatherCell(*req);
+  if (!s.ok()) {
+    spdlog::debug("{} ({}): GATHER_CELL failed: {}", peer_, client_name_, s.ToString());
+    ReplyError(h, s);
+    return Next::kContinue;
+  }
+  Reply(h, {});
+  return Next::kContinue;
+}
+
+Status Connection::GatherCell(const wire::GatherCellRequest& req) {
+  SlabPool& pool = server_->pool();
+  const uint32_t len = req.length;
+  {
+    Result<Pin> pin = pool.Acquire(req.lease_id, client_id_, req.offset, len);
+    if (!pin.has_value()) return pin.error().WithContext("GATHER_CELL target");
+  }
+  const size_t n = req.sources.size();
+  if (cells_.size() < n * len) cells_.resize(n * len);
+  if (n > 0) {
+    PeerReader& peers = Peers();
+    const Deadline deadline = DeadlineIn(std::chrono::milliseconds(req.timeout_ms));
+    Status s = peers.Start(req.sources, len, deadline);
+    if (!s.ok()) return Unavailable("GATHER_CELL source: " + s.message());
+    for (size_t i = 0; i < n; ++i) {
+      s = peers.Finish(i, cells_.data() + i * len, deadline);
+      if (!s.ok()) {
+        peers.Abandon();
+        const wire::PeerCell& c = req.sources[i];
+        return Unavailable(fmt::format("GATHER_CELL source {} (lease {} at offset {} on {}): {}", i,
+                                       c.lease_id, c.offset, Endpoint{c.host, c.port}.ToString(),
+                                       s.message()));
+      }
+    }
+  }
+  parity_.assign(len, 0);
+  for (const wire::GatherCopy& c : req.copies) {  // bounds checked by DecodeGatherCell
+    std::memcpy(parity_.data() + c.dst_offset,
+                cells_.data() + size_t{c.source} * len + c.src_offset, c.length);
+  }
+  Result<Pin> pin = pool.Acquire(req.lease_id, client_id_, req.offset, len);
+  if (!pin.has_value()) return pin.error().WithContext("GATHER_CELL target");
   std::memcpy(pin->data() + req.offset, parity_.data(), len);
   pin->Reset();
   server_->counters().ops.fetch_add(1, std::memory_order_relaxed);

@@ -6,6 +6,9 @@
 // answered with an error reply; input that breaks the framing (bad magic, version, oversized
 // body) is answered once and the connection is closed. Nothing a bad frame carries is written
 // anywhere but the lease it is allowed to touch.
+//
+// Compaction offload (PARITY_ENCODE, GATHER_CELL) makes this thread a client of other daemons
+// for a while: it reads cells there through a PeerReader, as this connection's client.
 #pragma once
 
 #include <sys/uio.h>
@@ -47,6 +50,10 @@ class Connection {
   // daemons and stores one parity cell here. Blocks this connection's thread while it runs.
   Next HandleParityEncode(const wire::FrameHeader& h, std::span<const uint8_t> body);
   Status ParityEncode(const wire::ParityEncodeRequest& req);
+  // Compaction offload (GATHER_CELL): builds one cell from pieces of cells on other daemons.
+  Next HandleGatherCell(const wire::FrameHeader& h, std::span<const uint8_t> body);
+  Status GatherCell(const wire::GatherCellRequest& req);
+  PeerReader& Peers();
 
   // Moves `len` payload bytes into dst (nullptr: discard): first what is buffered, then straight
   // from the socket. False if the connection broke.

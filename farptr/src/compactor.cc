@@ -9,11 +9,15 @@
 // while both the old and the new span are locked, and a mutator that waited on the old span's
 // lock sees that its entry moved and retries on the new one.
 //
-// Cost: every live byte compacted crosses the client's link twice (read back, written out). With
-// parity offload (RuntimeOptions::parity_offload, remote_store_offload.cc) the r parity spans of
-// each new set are computed by the daemons that store them, so the client neither encodes nor
-// sends them; without it they are encoded here and sent too. Counters: compaction_client_bytes_*
-// and compaction_cpu_ns (this thread's CPU clock around each pass).
+// Offload (RuntimeOptions::parity_offload, remote_store_offload.cc): the plan — which object
+// goes to which slot of which new span — needs only the owner tables, not the bytes. So the
+// daemons that will hold the new data cells assemble them from the old cells themselves
+// (GATHER_CELL, one request per cell naming the pieces) and the parity daemons compute parity
+// from them (PARITY_ENCODE): no span crosses the client, which sends a few KiB of requests per
+// set. If that fails (a degraded source, a daemon without these opcodes), the pass undoes what
+// it wrote and moves the bytes itself: every live byte crosses the client twice (read back,
+// written out), and with offload on the r parity cells are still computed by the daemons.
+// Counters: compaction_client_bytes_* and compaction_cpu_ns (this thread's CPU clock).
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>
 #include <time.h>
@@ -130,7 +134,41 @@ Status Heap::CompactOnce(size_t* moved) {
     return Status::Ok();  // nothing to gain
   }
 
-  // Read the victims back.
+  // Plan: live objects packed densely into new images, class by class. The new spans reuse the
+  // victims' structs (same class, already locked): image i of a class goes to that class's i-th
+  // victim. The plan needs only the owner tables, not the bytes.
+  struct Move {
+    ObjectEntry* e;
+    size_t target;  // index into `targets`
+    uint32_t slot;
+    size_t from;  // index into `work`
+    uint32_t from_slot;
+  };
+  std::vector<Move> moves;
+  std::vector<Span*> targets;  // victims that receive an image, in image order
+  {
+    size_t wi = 0;
+    while (wi < work.size()) {
+      SizeClass* cls = work[wi]->cls;
+      const size_t first_victim = wi;
+      size_t class_images = 0;
+      uint32_t next_slot = cls->slots;  // forces a new image at the first object
+      for (; wi < work.size() && work[wi]->cls == cls; ++wi) {
+        Span* s = work[wi];
+        for (uint32_t i = 0; i < s->owner.size(); ++i) {
+          ObjectEntry* e = s->owner[i];
+          if (e == nullptr) continue;
+          if (next_slot == cls->slots) {
+            targets.push_back(work[first_victim + class_images++]);
+            next_slot = 0;
+          }
+          moves.push_back({e, targets.size() - 1, next_slot, wi, i});
+          ++next_slot;
+        }
+      }
+    }
+  }
+
   IoContext* io = CheckoutIo();
   // What this pass moves over the client's links, counted where it happens (RunOps and the
   // offload requests), before ReturnIo folds the I/O counters into the heap's.
@@ -143,97 +181,118 @@ Status Heap::CompactOnce(size_t* moved) {
     compaction_bytes_sent_.fetch_add(sent, std::memory_order_relaxed);
     compaction_client_bytes_.fetch_add(got + sent, std::memory_order_relaxed);
   };
-  std::vector<uint8_t> in(static_cast<size_t>(span_size_) * work.size());
   Status st;
-  for (size_t i = 0; i < work.size() && st.ok(); ++i) {
-    st = store_->ReadSpan(*io, work[i]->set, work[i]->member,
-                          in.data() + i * static_cast<size_t>(span_size_));
-    if (st.code() == StatusCode::kDataLoss) {
-      // Nothing to move: the span is lost (deref reports it). Try again without it.
-      MarkLostLocked(work[i], Status(st.code(), Describe(work[i]) + " is lost: " + st.message()));
-      account();
-      ReturnIo(io);
-      return Status::Ok();
-    }
-    if (!st.ok()) st = st.WithContext(Describe(work[i]));
-  }
-  if (!st.ok()) {
-    account();
-    ReturnIo(io);
-    return st.WithContext("compaction");
-  }
-  // Pack live objects into new images, class by class. The new spans reuse the victims' structs
-  // (same class, already locked): image i of a class goes to that class's i-th victim.
-  struct Move {
-    ObjectEntry* e;
-    size_t target;  // index into `targets`
-    uint32_t slot;
-  };
-  std::vector<Move> moves;
-  std::vector<Span*> targets;  // victims that receive an image, in image order
-  std::vector<uint8_t> out(static_cast<size_t>(span_size_) * new_total, 0);
-  {
-    size_t wi = 0;
-    while (wi < work.size()) {
-      SizeClass* cls = work[wi]->cls;
-      const size_t first_victim = wi;
-      size_t class_images = 0;
-      uint32_t next_slot = cls->slots;  // forces a new image at the first object
-      for (; wi < work.size() && work[wi]->cls == cls; ++wi) {
-        Span* s = work[wi];
-        const uint8_t* src = in.data() + wi * static_cast<size_t>(span_size_);
-        for (uint32_t i = 0; i < s->owner.size(); ++i) {
-          ObjectEntry* e = s->owner[i];
-          if (e == nullptr) continue;
-          if (next_slot == cls->slots) {
-            targets.push_back(work[first_victim + class_images++]);
-            next_slot = 0;
-          }
-          const size_t t = targets.size() - 1;
-          std::memcpy(out.data() + t * span_size_ + static_cast<size_t>(next_slot) * cls->size,
-                      src + static_cast<size_t>(i) * cls->size, cls->size);
-          moves.push_back({e, t, next_slot});
-          ++next_slot;
-        }
-      }
-    }
-  }
-  // Write the new span sets.
   std::vector<std::pair<SpanSet*, size_t>> written;  // set, first target index
-  for (size_t i = 0; i < targets.size() && st.ok(); i += k) {
-    const size_t n = std::min(k, targets.size() - i);
-    const uint8_t* data[kMaxSetWidth];
-    for (size_t j = 0; j < n; ++j) data[j] = out.data() + (i + j) * span_size_;
-    Result<SpanSet*> set = Err(Internal("not written"));
-    if (options_.parity_offload) {
-      Status offload_error;
-      set = store_->WriteSetOffloaded(*io, {data, n}, {targets.data() + i, n}, &offload_error);
-      if (set && offload_error.ok()) {
-        compaction_offloaded_sets_.fetch_add(1, std::memory_order_relaxed);
-      } else if (!offload_error.ok()) {
-        compaction_offload_fallbacks_.fetch_add(1, std::memory_order_relaxed);
-        if (ShouldLog()) {
-          spdlog::warn("far memory: parity offload failed, compaction computes parity itself: {}",
-                       offload_error.ToString());
-        }
-      }
-    } else {
-      set = store_->WriteSet(*io, {data, n}, {targets.data() + i, n});
-    }
-    if (!set) {
-      st = set.error();
-      break;
-    }
-    written.emplace_back(*set, i);
-  }
-  account();
-  ReturnIo(io);
-  if (!st.ok()) {
+  auto unwind = [&] {
     for (auto& [set, first] : written) {
       for (size_t j = 0; j < k && first + j < targets.size(); ++j) {
         store_->Release(set, static_cast<int>(j));
       }
     }
+    written.clear();
+  };
+
+  // With offload the daemons move the objects themselves (GATHER_CELL) and compute parity
+  // (PARITY_ENCODE): no span crosses this process. On any error, undo and move them here.
+  bool offloaded = false;
+  if (options_.parity_offload && res_.mode == SpanResilience::Mode::kErasure && res_.r > 0) {
+    std::vector<std::vector<RemoteStore::GatherPiece>> cells(targets.size());
+    for (const Move& m : moves) {
+      Span* from = work[m.from];
+      const uint32_t size = from->cls->size;
+      const uint32_t src = m.from_slot * size, dst = m.slot * size;
+      auto& pieces = cells[m.target];
+      if (!pieces.empty() && pieces.back().set == from->set &&
+          pieces.back().member == from->member &&
+          pieces.back().src_offset + pieces.back().length == src &&
+          pieces.back().dst_offset + pieces.back().length == dst) {
+        pieces.back().length += size;  // contiguous in both: one copy
+      } else {
+        pieces.push_back({from->set, from->member, src, dst, size});
+      }
+    }
+    Status gather_error;
+    for (size_t i = 0; i < targets.size(); i += k) {
+      const size_t n = std::min(k, targets.size() - i);
+      Result<SpanSet*> set =
+          store_->WriteSetGathered(*io, {cells.data() + i, n}, {targets.data() + i, n});
+      if (!set) {
+        gather_error = set.error();
+        break;
+      }
+      written.emplace_back(*set, i);
+    }
+    if (gather_error.ok()) {
+      offloaded = true;
+      compaction_offloaded_sets_.fetch_add(written.size(), std::memory_order_relaxed);
+    } else {
+      unwind();
+      compaction_offload_fallbacks_.fetch_add(1, std::memory_order_relaxed);
+      if (ShouldLog()) {
+        spdlog::warn("far memory: compaction offload failed, the client moves the bytes: {}",
+                     gather_error.ToString());
+      }
+    }
+  }
+
+  if (!offloaded) {
+    // Read the victims back and pack them here.
+    std::vector<uint8_t> in(static_cast<size_t>(span_size_) * work.size());
+    for (size_t i = 0; i < work.size() && st.ok(); ++i) {
+      st = store_->ReadSpan(*io, work[i]->set, work[i]->member,
+                            in.data() + i * static_cast<size_t>(span_size_));
+      if (st.code() == StatusCode::kDataLoss) {
+        // Nothing to move: the span is lost (deref reports it). Try again without it.
+        MarkLostLocked(work[i], Status(st.code(), Describe(work[i]) + " is lost: " + st.message()));
+        account();
+        ReturnIo(io);
+        return Status::Ok();
+      }
+      if (!st.ok()) st = st.WithContext(Describe(work[i]));
+    }
+    if (!st.ok()) {
+      account();
+      ReturnIo(io);
+      return st.WithContext("compaction");
+    }
+    std::vector<uint8_t> out(static_cast<size_t>(span_size_) * new_total, 0);
+    for (const Move& m : moves) {
+      const size_t size = work[m.from]->cls->size;
+      std::memcpy(out.data() + m.target * span_size_ + m.slot * size,
+                  in.data() + m.from * span_size_ + m.from_slot * size, size);
+    }
+    // Write the new span sets (parity by the daemons when offload is on).
+    for (size_t i = 0; i < targets.size() && st.ok(); i += k) {
+      const size_t n = std::min(k, targets.size() - i);
+      const uint8_t* data[kMaxSetWidth];
+      for (size_t j = 0; j < n; ++j) data[j] = out.data() + (i + j) * span_size_;
+      Result<SpanSet*> set = Err(Internal("not written"));
+      if (options_.parity_offload) {
+        Status offload_error;
+        set = store_->WriteSetOffloaded(*io, {data, n}, {targets.data() + i, n}, &offload_error);
+        if (set && offload_error.ok()) {
+          compaction_offloaded_sets_.fetch_add(1, std::memory_order_relaxed);
+        } else if (!offload_error.ok()) {
+          compaction_offload_fallbacks_.fetch_add(1, std::memory_order_relaxed);
+          if (ShouldLog()) {
+            spdlog::warn("far memory: parity offload failed, compaction computes parity itself: {}",
+                         offload_error.ToString());
+          }
+        }
+      } else {
+        set = store_->WriteSet(*io, {data, n}, {targets.data() + i, n});
+      }
+      if (!set) {
+        st = set.error();
+        break;
+      }
+      written.emplace_back(*set, i);
+    }
+  }
+  account();
+  ReturnIo(io);
+  if (!st.ok()) {
+    unwind();
     return st.WithContext("compaction");
   }
   // Committed: the old cells become holes, the victims take their new identities.

@@ -117,6 +117,21 @@ class RemoteStore {
   // it stays OK when the offload worked.
   Result<SpanSet*> WriteSetOffloaded(IoContext& io, std::span<const uint8_t* const> data,
                                      std::span<Span* const> spans, Status* offload_error);
+  // Compaction offload (remote_store_offload.cc): writes a new span set whose data cells the
+  // daemons assemble themselves from pieces of existing cells (GATHER_CELL), and whose parity
+  // they compute (PARITY_ENCODE): no span crosses the client. cells[i] lists the pieces of data
+  // member i (spans[i]); members past cells.size() are zero. The source cells must not change
+  // meanwhile (the compactor holds their spans' locks). Any error: nothing is committed, the
+  // caller falls back to moving the bytes itself.
+  struct GatherPiece {
+    SpanSet* set = nullptr;  // source: data member `member` of `set`
+    int member = 0;
+    uint32_t src_offset = 0;
+    uint32_t dst_offset = 0;
+    uint32_t length = 0;
+  };
+  Result<SpanSet*> WriteSetGathered(IoContext& io, std::span<const std::vector<GatherPiece>> cells,
+                                    std::span<Span* const> spans);
   // Reads data member `member` of `set` into dst (span_size bytes); degraded if needed. Errors
   // say where the span lived; the caller adds what it was.
   Status ReadSpan(IoContext& io, SpanSet* set, int member, uint8_t* dst);
@@ -156,6 +171,11 @@ class RemoteStore {
               std::span<Status> results);
   // Notes that member `m` of `g` failed (if it still holds `lease_id`), queues re-protection.
   void MarkFailed(Group* g, int m, uint64_t lease_id, const Status& why);
+  // Sends bodies[i] as `op` to nodes[i] on the offload connections, all before waiting for any
+  // reply, then collects every reply. Returns the first error (replies to the others are still
+  // read, so the connections stay in step).
+  Status CallAll(IoContext& io, wire::Opcode op, std::span<const client::NodeId> nodes,
+                 std::span<const std::vector<uint8_t>> bodies);
   void OnClusterEvent(const client::Event& ev);
   void RecoveryLoop();
   void Reprotect(IoContext& io, Group* g);

@@ -11,6 +11,7 @@
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
+#include <map>
 
 #include "remote_store.h"
 
@@ -138,24 +139,18 @@ Result<SpanSet*> RemoteStore::WriteSetOffloaded(IoContext& io, std::span<const u
     const Endpoint ep = cluster_->node(members[static_cast<size_t>(m)].node).endpoint;
     req.sources.push_back({ep.host, ep.port, members[static_cast<size_t>(m)].id(), off});
   }
-  std::vector<uint8_t> body;
+  std::vector<std::vector<uint8_t>> bodies(static_cast<size_t>(r));
+  client::NodeId pnodes[kMaxSetWidth];
   for (int j = 0; j < r; ++j) {
     const client::Lease& target = members[static_cast<size_t>(k + j)];
     req.lease_id = target.id();
     req.parity_index = static_cast<uint8_t>(j);
-    body.clear();
-    wire::EncodeParityEncode(req, &body);
-    Status err;
-    transport::TcpConnection* conn = CallConnectionFor(io, target.node, &err);
-    if (conn == nullptr) return fall_back(set, err.WithContext("parity offload"));
-    io.offload_bytes_sent += wire::kHeaderSize + body.size();
-    auto reply = conn->Call(wire::Opcode::kParityEncode, body, op_timeout_);
-    io.offload_bytes_received += wire::kHeaderSize + (reply ? reply->size() : 0);
-    if (!reply) {
-      return fall_back(set, reply.error().WithContext(
-                                fmt::format("PARITY_ENCODE of parity member {} on {}", j,
-                                            cluster_->node(target.node).endpoint.ToString())));
-    }
+    wire::EncodeParityEncode(req, &bodies[static_cast<size_t>(j)]);
+    pnodes[j] = target.node;
+  }
+  if (Status s = CallAll(io, wire::Opcode::kParityEncode, {pnodes, static_cast<size_t>(r)}, bodies);
+      !s.ok()) {
+    return fall_back(set, s);
   }
 
   // 3. Commit, exactly as WriteSet does.
@@ -173,6 +168,200 @@ Result<SpanSet*> RemoteStore::WriteSetOffloaded(IoContext& io, std::span<const u
   }
   // A member failed while we wrote: re-protection did not see this row; place it elsewhere.
   return fall_back(set, Unavailable("a member of the slab group failed during the write"));
+}
+
+Status RemoteStore::CallAll(IoContext& io, wire::Opcode op, std::span<const client::NodeId> nodes,
+                            std::span<const std::vector<uint8_t>> bodies) {
+  const Deadline deadline = DeadlineIn(op_timeout_);
+  const size_t n = nodes.size();
+  std::vector<transport::TcpConnection*> conns(n, nullptr);
+  std::vector<uint64_t> ids(n, 0);
+  Status first;
+  auto note = [&](size_t i, Status s) {
+    if (first.ok()) {
+      first = s.WithContext(fmt::format("{} to {}", wire::OpcodeName(static_cast<uint8_t>(op)),
+                                        cluster_->node(nodes[i]).endpoint.ToString()));
+    }
+  };
+  size_t sent = 0;
+  for (; sent < n; ++sent) {
+    const size_t i = sent;
+    Status err;
+    transport::TcpConnection* conn = CallConnectionFor(io, nodes[i], &err);
+    if (conn == nullptr) {
+      note(i, err);
+      break;
+    }
+    wire::FrameHeader h;
+    h.opcode = static_cast<uint8_t>(op);
+    h.request_id = conn->NextRequestId();
+    h.body_len = static_cast<uint32_t>(bodies[i].size());
+    uint8_t hdr[wire::kHeaderSize];
+    wire::EncodeHeader(h, hdr);
+    iovec iov[2] = {{hdr, wire::kHeaderSize},
+                    {const_cast<uint8_t*>(bodies[i].data()), bodies[i].size()}};
+    if (Status s = SendAll(conn->socket().fd(), iov, 2, deadline); !s.ok()) {
+      conn->MarkBroken();
+      note(i, s);
+      break;
+    }
+    io.offload_bytes_sent += wire::kHeaderSize + bodies[i].size();
+    conns[i] = conn;
+    ids[i] = h.request_id;
+  }
+  std::vector<uint8_t> reply;
+  for (size_t i = 0; i < sent; ++i) {
+    transport::TcpConnection* conn = conns[i];
+    if (conn->broken()) {
+      note(i, Unavailable("connection broke"));
+      continue;
+    }
+    for (;;) {
+      uint8_t hdr[wire::kHeaderSize];
+      Status s = RecvExact(conn->socket().fd(), hdr, deadline);
+      Result<wire::FrameHeader> h = s.ok() ? wire::DecodeHeader(hdr, wire::kMaxControlBodyLen)
+                                           : Result<wire::FrameHeader>(Err(s));
+      if (h.has_value()) {
+        reply.resize(h->body_len);
+        s = RecvExact(conn->socket().fd(), reply, deadline);
+      }
+      if (!h.has_value() || !s.ok()) {
+        conn->MarkBroken();
+        note(i, h.has_value() ? s : h.error());
+        break;
+      }
+      io.offload_bytes_received += wire::kHeaderSize + h->body_len;
+      if (h->flags & wire::kFlagPush) continue;  // the Cluster's own connection acts on notices
+      if (!h->is_reply() || h->request_id != ids[i] || h->opcode != static_cast<uint8_t>(op)) {
+        conn->MarkBroken();
+        note(i, ProtocolError(fmt::format("unexpected frame {} id {} instead of the reply to id {}",
+                                          wire::OpcodeName(h->opcode), h->request_id, ids[i])));
+        break;
+      }
+      if (h->status != 0) note(i, wire::DecodeError(h->status, reply));
+      break;
+    }
+  }
+  return first;
+}
+
+Result<SpanSet*> RemoteStore::WriteSetGathered(IoContext& io,
+                                               std::span<const std::vector<GatherPiece>> cells,
+                                               std::span<Span* const> spans) {
+  const int k = res_.k;
+  const int r = res_.r;
+  const size_t span = span_size_;
+  if (res_.mode != SpanResilience::Mode::kErasure || r == 0) {
+    return Err(Unimplemented("compaction offload needs erasure coding with parity"));
+  }
+  if (cells.empty() || cells.size() > static_cast<size_t>(k) || spans.size() != cells.size()) {
+    return Err(Internal(fmt::format("WriteSetGathered with {} cells (k = {})", cells.size(), k)));
+  }
+  const uint32_t timeout_ms =
+      static_cast<uint32_t>(std::clamp<int64_t>(op_timeout_.count() / 2, 1, 60000));
+  // Where the pieces live now. Their spans are locked by the caller, so their sets stay.
+  std::vector<wire::GatherCellRequest> reqs(static_cast<size_t>(k));
+  {
+    std::lock_guard lock(mu_);
+    for (size_t c = 0; c < cells.size(); ++c) {
+      wire::GatherCellRequest& req = reqs[c];
+      std::map<std::pair<const SpanSet*, int>, uint16_t> index;
+      for (const GatherPiece& p : cells[c]) {
+        const Group* g = p.set->group;
+        if ((((g->failed_mask | g->lost_mask) >> p.member) & 1) != 0) {
+          return Err(Unavailable(fmt::format(
+              "span set {} member {} is degraded: its bytes must be rebuilt by the client",
+              p.set->id, p.member)));
+        }
+        auto [it, fresh] =
+            index.try_emplace({p.set, p.member}, static_cast<uint16_t>(req.sources.size()));
+        if (fresh) {
+          const client::Lease& l = g->members[static_cast<size_t>(p.member)];
+          const Endpoint ep = cluster_->node(l.node).endpoint;
+          req.sources.push_back(
+              {ep.host, ep.port, l.id(), static_cast<uint64_t>(p.set->row) * span});
+        }
+        req.copies.push_back({it->second, p.src_offset, p.dst_offset, p.length});
+      }
+      if (req.sources.size() > wire::kMaxGatherSources) {
+        return Err(
+            ResourceExhausted(fmt::format("a compacted span gathers from {} spans (limit {})",
+                                          req.sources.size(), wire::kMaxGatherSources)));
+      }
+    }
+  }
+  FARMEM_ASSIGN_OR_RETURN(SpanSet * set, ReserveRow());
+  std::vector<client::Lease> members;
+  uint64_t epoch = 0;
+  {
+    std::lock_guard lock(mu_);
+    members = set->group->members;
+    epoch = set->group->epoch;
+  }
+  auto give_up = [&](Status why) -> Result<SpanSet*> {
+    std::lock_guard lock(mu_);
+    FreeRowLocked(set);
+    return Err(std::move(why));
+  };
+  const uint64_t off = static_cast<uint64_t>(set->row) * span;
+
+  // 1. Each data daemon assembles its cell (members past cells.size() get a zero cell).
+  std::vector<std::vector<uint8_t>> bodies(static_cast<size_t>(k));
+  client::NodeId nodes[kMaxSetWidth];
+  for (int m = 0; m < k; ++m) {
+    wire::GatherCellRequest& req = reqs[static_cast<size_t>(m)];
+    req.lease_id = members[static_cast<size_t>(m)].id();
+    req.offset = off;
+    req.length = static_cast<uint32_t>(span);
+    req.timeout_ms = timeout_ms;
+    wire::EncodeGatherCell(req, &bodies[static_cast<size_t>(m)]);
+    if (bodies[static_cast<size_t>(m)].size() > wire::kMaxControlBodyLen) {
+      return give_up(ResourceExhausted(
+          fmt::format("GATHER_CELL for a span of {} pieces exceeds the {}-byte control body limit",
+                      req.copies.size(), wire::kMaxControlBodyLen)));
+    }
+    nodes[m] = members[static_cast<size_t>(m)].node;
+  }
+  if (Status s = CallAll(io, wire::Opcode::kGatherCell, {nodes, static_cast<size_t>(k)}, bodies);
+      !s.ok()) {
+    return give_up(s);
+  }
+
+  // 2. Each parity daemon computes its cell from the k new data cells.
+  wire::ParityEncodeRequest preq;
+  preq.offset = off;
+  preq.length = static_cast<uint32_t>(span);
+  preq.k = static_cast<uint8_t>(k);
+  preq.r = static_cast<uint8_t>(r);
+  preq.timeout_ms = timeout_ms;
+  for (int m = 0; m < k; ++m) {
+    const Endpoint ep = cluster_->node(members[static_cast<size_t>(m)].node).endpoint;
+    preq.sources.push_back({ep.host, ep.port, members[static_cast<size_t>(m)].id(), off});
+  }
+  bodies.assign(static_cast<size_t>(r), {});
+  for (int j = 0; j < r; ++j) {
+    const client::Lease& target = members[static_cast<size_t>(k + j)];
+    preq.lease_id = target.id();
+    preq.parity_index = static_cast<uint8_t>(j);
+    wire::EncodeParityEncode(preq, &bodies[static_cast<size_t>(j)]);
+    nodes[j] = target.node;
+  }
+  if (Status s = CallAll(io, wire::Opcode::kParityEncode, {nodes, static_cast<size_t>(r)}, bodies);
+      !s.ok()) {
+    return give_up(s);
+  }
+
+  // 3. Commit, as WriteSet does.
+  std::lock_guard lock(mu_);
+  Group* g = set->group;
+  if (g->failed_mask != 0 || g->lost_mask != 0 || g->rebuilding || g->epoch != epoch) {
+    FreeRowLocked(set);
+    return Err(Unavailable(fmt::format("slab group {} lost a member during the write", g->id)));
+  }
+  set->writing = false;
+  set->live_mask = cells.size() >= 32 ? ~0u : ((1u << cells.size()) - 1);
+  for (size_t i = 0; i < spans.size(); ++i) set->spans[i] = spans[i];
+  return set;
 }
 
 }  // namespace farmem::farptr_internal

@@ -1,11 +1,13 @@
-// Parity offload (PARITY_ENCODE, docs/wire-protocol.md) against real farmemd processes: the
-// parity a daemon computes from data cells on other daemons is byte for byte what farmem::ec
-// computes; after a data cell changes, offloading again gives the re-encoded parity; a lost data
-// cell decodes from offloaded parity; and every bad request gets an error reply that leaves the
-// parity cell alone, without hurting the daemon.
+// Compaction offload (docs/wire-protocol.md) against real farmemd processes.
+// PARITY_ENCODE: the parity a daemon computes from data cells on other daemons is byte for byte
+// what farmem::ec computes; after a data cell changes, offloading again gives the re-encoded
+// parity; lost data cells decode from offloaded parity. GATHER_CELL: the cell a daemon assembles
+// is exactly the named pieces over zeros. Every bad request gets the documented error reply and
+// leaves the target cell alone, without hurting the daemon.
 #include <gtest/gtest.h>
 
 #include <cstring>
+#include <functional>
 #include <random>
 #include <vector>
 
@@ -215,6 +217,101 @@ TEST_F(ParityOffloadTest, BadRequestsGetErrorsAndLeaveTheCellAlone) {
   EXPECT_TRUE(ProcessAlive((*daemons_)[kK].pid())) << daemons_->Logs();
   auto st = clients_[kK]->Stat();
   EXPECT_TRUE(st.has_value());
+}
+
+// GATHER_CELL: the target becomes zeros plus the named pieces of the source cells, in order.
+TEST_F(ParityOffloadTest, GatherBuildsACellFromPiecesOfOtherCells) {
+  ASSERT_TRUE(WriteData().ok());
+  const uint64_t target_off = kRowOffset + kCell;  // another row on daemon 2
+  std::vector<uint8_t> junk(kCell, 0x5A);
+  ASSERT_TRUE(channels_[2]->Write(slabs_[2], target_off, junk).ok());
+  wire::GatherCellRequest req;
+  req.lease_id = slabs_[2].lease_id;
+  req.offset = target_off;
+  req.length = kCell;
+  req.timeout_ms = 3000;
+  for (int m : {0, 1, 2}) {  // daemon 2 reads its own cell too, like any other
+    const Endpoint ep = (*daemons_)[m].endpoint();
+    req.sources.push_back({ep.host, ep.port, slabs_[m].lease_id, kRowOffset});
+  }
+  req.copies = {{0, 100, 0, 500},
+                {1, 0, 1000, 4096},
+                {2, 7, 9000, 300},
+                {0, kCell - 10, kCell - 10, 10},
+                {1, 50, 1000, 8}};  // the last overwrites
+  std::vector<uint8_t> want(kCell, 0);
+  for (const auto& c : req.copies) {
+    std::memcpy(want.data() + c.dst_offset, data_[c.source].data() + c.src_offset, c.length);
+  }
+  std::vector<uint8_t> body;
+  wire::EncodeGatherCell(req, &body);
+  auto reply = clients_[2]->control().Call(wire::Opcode::kGatherCell, body, kCallTimeout);
+  ASSERT_TRUE(reply.has_value()) << reply.error().ToString() << daemons_->Logs();
+  std::vector<uint8_t> got(kCell);
+  ASSERT_TRUE(channels_[2]->Read(slabs_[2], target_off, got).ok());
+  EXPECT_TRUE(got == want);
+
+  // Bad requests: the documented error, the cell stays as it is.
+  struct Case {
+    const char* what;
+    std::function<void(wire::GatherCellRequest&)> mutate;
+    StatusCode code;
+  };
+  const std::vector<Case> cases = {
+      {"copy from a source that is not listed",
+       [](wire::GatherCellRequest& r) { r.copies[0].source = 3; }, StatusCode::kInvalidArgument},
+      {"copy past the end of the cell",
+       [](wire::GatherCellRequest& r) { r.copies[1].dst_offset = kCell - 100; },
+       StatusCode::kInvalidArgument},
+      {"copy of 0 bytes", [](wire::GatherCellRequest& r) { r.copies[2].length = 0; },
+       StatusCode::kInvalidArgument},
+      {"33 sources",
+       [](wire::GatherCellRequest& r) {
+         while (r.sources.size() < 33) r.sources.push_back(r.sources[0]);
+       },
+       StatusCode::kInvalidArgument},
+      {"source lease unknown", [](wire::GatherCellRequest& r) { r.sources[1].lease_id = 0x777; },
+       StatusCode::kUnavailable},
+      {"target range past the slab",
+       [](wire::GatherCellRequest& r) { r.offset = (1u << 20) - 100; }, StatusCode::kOutOfRange},
+      {"timeout 0", [](wire::GatherCellRequest& r) { r.timeout_ms = 0; },
+       StatusCode::kInvalidArgument},
+  };
+  for (const Case& c : cases) {
+    wire::GatherCellRequest bad = req;
+    c.mutate(bad);
+    body.clear();
+    wire::EncodeGatherCell(bad, &body);
+    auto r = clients_[2]->control().Call(wire::Opcode::kGatherCell, body, kCallTimeout);
+    ASSERT_FALSE(r.has_value()) << c.what;
+    EXPECT_EQ(r.error().code(), c.code) << c.what << ": " << r.error().ToString();
+  }
+  // A copy count the body cannot hold, and a body cut short.
+  body.clear();
+  wire::EncodeGatherCell(req, &body);
+  std::vector<uint8_t> lying = body;
+  const uint32_t huge = 0x10000000;
+  std::memcpy(&lying[28], &huge, 4);
+  auto r = clients_[2]->control().Call(wire::Opcode::kGatherCell, lying, kCallTimeout);
+  ASSERT_FALSE(r.has_value());
+  EXPECT_EQ(r.error().code(), StatusCode::kProtocolError) << r.error().ToString();
+  body.resize(body.size() - 5);
+  r = clients_[2]->control().Call(wire::Opcode::kGatherCell, body, kCallTimeout);
+  ASSERT_FALSE(r.has_value());
+  EXPECT_EQ(r.error().code(), StatusCode::kProtocolError) << r.error().ToString();
+  ASSERT_TRUE(channels_[2]->Read(slabs_[2], target_off, got).ok());
+  EXPECT_TRUE(got == want) << "a failed GATHER_CELL changed the cell";
+
+  // No sources, no copies: a zero cell.
+  wire::GatherCellRequest zero = req;
+  zero.sources.clear();
+  zero.copies.clear();
+  body.clear();
+  wire::EncodeGatherCell(zero, &body);
+  ASSERT_TRUE(clients_[2]->control().Call(wire::Opcode::kGatherCell, body, kCallTimeout));
+  ASSERT_TRUE(channels_[2]->Read(slabs_[2], target_off, got).ok());
+  EXPECT_TRUE(got == std::vector<uint8_t>(kCell, 0));
+  EXPECT_TRUE(ProcessAlive((*daemons_)[2].pid())) << daemons_->Logs();
 }
 
 }  // namespace

@@ -1,7 +1,7 @@
-// Compaction with parity offload (RuntimeOptions::parity_offload): the daemons compute the parity
-// of the span sets compaction writes (PARITY_ENCODE). The client must send only the data spans
-// (plus small requests), and that daemon-made parity must really protect: after killing r = 2
-// daemons every object still reads back right, through degraded reads.
+// Compaction with offload (RuntimeOptions::parity_offload): the daemons assemble the new span
+// sets' data cells from the old cells (GATHER_CELL) and compute their parity (PARITY_ENCODE). No
+// span may cross the client, and what the daemons built must be right and really protect: after
+// killing r = 2 daemons every object still reads back right, through degraded reads.
 #include <gtest/gtest.h>
 
 #include <random>
@@ -57,10 +57,13 @@ TEST_F(FarptrTest, CompactionWithParityOffloadSurvivesTwoKilledDaemons) {
                (after.compaction_cpu_ns - before.compaction_cpu_ns) / 1e6);
   ASSERT_GT(sets, 0u) << "compaction wrote no set with offloaded parity";
   EXPECT_EQ(after.compaction_offload_fallbacks, 0u);
-  // The client sent the k = 4 data spans of each set and two requests of a few hundred bytes:
-  // not the 2 parity spans.
-  EXPECT_GE(sent, sets * 4 * kSpan);
-  EXPECT_LT(sent, sets * (4 * kSpan + 1024));
+  // The daemons gathered the objects (GATHER_CELL) and computed parity (PARITY_ENCODE): the
+  // client sent requests of a few KiB per set and received only their replies. Without offload
+  // it reads every victim span and sends 4 data + 2 parity spans per set.
+  const uint64_t received =
+      after.compaction_client_bytes_received - before.compaction_client_bytes_received;
+  EXPECT_LT(sent, sets * kSpan / 2) << "spans crossed the client";
+  EXPECT_LT(received, sets * 1024) << "spans crossed the client";
   EXPECT_GT(after.compaction_cpu_ns, before.compaction_cpu_ns);
 
   // Kill the daemons of data members 0 and 1 of the first slab group. With six daemons every

@@ -49,6 +49,7 @@ enum class Opcode : uint8_t {
   kEvictNotice = 10,   // daemon -> client push: these leases will be evicted
   kRdmaToken = 11,     // a one-time token that admits one RDMA connection of this client
   kParityEncode = 12,  // parity offload: compute one parity cell from k data cells on peers
+  kGatherCell = 13,    // compaction offload: build one cell from pieces of cells on peers
 };
 const char* OpcodeName(uint8_t op);
 
@@ -309,6 +310,30 @@ struct ParityEncodeRequest {
 void EncodeParityEncode(const ParityEncodeRequest& m, std::vector<uint8_t>* out);
 // Checks every count, index, length and host; the body must be exactly what the fields describe.
 Result<ParityEncodeRequest> DecodeParityEncode(std::span<const uint8_t> body);
+
+// GATHER_CELL (compaction offload, docs/wire-protocol.md): the daemon reads whole source cells
+// from their daemons (as the caller), and stores at [offset, offset + length) of lease_id a cell
+// that is zero except for the copies, applied in order.
+inline constexpr size_t kGatherFixedSize = 32;
+inline constexpr size_t kGatherCopySize = 16;
+inline constexpr uint32_t kMaxGatherSources = 32;
+inline constexpr uint64_t kMaxGatherSourceBytes = 32ull << 20;  // sources * length
+struct GatherCopy {
+  uint16_t source = 0;  // index into sources
+  uint32_t src_offset = 0;
+  uint32_t dst_offset = 0;
+  uint32_t length = 0;
+};
+struct GatherCellRequest {
+  uint64_t lease_id = 0;
+  uint64_t offset = 0;
+  uint32_t length = 0;  // of the target cell and of every source cell
+  uint32_t timeout_ms = 0;
+  std::vector<PeerCell> sources;
+  std::vector<GatherCopy> copies;
+};
+void EncodeGatherCell(const GatherCellRequest& m, std::vector<uint8_t>* out);
+Result<GatherCellRequest> DecodeGatherCell(std::span<const uint8_t> body);
 
 void EncodeBatchOp(const BatchOp& m, uint8_t out[kBatchOpSize]);
 // Decodes the descriptor table of a BATCH body: count, then count descriptors. Checks each op
