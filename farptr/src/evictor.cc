@@ -76,7 +76,7 @@ void Heap::EvictorLoop() {
                        FormatSize(frames_in_use_.load() * span_size_),
                        FormatSize(options_.local_budget));
         }
-        SetOverBudget(over_budget_, false);
+        SetOverBudget(this, over_budget_, false);
       }
     }
     if (options_.auto_compact && Clock::now() - last_compact > std::chrono::milliseconds(100)) {
@@ -93,6 +93,18 @@ void Heap::EvictorLoop() {
     }
     lock.lock();
   }
+}
+
+bool Heap::TryReclaim() {
+  std::unique_lock round(evict_round_mu_, std::try_to_lock);
+  if (!round.owns_lock()) return false;
+  size_t progress = 0;
+  for (int i = 0; i < 16 && frames_in_use_.load() > low_frames_; ++i) {
+    const size_t n = EvictRound(low_frames_, false, std::chrono::milliseconds(2));
+    if (n == 0) break;
+    progress += n;
+  }
+  return progress > 0;
 }
 
 Status Heap::EvictUntil(uint64_t target_bytes) {
@@ -218,7 +230,7 @@ void Heap::Relocate(const std::vector<Relocation>& relocations) {
   }
 }
 
-size_t Heap::EvictRound(size_t target_frames, bool force) {
+size_t Heap::EvictRound(size_t target_frames, bool force, std::chrono::nanoseconds drain_limit) {
   const size_t in_use = frames_in_use_.load();
   if (in_use <= target_frames) return 0;
   size_t need = in_use - target_frames;
@@ -228,7 +240,24 @@ size_t Heap::EvictRound(size_t target_frames, bool force) {
   std::vector<Relocation> relocations;
   PickVictims(need, force, &victims, &relocations);
   if (victims.empty() && relocations.empty()) return 0;
-  WaitForScopesToDrain();
+  if (!WaitForScopesToDrainFor(drain_limit)) {
+    // Give the round up: every mark goes, as if derefs had cancelled them.
+    for (Span* s : victims) {
+      std::lock_guard sl(s->mu);
+      if (s->state != SpanState::kEvicting) continue;
+      for (ObjectEntry* o : s->owner) {
+        if (o != nullptr) o->word.fetch_and(~kEvacuating, std::memory_order_seq_cst);
+      }
+      s->state = SpanState::kLocal;
+    }
+    for (const Relocation& r : relocations) {
+      std::lock_guard sl(r.span->mu);
+      if (r.span->state == SpanState::kLocal && r.span->owner[r.slot] == r.entry) {
+        r.entry->word.fetch_and(~kEvacuating, std::memory_order_seq_cst);
+      }
+    }
+    return 0;
+  }
   const size_t relocated_before = objects_relocated_.load();
   Relocate(relocations);
   const size_t relocated = objects_relocated_.load() - relocated_before;

@@ -102,6 +102,10 @@ class Heap {
 
   // Evictor (evictor.cc).
   Status EvictUntil(uint64_t target_bytes);
+  // Direct reclaim, for a thread at the budget gate (holding no scope, no lock): one eviction
+  // burst down to the low watermark, unless an eviction is already running. True if it gave
+  // memory back.
+  bool TryReclaim();
   // Compactor (compactor.cc).
   Status Compact();
   bool WaitForRecovery(std::chrono::milliseconds timeout) {
@@ -119,6 +123,10 @@ class Heap {
   void AddPartial(Span* s);
   // Swaps `s` in (s->mu held, state kRemote). On success the span is kLocal.
   Status SwapInLocked(Span* s, std::unique_lock<std::mutex>& lock, bool prefetch);
+  // The second half of a swap-in, once `frame` holds the span's bytes (s->mu held).
+  void FinishSwapInLocked(Span* s, uint8_t* frame, bool prefetch);
+  // A swap-in that failed: says which span, marks it lost on DataLoss (s->mu held).
+  Status SwapInFailedLocked(Span* s, Status st);
   // Frees a local span that has no live object (s->mu held).
   void ReleaseLocalLocked(Span* s);
   // A local span is about to be written (or its row is wanted): its remote copy becomes a hole
@@ -146,7 +154,10 @@ class Heap {
   void EvictorLoop();
   // Evicts until at most `target_frames` are resident (or nothing more can go). Returns spans
   // evicted.
-  size_t EvictRound(size_t target_frames, bool force);
+  // `drain_limit`: how long to wait for open scopes before giving the round up (direct reclaim
+  // must not wait for a scope that may be waiting for a lock its caller holds).
+  size_t EvictRound(size_t target_frames, bool force,
+                    std::chrono::nanoseconds drain_limit = std::chrono::nanoseconds::max());
   struct Relocation {
     Span* span;
     uint32_t slot;
@@ -235,8 +246,10 @@ class Heap {
 // Waits until every thread that was inside an outermost DerefScope when this was called has
 // left it.
 void WaitForScopesToDrain();
+// The same, giving up after `limit`: false if some scope was still open.
+bool WaitForScopesToDrainFor(std::chrono::nanoseconds limit);
 // The budget gate: while any heap is over its budget, threads entering an outermost scope wait
 // (up to a bound) for the evictor.
-void SetOverBudget(std::atomic<bool>& flag, bool over);
+void SetOverBudget(Heap* heap, std::atomic<bool>& flag, bool over);
 
 }  // namespace farmem::farptr_internal

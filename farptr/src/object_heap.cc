@@ -70,7 +70,7 @@ uint8_t* Heap::GetFrame() {
   }
   const size_t used = frames_in_use_.fetch_add(1, std::memory_order_acq_rel) + 1;
   if (used > budget_frames_ && !eviction_stalled_.load(std::memory_order_relaxed)) {
-    SetOverBudget(over_budget_, true);
+    SetOverBudget(this, over_budget_, true);
   }
   if (used > high_frames_) {
     std::lock_guard lock(evict_mu_);
@@ -93,7 +93,7 @@ void Heap::PutFrame(uint8_t* f) {
   std::free(f);
   const size_t used = frames_in_use_.fetch_sub(1, std::memory_order_acq_rel) - 1;
   if (used <= budget_frames_ && over_budget_.load(std::memory_order_relaxed)) {
-    SetOverBudget(over_budget_, false);
+    SetOverBudget(this, over_budget_, false);
   }
 }
 
@@ -420,21 +420,32 @@ Status Heap::SwapInLocked(Span* s, std::unique_lock<std::mutex>& lock, bool pref
   Status st = store_->ReadSpan(*io, s->set, s->member, frame);
   ReturnIo(io);
   if (!st.ok()) {
-    st =
-        Status(st.code(), fmt::format("{} {}: {}", Describe(s),
-                                      st.code() == StatusCode::kDataLoss ? "is lost" : "unreadable",
-                                      st.message()));
     PutFrame(frame);
-    if (st.code() == StatusCode::kDataLoss) MarkLostLocked(s, st);
-    return st;
+    return SwapInFailedLocked(s, st);
   }
+  FinishSwapInLocked(s, frame, prefetch);
+  return Status::Ok();
+}
+
+Status Heap::SwapInFailedLocked(Span* s, Status st) {
+  st = Status(st.code(), fmt::format("{} {}: {}", Describe(s),
+                                     st.code() == StatusCode::kDataLoss ? "is lost" : "unreadable",
+                                     st.message()));
+  if (st.code() == StatusCode::kDataLoss) MarkLostLocked(s, st);
+  return st;
+}
+
+void Heap::FinishSwapInLocked(Span* s, uint8_t* frame, bool prefetch) {
   s->frame = frame;
   s->state = SpanState::kLocal;
   const uint32_t csize = s->cls->size;
   uint32_t live = 0;
   for (uint32_t i = 0; i < s->owner.size(); ++i) {
     if (ObjectEntry* o = s->owner[i]; o != nullptr) {
-      o->word.store(reinterpret_cast<uint64_t>(frame + static_cast<size_t>(i) * csize) | kPresent,
+      // A prefetched span counts as hot for one CLOCK sweep, so the evictor does not take it
+      // back before the scan that asked for it arrives.
+      o->word.store(reinterpret_cast<uint64_t>(frame + static_cast<size_t>(i) * csize) | kPresent |
+                        (prefetch ? kHot : 0),
                     std::memory_order_release);
       ++live;
     }
@@ -446,7 +457,6 @@ Status Heap::SwapInLocked(Span* s, std::unique_lock<std::mutex>& lock, bool pref
   copy_object_bytes_.fetch_add(static_cast<uint64_t>(live) * csize, std::memory_order_relaxed);
   swap_ins_.fetch_add(1, std::memory_order_relaxed);
   if (prefetch) prefetches_.fetch_add(1, std::memory_order_relaxed);
-  return Status::Ok();
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -463,8 +473,12 @@ void Heap::Prefetch(ObjectEntry* e) {
 }
 
 void Heap::PrefetchLoop() {
+  // Hints are taken in batches; the spans they name are read together (one doorbell per daemon,
+  // round trips overlapping), so a scan's prefetch keeps several reads in flight.
+  constexpr size_t kBatch = 8;
+  std::vector<ObjectEntry*> hints;
   for (;;) {
-    ObjectEntry* e = nullptr;
+    hints.clear();
     {
       std::unique_lock lock(prefetch_mu_);
       prefetch_cv_.wait(lock, [&] {
@@ -475,21 +489,60 @@ void Heap::PrefetchLoop() {
         std::lock_guard el(evict_mu_);
         if (stopping_) return;
       }
-      e = prefetch_queue_.front();
-      prefetch_queue_.pop_front();
+      while (!prefetch_queue_.empty() && hints.size() < 4 * kBatch) {
+        hints.push_back(prefetch_queue_.front());
+        prefetch_queue_.pop_front();
+      }
     }
-    // The entry may have been freed (and even reused) since the hint: every step re-checks
-    // under the span lock, and a stale hint at worst swaps in a span someone else wanted.
-    if ((LoadWord(e) & kPresent) != 0) continue;
-    Span* s = e->span.load(std::memory_order_acquire);
-    if (s == nullptr) continue;
-    std::unique_lock lock(s->mu);
-    if (s->state != SpanState::kRemote) continue;
-    if (frames_in_use_.load(std::memory_order_relaxed) >= high_frames_) continue;  // no room
-    if (SwapInLocked(s, lock, true).ok()) {
-      const bool partial = !s->free_slots.empty();
-      lock.unlock();
-      if (partial) AddPartial(s);
+    size_t next = 0;
+    while (next < hints.size()) {
+      // The entries may have been freed (and even reused) since the hint: every step re-checks
+      // under the span lock, and a stale hint at worst swaps in a span someone else wanted.
+      Span* spans[kBatch];
+      std::unique_lock<std::mutex> locks[kBatch];
+      uint8_t* frames[kBatch];
+      SpanSet* sets[kBatch];
+      int members[kBatch];
+      Status results[kBatch];
+      size_t n = 0;
+      for (; next < hints.size() && n < kBatch; ++next) {
+        ObjectEntry* e = hints[next];
+        if ((LoadWord(e) & kPresent) != 0) continue;
+        Span* s = e->span.load(std::memory_order_acquire);
+        if (s == nullptr || std::find(spans, spans + n, s) != spans + n) continue;
+        // try_lock: this thread holds other span locks; whoever holds this one is using it.
+        std::unique_lock lock(s->mu, std::try_to_lock);
+        if (!lock.owns_lock() || s->state != SpanState::kRemote) continue;
+        if (frames_in_use_.load(std::memory_order_relaxed) + 1 >= high_frames_) break;  // no room
+        spans[n] = s;
+        sets[n] = s->set;
+        members[n] = s->member;
+        frames[n] = GetFrame();
+        locks[n++] = std::move(lock);
+      }
+      if (n == 0) {
+        if (next < hints.size() &&
+            frames_in_use_.load(std::memory_order_relaxed) + 1 >= high_frames_) {
+          break;  // no room for the rest of this batch
+        }
+        continue;
+      }
+      IoContext* io = CheckoutIo();
+      store_->ReadSpans(*io, {sets, n}, {members, n}, {frames, n}, {results, n});
+      ReturnIo(io);
+      for (size_t i = 0; i < n; ++i) {
+        Span* s = spans[i];
+        bool partial = false;
+        if (results[i].ok()) {
+          FinishSwapInLocked(s, frames[i], true);
+          partial = !s->free_slots.empty();
+        } else {
+          PutFrame(frames[i]);
+          (void)SwapInFailedLocked(s, results[i]);  // a deref reports it
+        }
+        locks[i].unlock();
+        if (partial) AddPartial(s);
+      }
     }
   }
 }

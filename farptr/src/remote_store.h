@@ -135,6 +135,11 @@ class RemoteStore {
   // Reads data member `member` of `set` into dst (span_size bytes); degraded if needed. Errors
   // say where the span lived; the caller adds what it was.
   Status ReadSpan(IoContext& io, SpanSet* set, int member, uint8_t* dst);
+  // Several ReadSpans at once (the prefetcher's batch): the plain reads are posted together, one
+  // doorbell per daemon, so their round trips overlap; any that fails is retried alone through
+  // ReadSpan (degraded if needed). results[i] is the status of read i.
+  void ReadSpans(IoContext& io, std::span<SpanSet* const> sets, std::span<const int> members,
+                 std::span<uint8_t* const> dsts, std::span<Status> results);
   // Makes data member `member` a hole; frees the row / group when nothing is left.
   void Release(SpanSet* set, int member);
   // True if `set`'s group has no failed or lost member: a clean local span whose copy is cell

@@ -235,6 +235,48 @@ Result<SpanSet*> RemoteStore::WriteSet(IoContext& io, std::span<const uint8_t* c
   return Err(last.WithContext("writing a span set"));
 }
 
+void RemoteStore::ReadSpans(IoContext& io, std::span<SpanSet* const> sets,
+                            std::span<const int> members, std::span<uint8_t* const> dsts,
+                            std::span<Status> results) {
+  const size_t n = std::min<size_t>(sets.size(), kMaxSetWidth);
+  transport::Op ops[kMaxSetWidth];
+  client::NodeId nodes[kMaxSetWidth];
+  size_t index[kMaxSetWidth];
+  Status got[kMaxSetWidth];
+  size_t posted = 0;
+  {
+    std::lock_guard lock(mu_);
+    for (size_t i = 0; i < n; ++i) {
+      const Group* g = sets[i]->group;
+      const int m = members[i];
+      results[i] = Unavailable("not read");
+      if ((((g->failed_mask | g->lost_mask) >> m) & 1) != 0) continue;  // degraded: alone below
+      const client::Lease& l = g->members[static_cast<size_t>(m)];
+      ops[posted] = {transport::OpType::kRead,
+                     l.slab(),
+                     static_cast<uint64_t>(sets[i]->row) * span_size_,
+                     dsts[i],
+                     span_size_,
+                     nullptr,
+                     0};
+      nodes[posted] = l.node;
+      index[posted++] = i;
+    }
+  }
+  RunOps(io, {ops, posted}, {nodes, posted}, {got, posted});
+  bool ok[kMaxSetWidth] = {};
+  for (size_t j = 0; j < posted; ++j) {
+    if (got[j].ok()) {
+      results[index[j]] = Status::Ok();
+      ok[index[j]] = true;
+    }  // else ReadSpan below reads it again and reports the failure
+  }
+  for (size_t i = 0; i < n; ++i) {
+    if (!ok[i]) results[i] = ReadSpan(io, sets[i], members[i], dsts[i]);
+  }
+  for (size_t i = n; i < sets.size(); ++i) results[i] = ReadSpan(io, sets[i], members[i], dsts[i]);
+}
+
 Status RemoteStore::ReadSpan(IoContext& io, SpanSet* set, int member, uint8_t* dst) {
   const int k = res_.k;
   const int n = res_.width();

@@ -204,7 +204,7 @@ void Heap::Stop() {
   prefetchers_.clear();
   if (store_) store_->Shutdown();
   if (cluster_) (void)cluster_->Close();
-  SetOverBudget(over_budget_, false);
+  SetOverBudget(this, over_budget_, false);
   std::vector<Span*> all;
   {
     std::lock_guard lock(spans_mu_);

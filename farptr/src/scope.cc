@@ -64,9 +64,22 @@ thread_local ThreadSlot tls_slot;
 std::atomic<int> g_heaps_over_budget{0};
 std::mutex g_gate_mu;
 std::condition_variable g_gate_cv;
+std::vector<Heap*> g_over_budget;  // guarded by g_gate_mu
 constexpr auto kMaxGateWait = std::chrono::milliseconds(1000);
 
 void WaitAtGate() {
+  // Direct reclaim first: this thread holds no scope and no lock, so it can run an eviction
+  // round itself instead of waking the evictor and sleeping until it is done (two wake-ups
+  // across cores, tens of µs each here). If the evictor (or another thread) is already
+  // evicting, wait for it.
+  std::vector<Heap*> heaps;
+  {
+    std::lock_guard lock(g_gate_mu);
+    heaps = g_over_budget;
+  }
+  bool reclaimed = false;
+  for (Heap* h : heaps) reclaimed = h->TryReclaim() || reclaimed;
+  if (reclaimed) return;
   std::unique_lock lock(g_gate_mu);
   g_gate_cv.wait_for(lock, kMaxGateWait,
                      [] { return g_heaps_over_budget.load(std::memory_order_acquire) == 0; });
@@ -92,7 +105,10 @@ void ExitScopeOutermost() {
 
 bool InScope() { return tls_scope_depth > 0; }
 
-void WaitForScopesToDrain() {
+void WaitForScopesToDrain() { (void)WaitForScopesToDrainFor(std::chrono::nanoseconds::max()); }
+
+bool WaitForScopesToDrainFor(std::chrono::nanoseconds limit) {
+  const auto start = std::chrono::steady_clock::now();
   std::vector<std::pair<std::shared_ptr<ThreadRecord>, uint64_t>> pending;
   {
     Registry& r = registry();
@@ -109,19 +125,24 @@ void WaitForScopesToDrain() {
       if (++spins < 64) {
         std::this_thread::yield();
       } else {
+        if (std::chrono::steady_clock::now() - start >= limit) return false;
         std::this_thread::sleep_for(std::chrono::microseconds(50));
       }
     }
   }
+  return true;
 }
 
-void SetOverBudget(std::atomic<bool>& flag, bool over) {
+void SetOverBudget(Heap* heap, std::atomic<bool>& flag, bool over) {
   if (flag.exchange(over, std::memory_order_acq_rel) == over) return;
   if (over) {
+    std::lock_guard lock(g_gate_mu);
+    g_over_budget.push_back(heap);
     g_heaps_over_budget.fetch_add(1, std::memory_order_acq_rel);
   } else {
     {
       std::lock_guard lock(g_gate_mu);
+      std::erase(g_over_budget, heap);
       g_heaps_over_budget.fetch_sub(1, std::memory_order_acq_rel);
     }
     g_gate_cv.notify_all();

@@ -43,9 +43,10 @@ class far_vector {
 
   explicit far_vector(Runtime& rt, size_t n = 0, const T& value = T()) : rt_(&rt) {
     resize(n, value);
-    // A span's worth of chunks, twice, ahead of the scan.
+    // Eight spans' worth of chunks ahead of the scan: the prefetcher reads up to eight spans at
+    // once, so their round trips overlap.
     prefetch_distance_ =
-        std::max<size_t>(2, 2 * static_cast<size_t>(rt.options().span_size) / kChunkBytes);
+        std::max<size_t>(2, 8 * static_cast<size_t>(rt.options().span_size) / kChunkBytes);
   }
   far_vector(const far_vector&) = delete;
   far_vector& operator=(const far_vector&) = delete;
