@@ -42,6 +42,9 @@ Status PeerReader::Start(std::span<const wire::PeerCell> cells, uint32_t length,
   ids_.clear();
   names_.clear();
   length_ = length;
+  // A client names its own daemons, a handful; one that names ever new addresses must not pile
+  // up connections here. Dropped only here, before this round holds pointers to any link.
+  if (links_.size() + cells.size() > kMaxLinks) links_.clear();
   for (const wire::PeerCell& cell : cells) {
     Result<Link*> link = LinkFor(cell, deadline);
     if (!link.has_value()) {

@@ -46,6 +46,7 @@ class PeerReader {
     std::unique_ptr<transport::TcpConnection> conn;
   };
   Result<Link*> LinkFor(const wire::PeerCell& cell, Deadline deadline);
+  static constexpr size_t kMaxLinks = 64;
 
   std::string secret_;
   wire::ClientId client_id_;

@@ -58,19 +58,23 @@ bool Heap::CompactionWanted() const {
 Status Heap::Compact() {
   if (InScope()) return InvalidArgument("Compact inside a DerefScope");
   std::lock_guard round(evict_round_mu_);
-  const uint64_t cpu0 = ThreadCpuNs();
   size_t moved = 0;
   Status st;
   for (int i = 0; i < 64; ++i) {
     st = CompactOnce(&moved);
     if (!st.ok() || moved == 0 || !CompactionWanted()) break;
   }
-  compaction_cpu_ns_.fetch_add(ThreadCpuNs() - cpu0, std::memory_order_relaxed);
   return st;
 }
 
 Status Heap::CompactOnce(size_t* moved) {
   *moved = 0;
+  // Client CPU for compaction, whichever thread runs it (Compact, or the evictor).
+  struct CpuMeter {
+    std::atomic<uint64_t>& total;
+    const uint64_t start = ThreadCpuNs();
+    ~CpuMeter() { total.fetch_add(ThreadCpuNs() - start, std::memory_order_relaxed); }
+  } cpu{compaction_cpu_ns_};
   const size_t k = static_cast<size_t>(res_.k);
   // Every victim stays locked for the whole pass: keep the batch modest (ThreadSanitizer also
   // tracks at most 64 locks held by one thread).

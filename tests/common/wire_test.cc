@@ -185,7 +185,9 @@ TEST(WireHeader, OpcodeNames) {
   EXPECT_STREQ(OpcodeName(9), "BATCH");
   EXPECT_STREQ(OpcodeName(10), "EVICT_NOTICE");
   EXPECT_STREQ(OpcodeName(11), "RDMA_TOKEN");
-  for (int op : {0, 12, 100, 255}) EXPECT_STREQ(OpcodeName(static_cast<uint8_t>(op)), "UNKNOWN");
+  EXPECT_STREQ(OpcodeName(12), "PARITY_ENCODE");
+  EXPECT_STREQ(OpcodeName(13), "GATHER_CELL");
+  for (int op : {0, 14, 100, 255}) EXPECT_STREQ(OpcodeName(static_cast<uint8_t>(op)), "UNKNOWN");
 }
 
 // ---------------------------------------------------------------- Reader / Writer
@@ -956,6 +958,113 @@ TEST(WireLeaseId, PacksEpochAndSlab) {
   EXPECT_EQ(LeaseSlab(MakeLeaseId(1, 0)), 0u);
   EXPECT_EQ(LeaseEpoch(MakeLeaseId(0xffffffff, 0xffffffff)), 0xffffffffu);
   EXPECT_EQ(MakeLeaseId(0xffffffff, 0xffffffff), kU64Max);
+}
+
+// ---- compaction offload requests ----
+
+ParityEncodeRequest SampleParity() {
+  ParityEncodeRequest m;
+  m.lease_id = MakeLeaseId(7, 3);
+  m.offset = 1 << 16;
+  m.length = 4096;
+  m.k = 3;
+  m.r = 2;
+  m.parity_index = 1;
+  m.timeout_ms = 2500;
+  m.sources = {{"10.0.0.1", 7411, 11, 0}, {"fe80::1%eth0", 7412, 12, 4096}, {"node-c", 9, 13, 8}};
+  return m;
+}
+
+TEST(WireParityEncode, RoundTrips) {
+  const ParityEncodeRequest m = SampleParity();
+  std::vector<uint8_t> b;
+  EncodeParityEncode(m, &b);
+  EXPECT_EQ(b.size(), kParityEncodeFixedSize + 3 * 24 + 8 + 12 + 6);
+  auto d = DecodeParityEncode(b);
+  ASSERT_TRUE(d.has_value()) << d.error().ToString();
+  EXPECT_EQ(d->lease_id, m.lease_id);
+  EXPECT_EQ(d->offset, m.offset);
+  EXPECT_EQ(d->length, m.length);
+  EXPECT_EQ(d->k, 3);
+  EXPECT_EQ(d->r, 2);
+  EXPECT_EQ(d->parity_index, 1);
+  EXPECT_EQ(d->timeout_ms, 2500u);
+  ASSERT_EQ(d->sources.size(), 3u);
+  EXPECT_EQ(d->sources[1].host, "fe80::1%eth0");
+  EXPECT_EQ(d->sources[1].port, 7412);
+  EXPECT_EQ(d->sources[1].lease_id, 12u);
+  EXPECT_EQ(d->sources[2].offset, 8u);
+}
+
+TEST(WireParityEncode, RefusesWhatADaemonMustNotActOn) {
+  auto code = [](ParityEncodeRequest m) {
+    std::vector<uint8_t> b;
+    EncodeParityEncode(m, &b);
+    auto d = DecodeParityEncode(b);
+    return d.has_value() ? StatusCode::kOk : d.error().code();
+  };
+  ParityEncodeRequest m = SampleParity();
+  m.sources.pop_back();  // k says 3
+  EXPECT_EQ(code(m), StatusCode::kProtocolError);
+  m = SampleParity();
+  m.sources[0].host = "a/b";
+  EXPECT_EQ(code(m), StatusCode::kInvalidArgument);
+  m = SampleParity();
+  m.sources[0].host = "";
+  EXPECT_EQ(code(m), StatusCode::kInvalidArgument);
+  m = SampleParity();
+  m.sources[2].offset = kU64Max - 10;  // offset + length overflows
+  EXPECT_EQ(code(m), StatusCode::kInvalidArgument);
+  m = SampleParity();
+  m.parity_index = 2;
+  EXPECT_EQ(code(m), StatusCode::kInvalidArgument);
+  m = SampleParity();
+  m.k = 31;  // k + r = 33
+  EXPECT_EQ(code(m), StatusCode::kInvalidArgument);
+}
+
+TEST(WireGatherCell, RoundTripsAndChecksEveryCopy) {
+  GatherCellRequest m;
+  m.lease_id = 5;
+  m.offset = 0;
+  m.length = 1000;
+  m.timeout_ms = 10;
+  m.sources = {{"h1", 1, 2, 3}, {"h2", 4, 5, 6}};
+  m.copies = {{1, 0, 999, 1}, {0, 500, 0, 500}};
+  std::vector<uint8_t> b;
+  EncodeGatherCell(m, &b);
+  EXPECT_EQ(b.size(), kGatherFixedSize + 2 * 26 + 2 * kGatherCopySize);
+  auto d = DecodeGatherCell(b);
+  ASSERT_TRUE(d.has_value()) << d.error().ToString();
+  ASSERT_EQ(d->copies.size(), 2u);
+  EXPECT_EQ(d->copies[0].source, 1);
+  EXPECT_EQ(d->copies[0].dst_offset, 999u);
+  EXPECT_EQ(d->copies[1].src_offset, 500u);
+  EXPECT_EQ(d->sources[1].host, "h2");
+
+  for (GatherCopy bad : {GatherCopy{2, 0, 0, 1}, GatherCopy{0, 0, 0, 0}, GatherCopy{0, 1, 0, 1000},
+                         GatherCopy{0, 0, 0xffffffff, 2}}) {
+    GatherCellRequest x = m;
+    x.copies.push_back(bad);
+    b.clear();
+    EncodeGatherCell(x, &b);
+    auto e = DecodeGatherCell(b);
+    ASSERT_FALSE(e.has_value());
+    EXPECT_EQ(e.error().code(), StatusCode::kInvalidArgument) << e.error().ToString();
+  }
+  GatherCellRequest big = m;
+  big.length = 2 << 20;  // 17 sources of 2 MiB exceed 32 MiB
+  big.sources.assign(17, m.sources[0]);
+  big.copies.clear();
+  b.clear();
+  EncodeGatherCell(big, &b);
+  EXPECT_EQ(DecodeGatherCell(b).error().code(), StatusCode::kInvalidArgument);
+  // A copy count the body cannot hold is refused before anything is allocated.
+  b.clear();
+  EncodeGatherCell(m, &b);
+  const uint32_t lie = 0xfffffff0;
+  std::memcpy(&b[28], &lie, 4);
+  EXPECT_EQ(DecodeGatherCell(b).error().code(), StatusCode::kProtocolError);
 }
 
 }  // namespace

@@ -561,7 +561,7 @@ TEST_F(BadInputTest, MalformedHelloOrAuthGetsAnErrorAndClose) {
 
 TEST_F(BadInputTest, UnknownOpcodeIsSkippedAndTheConnectionContinues) {
   RawClient c = Authed();
-  for (uint8_t opcode : {uint8_t{0}, uint8_t{12}, uint8_t{200}, uint8_t{255},
+  for (uint8_t opcode : {uint8_t{0}, uint8_t{14}, uint8_t{200}, uint8_t{255},
                          Op(Opcode::kEvictNotice) /* daemon-to-client only */}) {
     for (size_t body_size : {size_t{0}, size_t{100}, size_t{300000}}) {
       ASSERT_TRUE(SendOp(c, opcode, std::vector<uint8_t>(body_size, 0x46), 1234).ok());
@@ -587,6 +587,74 @@ TEST_F(BadInputTest, UnknownOpcodeIsSkippedAndTheConnectionContinues) {
     EXPECT_EQ(f->header.request_id, id);
     EXPECT_EQ(f->code(), id == 2 ? StatusCode::kUnimplemented : StatusCode::kOk);
   }
+}
+
+// Compaction offload (PARITY_ENCODE, GATHER_CELL): another client's lease as target, a source
+// nobody serves, garbage bodies: each gets an error reply and the connection goes on; a body
+// over the control limit breaks the framing like any control body. The good client's data (it
+// is both the target and a source here) must come out untouched (checked at the end).
+TEST_F(BadInputTest, OffloadRequestsAgainstOthersLeasesOrDeadSourcesAreRefused) {
+  RawClient c = Authed();
+  const uint64_t theirs = good_->slabs()[0].lease_id;
+  auto mine = c.Alloc(1);
+  ASSERT_TRUE(mine.has_value()) << mine.error().ToString();
+  const uint64_t own = (*mine)[0].lease_id;
+  const uint16_t port = endpoint().port;
+
+  wire::ParityEncodeRequest p;
+  p.length = 4096;
+  p.k = 2;
+  p.r = 1;
+  p.timeout_ms = 1000;
+  p.sources = {{"127.0.0.1", port, theirs, 0}, {"127.0.0.1", port, theirs, 4096}};
+  wire::GatherCellRequest g;
+  g.length = 4096;
+  g.timeout_ms = 1000;
+  g.sources = p.sources;
+  g.copies = {{0, 0, 0, 4096}};
+  auto send = [&](wire::Opcode op, uint64_t target) {
+    std::vector<uint8_t> body;
+    if (op == Opcode::kParityEncode) {
+      p.lease_id = target;
+      wire::EncodeParityEncode(p, &body);
+    } else {
+      g.lease_id = target;
+      wire::EncodeGatherCell(g, &body);
+    }
+    return SendOp(c, Op(op), body);
+  };
+  for (Opcode op : {Opcode::kParityEncode, Opcode::kGatherCell}) {
+    // Another client's lease as the target.
+    ASSERT_TRUE(send(op, theirs).ok());
+    EXPECT_TRUE(RepliesError(c, StatusCode::kPermissionDenied)) << wire::OpcodeName(Op(op));
+    // Our own target, but the sources are the good client's: this daemon reads them as us, and
+    // they are not ours.
+    ASSERT_TRUE(send(op, own).ok());
+    EXPECT_TRUE(RepliesError(c, StatusCode::kUnavailable)) << wire::OpcodeName(Op(op));
+    ASSERT_TRUE(StillServes(c));
+  }
+  // A source where nothing listens.
+  p.sources[1] = {"127.0.0.1", 1, own, 0};
+  ASSERT_TRUE(send(Opcode::kParityEncode, own).ok());
+  EXPECT_TRUE(RepliesError(c, StatusCode::kUnavailable));
+  // Garbage bodies of many sizes: an error reply each, the connection goes on.
+  std::mt19937_64 rng(99);
+  for (Opcode op : {Opcode::kParityEncode, Opcode::kGatherCell}) {
+    for (size_t n : {size_t{0}, size_t{1}, size_t{31}, size_t{32}, size_t{57}, size_t{4000}}) {
+      std::vector<uint8_t> junk(n);
+      for (auto& b : junk) b = static_cast<uint8_t>(rng());
+      ASSERT_TRUE(SendOp(c, Op(op), junk).ok());
+      auto f = c.Receive();
+      ASSERT_TRUE(f.has_value()) << f.error().ToString();
+      EXPECT_NE(f->code(), StatusCode::kOk) << wire::OpcodeName(Op(op)) << " of " << n;
+      ASSERT_TRUE(StillServes(c)) << wire::OpcodeName(Op(op)) << " of " << n;
+    }
+  }
+  // Over the control body limit: ProtocolError, closed.
+  ASSERT_TRUE(
+      SendOp(c, Op(Opcode::kGatherCell), std::vector<uint8_t>(wire::kMaxControlBodyLen + 1)).ok());
+  EXPECT_TRUE(RepliesError(c, StatusCode::kProtocolError));
+  EXPECT_TRUE(Closes(c));
 }
 
 TEST_F(BadInputTest, RdmaTokenWithABodyOrWithoutRdmaIsRefused) {

@@ -264,6 +264,49 @@ void RdmaPrivateData(Bytes data) {
   FUZZ_CHECK(DecodeRdmaRejectData(out) == why);
 }
 
+bool HostOk(const std::string& h) {
+  if (h.empty() || h.size() > kMaxPeerHost) return false;
+  for (char c : h) {
+    if (!((c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '.' ||
+          c == '-' || c == ':' || c == '_' || c == '%')) {
+      return false;
+    }
+  }
+  return true;
+}
+
+// PARITY_ENCODE: a farmemd dials the hosts it names, so they must be plain host names.
+void ParityEncodeBody(Bytes body) {
+  auto d = DecodeParityEncode(body);
+  if (!d.has_value()) return;
+  FUZZ_CHECK(d->k >= 1 && d->r >= 1 && d->k + d->r <= kMaxParityFragments);
+  FUZZ_CHECK(d->parity_index < d->r && d->sources.size() == d->k);
+  FUZZ_CHECK(d->length >= 1 && d->length <= kMaxDataLen);
+  FUZZ_CHECK(d->timeout_ms >= 1 && d->timeout_ms <= kMaxParityTimeoutMs);
+  for (const PeerCell& c : d->sources) FUZZ_CHECK(HostOk(c.host) && c.port != 0);
+  std::vector<uint8_t> out;
+  EncodeParityEncode(*d, &out);
+  FUZZ_CHECK(out.size() == body.size() && std::memcmp(out.data(), body.data(), out.size()) == 0);
+}
+
+// GATHER_CELL: every copy must stay inside the cells it names.
+void GatherCellBody(Bytes body) {
+  auto d = DecodeGatherCell(body);
+  if (!d.has_value()) return;
+  FUZZ_CHECK(d->length >= 1 && d->length <= kMaxDataLen);
+  FUZZ_CHECK(d->sources.size() <= kMaxGatherSources);
+  FUZZ_CHECK(uint64_t{d->sources.size()} * d->length <= kMaxGatherSourceBytes);
+  for (const PeerCell& c : d->sources) FUZZ_CHECK(HostOk(c.host) && c.port != 0);
+  for (const GatherCopy& c : d->copies) {
+    FUZZ_CHECK(c.source < d->sources.size() && c.length >= 1);
+    FUZZ_CHECK(uint64_t{c.src_offset} + c.length <= d->length);
+    FUZZ_CHECK(uint64_t{c.dst_offset} + c.length <= d->length);
+  }
+  std::vector<uint8_t> out;
+  EncodeGatherCell(*d, &out);
+  FUZZ_CHECK(out.size() == body.size() && std::memcmp(out.data(), body.data(), out.size()) == 0);
+}
+
 // One frame's body, routed as the daemon (requests) or the transport (replies, pushes) would.
 void Body(const FrameHeader& h, Bytes body) {
   if (h.status != 0) return ErrorBody(h.status, body);
@@ -290,6 +333,10 @@ void Body(const FrameHeader& h, Bytes body) {
       return Evict(body);
     case Opcode::kRdmaToken:
       return reply ? RdmaTokenReplyBody(body) : void();
+    case Opcode::kParityEncode:
+      return reply ? void() : ParityEncodeBody(body);
+    case Opcode::kGatherCell:
+      return reply ? void() : GatherCellBody(body);
   }
   (void)OpcodeName(h.opcode);
 }
@@ -317,7 +364,8 @@ void Stream(Bytes in) {
 }
 
 // Reading 2: one decoder over the rest of the input; the first byte's low nibble picks the
-// decoder, its high nibble is a parameter where one is needed.
+// decoder, its high nibble is a parameter where one is needed (for 15: 1 = PARITY_ENCODE,
+// 2 = GATHER_CELL, else the range check).
 void Direct(Bytes in) {
   if (in.empty()) return;
   const uint8_t which = in[0];
@@ -354,6 +402,8 @@ void Direct(Bytes in) {
     case 14:
       return RdmaPrivateData(body);
     default: {
+      if ((which >> 4) == 1) return ParityEncodeBody(body);
+      if ((which >> 4) == 2) return GatherCellBody(body);
       Reader r(body);
       const uint64_t a = r.U64(), b = r.U64(), c = r.U64();
       return Range(a, b, c);

@@ -182,6 +182,31 @@ inline SeedFrames MakeSeedFrames() {
   std::vector<uint8_t> reject(wire::kRdmaRejectDataSize);
   wire::EncodeRdmaRejectData(StatusCode::kUnauthenticated, reject.data());
   seeds.emplace_back("direct_rdma_reject_data", direct(14, reject));
+
+  // Compaction offload requests (a daemon dials the hosts they name).
+  wire::ParityEncodeRequest parity;
+  parity.lease_id = lease;
+  parity.offset = 65536;
+  parity.length = 4096;
+  parity.k = 2;
+  parity.r = 1;
+  parity.timeout_ms = 1000;
+  parity.sources = {{"127.0.0.1", 7411, lease + 1, 0}, {"node-b.example", 7412, lease + 2, 4096}};
+  std::vector<uint8_t> parity_body;
+  wire::EncodeParityEncode(parity, &parity_body);
+  seeds.emplace_back("parity_encode_request", Frame(Opcode::kParityEncode, 0, 12, parity_body));
+  seeds.emplace_back("direct_parity_encode", direct(0x1F, parity_body));
+  wire::GatherCellRequest gather;
+  gather.lease_id = lease;
+  gather.offset = 0;
+  gather.length = 4096;
+  gather.timeout_ms = 1000;
+  gather.sources = parity.sources;
+  gather.copies = {{0, 0, 0, 128}, {1, 256, 128, 64}, {0, 4000, 4000, 96}};
+  std::vector<uint8_t> gather_body;
+  wire::EncodeGatherCell(gather, &gather_body);
+  seeds.emplace_back("gather_cell_request", Frame(Opcode::kGatherCell, 0, 13, gather_body));
+  seeds.emplace_back("direct_gather_cell", direct(0x2F, gather_body));
   return seeds;
 }
 
