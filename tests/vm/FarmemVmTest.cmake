@@ -1,12 +1,14 @@
 # farmem_add_vm_test(NAME <name> COMMAND <command> [args...]
-#                    [TIMEOUT <s>] [MEM <MiB>] [SMP <n>] [ADDRS <n>] [SHARES <dirs...>]
+#                    [TIMEOUT <s>] [MEM <MiB>] [SMP <n>] [ADDRS <n>] [CPU <qemu -cpu>] [SHARES <dirs...>]
 #                    [MODULES <kernel modules...>] [ENV <K=V...>] [LABELS <more labels...>]
 #                    [DEPENDS_ON <tests...>])
 # Registers a ctest test that runs COMMAND inside the qemu guest (deploy/vm/run): real soft-RoCE
 # (rxe0 on 10.0.2.15 [+ ADDRS more]), the kernel NBD client, swap, cgroup v2, kernel modules.
 # COMMAND runs with the same paths as on the host (its / is the host's, read-only), so pass
 # $<TARGET_FILE:tgt> and source paths as they are. SHARES are host directories the guest may write
-# (created at configure time). Labelled "vm"; skipped (exit 77) when qemu or Debian's kernel
+# (created at configure time). CPU is the emulated CPU model (FARMEM_VM_CPU; the harness's default
+# is qemu64, which has no SSSE3: ISA-L then falls back to its byte-at-a-time C code, ~10x slower
+# than its SSE path under emulation — ec tests want kFarmemVmCpuV2). Labelled "vm"; skipped (exit 77) when qemu or Debian's kernel
 # package cannot be had, unless FARMEM_VM_REQUIRED=1. See docs/vm-harness.md.
 #
 # Use from another tests/<dir>/CMakeLists.txt:
@@ -14,8 +16,11 @@
 #   farmem_add_vm_test(NAME blockdev_vm_swap TIMEOUT 300 COMMAND bash ${CMAKE_CURRENT_SOURCE_DIR}/x.sh)
 include_guard(GLOBAL)
 
+# x86-64-v2 (what any server farmem runs on has): qemu 7.2 has no model of that name.
+set(kFarmemVmCpuV2 "qemu64,+ssse3,+sse4.1,+sse4.2,+popcnt")
+
 function(farmem_add_vm_test)
-  cmake_parse_arguments(T "" "NAME;TIMEOUT;MEM;SMP;ADDRS" "COMMAND;SHARES;MODULES;ENV;LABELS;DEPENDS_ON" ${ARGN})
+  cmake_parse_arguments(T "" "NAME;TIMEOUT;MEM;SMP;ADDRS;CPU" "COMMAND;SHARES;MODULES;ENV;LABELS;DEPENDS_ON" ${ARGN})
   if(NOT T_NAME OR NOT T_COMMAND)
     message(FATAL_ERROR "farmem_add_vm_test: NAME and COMMAND are required")
   endif()
@@ -56,6 +61,9 @@ function(farmem_add_vm_test)
     PROCESSORS 2
     RESOURCE_LOCK farmem_vm
     ENVIRONMENT "FARMEM_BIN_DIR=${CMAKE_BINARY_DIR}/bin;FARMEM_SOURCE_DIR=${CMAKE_SOURCE_DIR}")
+  if(T_CPU)
+    set_property(TEST ${T_NAME} APPEND PROPERTY ENVIRONMENT "FARMEM_VM_CPU=${T_CPU}")
+  endif()
   if(T_DEPENDS_ON)
     set_tests_properties(${T_NAME} PROPERTIES DEPENDS "${T_DEPENDS_ON}")
   endif()

@@ -4,7 +4,8 @@
 #   deploy/vm/run -- bash tests/vm/nbd_swap_smoke.sh <path of swap_workload>
 #
 # Environment (all optional): NBD_SWAP_EXPORT_SIZE (512M), NBD_SWAP_LIMIT (64M),
-# NBD_SWAP_WORKSET_MIB (256), NBD_SWAP_PASSES (2). To swap onto another NBD server, set
+# NBD_SWAP_WORKSET_MIB (256), NBD_SWAP_PASSES (2), NBD_SWAP_WORKLOAD_ARGS (more swap_workload
+# options, e.g. -r to rewrite every page on each pass). To swap onto another NBD server, set
 # NBD_SWAP_SERVER_CMD to a command that serves an export on the unix socket $NBD_SOCK and returns
 # once it is listening (default: nbdkit memory).
 set -euo pipefail
@@ -17,7 +18,8 @@ size=${NBD_SWAP_EXPORT_SIZE:-512M}
 limit=${NBD_SWAP_LIMIT:-64M}
 mib=${NBD_SWAP_WORKSET_MIB:-256}
 passes=${NBD_SWAP_PASSES:-2}
-export NBD_SOCK=/tmp/nbd.sock
+read -r -a wl_args <<<"${NBD_SWAP_WORKLOAD_ARGS:-}"
+export NBD_SOCK=${NBD_SOCK:-/tmp/nbd.sock}
 dev=/dev/nbd0
 cg=/sys/fs/cgroup/nbd_swap_smoke
 start=$(date +%s.%N)
@@ -46,9 +48,10 @@ out0=$(vmstat pswpout) in0=$(vmstat pswpin)
 mkdir -p "$cg"
 echo "$limit" >"$cg/memory.max"
 echo max >"$cg/memory.swap.max" 2>/dev/null || true
-say "running $workload -m $mib -p $passes with memory.max=$limit"
+say "running $workload -m $mib -p $passes ${wl_args[*]} with memory.max=$limit"
 rc=0
-bash -c 'echo $$ >"$1/cgroup.procs" && exec "$2" -m "$3" -p "$4"' _ "$cg" "$workload" "$mib" "$passes" || rc=$?
+bash -c 'echo $$ >"$1/cgroup.procs" && shift && exec "$@"' _ "$cg" "$workload" -m "$mib" -p "$passes" \
+  "${wl_args[@]}" || rc=$?
 out=$(( $(vmstat pswpout) - out0 )) in=$(( $(vmstat pswpin) - in0 ))
 say "pswpout +$out pages, pswpin +$in pages; memory.events: $(tr '\n' ' ' <"$cg/memory.events")"
 cat /proc/swaps

@@ -1,0 +1,146 @@
+#!/bin/bash
+# Guest side of the nbd_farmem_swap_* vm tests: kernel swap on farmem-nbd with its remote page
+# store on real farmemd daemons (loopback, tcp transport), all inside the guest.
+#
+#   deploy/vm/run --smp 1 -- bash tests/vm/nbd_farmem_swap.sh <bin dir> <none|ec> <swap_workload>
+#
+#   none  3 daemons, --resilience none; 128 MiB working set under memory.max 32M
+#   ec    7 daemons (6 for ec:4+2 plus a spare to rebuild on), --resilience ec:4+2, 96 MiB under
+#         24M, and one daemon SIGKILLed once the workload is reading its pages back: the rest of
+#         the run is served degraded (late binding / decode) while the lost fragments are rebuilt
+#         on the spare
+#
+# The kernel's NBD client attaches the export (nbd-client -swap), mkswap, swapon, and swap_workload
+# runs in a cgroup whose memory.max is a quarter of its working set, writing, then re-reading
+# (and rewriting, -r) a patterned working set (tests/vm/nbd_swap_smoke.sh does that part and
+# checks /proc/vmstat pswpout/pswpin). Fails if any byte is wrong, if too little was swapped, if
+# the kill did not happen while the workload still had pages to read back, if farmem-nbd died or
+# logged lost data.
+#
+# Environment (optional): FARMEM_NBD_SWAP_MIB (working set), FARMEM_NBD_SWAP_LIMIT (memory.max),
+# FARMEM_NBD_SWAP_PASSES (2), FARMEM_NBD_SWAP_KEEP_LOGS (a directory to copy the logs to).
+set -euo pipefail
+say() { echo "[nbd_farmem_swap] $*"; }
+fail() {
+  echo "[nbd_farmem_swap] FAIL: $*"
+  for f in /tmp/farmem-swap/nbd.log /tmp/farmem-swap/farmemd*.log; do
+    [[ -s $f ]] && { echo "--- last lines of $f"; tail -n 25 "$f"; }
+  done
+  exit 1
+}
+[[ ${FARMEM_VM:-} == 1 ]] || fail "run me inside the guest: deploy/vm/run --smp 1 -- bash $0 ..."
+bin=${1:?usage: nbd_farmem_swap.sh <bin dir> <none|ec> <swap_workload>}
+mode=${2:?mode: none or ec}
+workload=${3:?swap_workload path}
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+case $mode in
+  none) daemons=3 resilience=none victim="" capacity=96M mib=128 limit=32M ;;
+  ec) daemons=7 resilience=ec:4+2 victim=2 capacity=64M mib=96 limit=24M ;;
+  *) fail "mode must be none or ec, not $mode" ;;
+esac
+mib=${FARMEM_NBD_SWAP_MIB:-$mib}
+limit=${FARMEM_NBD_SWAP_LIMIT:-$limit}
+passes=${FARMEM_NBD_SWAP_PASSES:-2}
+start=$(date +%s.%N)
+elapsed() { awk -v a="$start" -v b="$(date +%s.%N)" 'BEGIN { printf "%.1f", b - a }'; }
+# (bash builtins only: the killer below calls it in a loop, and every fork costs under emulation)
+vmstat_get() {  # VAR KEY: VAR=the value of KEY in /proc/vmstat
+  local _key _val
+  while read -r _key _val; do
+    [[ $_key == "$2" ]] && { printf -v "$1" %s "$_val"; return; }
+  done </proc/vmstat
+}
+vmstat() { local value=0; vmstat_get value "$1"; echo "$value"; }
+
+work=/tmp/farmem-swap
+mkdir -p "$work"
+pids=() nbd_pid="" killer=""
+cleanup() {
+  set +e
+  [[ -n $killer ]] && kill "$killer" 2>/dev/null
+  [[ -n $nbd_pid ]] && kill "$nbd_pid" 2>/dev/null
+  for p in "${pids[@]}"; do kill -9 "$p" 2>/dev/null; done
+  [[ -n ${FARMEM_NBD_SWAP_KEEP_LOGS:-} ]] && cp "$work"/*.log "$FARMEM_NBD_SWAP_KEEP_LOGS/" 2>/dev/null
+  return 0
+}
+trap cleanup EXIT
+
+# ---- the daemons (loopback, tcp) ------------------------------------------------------------------
+# The export is 256 MiB; at most (working set - limit) of it is ever in use. The daemons lend
+# 2 MiB slabs: 3 x 96 MiB for `none`, 7 x 64 MiB for ec:4+2 (1.5x, and still enough over 6).
+head -c 32 /dev/urandom | base64 >"$work/secret"
+chmod 600 "$work/secret"
+for ((i = 0; i < daemons; i++)); do
+  "$bin/farmemd" --listen 127.0.0.1:0 --port-file "$work/port$i" --capacity "$capacity" --slab-size 2M \
+    --rdma off --secret-file "$work/secret" --lease-ttl-ms 30000 --log-level warn \
+    2>"$work/farmemd$i.log" &
+  pids+=($!)
+done
+peers=()
+for ((i = 0; i < daemons; i++)); do
+  for _ in $(seq 400); do [[ -s $work/port$i ]] && break; sleep 0.05; done
+  [[ -s $work/port$i ]] || fail "farmemd $i did not start"
+  peers+=("127.0.0.1:$(cat "$work/port$i")")
+done
+peer_list=$(IFS=,; echo "${peers[*]}")
+say "$daemons farmemd daemons up at $(elapsed) s: $peer_list"
+
+# ---- farmem-nbd (swap-safe mode: mlockall, PR_SET_IO_FLUSHER, oom_score_adj -1000) --------------
+export NBD_SOCK=$work/nbd.sock
+"$bin/farmem-nbd" --backend farmem --peers "$peer_list" --secret-file "$work/secret" \
+  --resilience "$resilience" --transport tcp --size 256M --unix "$NBD_SOCK" \
+  --max-connections 2 --heartbeat-ms 100 --failure-timeout-ms 600 2>"$work/nbd.log" &
+nbd_pid=$!
+for _ in $(seq 400); do [[ -S $NBD_SOCK ]] && break; sleep 0.05; done
+[[ -S $NBD_SOCK ]] || fail "farmem-nbd did not start"
+say "farmem-nbd ($resilience) listening at $(elapsed) s"
+
+# ---- the killer: one daemon dies while the workload reads its pages back ----------------------------
+in0=$(vmstat pswpin)
+# Pages swapped in before the kill: well into the first verify pass, long before its end.
+kill_after=$(( (mib * 256) / 4 ))
+if [[ -n $victim ]]; then
+  mkfifo "$work/tick"  # read -t on a fifo nobody writes: a sleep without forking
+  (
+    now=0
+    while vmstat_get now pswpin; ((now - in0 < kill_after)); do
+      read -r -t 0.3 <>"$work/tick" || true
+    done
+    kill -9 "${pids[$victim]}"
+    echo "$now" >"$work/killed"
+    echo "[nbd_farmem_swap] SIGKILL farmemd $victim (pid ${pids[$victim]}) after $((now - in0)) pages swapped in"
+  ) &
+  killer=$!
+fi
+
+# ---- swap on it, run the workload, check every byte (nbd_swap_smoke.sh) ----------------------------
+NBD_SWAP_SERVER_CMD=true NBD_SWAP_EXPORT_SIZE=256M NBD_SWAP_LIMIT=$limit \
+  NBD_SWAP_WORKSET_MIB=$mib NBD_SWAP_PASSES=$passes NBD_SWAP_WORKLOAD_ARGS=-r \
+  bash "$here/nbd_swap_smoke.sh" "$workload" || fail "the swap workload failed (see above)"
+in_end=$(vmstat pswpin)
+if [[ -n $killer ]]; then
+  kill "$killer" 2>/dev/null || true  # still waiting: the run swapped in too little (checked below)
+  wait "$killer" 2>/dev/null || true
+  killer=""
+fi
+
+kill -0 "$nbd_pid" 2>/dev/null || fail "farmem-nbd died"
+# Where the (emulated) CPU went: user+system seconds of farmem-nbd and of the daemons.
+cpu_s() { awk '{ printf "%.1f", ($14 + $15) / 100 }' "/proc/$1/stat" 2>/dev/null || echo "?"; }
+dcpu=0
+for p in "${pids[@]}"; do c=$(cpu_s "$p"); [[ $c == "?" ]] || dcpu=$(awk -v a="$dcpu" -v b="$c" 'BEGIN { print a + b }'); done
+say "cpu seconds: farmem-nbd $(cpu_s "$nbd_pid"), daemons $dcpu (survivors), guest total $(awk '/^cpu / { printf "%.1f user+nice, %.1f system, %.1f softirq", ($2 + $3) / 100, $4 / 100, $8 / 100 }' /proc/stat)"
+if [[ -n $victim ]]; then
+  [[ -s $work/killed ]] || fail "farmemd $victim was never killed (the workload swapped in too little)"
+  after=$(( in_end - $(cat "$work/killed") ))
+  # The kill must have come early enough that a good part of the run read degraded.
+  (( after >= kill_after )) || fail "only $after pages were swapped in after the kill"
+  say "$after pages swapped in after the kill"
+  grep -E "rebuilt|degraded" "$work/nbd.log" | head -n 3 || true
+  grep -q "rebuilt on" "$work/nbd.log" || fail "farmem-nbd rebuilt nothing after the daemon died"
+fi
+if grep -E "LOST|unrecoverable|\[error\]" "$work/nbd.log"; then fail "farmem-nbd reported errors"; fi
+kill "$nbd_pid"
+wait "$nbd_pid" || fail "farmem-nbd exited with an error"
+nbd_pid=""
+say "PASS ($mode) in $(elapsed) s"
