@@ -148,6 +148,25 @@ TEST_F(FarptrTest, ScopePinsAgainstTheEvictor) {
 }
 
 // Reads every object and checks it.
+// Objects {i, i % 7, 0, 0}, as ExpectAllRight checks them.
+std::vector<far_ptr<Point>> MakePoints(uint64_t n) {
+  std::vector<far_ptr<Point>> objs;
+  for (uint64_t i = 0; i < n; ++i) objs.push_back(make_far<Point>(Point{i, i % 7, 0, 0}));
+  return objs;
+}
+
+// The index of a daemon on which the runtime holds leases (size() if none).
+size_t DaemonHoldingLeases(testing::DaemonSet& daemons, Runtime& rt) {
+  size_t victim = daemons.size();
+  for (const client::NodeInfo& n : rt.cluster().nodes()) {
+    if (n.leases_held == 0) continue;
+    for (size_t d = 0; d < daemons.size(); ++d) {
+      if (daemons[d].endpoint() == n.endpoint) victim = d;
+    }
+  }
+  return victim;
+}
+
 void ExpectAllRight(std::vector<far_ptr<Point>>& objs, const char* when) {
   for (uint64_t i = 0; i < objs.size(); ++i) {
     DerefScope s;
@@ -173,8 +192,7 @@ TEST_F(FarptrTest, EcSurvivesTwoKilledDaemonsTwice) {
   };
   ASSERT_NO_FATAL_FAILURE(StartDaemons(8));
   ASSERT_NO_FATAL_FAILURE(Open(Options("ec:4+2", 1 << 20)));
-  std::vector<far_ptr<Point>> objs;
-  for (uint64_t i = 0; i < 40000; ++i) objs.push_back(make_far<Point>(Point{i, i % 7, 0, 0}));
+  std::vector<far_ptr<Point>> objs = MakePoints(40000);
   ASSERT_TRUE(rt_->EvictUntil(0).ok());
   KillMembers(0, 1);
   // Let the failures be noticed and re-protected while the data is still remote (reading it
@@ -197,8 +215,7 @@ TEST_F(FarptrTest, EcSurvivesTwoKilledDaemonsTwice) {
 TEST_F(FarptrTest, EcReadsDegradedWithoutSpareDaemons) {
   ASSERT_NO_FATAL_FAILURE(StartDaemons(6));
   ASSERT_NO_FATAL_FAILURE(Open(Options("ec:4+2", 1 << 20)));
-  std::vector<far_ptr<Point>> objs;
-  for (uint64_t i = 0; i < 40000; ++i) objs.push_back(make_far<Point>(Point{i, i % 7, 0, 0}));
+  std::vector<far_ptr<Point>> objs = MakePoints(40000);
   ASSERT_TRUE(rt_->EvictUntil(0).ok());
   // Kill the daemons of two data members (a parity member's death needs no decoding).
   const auto layout = rt_->span_set_layout();
@@ -220,8 +237,7 @@ TEST_F(FarptrTest, EcReadsDegradedWithoutSpareDaemons) {
 TEST_F(FarptrTest, CleanSpansLeaveWithoutWritingAndWrittenOnesAreWrittenAgain) {
   ASSERT_NO_FATAL_FAILURE(StartDaemons(6));
   ASSERT_NO_FATAL_FAILURE(Open(Options("ec:4+2", 1 << 20)));
-  std::vector<far_ptr<Point>> objs;
-  for (uint64_t i = 0; i < 20000; ++i) objs.push_back(make_far<Point>(Point{i, i % 7, 0, 0}));
+  std::vector<far_ptr<Point>> objs = MakePoints(20000);
   ASSERT_TRUE(rt_->EvictUntil(0).ok());
   // Read everything back (swap-ins), then evict again: no byte may be written.
   ASSERT_NO_FATAL_FAILURE(ExpectAllRight(objs, "first read"));
@@ -268,17 +284,10 @@ TEST_F(FarptrTest, CleanSpansLeaveWithoutWritingAndWrittenOnesAreWrittenAgain) {
 TEST_F(FarptrTest, NoneKeepsLocalObjectsWhoseCopyDied) {
   ASSERT_NO_FATAL_FAILURE(StartDaemons(3));
   ASSERT_NO_FATAL_FAILURE(Open(Options("none", 1 << 20)));
-  std::vector<far_ptr<Point>> objs;
-  for (uint64_t i = 0; i < 8000; ++i) objs.push_back(make_far<Point>(Point{i, i % 7, 0, 0}));
+  std::vector<far_ptr<Point>> objs = MakePoints(8000);
   ASSERT_TRUE(rt_->EvictUntil(0).ok());
   ASSERT_NO_FATAL_FAILURE(ExpectAllRight(objs, "read back"));  // all local again, clean
-  size_t victim = daemons_->size();
-  for (const client::NodeInfo& n : rt_->cluster().nodes()) {
-    if (n.leases_held == 0) continue;
-    for (size_t d = 0; d < daemons_->size(); ++d) {
-      if ((*daemons_)[d].endpoint() == n.endpoint) victim = d;
-    }
-  }
+  const size_t victim = DaemonHoldingLeases(*daemons_, *rt_);
   ASSERT_LT(victim, daemons_->size());
   (*daemons_)[victim].Kill();
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
@@ -306,13 +315,7 @@ TEST_F(FarptrTest, NoneNamesWhatWasLost) {
   for (uint64_t i = 0; i < 40000; ++i) objs.push_back(make_far<Point>(Point{i, 1, 0, 0}));
   ASSERT_TRUE(rt_->EvictUntil(0).ok());
   // Kill a daemon that holds some of the data.
-  size_t victim = daemons_->size();
-  for (const client::NodeInfo& n : rt_->cluster().nodes()) {
-    if (n.leases_held == 0) continue;
-    for (size_t d = 0; d < daemons_->size(); ++d) {
-      if ((*daemons_)[d].endpoint() == n.endpoint) victim = d;
-    }
-  }
+  const size_t victim = DaemonHoldingLeases(*daemons_, *rt_);
   ASSERT_LT(victim, daemons_->size());
   (*daemons_)[victim].Kill();
   size_t lost = 0;
