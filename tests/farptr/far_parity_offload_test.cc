@@ -87,5 +87,58 @@ TEST_F(FarptrTest, CompactionWithParityOffloadSurvivesTwoKilledDaemons) {
   EXPECT_EQ(rt_->stats().spans_lost, 0u);
 }
 
+// The fallback: 16-byte objects with every other one freed in 256 KiB spans need ~8000 copies per
+// new span, more than one GATHER_CELL request may carry. The pass then moves the bytes through
+// the client, with parity still computed by the daemons (PARITY_ENCODE): the client sends the 4
+// data spans of each set, not the 2 parity spans, and the daemon-made parity must still protect.
+TEST_F(FarptrTest, CompactionFallsBackToClientMovesWithParityOffload) {
+  ASSERT_NO_FATAL_FAILURE(StartDaemons(6, "64M", "1M"));
+  struct Small {
+    uint64_t id;
+    uint64_t version;
+  };
+  constexpr size_t kObjects = 384 * 1024;  // 6 MiB: 24 spans of 256 KiB; budget 6 spans
+  constexpr uint32_t kSpan = 256 << 10;
+  RuntimeOptions o = Options("ec:4+2", kObjects * sizeof(Small) / 4, kSpan);
+  o.auto_compact = false;
+  o.parity_offload = true;
+  ASSERT_NO_FATAL_FAILURE(Open(o));
+  std::vector<far_ptr<Small>> objs(kObjects);
+  for (size_t i = 0; i < kObjects; ++i) objs[i] = make_far_in<Small>(*rt_, Small{i, 7});
+  for (size_t i = 0; i < kObjects; i += 2) objs[i].reset();  // every other slot becomes free
+  ASSERT_TRUE(rt_->EvictUntil(0).ok());
+  const RuntimeStats before = rt_->stats();
+  ASSERT_TRUE(rt_->Compact().ok());
+  const RuntimeStats after = rt_->stats();
+  const uint64_t sets = after.compaction_offloaded_sets - before.compaction_offloaded_sets;
+  const uint64_t fallbacks =
+      after.compaction_offload_fallbacks - before.compaction_offload_fallbacks;
+  const uint64_t sent = after.compaction_client_bytes_sent - before.compaction_client_bytes_sent;
+  std::fprintf(stderr,
+               "compaction: %lu -> %lu spans, %lu sets with daemon parity, %lu fallbacks, client "
+               "sent %lu B\n",
+               after.compaction_spans_in - before.compaction_spans_in,
+               after.compaction_spans_out - before.compaction_spans_out, sets, fallbacks, sent);
+  ASSERT_GT(fallbacks, 0u) << "the daemons gathered what should not fit a request";
+  ASSERT_GT(sets, 0u);
+  EXPECT_GE(sent, sets * 4 * kSpan);
+  EXPECT_LT(sent, sets * (4 * kSpan + 4096)) << "parity spans crossed the client";
+
+  const auto layout = rt_->span_set_layout();
+  ASSERT_FALSE(layout.empty());
+  for (size_t m : {0, 1}) {
+    for (size_t d = 0; d < daemons_->size(); ++d) {
+      if ((*daemons_)[d].endpoint() == layout[0][m]) (*daemons_)[d].Kill();
+    }
+  }
+  for (size_t i = 1; i < kObjects; i += 2) {
+    DerefScope s;
+    const Small& v = objs[i].deref(s);
+    ASSERT_EQ(v.id, i) << "object " << i;
+    ASSERT_EQ(v.version, 7u) << "object " << i;
+  }
+  EXPECT_EQ(rt_->stats().spans_lost, 0u);
+}
+
 }  // namespace
 }  // namespace farmem::farptr_test
