@@ -105,6 +105,7 @@ class PageStore final : public BlockBackend {
   struct Extent;
   struct Worker;
   struct Piece;
+  struct RemoteOp;
   class Round;
 
   PageStore(client::Cluster* cluster, PageStoreOptions options);
