@@ -395,6 +395,39 @@ TEST(ReedSolomonUpdateParity, DeltaFormMatchesAndIsItsOwnInverse) {
   EXPECT_EQ(frags, before);
 }
 
+// What farmemd's PARITY_ENCODE does: one parity fragment, from zero, one data fragment at a
+// time (any order), must equal that fragment of the plain reference encoder.
+TEST(ReedSolomonUpdateParity, OneFragmentFromZeroEqualsEncode) {
+  for (Shape s : {Shape{4, 2}, Shape{1, 1}, Shape{10, 4}, Shape{3, 5}}) {
+    auto rs = MakeCode(s);
+    ASSERT_NE(rs, nullptr);
+    std::mt19937 rng(17);
+    for (size_t len : {size_t{1}, size_t{63}, size_t{4096}, size_t{65537}}) {
+      auto frags = PlainStripe(s, len, rng);
+      for (int p = 0; p < s.r; ++p) {
+        std::vector<uint8_t> parity(len, 0);
+        for (int i = s.k - 1; i >= 0; --i) {  // order does not matter: XOR sums
+          ASSERT_TRUE(
+              rs->UpdateParityFragmentWithDelta(i, p, frags[i].data(), parity.data(), len).ok());
+        }
+        EXPECT_EQ(parity, frags[s.k + p]) << Name(s) << " parity " << p << " len " << len;
+      }
+    }
+  }
+  auto rs = MakeCode({4, 2});
+  std::vector<uint8_t> buf(8, 0);
+  EXPECT_EQ(rs->UpdateParityFragmentWithDelta(4, 0, buf.data(), buf.data(), 8).code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_EQ(rs->UpdateParityFragmentWithDelta(0, 2, buf.data(), buf.data(), 8).code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_EQ(rs->UpdateParityFragmentWithDelta(0, -1, buf.data(), buf.data(), 8).code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_EQ(rs->UpdateParityFragmentWithDelta(0, 0, nullptr, buf.data(), 8).code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_EQ(rs->UpdateParityFragmentWithDelta(0, 0, buf.data(), buf.data(), 0).code(),
+            StatusCode::kInvalidArgument);
+}
+
 TEST(ReedSolomonUpdateParity, SameBufferForOldAndNewChangesNothing) {
   const Shape s{4, 2};
   auto rs = MakeCode(s);

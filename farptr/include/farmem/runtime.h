@@ -71,10 +71,12 @@ struct RuntimeOptions {
   // (k + r) / k * remote live bytes * compact_trigger.
   bool auto_compact = true;
   double compact_trigger = 1.15;
-  // Parity offload: compaction writes only the k data spans of each new span set and asks the
-  // daemons that hold its r parity spans to compute them (farmemd's PARITY_ENCODE), so parity is
-  // neither computed nor sent by this process. Falls back to client-side parity, per set, on any
-  // error (e.g. daemons that predate it). See docs/farptr.md, "Compaction".
+  // Compaction offload: the daemons build the new span sets themselves — each data cell from
+  // pieces of the old cells (farmemd's GATHER_CELL), each parity cell from the new data cells
+  // (PARITY_ENCODE) — so no span crosses this process, only requests of a few KiB per set. If
+  // that fails (a degraded source, daemons that predate it), the pass moves the bytes through
+  // this process and still lets the daemons compute parity; failing that too, parity is computed
+  // here. The daemons must reach each other at the addresses in `peers`. See docs/farptr.md.
   bool parity_offload = true;
   // Background prefetch threads (far_vector's sequential prefetch). 0 disables prefetching.
   int prefetch_threads = 1;
@@ -121,8 +123,9 @@ struct RuntimeStats {
   uint64_t compaction_client_bytes_received = 0;  // ... of those received (reads, replies)
   uint64_t compaction_cpu_ns = 0;                 // CPU time of the threads that compacted
   uint64_t compaction_offloaded_sets = 0;         // sets whose parity the daemons computed
-  uint64_t compaction_offload_fallbacks = 0;      // sets written with client parity after an
-                                                  // offload error
+                                                  // (and, unless after a fallback, data)
+  uint64_t compaction_offload_fallbacks = 0;      // offload errors that sent the work back to
+                                                  // this process (a pass, or a set's parity)
   uint64_t bytes_read = 0;                        // all remote reads
   uint64_t bytes_written = 0;                     // all remote writes
 };
