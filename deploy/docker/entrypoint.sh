@@ -49,7 +49,9 @@ roce_socket_here() {
 created=""
 ibdev=$(ib_device_on_netdev)
 if [[ -z "$ibdev" && "$rxe_mode" != off ]]; then
-  name="rxe_${netdev}"
+  # RDMA device names are global, not per namespace: name it after the interface's MAC address.
+  mac=$(tr -d ':' <"/sys/class/net/$netdev/address" 2>/dev/null || true)
+  name="rxe_${mac:-$netdev}"
   if rdma link add "$name" type rxe netdev "$netdev" 2>/tmp/rxe.err; then
     created=$name
     ibdev=$name
