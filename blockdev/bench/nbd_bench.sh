@@ -1,19 +1,34 @@
 #!/usr/bin/env bash
-# nbd_bench.sh: farmem-nbd (--backend memory) against nbdkit's memory plugin, in one run, with
-# fio's nbd engine (libnbd) on a Unix socket: 4 KiB random reads and writes at queue depth 1 and
-# 16, one connection each. Prints IOPS, mean and p99 latency (submission to completion, fio
-# lat_ns) for both servers and the farmem-nbd/nbdkit ratios. nbdkit is the baseline measured in
-# the same run: absolute numbers drift between runs and machines, compare the ratios.
+# nbd_bench.sh: farmem-nbd against the other ways to get a swap-like block device, in ONE run, with
+# fio: 4 KiB random reads and writes at queue depth 1 and 16, one connection / one job each.
+#
+#   target        what                                                        how fio reaches it
+#   nbdkit-mem    `nbdkit memory`: the local-RAM ceiling of an NBD server       nbd engine, Unix socket
+#   nbdkit-nbd    `nbdkit nbd` forwarding over loopback TCP to an `nbdkit        nbd engine, Unix socket
+#                 memory` on another port (remote memory behind NBD today)
+#   farmem-mem    farmem-nbd --backend memory (the NBD server path alone)       nbd engine, Unix socket
+#   farmem-none   farmem-nbd --backend farmem --resilience none                 nbd engine, Unix socket
+#   farmem-ec     farmem-nbd --backend farmem --resilience ec:4+2               nbd engine, Unix socket
+#   disk          a file on the local disk, O_DIRECT, libaio (what swap on a    fio's own engine
+#                 local disk does: direct block I/O, no page cache)
+#
+# farmem-none and farmem-ec share six farmemd daemons on loopback (tcp transport, 64 MiB slabs).
+# Prints IOPS, mean and p99 latency (submission to completion, fio lat_ns) per target, the ratios
+# the issue asks about, and whether its targets hold (farmem-none depth 16 >= 3x nbdkit-nbd and
+# >= 0.6x nbdkit-mem; farmem-ec within 1.5x of farmem-none).
 #
 #   blockdev/bench/nbd_bench.sh [--build-dir DIR] [--runtime SECONDS] [--repeat N] [--size SIZE]
-#                               [--swap-safe] [--json-dir DIR]
+#                               [--targets "a b ..."] [--disk-dir DIR] [--swap-safe]
+#                               [--json-dir DIR]
 #
-# Defaults: build dir ./build, 10 s per job (after 2 s ramp), 3 repetitions, 1G export, swap-safe
-# off for both (nbdkit without --swap, farmem-nbd --no-swap-safe), --swap-safe turns it on for
-# both. Both servers run side by side; each workload runs on one then the other, back to back,
-# with the order flipped every repetition, so that load drifting during the run (shared machine)
-# hits both alike. The table shows the median over repetitions. The export is written once
-# before the jobs so that reads hit allocated memory in both (nbdkit's memory plugin is sparse).
+# Defaults: build dir ./build, 10 s per job (after 2 s ramp), 3 repetitions, 1G export/file, all
+# targets, the disk file in ./build (it must be a real disk, not tmpfs: O_DIRECT), swap-safe off
+# (nbdkit without --swap, farmem-nbd --no-swap-safe; --swap-safe turns it on for both). All servers
+# run side by side; each workload runs on every target back to back, the order rotated every
+# repetition so that load drifting during the run (shared machine) hits all alike. The table shows
+# the median over repetitions and every repetition's IOPS. Each export/file is written whole before
+# the jobs, so reads hit allocated memory / blocks everywhere (nbdkit's memory plugin is sparse,
+# farmem maps remote slabs on first write).
 set -euo pipefail
 
 build=build
@@ -22,101 +37,177 @@ repeat=3
 size=1G
 swap_safe=0
 json_dir=
+targets="nbdkit-mem nbdkit-nbd farmem-mem farmem-none farmem-ec disk"
+disk_dir=
 while [ $# -gt 0 ]; do
   case $1 in
     --build-dir) build=$2; shift 2 ;;
     --runtime) runtime=$2; shift 2 ;;
     --repeat) repeat=$2; shift 2 ;;
     --size) size=$2; shift 2 ;;
+    --targets) targets=$2; shift 2 ;;
+    --disk-dir) disk_dir=$2; shift 2 ;;
     --swap-safe) swap_safe=1; shift ;;
     --json-dir) json_dir=$2; shift 2 ;;
-    -h|--help) sed -n '2,18p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,32p' "$0"; exit 0 ;;
     *) echo "unknown argument $1 (try --help)" >&2; exit 2 ;;
   esac
 done
-farmem_nbd=$build/bin/farmem-nbd
+[ -n "$disk_dir" ] || disk_dir=$build
+bin=$build/bin
 for tool in fio nbdkit python3; do
   command -v $tool >/dev/null || { echo "$tool not found" >&2; exit 1; }
 done
-if [ ! -x "$farmem_nbd" ]; then
-  echo "$farmem_nbd not built (cmake --build $build --target farmem-nbd)" >&2
-  exit 1
-fi
+for b in farmem-nbd farmemd; do
+  [ -x "$bin/$b" ] || { echo "$bin/$b not built (cmake --build $build --target $b)" >&2; exit 1; }
+done
 
 work=$(mktemp -d /tmp/nbd-bench.XXXXXX)
 [ -n "$json_dir" ] || json_dir=$work
 mkdir -p "$json_dir"
+disk_file=$disk_dir/nbd-bench-disk.$$.img
 pids=()
 cleanup() {
   for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; wait "$p" 2>/dev/null || true; done
   rm -rf "$work"
+  rm -f "$disk_file"
 }
 trap cleanup EXIT
 
-wait_socket() {
-  for _ in $(seq 600); do [ -S "$1" ] && return 0; sleep 0.05; done
-  echo "no socket at $1" >&2
+wait_file() {  # -S or -s, path
+  for _ in $(seq 600); do [ "$1" "$2" ] && return 0; sleep 0.05; done
+  echo "timed out waiting for $2" >&2
   exit 1
 }
+has() { case " $targets " in *" $1 "*) return 0 ;; esac; return 1; }
 
 nbdkit_extra=()
 farmem_extra=(--no-swap-safe)
 if [ $swap_safe = 1 ]; then nbdkit_extra=(--swap); farmem_extra=(); fi
-nbdkit --foreground --unix "$work/nbdkit.sock" "${nbdkit_extra[@]}" memory "$size" \
-  2>"$work/nbdkit.log" &
-pids+=($!)
-"$farmem_nbd" --backend memory --size "$size" --unix "$work/farmem.sock" --log-level warn \
-  "${farmem_extra[@]}" 2>"$work/farmem.log" &
-pids+=($!)
-for server in nbdkit farmem; do
-  wait_socket "$work/$server.sock"
-  # Allocate every page of the export (1 MiB sequential writes).
-  fio --name=prefill --ioengine=nbd --uri="nbd+unix:///?socket=$work/$server.sock" --rw=write \
-    --bs=1m --iodepth=8 --size="$size" >/dev/null
+
+# ---- servers ----------------------------------------------------------------------------------------
+if has nbdkit-mem; then
+  nbdkit --foreground --unix "$work/nbdkit-mem.sock" "${nbdkit_extra[@]}" memory "$size" \
+    2>"$work/nbdkit-mem.log" &
+  pids+=($!)
+fi
+if has nbdkit-nbd; then
+  port=$((20000 + $$ % 20000))
+  nbdkit --foreground --port "$port" --ipaddr 127.0.0.1 "${nbdkit_extra[@]}" memory "$size" \
+    2>"$work/nbdkit-remote.log" &
+  pids+=($!)
+  for _ in $(seq 200); do (exec 3<>/dev/tcp/127.0.0.1/$port) 2>/dev/null && break; sleep 0.05; done
+  nbdkit --foreground --unix "$work/nbdkit-nbd.sock" "${nbdkit_extra[@]}" nbd hostname=127.0.0.1 \
+    port="$port" 2>"$work/nbdkit-nbd.log" &
+  pids+=($!)
+fi
+if has farmem-mem; then
+  "$bin/farmem-nbd" --backend memory --size "$size" --unix "$work/farmem-mem.sock" \
+    --log-level warn "${farmem_extra[@]}" 2>"$work/farmem-mem.log" &
+  pids+=($!)
+fi
+if has farmem-none || has farmem-ec; then
+  head -c 32 /dev/urandom | base64 >"$work/secret"
+  chmod 600 "$work/secret"
+  peers=""
+  for i in 0 1 2 3 4 5; do
+    # Room for both exports: none (1x) and ec:4+2 (1.5x) over six daemons, with placement slack.
+    "$bin/farmemd" --listen 127.0.0.1:0 --port-file "$work/port$i" --capacity 768M --slab-size 64M \
+      --rdma off --secret-file "$work/secret" --log-level warn 2>"$work/farmemd$i.log" &
+    pids+=($!)
+  done
+  for i in 0 1 2 3 4 5; do
+    wait_file -s "$work/port$i"
+    peers="$peers${peers:+,}127.0.0.1:$(cat "$work/port$i")"
+  done
+  for res in none ec:4+2; do
+    t=farmem-${res%%:*}
+    has "$t" || continue
+    "$bin/farmem-nbd" --backend farmem --peers "$peers" --secret-file "$work/secret" \
+      --resilience "$res" --transport tcp --size "$size" --unix "$work/$t.sock" \
+      --log-level warn "${farmem_extra[@]}" 2>"$work/$t.log" &
+    pids+=($!)
+  done
+fi
+
+uri() { echo "nbd+unix:///?socket=$work/$1.sock"; }
+# fio options that reach a target
+reach() {
+  if [ "$1" = disk ]; then
+    echo "--ioengine=libaio --direct=1 --filename=$disk_file"
+  else
+    echo "--ioengine=nbd --uri=$(uri "$1")"
+  fi
+}
+for t in $targets; do
+  [ "$t" = disk ] || wait_file -S "$work/$t.sock"
+  # Allocate every page / block (1 MiB sequential writes).
+  # shellcheck disable=SC2046
+  fio --name=prefill $(reach "$t") --rw=write --bs=1m --iodepth=8 --size="$size" >/dev/null
 done
 
 echo "fio $(fio --version | sed 's/fio-//'), nbdkit $(nbdkit --version | awk '{print $2}')," \
   "$(nproc) CPUs, export $size, ${runtime}s x $repeat per job, swap-safe=$swap_safe," \
+  "disk file on $(df --output=source,fstype "$disk_dir" | tail -1 | tr -s ' ')," \
   "load average $(cut -d' ' -f1-3 /proc/loadavg)"
+read -r -a tlist <<<"$targets"
+n=${#tlist[@]}
 for rep in $(seq "$repeat"); do
-  order="nbdkit farmem"
-  [ $((rep % 2)) = 0 ] && order="farmem nbdkit"
   for rw in randread randwrite; do
     for qd in 1 16; do
-      for server in $order; do
-        fio --name="$server-$rw-qd$qd" --ioengine=nbd \
-          --uri="nbd+unix:///?socket=$work/$server.sock" --rw="$rw" --bs=4k --iodepth="$qd" \
+      for ((i = 0; i < n; i++)); do
+        t=${tlist[$(((i + rep) % n))]}
+        # shellcheck disable=SC2046
+        fio --name="$t-$rw-qd$qd" $(reach "$t") --rw="$rw" --bs=4k --iodepth="$qd" \
           --numjobs=1 --size="$size" --time_based --runtime="$runtime" --ramp_time=2 \
           --lat_percentiles=1 --output-format=json \
-          --output="$json_dir/$server-$rw-qd$qd-$rep.json" >/dev/null
+          --output="$json_dir/$t-$rw-qd$qd-$rep.json" >/dev/null
       done
     done
   done
 done
 echo "load average at the end $(cut -d' ' -f1-3 /proc/loadavg)"
 
-python3 - "$json_dir" "$repeat" <<'EOF'
+python3 - "$json_dir" "$repeat" "$targets" <<'EOF'
 import json, statistics, sys
-d, reps = sys.argv[1], int(sys.argv[2])
-def one(server, rw, qd, rep):
-    j = json.load(open(f"{d}/{server}-{rw}-qd{qd}-{rep}.json"))["jobs"][0]
+d, reps, targets = sys.argv[1], int(sys.argv[2]), sys.argv[3].split()
+def one(t, rw, qd, rep):
+    j = json.load(open(f"{d}/{t}-{rw}-qd{qd}-{rep}.json"))["jobs"][0]
     s = j["read" if rw == "randread" else "write"]
     lat = s["lat_ns"]
     return s["iops"], lat["mean"] / 1000.0, lat["percentile"]["99.000000"] / 1000.0
-def median(server, rw, qd):
-    runs = [one(server, rw, qd, r) for r in range(1, reps + 1)]
-    return tuple(statistics.median(x[i] for x in runs) for i in range(3)), runs
+res = {}
 print()
-print(f"{'workload':<16}{'server':<12}{'IOPS':>10}{'mean us':>10}{'p99 us':>10}   IOPS per run")
+print(f"{'workload':<16}{'target':<14}{'IOPS':>10}{'mean us':>10}{'p99 us':>10}   IOPS per run")
 for rw in ("randread", "randwrite"):
     for qd in (1, 16):
-        res = {}
-        for s, label in (("nbdkit", "nbdkit"), ("farmem", "farmem-nbd")):
-            (iops, mean, p99), runs = median(s, rw, qd)
-            res[s] = (iops, mean, p99)
+        for t in targets:
+            runs = [one(t, rw, qd, r) for r in range(1, reps + 1)]
+            med = tuple(statistics.median(x[i] for x in runs) for i in range(3))
+            res[(t, rw, qd)] = med
             per_run = " ".join(f"{r[0]:.0f}" for r in runs)
-            print(f"{rw + ' qd' + str(qd):<16}{label:<12}{iops:>10.0f}{mean:>10.1f}{p99:>10.1f}"
+            print(f"{rw + ' qd' + str(qd):<16}{t:<14}{med[0]:>10.0f}{med[1]:>10.1f}{med[2]:>10.1f}"
                   f"   {per_run}")
-        (bi, bm, bp), (fi, fm, fp) = res["nbdkit"], res["farmem"]
-        print(f"{'':<16}{'ratio f/n':<12}{fi / bi:>10.2f}{fm / bm:>10.2f}{fp / bp:>10.2f}")
+ratios = [("farmem-none", "nbdkit-nbd"), ("farmem-none", "nbdkit-mem"), ("farmem-ec", "farmem-none"),
+          ("farmem-mem", "nbdkit-mem"), ("farmem-none", "disk"), ("farmem-ec", "disk")]
+ratios = [(a, b) for a, b in ratios if a in targets and b in targets]
+if ratios:
+    print()
+    print("IOPS ratios (medians)")
+    print(f"{'':<28}" + "".join(f"{rw[4:] + ' qd' + str(qd):>14}" for rw in ("randread", "randwrite")
+                                for qd in (1, 16)))
+    for a, b in ratios:
+        print(f"{a + ' / ' + b:<28}" + "".join(
+            f"{res[(a, rw, qd)][0] / res[(b, rw, qd)][0]:>14.2f}"
+            for rw in ("randread", "randwrite") for qd in (1, 16)))
+checks = [("farmem-none", "nbdkit-nbd", 3.0, "farmem-none qd16 IOPS >= 3x nbdkit-nbd"),
+          ("farmem-none", "nbdkit-mem", 0.6, "farmem-none qd16 IOPS >= 0.6x nbdkit-mem"),
+          ("farmem-ec", "farmem-none", 1 / 1.5, "farmem-ec qd16 IOPS within 1.5x of farmem-none")]
+checks = [c for c in checks if c[0] in targets and c[1] in targets]
+if checks:
+    print()
+    for a, b, want, text in checks:
+        for rw in ("randread", "randwrite"):
+            r = res[(a, rw, 16)][0] / res[(b, rw, 16)][0]
+            print(f"target {text:<48} {rw:<10} {r:5.2f}  {'met' if r >= want else 'MISSED'}")
 EOF
