@@ -18,7 +18,8 @@
 # logged lost data.
 #
 # Environment (optional): FARMEM_NBD_SWAP_MIB (working set), FARMEM_NBD_SWAP_LIMIT (memory.max),
-# FARMEM_NBD_SWAP_PASSES (2), FARMEM_NBD_SWAP_KEEP_LOGS (a directory to copy the logs to).
+# FARMEM_NBD_SWAP_PASSES (2), FARMEM_NBD_SWAP_KEEP_LOGS (a directory to copy the logs to),
+# FARMEM_NBD_SWAP_KILL=0 (ec without killing a daemon: for timing comparisons only).
 set -euo pipefail
 say() { echo "[nbd_farmem_swap] $*"; }
 fail() {
@@ -41,6 +42,7 @@ esac
 mib=${FARMEM_NBD_SWAP_MIB:-$mib}
 limit=${FARMEM_NBD_SWAP_LIMIT:-$limit}
 passes=${FARMEM_NBD_SWAP_PASSES:-2}
+[[ ${FARMEM_NBD_SWAP_KILL:-1} == 0 ]] && victim=""  # (benchmarks: the same run without the kill)
 start=$(date +%s.%N)
 elapsed() { awk -v a="$start" -v b="$(date +%s.%N)" 'BEGIN { printf "%.1f", b - a }'; }
 # (bash builtins only: the killer below calls it in a loop, and every fork costs under emulation)
