@@ -196,12 +196,16 @@ void Heap::Relocate(const std::vector<Relocation>& relocations) {
       c->hot_span = dst;
     }
     Span* src = r.span;
+    // src may have lost all its objects since the sweep (freed: then retired, its owner table
+    // cleared, and perhaps reused — even as the new hot span just taken above). Its object is
+    // gone in every such case.
+    if (src == dst) continue;
     std::unique_lock l1(src < dst ? src->mu : dst->mu);
     std::unique_lock l2(src < dst ? dst->mu : src->mu);
-    if (src->owner[r.slot] != r.entry) continue;  // freed meanwhile
     // The sweep's second pass may have made src a victim after all: then kEvacuating belongs
     // to the eviction and must stay.
     if (src->state != SpanState::kLocal) continue;
+    if (r.slot >= src->owner.size() || src->owner[r.slot] != r.entry) continue;  // freed
     if (dst->state != SpanState::kLocal || dst->free_slots.empty()) {
       r.entry->word.fetch_and(~kEvacuating, std::memory_order_seq_cst);
       continue;
@@ -252,7 +256,8 @@ size_t Heap::EvictRound(size_t target_frames, bool force, std::chrono::nanosecon
     }
     for (const Relocation& r : relocations) {
       std::lock_guard sl(r.span->mu);
-      if (r.span->state == SpanState::kLocal && r.span->owner[r.slot] == r.entry) {
+      if (r.span->state == SpanState::kLocal && r.slot < r.span->owner.size() &&
+          r.span->owner[r.slot] == r.entry) {
         r.entry->word.fetch_and(~kEvacuating, std::memory_order_seq_cst);
       }
     }
