@@ -131,7 +131,7 @@ kill -0 "$nbd_pid" 2>/dev/null || fail "farmem-nbd died"
 cpu_s() { awk '{ printf "%.1f", ($14 + $15) / 100 }' "/proc/$1/stat" 2>/dev/null || echo "?"; }
 dcpu=0
 for p in "${pids[@]}"; do c=$(cpu_s "$p"); [[ $c == "?" ]] || dcpu=$(awk -v a="$dcpu" -v b="$c" 'BEGIN { print a + b }'); done
-say "cpu seconds: farmem-nbd $(cpu_s "$nbd_pid"), daemons $dcpu (survivors), guest total $(awk '/^cpu / { printf "%.1f user+nice, %.1f system, %.1f softirq", ($2 + $3) / 100, $4 / 100, $8 / 100 }' /proc/stat)"
+say "cpu seconds: farmem-nbd $(cpu_s "$nbd_pid"), daemons $dcpu, guest total $(awk '/^cpu / { printf "%.1f user+nice, %.1f system, %.1f softirq", ($2 + $3) / 100, $4 / 100, $8 / 100 }' /proc/stat)"
 if [[ -n $victim ]]; then
   [[ -s $work/killed ]] || fail "farmemd $victim was never killed (the workload swapped in too little)"
   after=$(( in_end - $(cat "$work/killed") ))
