@@ -16,8 +16,9 @@
 #   farmem_add_vm_test(NAME blockdev_vm_swap TIMEOUT 300 COMMAND bash ${CMAKE_CURRENT_SOURCE_DIR}/x.sh)
 include_guard(GLOBAL)
 
-# x86-64-v2 (what any server farmem runs on has): qemu 7.2 has no model of that name.
-set(kFarmemVmCpuV2 "qemu64,+ssse3,+sse4.1,+sse4.2,+popcnt")
+# x86-64-v2 (what any server farmem runs on has): qemu 7.2 has no model of that name. A cache
+# variable: include_guard(GLOBAL) skips this file in every directory but the first to include it.
+set(kFarmemVmCpuV2 "qemu64,+ssse3,+sse4.1,+sse4.2,+popcnt" CACHE INTERNAL "qemu -cpu: x86-64-v2")
 
 function(farmem_add_vm_test)
   cmake_parse_arguments(T "" "NAME;TIMEOUT;MEM;SMP;ADDRS;CPU" "COMMAND;SHARES;MODULES;ENV;LABELS;DEPENDS_ON" ${ARGN})
