@@ -49,6 +49,10 @@ struct Span;
 
 inline constexpr int kMaxSetWidth = 16;
 
+// True for the codes after which a member's slab is taken to be gone (its daemon died, restarted,
+// or dropped the lease): the member is then failed and re-protected.
+bool NodeGone(const Status& s);
+
 // One span set: a row of one group.
 struct SpanSet {
   Group* group = nullptr;

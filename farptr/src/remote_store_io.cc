@@ -11,7 +11,6 @@
 
 namespace farmem::farptr_internal {
 
-namespace {
 bool NodeGone(const Status& s) {
   switch (s.code()) {
     case StatusCode::kUnavailable:
@@ -26,7 +25,6 @@ bool NodeGone(const Status& s) {
       return false;
   }
 }
-}  // namespace
 
 transport::Channel* RemoteStore::ChannelFor(IoContext& io, client::NodeId node, Status* error) {
   if (io.channels.size() <= node) io.channels.resize(node + 1);

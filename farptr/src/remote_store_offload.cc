@@ -17,24 +17,6 @@
 
 namespace farmem::farptr_internal {
 
-namespace {
-// The codes after which a member's slab is taken to be gone (as in remote_store_io.cc).
-bool NodeGoneForOffload(const Status& s) {
-  switch (s.code()) {
-    case StatusCode::kUnavailable:
-    case StatusCode::kDeadlineExceeded:
-    case StatusCode::kExpired:
-    case StatusCode::kNotFound:
-    case StatusCode::kRemoteAccessError:
-    case StatusCode::kPermissionDenied:
-    case StatusCode::kAborted:
-      return true;
-    default:
-      return false;
-  }
-}
-}  // namespace
-
 transport::TcpConnection* RemoteStore::CallConnectionFor(IoContext& io, client::NodeId node,
                                                          Status* error) {
   if (io.calls.size() <= node) io.calls.resize(node + 1);
@@ -121,7 +103,7 @@ Result<SpanSet*> RemoteStore::WriteSetOffloaded(IoContext& io, std::span<const u
   for (int m = 0; m < k; ++m) {
     if (results[m].ok()) continue;
     cluster_->ReportFailure(nodes[m], results[m]);
-    if (NodeGoneForOffload(results[m])) {
+    if (NodeGone(results[m])) {
       MarkFailed(set->group, m, members[static_cast<size_t>(m)].id(), results[m]);
     }
     return fall_back(set, results[m].WithContext("writing a data cell"));
