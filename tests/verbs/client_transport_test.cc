@@ -21,6 +21,7 @@
 
 #include "farmem/client/cluster.h"
 #include "farmem/transport/verbs.h"
+#include "guest_addrs.h"
 #include "support/daemon_fixture.h"
 
 namespace farmem {
@@ -33,13 +34,7 @@ using transport::OpType;
 
 constexpr char kSecret[] = "farmem-client-transport-test-secret";
 
-std::vector<std::string> GuestAddrs() {
-  const char* env = std::getenv("FARMEM_VM_ADDRS");
-  std::vector<std::string> out;
-  std::istringstream in(env != nullptr ? env : "");
-  for (std::string a; in >> a;) out.push_back(a);
-  return out;
-}
+using testing::GuestAddrs;
 
 class ClientTransportTest : public ::testing::Test {
  protected:

@@ -26,6 +26,7 @@
 
 #include "farmem/common/auth.h"
 #include "farmem/transport/tcp_connection.h"
+#include "guest_addrs.h"
 #include "support/daemon_fixture.h"
 
 namespace farmem {
@@ -42,13 +43,7 @@ using transport::TcpConnection;
 
 constexpr char kSecret[] = "farmem-verbs-test-secret";
 
-std::vector<std::string> GuestAddrs() {
-  const char* env = std::getenv("FARMEM_VM_ADDRS");
-  std::vector<std::string> out;
-  std::istringstream in(env != nullptr ? env : "");
-  for (std::string a; in >> a;) out.push_back(a);
-  return out;
-}
+using testing::GuestAddrs;
 
 wire::ClientId NewClientId() {
   wire::ClientId id{};
