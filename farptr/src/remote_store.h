@@ -175,6 +175,9 @@ class RemoteStore {
   // Reserves a free row in a healthy group (allocating a group if none has room).
   Result<SpanSet*> ReserveRow();
   void FreeRowLocked(SpanSet* set) REQUIRES(mu_);
+  // Writes cells[m] (span_size bytes) at `off` of member m's slab, for every m; results[m].
+  void WriteCells(IoContext& io, const std::vector<client::Lease>& members, uint64_t off,
+                  std::span<const uint8_t* const> cells, Status* results);
   // Runs `ops` (each with user_data = index) over their nodes; results[i] = status of op i.
   void RunOps(IoContext& io, std::span<transport::Op> ops, std::span<const client::NodeId> nodes,
               std::span<Status> results);
@@ -183,6 +186,10 @@ class RemoteStore {
   // Sends bodies[i] as `op` to nodes[i] on the offload connections, all before waiting for any
   // reply, then collects every reply. Returns the first error (replies to the others are still
   // read, so the connections stay in step).
+  // Asks the r parity members of a row at `off` to compute their cells from its k data cells
+  // (PARITY_ENCODE); OK once every parity cell is in place.
+  Status EncodeParityRemotely(IoContext& io, const std::vector<client::Lease>& members,
+                              uint64_t off, uint32_t timeout_ms);
   Status CallAll(IoContext& io, wire::Opcode op, std::span<const client::NodeId> nodes,
                  std::span<const std::vector<uint8_t>> bodies);
   void OnClusterEvent(const client::Event& ev);

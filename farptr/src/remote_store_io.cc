@@ -195,28 +195,15 @@ Result<SpanSet*> RemoteStore::WriteSet(IoContext& io, std::span<const uint8_t* c
       members = set->group->members;
       epoch = set->group->epoch;
     }
-    transport::Op ops[kMaxSetWidth];
-    client::NodeId nodes[kMaxSetWidth];
     Status results[kMaxSetWidth];
     const uint64_t off = static_cast<uint64_t>(set->row) * span;
-    for (int m = 0; m < n; ++m) {
-      ops[m] = {transport::OpType::kWrite,
-                members[static_cast<size_t>(m)].slab(),
-                off,
-                const_cast<uint8_t*>(cells[m]),
-                static_cast<uint32_t>(span),
-                nullptr,
-                0};
-      nodes[m] = members[static_cast<size_t>(m)].node;
-    }
-    RunOps(io, {ops, static_cast<size_t>(n)}, {nodes, static_cast<size_t>(n)},
-           {results, static_cast<size_t>(n)});
+    WriteCells(io, members, off, {cells, static_cast<size_t>(n)}, results);
     bool ok = true;
     for (int m = 0; m < n; ++m) {
       if (results[m].ok()) continue;
       ok = false;
       last = results[m];
-      cluster_->ReportFailure(nodes[m], results[m]);
+      cluster_->ReportFailure(members[static_cast<size_t>(m)].node, results[m]);
       if (NodeGone(results[m])) {
         MarkFailed(set->group, m, members[static_cast<size_t>(m)].id(), results[m]);
       }
@@ -285,6 +272,24 @@ void RemoteStore::ReadSpans(IoContext& io, std::span<SpanSet* const> sets,
     if (!ok[i]) results[i] = ReadSpan(io, sets[i], members[i], dsts[i]);
   }
   for (size_t i = n; i < sets.size(); ++i) results[i] = ReadSpan(io, sets[i], members[i], dsts[i]);
+}
+
+void RemoteStore::WriteCells(IoContext& io, const std::vector<client::Lease>& members, uint64_t off,
+                             std::span<const uint8_t* const> cells, Status* results) {
+  transport::Op ops[kMaxSetWidth];
+  client::NodeId nodes[kMaxSetWidth];
+  const size_t n = std::min<size_t>(cells.size(), kMaxSetWidth);
+  for (size_t m = 0; m < n; ++m) {
+    ops[m] = {transport::OpType::kWrite,
+              members[m].slab(),
+              off,
+              const_cast<uint8_t*>(cells[m]),
+              span_size_,
+              nullptr,
+              0};
+    nodes[m] = members[m].node;
+  }
+  RunOps(io, {ops, n}, {nodes, n}, {results, n});
 }
 
 Status RemoteStore::ReadSpan(IoContext& io, SpanSet* set, int member, uint8_t* dst) {

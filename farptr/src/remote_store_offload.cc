@@ -85,52 +85,21 @@ Result<SpanSet*> RemoteStore::WriteSetOffloaded(IoContext& io, std::span<const u
   const uint64_t off = static_cast<uint64_t>(set->row) * span;
 
   // 1. The k data cells, as WriteSet writes them.
-  transport::Op ops[kMaxSetWidth];
-  client::NodeId nodes[kMaxSetWidth];
   Status results[kMaxSetWidth];
-  for (int m = 0; m < k; ++m) {
-    ops[m] = {transport::OpType::kWrite,
-              members[static_cast<size_t>(m)].slab(),
-              off,
-              const_cast<uint8_t*>(cells[m]),
-              static_cast<uint32_t>(span),
-              nullptr,
-              0};
-    nodes[m] = members[static_cast<size_t>(m)].node;
-  }
-  RunOps(io, {ops, static_cast<size_t>(k)}, {nodes, static_cast<size_t>(k)},
-         {results, static_cast<size_t>(k)});
+  WriteCells(io, members, off, {cells, static_cast<size_t>(k)}, results);
   for (int m = 0; m < k; ++m) {
     if (results[m].ok()) continue;
-    cluster_->ReportFailure(nodes[m], results[m]);
+    cluster_->ReportFailure(members[static_cast<size_t>(m)].node, results[m]);
     if (NodeGone(results[m])) {
       MarkFailed(set->group, m, members[static_cast<size_t>(m)].id(), results[m]);
     }
     return fall_back(set, results[m].WithContext("writing a data cell"));
   }
 
-  // 2. Each parity daemon computes its cell from the k data cells.
-  wire::ParityEncodeRequest req;
-  req.offset = off;
-  req.length = static_cast<uint32_t>(span);
-  req.k = static_cast<uint8_t>(k);
-  req.r = static_cast<uint8_t>(r);
-  // The daemon must answer before we give up on it: half our budget for its reads.
-  req.timeout_ms = static_cast<uint32_t>(std::max<int64_t>(1, op_timeout_.count() / 2));
-  for (int m = 0; m < k; ++m) {
-    const Endpoint ep = cluster_->node(members[static_cast<size_t>(m)].node).endpoint;
-    req.sources.push_back({ep.host, ep.port, members[static_cast<size_t>(m)].id(), off});
-  }
-  std::vector<std::vector<uint8_t>> bodies(static_cast<size_t>(r));
-  client::NodeId pnodes[kMaxSetWidth];
-  for (int j = 0; j < r; ++j) {
-    const client::Lease& target = members[static_cast<size_t>(k + j)];
-    req.lease_id = target.id();
-    req.parity_index = static_cast<uint8_t>(j);
-    wire::EncodeParityEncode(req, &bodies[static_cast<size_t>(j)]);
-    pnodes[j] = target.node;
-  }
-  if (Status s = CallAll(io, wire::Opcode::kParityEncode, {pnodes, static_cast<size_t>(r)}, bodies);
+  // 2. Each parity daemon computes its cell from the k data cells. The daemon must answer
+  // before we give up on it: half our budget for its reads.
+  if (Status s = EncodeParityRemotely(
+          io, members, off, static_cast<uint32_t>(std::max<int64_t>(1, op_timeout_.count() / 2)));
       !s.ok()) {
     return fall_back(set, s);
   }
@@ -150,6 +119,32 @@ Result<SpanSet*> RemoteStore::WriteSetOffloaded(IoContext& io, std::span<const u
   }
   // A member failed while we wrote: re-protection did not see this row; place it elsewhere.
   return fall_back(set, Unavailable("a member of the slab group failed during the write"));
+}
+
+Status RemoteStore::EncodeParityRemotely(IoContext& io, const std::vector<client::Lease>& members,
+                                         uint64_t off, uint32_t timeout_ms) {
+  const int k = res_.k;
+  const int r = res_.r;
+  wire::ParityEncodeRequest req;
+  req.offset = off;
+  req.length = span_size_;
+  req.k = static_cast<uint8_t>(k);
+  req.r = static_cast<uint8_t>(r);
+  req.timeout_ms = timeout_ms;
+  for (int m = 0; m < k; ++m) {
+    const Endpoint ep = cluster_->node(members[static_cast<size_t>(m)].node).endpoint;
+    req.sources.push_back({ep.host, ep.port, members[static_cast<size_t>(m)].id(), off});
+  }
+  std::vector<std::vector<uint8_t>> bodies(static_cast<size_t>(r));
+  client::NodeId nodes[kMaxSetWidth];
+  for (int j = 0; j < r; ++j) {
+    const client::Lease& target = members[static_cast<size_t>(k + j)];
+    req.lease_id = target.id();
+    req.parity_index = static_cast<uint8_t>(j);
+    wire::EncodeParityEncode(req, &bodies[static_cast<size_t>(j)]);
+    nodes[j] = target.node;
+  }
+  return CallAll(io, wire::Opcode::kParityEncode, {nodes, static_cast<size_t>(r)}, bodies);
 }
 
 Status RemoteStore::CallAll(IoContext& io, wire::Opcode op, std::span<const client::NodeId> nodes,
@@ -310,28 +305,7 @@ Result<SpanSet*> RemoteStore::WriteSetGathered(IoContext& io,
   }
 
   // 2. Each parity daemon computes its cell from the k new data cells.
-  wire::ParityEncodeRequest preq;
-  preq.offset = off;
-  preq.length = static_cast<uint32_t>(span);
-  preq.k = static_cast<uint8_t>(k);
-  preq.r = static_cast<uint8_t>(r);
-  preq.timeout_ms = timeout_ms;
-  for (int m = 0; m < k; ++m) {
-    const Endpoint ep = cluster_->node(members[static_cast<size_t>(m)].node).endpoint;
-    preq.sources.push_back({ep.host, ep.port, members[static_cast<size_t>(m)].id(), off});
-  }
-  bodies.assign(static_cast<size_t>(r), {});
-  for (int j = 0; j < r; ++j) {
-    const client::Lease& target = members[static_cast<size_t>(k + j)];
-    preq.lease_id = target.id();
-    preq.parity_index = static_cast<uint8_t>(j);
-    wire::EncodeParityEncode(preq, &bodies[static_cast<size_t>(j)]);
-    nodes[j] = target.node;
-  }
-  if (Status s = CallAll(io, wire::Opcode::kParityEncode, {nodes, static_cast<size_t>(r)}, bodies);
-      !s.ok()) {
-    return give_up(s);
-  }
+  if (Status s = EncodeParityRemotely(io, members, off, timeout_ms); !s.ok()) return give_up(s);
 
   // 3. Commit, as WriteSet does.
   std::lock_guard lock(mu_);
