@@ -477,31 +477,14 @@ class PageStore::Round {
 transport::Channel* PageStore::ChannelFor(Worker& w, client::NodeId node, Status* error) {
   if (w.channels.size() <= node) w.channels.resize(node + 1);
   auto& ch = w.channels[node];
-  if (ch && ch->broken()) {
-    if (ch->outstanding() > 0) {
-      transport::Completion c[64];
-      while (ch->outstanding() > 0) {
-        auto n = ch->Poll(c, std::chrono::milliseconds(0));
-        if (!n || *n == 0) break;
-      }
+  if (ch && ch->broken() && ch->outstanding() > 0) {
+    transport::Completion c[64];
+    while (ch->outstanding() > 0) {
+      auto n = ch->Poll(c, std::chrono::milliseconds(0));
+      if (!n || *n == 0) break;
     }
-    ch.reset();
   }
-  if (!ch) {
-    if (!cluster_->node(node).alive) {
-      *error =
-          Unavailable(fmt::format("daemon {} is down", cluster_->node(node).endpoint.ToString()));
-      return nullptr;
-    }
-    auto opened = cluster_->OpenChannel(node);
-    if (!opened) {
-      *error = opened.error();
-      cluster_->ReportFailure(node, opened.error());
-      return nullptr;
-    }
-    ch = std::move(*opened);
-  }
-  return ch.get();
+  return cluster_->EnsureChannel(ch, node, error);
 }
 
 template <typename Fn>

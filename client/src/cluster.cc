@@ -624,6 +624,25 @@ Status Cluster::Free(std::span<const Lease> leases) {
   return first;
 }
 
+transport::Channel* Cluster::EnsureChannel(std::unique_ptr<transport::Channel>& slot, NodeId id,
+                                           Status* error) {
+  if (slot && slot->broken()) slot.reset();
+  if (!slot) {
+    if (!node(id).alive) {
+      *error = Unavailable(fmt::format("daemon {} is down", node(id).endpoint.ToString()));
+      return nullptr;
+    }
+    auto opened = OpenChannel(id);
+    if (!opened) {
+      *error = opened.error();
+      ReportFailure(id, opened.error());
+      return nullptr;
+    }
+    slot = std::move(*opened);
+  }
+  return slot.get();
+}
+
 Result<std::unique_ptr<transport::Channel>> Cluster::OpenChannel(NodeId id) {
   FARMEM_RETURN_IF_ERROR(CheckOpen());
   Node* node = FindNode(id);

@@ -28,23 +28,7 @@ bool NodeGone(const Status& s) {
 
 transport::Channel* RemoteStore::ChannelFor(IoContext& io, client::NodeId node, Status* error) {
   if (io.channels.size() <= node) io.channels.resize(node + 1);
-  auto& ch = io.channels[node];
-  if (ch && ch->broken()) ch.reset();
-  if (!ch) {
-    if (!cluster_->node(node).alive) {
-      *error =
-          Unavailable(fmt::format("daemon {} is down", cluster_->node(node).endpoint.ToString()));
-      return nullptr;
-    }
-    auto opened = cluster_->OpenChannel(node);
-    if (!opened) {
-      *error = opened.error();
-      cluster_->ReportFailure(node, opened.error());
-      return nullptr;
-    }
-    ch = std::move(*opened);
-  }
-  return ch.get();
+  return cluster_->EnsureChannel(io.channels[node], node, error);
 }
 
 void RemoteStore::RunOps(IoContext& io, std::span<transport::Op> ops,

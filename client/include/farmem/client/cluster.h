@@ -173,6 +173,12 @@ class Cluster {
   // A data channel to the node for the calling thread (a Channel is single-threaded), through the
   // configured transport, with this client's identity.
   Result<std::unique_ptr<transport::Channel>> OpenChannel(NodeId id);
+  // For a borrower's per-thread table of channels: the channel in `slot`, reopened when it is
+  // missing or broken (a broken one is dropped with whatever it still had outstanding). Null with
+  // *error set when the node is down or the open fails (the failure is reported as by
+  // ReportFailure).
+  transport::Channel* EnsureChannel(std::unique_ptr<transport::Channel>& slot, NodeId id,
+                                    Status* error);
 
   // A borrower saw a data-path error on this node: probe it now rather than at the next heartbeat.
   void ReportFailure(NodeId id, const Status& error);
