@@ -22,7 +22,7 @@ int main(int argc, char** argv) {
   std::string capacity = "1G", slab_size = "64M", secret_file, port_file, log_level = "info";
   uint32_t lease_ttl_ms = 10000, max_connections = 256;
   bool no_mlock = false, no_prefault = false;
-  std::string rdma = "auto", rdma_listen;
+  std::string rdma = "auto", rdma_listen, sched = "batch";
   app.set_config("--config", "", "Read options from this file (INI/TOML: name = value)");
   app.add_option("--listen", listen, "Address and port to serve on, host:port; port 0 picks one")
       ->capture_default_str();
@@ -49,6 +49,11 @@ int main(int argc, char** argv) {
   app.add_option("--rdma-listen", rdma_listen,
                  "rdma_cm address, host:port (default: the --listen host, its port + 1; "
                  "port 0 picks one)");
+  app.add_option("--sched", sched,
+                 "Scheduling policy of connection threads: batch (SCHED_BATCH: a request never "
+                 "preempts the lending machine's own work or the client that sent it) or normal")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"batch", "normal"}));
   app.add_flag("--no-mlock", no_mlock, "Do not try to mlock the pool");
   app.add_flag("--no-prefault", no_prefault, "Do not touch the pool's pages at start");
   app.add_option("--port-file", port_file, "Write the port actually bound to this file");
@@ -80,6 +85,7 @@ int main(int argc, char** argv) {
   pool_opts.prefault = !no_prefault;
   server_opts.listen = *ep;
   server_opts.max_connections = max_connections;
+  server_opts.batch_scheduling = sched == "batch";
   auto rdma_mode = daemon::ParseRdmaMode(rdma);
   if (!rdma_mode) return fail(rdma_mode.error());
   server_opts.rdma = *rdma_mode;

@@ -4,9 +4,12 @@
 #include <fmt/format.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
+#include <sched.h>
 #include <spdlog/spdlog.h>
 #include <sys/socket.h>
 
+#include <atomic>
+#include <cstring>
 #include <random>
 
 #include "connection.h"
@@ -24,6 +27,18 @@ std::string PeerName(const sockaddr_storage& ss) {
   auto* a = reinterpret_cast<const sockaddr_in6*>(&ss);
   inet_ntop(AF_INET6, &a->sin6_addr, buf, sizeof(buf));
   return fmt::format("[{}]:{}", buf, ntohs(a->sin6_port));
+}
+// SCHED_BATCH for the calling thread (see ServerOptions::batch_scheduling). Needs no privilege;
+// a failure only costs the optimization.
+void SetBatchScheduling() {
+  sched_param param{};
+  if (::sched_setscheduler(0, SCHED_BATCH, &param) != 0) {
+    static std::atomic<bool> said{false};
+    if (!said.exchange(true)) {
+      spdlog::info("connection threads keep the default scheduling policy: SCHED_BATCH: {}",
+                   strerror(errno));
+    }
+  }
 }
 }  // namespace
 
@@ -130,7 +145,8 @@ void Server::AcceptLoop() {
     auto conn = std::make_unique<Connection>(this, std::move(sock), peer);
     auto finished = std::make_shared<std::atomic<bool>>(false);
     Connection* raw = conn.get();
-    std::thread t([raw, finished] {
+    std::thread t([raw, finished, batch = options_.batch_scheduling] {
+      if (batch) SetBatchScheduling();
       raw->Serve();
       finished->store(true);
     });

@@ -35,6 +35,10 @@ struct ServerOptions {
   RdmaMode rdma = RdmaMode::kAuto;
   // Unset: the TCP host, port = TCP port + 1 (any free port when the TCP port is 0).
   std::optional<Endpoint> rdma_listen;
+  // Connection threads run under SCHED_BATCH: a request arriving does not preempt whatever runs on
+  // the lending machine (its own programs, or the client that just sent the request and has more
+  // to send); the thread runs at the next scheduling point instead. Same CPU share as before.
+  bool batch_scheduling = true;
 };
 
 struct ServerCounters {

@@ -25,7 +25,9 @@ struct Obj {
 // set and keeps working; tearing the heap down under it is not what these tests are about.
 void Settle(testing::DaemonSet& daemons, Runtime& rt) {
   for (size_t d = 0; d < daemons.size(); ++d) {
-    if (!daemons[d].running()) ASSERT_TRUE(daemons[d].Restart().ok()) << daemons.Logs();
+    if (!daemons[d].running()) {
+      ASSERT_TRUE(daemons[d].Restart().ok()) << daemons.Logs();
+    }
   }
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
   while (std::chrono::steady_clock::now() < deadline) {
