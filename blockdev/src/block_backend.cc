@@ -2,7 +2,7 @@
 
 namespace farmem::blockdev {
 
-void BlockBackend::ExecuteBatch(std::span<BlockOp> ops) {
+void BlockBackend::ExecuteBatch(std::span<BlockOp> ops, BatchListener* /*listener*/) {
   for (BlockOp& op : ops) {
     switch (op.kind) {
       case BlockOp::Kind::kRead:

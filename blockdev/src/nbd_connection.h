@@ -9,8 +9,11 @@
 //   recv() everything available  ->  split into requests (NextFrame/CheckRequest)
 //   -> backend->ExecuteBatch()   ->  one sendmsg() with every reply of the batch
 //
-// and never blocks on the socket while replies are waiting to be sent. Buffers are allocated once
-// when the connection enters transmission:
+// and never blocks on the socket while replies are waiting to be sent. A backend that finishes
+// some requests of a batch before the others (the remote page store, as each daemon answers)
+// reports them through BatchListener; their replies go out at once, one sendmsg() per wait of the
+// backend, so that the client can reuse those slots while the rest of the batch is in flight.
+// Buffers are allocated once when the connection enters transmission:
 //   in_   receive buffer (kInBufferSize): request headers and the payload of small writes, which
 //         the backend reads in place;
 //   data_ kMaxPayload bytes: read data of a batch, or the payload of a write too big for in_.
@@ -30,7 +33,7 @@
 
 namespace farmem::blockdev {
 
-class NbdConnection {
+class NbdConnection final : private BatchListener {
  public:
   NbdConnection(int fd, std::string peer, BlockBackend* backend, const nbd::ExportInfo* info,
                 std::chrono::milliseconds handshake_timeout);
@@ -50,7 +53,8 @@ class NbdConnection {
     nbd::Request request;
     uint32_t error = 0;  // validation error, or 0
     const char* message = "";
-    int op = -1;  // index into ops_ if the request runs on the backend
+    int op = -1;           // index into ops_ if the request runs on the backend
+    bool replied = false;  // its reply went out early (BatchListener)
   };
 
   // ---- setup (nbd_connection.cc) ----
@@ -65,8 +69,14 @@ class NbdConnection {
   bool HandleLargeWrite(const nbd::Request& r, const nbd::RequestCheck& check);
   // Runs ops_[0..n) and sends the replies for pending_[0..count).
   bool Complete(size_t count, size_t n_ops);
+  // Sends the replies of pending_[0..count) not sent yet (plus any early ones still queued).
   bool SendReplies(size_t count);
+  // Appends the reply of pending_[i] to iov_ (at most two entries).
+  void AppendReply(size_t i);
   bool SendAllIov(iovec* iov, int n);
+  // BatchListener: replies of requests the backend finished before the rest of the batch.
+  void OpDone(size_t op) override;
+  void Progress() override;
   // NBD error number for a backend failure.
   static uint32_t NbdError(const Status& s, const nbd::Request& r);
 
@@ -86,6 +96,9 @@ class NbdConnection {
   std::unique_ptr<std::array<BlockOp, kMaxBatch>> ops_;
   std::unique_ptr<std::array<std::array<uint8_t, kReplyHeaderMax>, kMaxBatch>> headers_;
   std::unique_ptr<std::array<iovec, kMaxIov>> iov_;
+  int iov_used_ = 0;  // entries of iov_ queued for the next send
+  std::unique_ptr<std::array<uint16_t, kMaxBatch>> op_pending_;  // ops_ index -> pending_ index
+  bool send_failed_ = false;
 
   uint64_t requests_ = 0;
   uint64_t failed_requests_ = 0;

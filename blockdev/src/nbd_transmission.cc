@@ -20,6 +20,7 @@ void NbdConnection::Transmit() {
   ops_ = std::make_unique<std::array<BlockOp, kMaxBatch>>();
   headers_ = std::make_unique<std::array<std::array<uint8_t, kReplyHeaderMax>, kMaxBatch>>();
   iov_ = std::make_unique<std::array<iovec, kMaxIov>>();
+  op_pending_ = std::make_unique<std::array<uint16_t, kMaxBatch>>();
   in_start_ = in_end_ = 0;
 
   for (;;) {
@@ -55,8 +56,10 @@ void NbdConnection::Transmit() {
       p.error = check.error;
       p.message = check.message;
       p.op = -1;
+      p.replied = false;
       if (check.error == 0) {
         BlockOp& op = (*ops_)[n_ops];
+        (*op_pending_)[n_ops] = static_cast<uint16_t>(count - 1);
         p.op = static_cast<int>(n_ops++);
         op.status = Status::Ok();
         op.fua = (r.flags & nbd::kCmdFlagFua) != 0;
@@ -172,6 +175,7 @@ bool NbdConnection::HandleLargeWrite(const nbd::Request& r, const nbd::RequestCh
   p.error = check.error;
   p.message = check.message;
   p.op = -1;
+  p.replied = false;
   if (check.error == 0) {
     // Valid, so r.length <= kMaxPayload: the whole payload fits in data_.
     std::memcpy(data_.get(), in_.get() + in_start_, have);
@@ -188,6 +192,7 @@ bool NbdConnection::HandleLargeWrite(const nbd::Request& r, const nbd::RequestCh
     op.length = r.length;
     op.data = {data_.get(), r.length};
     p.op = 0;
+    (*op_pending_)[0] = 0;
     return Complete(1, 1);
   }
   // Refused (e.g. longer than 32 MiB): the payload is still part of the stream. Read and drop
@@ -206,9 +211,22 @@ bool NbdConnection::HandleLargeWrite(const nbd::Request& r, const nbd::RequestCh
 }
 
 bool NbdConnection::Complete(size_t count, size_t n_ops) {
-  if (n_ops > 0) backend_->ExecuteBatch({ops_->data(), n_ops});
+  if (n_ops > 0) backend_->ExecuteBatch({ops_->data(), n_ops}, this);
   requests_ += count;
   return SendReplies(count);
+}
+
+void NbdConnection::OpDone(size_t op) {
+  const size_t i = (*op_pending_)[op];
+  AppendReply(i);
+  (*pending_)[i].replied = true;
+}
+
+void NbdConnection::Progress() {
+  if (iov_used_ == 0 || send_failed_) return;
+  // A failed send ends the connection after the batch (SendReplies sees send_failed_).
+  send_failed_ = !SendAllIov(iov_->data(), iov_used_);
+  iov_used_ = 0;
 }
 
 uint32_t NbdConnection::NbdError(const Status& s, const nbd::Request& r) {
@@ -230,52 +248,62 @@ uint32_t NbdConnection::NbdError(const Status& s, const nbd::Request& r) {
 }
 
 bool NbdConnection::SendReplies(size_t count) {
-  iovec* iov = iov_->data();
-  int n = 0;
   for (size_t i = 0; i < count; ++i) {
-    const Pending& p = (*pending_)[i];
-    const nbd::Request& r = p.request;
-    uint8_t* h = (*headers_)[i].data();
-    uint32_t error = p.error;
-    const char* message = p.message;
-    std::span<uint8_t> read_data;
-    if (p.op >= 0) {
-      const BlockOp& op = (*ops_)[static_cast<size_t>(p.op)];
-      if (!op.status.ok()) {
-        error = NbdError(op.status, r);
-        message = "the storage backend failed";
-        spdlog::warn("nbd: {}: {} of {} bytes at {} failed: {}", peer_, nbd::CommandName(r.type),
-                     r.length, r.offset, op.status.ToString());
-      } else if (r.type == nbd::kCmdRead) {
-        read_data = op.read_into;
-      }
-    }
-    if (error != 0) {
-      ++failed_requests_;
-      spdlog::debug("nbd: {}: {} offset {} length {} flags 0x{:x}: error {} ({})", peer_,
-                    nbd::CommandName(r.type), r.offset, r.length, r.flags, error, message);
-    }
-    const bool is_read = r.type == nbd::kCmdRead;
-    if (session_.structured_replies && (is_read || error != 0)) {
-      // With structured replies a READ must get a structured reply; errors of other commands
-      // get one too so that the message reaches the user.
-      if (error != 0) {
-        const uint16_t len = nbd::ErrorMessageLength(message);
-        nbd::EncodeErrorChunkHeader(h, r.handle, error, len);
-        iov[n++] = {h, nbd::kErrorChunkFixedSize};
-        if (len > 0) iov[n++] = {const_cast<char*>(message), len};
-      } else {
-        nbd::EncodeOffsetDataHeader(h, r.handle, r.offset, r.length);
-        iov[n++] = {h, nbd::kOffsetDataHeaderSize};
-        iov[n++] = {read_data.data(), read_data.size()};
-      }
-    } else {
-      nbd::EncodeSimpleReply(h, error, r.handle);
-      iov[n++] = {h, nbd::kSimpleReplySize};
-      if (is_read && error == 0) iov[n++] = {read_data.data(), read_data.size()};
+    if (!(*pending_)[i].replied) AppendReply(i);
+  }
+  const int n = iov_used_;
+  iov_used_ = 0;
+  if (send_failed_) {
+    send_failed_ = false;
+    return false;
+  }
+  return n == 0 || SendAllIov(iov_->data(), n);
+}
+
+void NbdConnection::AppendReply(size_t i) {
+  iovec* iov = iov_->data();
+  int& n = iov_used_;
+  const Pending& p = (*pending_)[i];
+  const nbd::Request& r = p.request;
+  uint8_t* h = (*headers_)[i].data();
+  uint32_t error = p.error;
+  const char* message = p.message;
+  std::span<uint8_t> read_data;
+  if (p.op >= 0) {
+    const BlockOp& op = (*ops_)[static_cast<size_t>(p.op)];
+    if (!op.status.ok()) {
+      error = NbdError(op.status, r);
+      message = "the storage backend failed";
+      spdlog::warn("nbd: {}: {} of {} bytes at {} failed: {}", peer_, nbd::CommandName(r.type),
+                   r.length, r.offset, op.status.ToString());
+    } else if (r.type == nbd::kCmdRead) {
+      read_data = op.read_into;
     }
   }
-  return SendAllIov(iov, n);
+  if (error != 0) {
+    ++failed_requests_;
+    spdlog::debug("nbd: {}: {} offset {} length {} flags 0x{:x}: error {} ({})", peer_,
+                  nbd::CommandName(r.type), r.offset, r.length, r.flags, error, message);
+  }
+  const bool is_read = r.type == nbd::kCmdRead;
+  if (session_.structured_replies && (is_read || error != 0)) {
+    // With structured replies a READ must get a structured reply; errors of other commands
+    // get one too so that the message reaches the user.
+    if (error != 0) {
+      const uint16_t len = nbd::ErrorMessageLength(message);
+      nbd::EncodeErrorChunkHeader(h, r.handle, error, len);
+      iov[n++] = {h, nbd::kErrorChunkFixedSize};
+      if (len > 0) iov[n++] = {const_cast<char*>(message), len};
+    } else {
+      nbd::EncodeOffsetDataHeader(h, r.handle, r.offset, r.length);
+      iov[n++] = {h, nbd::kOffsetDataHeaderSize};
+      iov[n++] = {read_data.data(), read_data.size()};
+    }
+  } else {
+    nbd::EncodeSimpleReply(h, error, r.handle);
+    iov[n++] = {h, nbd::kSimpleReplySize};
+    if (is_read && error == 0) iov[n++] = {read_data.data(), read_data.size()};
+  }
 }
 
 bool NbdConnection::SendAllIov(iovec* iov, int n) {

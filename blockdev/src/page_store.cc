@@ -138,7 +138,17 @@ struct PageStore::Piece {
   uint32_t posted_mask = 0;
   int8_t order[32] = {};  // ec read: members in arrival order
   int arrived = 0;
+  bool settled = false;  // its success was handled while the round still waited (early)
   Status first_error;
+};
+
+// What RunPieces needs to report ops early (ExecuteBatch with a listener).
+struct PageStore::Early {
+  BatchListener* listener = nullptr;
+  std::span<BlockOp> ops;
+  // Per op: pieces not yet settled, or 0 if the op is not reported early (not split into pieces,
+  // or a FUA write that must wait for the backup file's flush).
+  std::span<uint32_t> pieces_left;
 };
 
 // The remote operations of one round (see Round).
@@ -167,10 +177,12 @@ struct PageStore::Worker {
   std::vector<Extent*> locked;
   std::vector<RemoteOp> round_ops;
   std::vector<uint32_t> per_node;
+  std::vector<uint32_t> pieces_left;  // per op of the batch (Early)
 
   void Reserve(size_t nodes, size_t group_size) {
     pieces.reserve(1024);
     status.reserve(256);
+    pieces_left.reserve(256);
     locks.reserve(32);
     locked.reserve(32);
     round_ops.reserve(64 * group_size);  // a round: at most 64 pieces, one op per member
@@ -288,7 +300,13 @@ PageStoreStats PageStore::stats() const {
 
 class PageStore::Round {
  public:
-  Round(PageStore* ps, Worker* w) : ps_(ps), w_(w), ops_(w->round_ops), per_node_(w->per_node) {
+  Round(PageStore* ps, Worker* w, std::span<Status> op_status, Early* early)
+      : ps_(ps),
+        w_(w),
+        op_status_(op_status),
+        early_(early),
+        ops_(w->round_ops),
+        per_node_(w->per_node) {
     ops_.clear();
     per_node_.clear();
   }
@@ -393,6 +411,7 @@ class PageStore::Round {
     }
     const Deadline deadline = DeadlineIn(ps_->options_.op_timeout);
     while (!Satisfied()) {
+      if (early_ != nullptr) SettleEarly();
       if (!ps_->PollChannels(*w_, deadline, [&](const transport::Completion& c) {
             Complete(static_cast<size_t>(c.user_data), c.status);
           })) {
@@ -448,6 +467,33 @@ class PageStore::Round {
     }
   }
 
+  // Settles the pieces that succeeded completely and reports the ops all of whose pieces are
+  // settled. Anything short of complete success is left to RunPieces after the round.
+  void SettleEarly() {
+    bool reported = false;
+    const int k = ps_->options_.resilience.k;
+    for (size_t i = 0; i < count_; ++i) {
+      Piece& p = pieces_[i];
+      if (p.settled || p.posted_mask == 0 || !op_status_[p.op].ok()) continue;
+      if (early_->pieces_left[p.op] == 0) continue;  // not reported early
+      if (p.write) {
+        if (p.ok_mask != p.posted_mask) continue;
+        ps_->MarkWritten(p);
+      } else {
+        const bool enough = ps_->codec_ ? std::popcount(p.ok_mask) >= k : p.ok_mask != 0;
+        if (!enough || p.fail_mask != 0) continue;
+        if (!ps_->FinishRead(p).ok()) continue;  // RunPieces reports it
+      }
+      p.settled = true;
+      if (--early_->pieces_left[p.op] == 0) {
+        early_->ops[p.op].status = Status::Ok();
+        early_->listener->OpDone(p.op);
+        reported = true;
+      }
+    }
+    if (reported) early_->listener->Progress();
+  }
+
   bool Satisfied() const {
     const bool ec_read_early = ps_->codec_ != nullptr;
     for (const RemoteOp& r : ops_) {
@@ -467,6 +513,8 @@ class PageStore::Round {
 
   PageStore* ps_;
   Worker* w_;
+  std::span<Status> op_status_;
+  Early* early_;
   Piece pieces_[kMaxPieces];
   size_t count_ = 0;
   size_t stage_used_ = 0;
@@ -622,14 +670,53 @@ void PageStore::SplitPieces(uint64_t offset, uint64_t len, uint8_t* buf, bool wr
   }
 }
 
+void PageStore::MarkWritten(Piece& p) {
+  for (uint64_t pg = 0; pg < p.npages; ++pg) {
+    p.extent->Set(p.extent->written, p.first_page + pg, true);
+    p.extent->Set(p.extent->lost, p.first_page + pg, false);
+  }
+}
+
+Status PageStore::FinishRead(Piece& p) {
+  if (codec_) {
+    const int k = options_.resilience.k;
+    const size_t flen = static_cast<size_t>(p.npages) * frag_size_;
+    const uint32_t data_mask = (1u << k) - 1;
+    uint8_t* frags[32];
+    for (size_t j = 0; j < p.extent->members.size(); ++j) frags[j] = p.stage + j * flen;
+    // Decode when a data fragment is not among the first k to arrive.
+    uint32_t first_k = 0;
+    for (int t = 0; t < k; ++t) first_k |= 1u << p.order[t];
+    if ((first_k & data_mask) != data_mask) {
+      int present[32];
+      for (int t = 0; t < k; ++t) present[t] = p.order[t];
+      FARMEM_RETURN_IF_ERROR(codec_->ReconstructData({frags, p.extent->members.size()},
+                                                     {present, static_cast<size_t>(k)}, flen));
+      CountStat(&PageStoreStats::degraded_reads);
+    }
+    for (uint64_t pg = 0; pg < p.npages; ++pg) {
+      for (int j = 0; j < k; ++j) {
+        std::memcpy(p.buf + pg * kPage + static_cast<uint64_t>(j) * frag_size_,
+                    frags[j] + pg * frag_size_, frag_size_);
+      }
+    }
+  }
+  for (uint64_t pg = 0; pg < p.npages; ++pg) {
+    if (!p.extent->Test(p.extent->written, p.first_page + pg)) {
+      std::memset(p.buf + pg * kPage, 0, kPage);
+    }
+  }
+  return Status::Ok();
+}
+
 void PageStore::RunPieces(Worker& w, std::vector<Piece>& pieces, std::span<Status> op_status,
-                          int attempt) {
+                          int attempt, Early* early) {
   std::vector<Piece> retry;
   std::vector<uint64_t> rebuild_now;
   size_t next = 0;
   while (next < pieces.size()) {
     DrainStragglers(w);  // the staging memory of the last round is about to be reused
-    Round round(this, &w);
+    Round round(this, &w, op_status, early);
     // Unlocked at the end of this round (cleared below): the worker's vectors are reused.
     std::vector<std::shared_lock<std::shared_mutex>>& locks = w.locks;
     std::vector<Extent*>& locked = w.locked;
@@ -715,19 +802,17 @@ void PageStore::RunPieces(Worker& w, std::vector<Piece>& pieces, std::span<Statu
     const int k = options_.resilience.k;
     for (size_t i = 0; i < round.size(); ++i) {
       Piece& p = round.piece(i);
-      if (p.fail_mask != 0) {
+      if (p.fail_mask != 0) {  // also a straggler of a piece settled early
         p.extent->failed.fetch_or(p.fail_mask, std::memory_order_acq_rel);
         QueueRebuild(p.index);
       }
+      if (p.settled) continue;
       const bool ec = codec_ != nullptr;
       if (p.write) {
         const int ok = std::popcount(p.ok_mask);
         const bool recoverable = ec ? ok >= k : ok >= 1;
         if (recoverable || backup_) {
-          for (uint64_t pg = 0; pg < p.npages; ++pg) {
-            p.extent->Set(p.extent->written, p.first_page + pg, true);
-            p.extent->Set(p.extent->lost, p.first_page + pg, false);
-          }
+          MarkWritten(p);
           if (p.fail_mask != 0) rebuild_now.push_back(p.index);
         } else {
           retry.push_back(p);
@@ -742,41 +827,11 @@ void PageStore::RunPieces(Worker& w, std::vector<Piece>& pieces, std::span<Statu
           retry.push_back(p);
           continue;
         }
-      } else {
-        if (std::popcount(p.ok_mask) < k) {
-          retry.push_back(p);
-          continue;
-        }
-        const size_t flen = static_cast<size_t>(p.npages) * frag_size_;
-        const uint32_t data_mask = (1u << k) - 1;
-        uint8_t* frags[32];
-        for (size_t j = 0; j < p.extent->members.size(); ++j) frags[j] = p.stage + j * flen;
-        // Decode when a data fragment is not among the first k to arrive.
-        uint32_t first_k = 0;
-        for (int t = 0; t < k; ++t) first_k |= 1u << p.order[t];
-        if ((first_k & data_mask) != data_mask) {
-          int present[32];
-          for (int t = 0; t < k; ++t) present[t] = p.order[t];
-          Status s = codec_->ReconstructData({frags, p.extent->members.size()},
-                                             {present, static_cast<size_t>(k)}, flen);
-          if (!s.ok()) {
-            op_status[p.op] = s;
-            continue;
-          }
-          CountStat(&PageStoreStats::degraded_reads);
-        }
-        for (uint64_t pg = 0; pg < p.npages; ++pg) {
-          for (int j = 0; j < k; ++j) {
-            std::memcpy(p.buf + pg * kPage + static_cast<uint64_t>(j) * frag_size_,
-                        frags[j] + pg * frag_size_, frag_size_);
-          }
-        }
+      } else if (std::popcount(p.ok_mask) < k) {
+        retry.push_back(p);
+        continue;
       }
-      for (uint64_t pg = 0; pg < p.npages; ++pg) {
-        if (!p.extent->Test(p.extent->written, p.first_page + pg)) {
-          std::memset(p.buf + pg * kPage, 0, kPage);
-        }
-      }
+      if (Status s = FinishRead(p); !s.ok()) op_status[p.op] = s;
     }
     locks.clear();  // the round is over: its extents may be taken exclusively again
   }
@@ -806,7 +861,7 @@ void PageStore::RunPieces(Worker& w, std::vector<Piece>& pieces, std::span<Statu
       p.first_error = Status();
     }
     for (const Piece& p : retry) (void)RebuildExtent(w, p.index);
-    RunPieces(w, retry, op_status, attempt + 1);
+    RunPieces(w, retry, op_status, attempt + 1, early);
   }
 }
 
@@ -968,13 +1023,14 @@ Status PageStore::WriteZeroes(uint64_t offset, uint64_t length, bool may_trim, b
   return op.status;
 }
 
-void PageStore::ExecuteBatch(std::span<BlockOp> ops) {
+void PageStore::ExecuteBatch(std::span<BlockOp> ops, BatchListener* listener) {
   Worker* w = Checkout();
   // Aligned reads and writes of the whole batch go out together; the rest one by one.
   std::vector<Piece>& pieces = w->pieces;
   std::vector<Status>& status = w->status;
   pieces.clear();
   status.assign(ops.size(), Status::Ok());
+  w->pieces_left.assign(ops.size(), 0);
   bool any_fua = false;
   for (size_t i = 0; i < ops.size(); ++i) {
     BlockOp& op = ops[i];
@@ -1020,7 +1076,17 @@ void PageStore::ExecuteBatch(std::span<BlockOp> ops) {
         break;
     }
   }
-  if (!pieces.empty()) RunPieces(*w, pieces, status, 0);
+  if (!pieces.empty()) {
+    Early early{listener, ops, w->pieces_left};
+    if (listener != nullptr) {
+      for (const Piece& p : pieces) ++w->pieces_left[p.op];
+      for (size_t i = 0; i < ops.size(); ++i) {
+        // A FUA write with a backup file is done only after the file's flush below.
+        if (ops[i].kind == BlockOp::Kind::kWrite && ops[i].fua && backup_) w->pieces_left[i] = 0;
+      }
+    }
+    RunPieces(*w, pieces, status, 0, listener != nullptr ? &early : nullptr);
+  }
   if (any_fua && backup_) {
     Status s = backup_->Flush();
     for (size_t i = 0; i < ops.size(); ++i) {

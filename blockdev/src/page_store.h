@@ -87,7 +87,7 @@ class PageStore final : public BlockBackend {
   Status Flush() override;
   Status Trim(uint64_t offset, uint64_t length, bool fua) override;
   Status WriteZeroes(uint64_t offset, uint64_t length, bool may_trim, bool fua) override;
-  void ExecuteBatch(std::span<BlockOp> ops) override;
+  void ExecuteBatch(std::span<BlockOp> ops, BatchListener* listener = nullptr) override;
 
   bool can_flush() const override { return true; }
   bool can_fua() const override { return true; }
@@ -123,8 +123,15 @@ class PageStore final : public BlockBackend {
   Status WritePiece(Worker& w, Extent& e, uint64_t offset, std::span<const uint8_t> data,
                     bool* member_failed);
 
-  // Runs page-aligned pieces in rounds; sets the status of the ops they came from.
-  void RunPieces(Worker& w, std::vector<Piece>& pieces, std::span<Status> op_status, int attempt);
+  // Runs page-aligned pieces in rounds; sets the status of the ops they came from. With `early`,
+  // ops whose pieces all succeed are reported to its listener while the round still waits.
+  struct Early;
+  void RunPieces(Worker& w, std::vector<Piece>& pieces, std::span<Status> op_status, int attempt,
+                 Early* early = nullptr);
+  // The success half of a finished piece: marks written pages (writes), or assembles the data
+  // (ec reads: decode when a data fragment is missing) and zero-fills never-written pages.
+  void MarkWritten(Piece& p);
+  Status FinishRead(Piece& p);
   // Handles one page that an op covers only partly: read, patch, write back (exclusive lock).
   Status PartialPage(Worker& w, uint64_t page_offset, uint64_t at, std::span<uint8_t> read_into,
                      std::span<const uint8_t> write_from);

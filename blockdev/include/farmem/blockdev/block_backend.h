@@ -48,6 +48,18 @@ struct BlockOp {
   Status status;                  // result, filled in by ExecuteBatch
 };
 
+// Hears about the ops of a batch that finish before the whole batch does, so that their replies
+// can go out early (the client reuses those slots while the rest is still in flight).
+class BatchListener {
+ public:
+  virtual ~BatchListener() = default;
+  // ops[i] is final: its status is set and the backend no longer touches its buffers. Called on
+  // the thread running ExecuteBatch, at most once per op, never after ExecuteBatch returned.
+  virtual void OpDone(size_t i) = 0;
+  // The backend is about to wait for more: a good moment to send what OpDone collected.
+  virtual void Progress() = 0;
+};
+
 class BlockBackend {
  public:
   virtual ~BlockBackend() = default;
@@ -79,7 +91,9 @@ class BlockBackend {
   // in flight together on one connection: a backend may run them in any order or all at once (a
   // remote backend posts them together and waits once). A kFlush in a batch only has to cover
   // writes that completed before ExecuteBatch was called. The default runs them one by one.
-  virtual void ExecuteBatch(std::span<BlockOp> ops);
+  // A listener, if given, may be told of ops that finished early (see BatchListener); the ops it
+  // was not told of are final when ExecuteBatch returns.
+  virtual void ExecuteBatch(std::span<BlockOp> ops, BatchListener* listener = nullptr);
 };
 
 // An export held in this process's memory, allocated (and, under mlockall, locked) up front.
