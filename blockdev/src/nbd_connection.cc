@@ -26,8 +26,9 @@ void NbdConnection::Run() {
   spdlog::info("nbd: {} entered transmission (structured replies: {}, flags 0x{:04x})", peer_,
                session_.structured_replies, session_.transmission_flags);
   Transmit();
-  spdlog::info("nbd: {} closed after {} requests ({} failed): {}", peer_, requests_,
-               failed_requests_, end_reason_);
+  spdlog::info(
+      "nbd: {} closed after {} requests in {} batches, {} replies sent early ({} failed): {}",
+      peer_, requests_, batches_, early_replies_, failed_requests_, end_reason_);
 }
 
 bool NbdConnection::Negotiate() {

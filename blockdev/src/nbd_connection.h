@@ -101,6 +101,8 @@ class NbdConnection final : private BatchListener {
   bool send_failed_ = false;
 
   uint64_t requests_ = 0;
+  uint64_t batches_ = 0;
+  uint64_t early_replies_ = 0;
   uint64_t failed_requests_ = 0;
   const char* end_reason_ = "client disconnected";
 };

@@ -213,6 +213,7 @@ bool NbdConnection::HandleLargeWrite(const nbd::Request& r, const nbd::RequestCh
 bool NbdConnection::Complete(size_t count, size_t n_ops) {
   if (n_ops > 0) backend_->ExecuteBatch({ops_->data(), n_ops}, this);
   requests_ += count;
+  ++batches_;
   return SendReplies(count);
 }
 
@@ -220,6 +221,7 @@ void NbdConnection::OpDone(size_t op) {
   const size_t i = (*op_pending_)[op];
   AppendReply(i);
   (*pending_)[i].replied = true;
+  ++early_replies_;
 }
 
 void NbdConnection::Progress() {
