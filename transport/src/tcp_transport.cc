@@ -3,6 +3,12 @@
 // BATCH frames (the vectored form: many ops, one header, one reply), with write payloads sent
 // straight from the caller's buffers and read payloads received straight into them (scatter-
 // gather I/O, no staging copy of data). Replies are matched by request id.
+//
+// Receiving: with one frame in flight (the common case: a caller posts a round, flushes, waits)
+// the reply's layout on success is known in advance — header, BATCH status table, the read data
+// in op order — so one recvmsg() lands all of it in place. Anything else (an error reply, a failed
+// read, several frames in flight) is parsed piece by piece; bytes the one-shot receive took beyond
+// a header it did not expect are kept in carry_ and consumed first.
 #include <fmt/format.h>
 #include <sys/socket.h>
 
@@ -86,6 +92,9 @@ class TcpChannel final : public Channel {
       rcv_timeout_ = timeout;
     }
     Status s = ReceiveReply();
+    // Bytes held back by a one-shot receive belong to frames not yet handled: finish them now
+    // (the socket turning readable would not announce them).
+    while (s.ok() && carry_pos_ < carry_.size()) s = ReceiveReply();
     if (!s.ok()) Break(s);
     return Drain(out);
   }
@@ -155,12 +164,18 @@ class TcpChannel final : public Channel {
   // Receives one reply frame and turns it into completions.
   Status ReceiveReply() {
     uint8_t hdr[wire::kHeaderSize];
-    FARMEM_RETURN_IF_ERROR(RecvExact(conn_.socket().fd(), hdr, kNoDeadline)
-                               .WithContext(fmt::format("waiting for {}", peer())));
+    if (inflight_.size() == 1 && carry_pos_ == carry_.size()) {
+      Result<bool> done = ReceiveExpected(hdr);
+      if (!done.has_value()) return done.error().WithContext(fmt::format("waiting for {}", peer()));
+      if (*done) return Status::Ok();
+      // hdr holds a header other than the expected success; what followed it is in carry_.
+    } else {
+      FARMEM_RETURN_IF_ERROR(Recv(hdr).WithContext(fmt::format("waiting for {}", peer())));
+    }
     FARMEM_ASSIGN_OR_RETURN(wire::FrameHeader h, wire::DecodeHeader(hdr));
     if (h.flags & wire::kFlagPush) {  // not expected on data channels: skip its body
       std::vector<uint8_t> skip(h.body_len);
-      return RecvExact(conn_.socket().fd(), skip, kNoDeadline);
+      return Recv(skip);
     }
     auto it = inflight_.begin();
     while (it != inflight_.end() && it->request_id != h.request_id) ++it;
@@ -171,13 +186,12 @@ class TcpChannel final : public Channel {
     InFlight f = std::move(*it);
     inflight_.erase(it);
     inflight_ops_ -= f.ops.size();
-    const int fd = conn_.socket().fd();
     if (h.status != 0) {  // the whole frame failed: every op in it gets the error
       if (h.body_len > wire::kMaxErrorMessage) {
         return ProtocolError(fmt::format("{} sent an error of {} bytes", peer(), h.body_len));
       }
       std::vector<uint8_t> msg(h.body_len);
-      FARMEM_RETURN_IF_ERROR(RecvExact(fd, msg, kNoDeadline));
+      FARMEM_RETURN_IF_ERROR(Recv(msg));
       Status err = wire::DecodeError(h.status, msg).WithContext(peer());
       for (const Op& op : f.ops) done_.push_back({op.user_data, err});
       return Status::Ok();
@@ -190,8 +204,7 @@ class TcpChannel final : public Channel {
                                          op.length, op.type == OpType::kRead ? "READ" : "WRITE",
                                          h.body_len));
       }
-      if (want)
-        FARMEM_RETURN_IF_ERROR(RecvExact(fd, {static_cast<uint8_t*>(op.local), want}, kNoDeadline));
+      if (want) FARMEM_RETURN_IF_ERROR(Recv({static_cast<uint8_t*>(op.local), want}));
       Account(op);
       done_.push_back({op.user_data, Status::Ok()});
       return Status::Ok();
@@ -200,7 +213,7 @@ class TcpChannel final : public Channel {
     const size_t table = 8 + 4 * f.ops.size();
     if (h.body_len < table) return ProtocolError(fmt::format("{}: short BATCH reply", peer()));
     staging_.resize(table);
-    FARMEM_RETURN_IF_ERROR(RecvExact(fd, staging_, kNoDeadline));
+    FARMEM_RETURN_IF_ERROR(Recv(staging_));
     wire::Reader r(staging_);
     if (r.U32() != f.ops.size())
       return ProtocolError(fmt::format("{}: BATCH count mismatch", peer()));
@@ -219,21 +232,132 @@ class TcpChannel final : public Channel {
       return ProtocolError(fmt::format("{}: BATCH reply of {} bytes, expected {}", peer(),
                                        h.body_len, table + data));
     }
-    FARMEM_RETURN_IF_ERROR(RecvExactV(fd, iov_.data(), static_cast<int>(iov_.size()), kNoDeadline));
-    for (size_t i = 0; i < f.ops.size(); ++i) {
-      if (codes[i] == 0) {
-        Account(f.ops[i]);
-        done_.push_back({f.ops[i].user_data, Status::Ok()});
-      } else {
-        done_.push_back(
-            {f.ops[i].user_data,
-             Status(StatusCodeFromWire(codes[i]),
-                    fmt::format("{}: {} of {} bytes at offset {} of lease {:#x} failed", peer(),
-                                f.ops[i].type == OpType::kRead ? "read" : "write", f.ops[i].length,
-                                f.ops[i].offset, f.ops[i].slab.lease_id))});
+    FARMEM_RETURN_IF_ERROR(RecvV(iov_.data(), static_cast<int>(iov_.size())));
+    for (size_t i = 0; i < f.ops.size(); ++i) CompleteBatchOp(f.ops[i], codes[i]);
+    return Status::Ok();
+  }
+
+  // The one-shot receive (see the top of this file): true if the oldest frame in flight got its
+  // expected success reply, now received and completed; false with some other header in `hdr`
+  // and the bytes received after it in carry_.
+  Result<bool> ReceiveExpected(uint8_t* hdr) {
+    const int fd = conn_.socket().fd();
+    const InFlight& f = inflight_.front();
+    iov_.clear();
+    iov_.push_back({hdr, wire::kHeaderSize});
+    size_t table = 0;
+    uint64_t data = 0;
+    if (f.batch) {
+      table = 8 + 4 * f.ops.size();
+      staging_.resize(table);
+      iov_.push_back({staging_.data(), table});
+    }
+    for (const Op& op : f.ops) {
+      if (op.type == OpType::kRead) {
+        iov_.push_back({op.local, op.length});
+        data += op.length;
       }
     }
-    return Status::Ok();
+    const size_t total = wire::kHeaderSize + table + data;
+    msghdr msg{};
+    msg.msg_iov = iov_.data();
+    msg.msg_iovlen = std::min<size_t>(iov_.size(), IOV_MAX);
+    ssize_t n;
+    do {
+      n = ::recvmsg(fd, &msg, 0);  // whatever has arrived; the socket's SO_RCVTIMEO bounds it
+    } while (n < 0 && errno == EINTR);
+    if (n == 0) return Err(Unavailable("connection closed by peer"));
+    if (n < 0) {
+      if (errno == EAGAIN || errno == EWOULDBLOCK)
+        return Err(DeadlineExceeded("receive timed out"));
+      return Err(ErrnoStatus(StatusCode::kUnavailable, "receive", errno));
+    }
+    size_t got = static_cast<size_t>(n);
+    if (got < wire::kHeaderSize) {
+      FARMEM_RETURN_IF_ERROR(RecvExact(fd, {hdr + got, wire::kHeaderSize - got}, kNoDeadline));
+      got = wire::kHeaderSize;
+    }
+    Result<wire::FrameHeader> h = wire::DecodeHeader({hdr, wire::kHeaderSize});
+    const bool expected = h.has_value() && h->is_reply() && (h->flags & wire::kFlagPush) == 0 &&
+                          h->request_id == f.request_id && h->status == 0 &&
+                          h->body_len == total - wire::kHeaderSize;
+    if (!expected) {
+      // Keep what followed the header for the piece-by-piece path.
+      carry_.clear();
+      carry_pos_ = 0;
+      size_t left = got - wire::kHeaderSize;
+      for (size_t i = 1; i < iov_.size() && left > 0; ++i) {
+        const auto* b = static_cast<const uint8_t*>(iov_[i].iov_base);
+        const size_t c = std::min(left, iov_[i].iov_len);
+        carry_.insert(carry_.end(), b, b + c);
+        left -= c;
+      }
+      return false;
+    }
+    if (got < total) {
+      // Skip what arrived, receive the rest in place.
+      size_t i = 0, left = got;
+      while (left >= iov_[i].iov_len) left -= iov_[i++].iov_len;
+      iov_[i].iov_base = static_cast<uint8_t*>(iov_[i].iov_base) + left;
+      iov_[i].iov_len -= left;
+      FARMEM_RETURN_IF_ERROR(
+          RecvExactV(fd, iov_.data() + i, static_cast<int>(iov_.size() - i), kNoDeadline));
+    }
+    InFlight done = std::move(inflight_.front());
+    inflight_.pop_front();
+    inflight_ops_ -= done.ops.size();
+    if (!done.batch) {
+      Account(done.ops[0]);
+      done_.push_back({done.ops[0].user_data, Status::Ok()});
+      return true;
+    }
+    // Every read succeeded (the body has all their data); a write may still have failed.
+    wire::Reader r(staging_);
+    if (r.U32() != done.ops.size()) {
+      return Err(ProtocolError(fmt::format("{}: BATCH count mismatch", peer())));
+    }
+    r.U32();
+    for (const Op& op : done.ops) CompleteBatchOp(op, static_cast<uint16_t>(r.U32()));
+    return true;
+  }
+
+  void CompleteBatchOp(const Op& op, uint16_t code) {
+    if (code == 0) {
+      Account(op);
+      done_.push_back({op.user_data, Status::Ok()});
+      return;
+    }
+    done_.push_back(
+        {op.user_data, Status(StatusCodeFromWire(code),
+                              fmt::format("{}: {} of {} bytes at offset {} of lease {:#x} failed",
+                                          peer(), op.type == OpType::kRead ? "read" : "write",
+                                          op.length, op.offset, op.slab.lease_id))});
+  }
+
+  // Exactly out.size() / the iovecs' bytes of the stream: first what carry_ holds, then the socket.
+  Status Recv(std::span<uint8_t> out) {
+    iovec iov{out.data(), out.size()};
+    return RecvV(&iov, 1);
+  }
+  Status RecvV(iovec* iov, int n) {
+    while (n > 0 && carry_pos_ < carry_.size()) {
+      if (iov->iov_len == 0) {
+        ++iov;
+        --n;
+        continue;
+      }
+      const size_t c = std::min(iov->iov_len, carry_.size() - carry_pos_);
+      std::memcpy(iov->iov_base, carry_.data() + carry_pos_, c);
+      carry_pos_ += c;
+      iov->iov_base = static_cast<uint8_t*>(iov->iov_base) + c;
+      iov->iov_len -= c;
+    }
+    if (carry_pos_ == carry_.size()) {
+      carry_.clear();
+      carry_pos_ = 0;
+    }
+    if (n == 0) return Status::Ok();
+    return RecvExactV(conn_.socket().fd(), iov, n, kNoDeadline);
   }
 
   void Account(const Op& op) {
@@ -271,6 +395,8 @@ class TcpChannel final : public Channel {
   std::deque<Completion> done_;
   std::vector<uint8_t> staging_;
   std::vector<iovec> iov_;
+  std::vector<uint8_t> carry_;  // received, not yet consumed (see ReceiveExpected)
+  size_t carry_pos_ = 0;
   Status broken_;
   std::chrono::milliseconds rcv_timeout_{0};
   ChannelStats stats_;

@@ -56,8 +56,10 @@ enum class OpType : uint8_t { kRead, kWrite };
 struct Op {
   OpType type = OpType::kRead;
   RemoteSlab slab;
-  uint64_t offset = 0;    // within the slab
-  void* local = nullptr;  // destination of a read, source of a write
+  uint64_t offset = 0;  // within the slab
+  // Destination of a read, source of a write. A read that fails leaves its destination's contents
+  // unspecified (a transport may have received into it before it learned of the failure).
+  void* local = nullptr;
   uint32_t length = 0;
   const LocalRegion* region = nullptr;  // registered memory that holds `local`, if any
   uint64_t user_data = 0;               // handed back in the Completion
