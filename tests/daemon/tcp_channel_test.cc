@@ -27,8 +27,7 @@ class TcpChannelTest : public ::testing::Test {
     daemons_ = std::make_unique<DaemonSet>(
         DaemonConfig{.capacity = "4M", .slab_size = "1M", .extra_args = {"--no-mlock"}});
     ASSERT_TRUE(daemons_->Start(1).ok()) << daemons_->Logs();
-    auto c = DaemonClient::Connect((*daemons_)[0].endpoint(), daemons_->secret(),
-                                   RandomClientId());
+    auto c = DaemonClient::Connect((*daemons_)[0].endpoint(), daemons_->secret(), RandomClientId());
     ASSERT_TRUE(c.has_value()) << c.error().ToString();
     client_ = std::make_unique<DaemonClient>(std::move(*c));
     auto grants = client_->Alloc(2);
