@@ -141,7 +141,10 @@ TEST_F(FarptrTest, CompactionFallsBackToClientMovesWithParityOffload) {
                after.compaction_spans_out - before.compaction_spans_out, sets, fallbacks, sent);
   ASSERT_GT(fallbacks, 0u) << "the daemons gathered what should not fit a request";
   ASSERT_GT(sets, 0u);
-  EXPECT_GE(sent, sets * 4 * kSpan);
+  // A fallback pass sends the 4 data spans of each of its sets; a set whose copies did fit
+  // GATHER_CELL requests sends none (how the heap splits into sets depends on what the evictor
+  // wrote when: under ASan one run had 5 sets, 2 fallback passes and 4 sets' worth of data sent).
+  EXPECT_GE(sent, 4 * kSpan) << "a fallback pass moved no data through the client";
   EXPECT_LT(sent, sets * (4 * kSpan + 4096)) << "parity spans crossed the client";
 
   const auto layout = rt_->span_set_layout();
