@@ -81,7 +81,7 @@ void RemoteStore::Shutdown() {
 // ---------------------------------------------------------------------------------------------
 // Rows and groups
 
-Result<SpanSet*> RemoteStore::ReserveRow() {
+Result<SpanSet*> RemoteStore::ReserveRow(std::vector<client::Lease>* members, uint64_t* epoch) {
   for (int attempt = 0; attempt < 2; ++attempt) {
     {
       std::lock_guard lock(mu_);
@@ -101,6 +101,8 @@ Result<SpanSet*> RemoteStore::ReserveRow() {
         best->rows[row] = set;
         ++best->used_rows;
         ++sets_;
+        *members = best->members;
+        *epoch = best->epoch;
         return set;
       }
     }
@@ -124,6 +126,17 @@ Result<SpanSet*> RemoteStore::ReserveRow() {
     attempt = -1;  // the new group has room: take a row from it
   }
   return Err(Internal("no span-set row after allocating a group"));
+}
+
+uint32_t RemoteStore::DataCells(std::span<const uint8_t* const> data, const uint8_t** cells) const {
+  uint32_t live = 0;
+  for (int m = 0; m < res_.k; ++m) {
+    const uint8_t* d =
+        static_cast<size_t>(m) < data.size() ? data[static_cast<size_t>(m)] : nullptr;
+    cells[m] = d != nullptr ? d : zeros_.data();
+    if (d != nullptr) live |= 1u << m;
+  }
+  return live;
 }
 
 void RemoteStore::FreeRowLocked(SpanSet* set) {

@@ -172,8 +172,12 @@ class RemoteStore {
               std::chrono::milliseconds op_timeout);
   Status Init();
 
-  // Reserves a free row in a healthy group (allocating a group if none has room).
-  Result<SpanSet*> ReserveRow();
+  // Reserves a free row in a healthy group (allocating a group if none has room); `members` and
+  // `epoch` get the group's members and epoch as they were when the row was taken.
+  Result<SpanSet*> ReserveRow(std::vector<client::Lease>* members, uint64_t* epoch);
+  // cells[m] = data[m], or zeros_ where there is no span, for the k data members; returns the
+  // mask of members that hold a span.
+  uint32_t DataCells(std::span<const uint8_t* const> data, const uint8_t** cells) const;
   void FreeRowLocked(SpanSet* set) REQUIRES(mu_);
   // Writes cells[m] (span_size bytes) at `off` of member m's slab, for every m; results[m].
   void WriteCells(IoContext& io, const std::vector<client::Lease>& members, uint64_t off,

@@ -152,13 +152,7 @@ Result<SpanSet*> RemoteStore::WriteSet(IoContext& io, std::span<const uint8_t* c
   }
   // The k data cells (zeros where there is no span), then parity or copies.
   const uint8_t* cells[kMaxSetWidth];
-  uint32_t live = 0;
-  for (int m = 0; m < k; ++m) {
-    const uint8_t* d =
-        static_cast<size_t>(m) < data.size() ? data[static_cast<size_t>(m)] : nullptr;
-    cells[m] = d != nullptr ? d : zeros_.data();
-    if (d != nullptr) live |= 1u << m;
-  }
+  const uint32_t live = DataCells(data, cells);
   if (res_.mode == SpanResilience::Mode::kErasure && res_.r > 0) {
     if (io.scratch.size() < span * static_cast<size_t>(n)) io.scratch.resize(span * n);
     uint8_t* parity[kMaxSetWidth];
@@ -171,14 +165,9 @@ Result<SpanSet*> RemoteStore::WriteSet(IoContext& io, std::span<const uint8_t* c
   }
   Status last;
   for (int attempt = 0; attempt < 4; ++attempt) {
-    FARMEM_ASSIGN_OR_RETURN(SpanSet * set, ReserveRow());
     std::vector<client::Lease> members;
     uint64_t epoch = 0;
-    {
-      std::lock_guard lock(mu_);
-      members = set->group->members;
-      epoch = set->group->epoch;
-    }
+    FARMEM_ASSIGN_OR_RETURN(SpanSet * set, ReserveRow(&members, &epoch));
     Status results[kMaxSetWidth];
     const uint64_t off = static_cast<uint64_t>(set->row) * span;
     WriteCells(io, members, off, {cells, static_cast<size_t>(n)}, results);

@@ -67,21 +67,10 @@ Result<SpanSet*> RemoteStore::WriteSetOffloaded(IoContext& io, std::span<const u
     return WriteSet(io, data, spans);
   };
   const uint8_t* cells[kMaxSetWidth];
-  uint32_t live = 0;
-  for (int m = 0; m < k; ++m) {
-    const uint8_t* d =
-        static_cast<size_t>(m) < data.size() ? data[static_cast<size_t>(m)] : nullptr;
-    cells[m] = d != nullptr ? d : zeros_.data();
-    if (d != nullptr) live |= 1u << m;
-  }
-  FARMEM_ASSIGN_OR_RETURN(SpanSet * set, ReserveRow());
+  const uint32_t live = DataCells(data, cells);
   std::vector<client::Lease> members;
   uint64_t epoch = 0;
-  {
-    std::lock_guard lock(mu_);
-    members = set->group->members;
-    epoch = set->group->epoch;
-  }
+  FARMEM_ASSIGN_OR_RETURN(SpanSet * set, ReserveRow(&members, &epoch));
   const uint64_t off = static_cast<uint64_t>(set->row) * span;
 
   // 1. The k data cells, as WriteSet writes them.
@@ -267,14 +256,9 @@ Result<SpanSet*> RemoteStore::WriteSetGathered(IoContext& io,
       }
     }
   }
-  FARMEM_ASSIGN_OR_RETURN(SpanSet * set, ReserveRow());
   std::vector<client::Lease> members;
   uint64_t epoch = 0;
-  {
-    std::lock_guard lock(mu_);
-    members = set->group->members;
-    epoch = set->group->epoch;
-  }
+  FARMEM_ASSIGN_OR_RETURN(SpanSet * set, ReserveRow(&members, &epoch));
   auto give_up = [&](Status why) -> Result<SpanSet*> {
     std::lock_guard lock(mu_);
     FreeRowLocked(set);
