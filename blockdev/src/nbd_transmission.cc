@@ -7,6 +7,7 @@
 
 #include <cstring>
 
+#include "farmem/common/socket.h"
 #include "nbd_connection.h"
 
 namespace farmem::blockdev {
@@ -319,15 +320,7 @@ bool NbdConnection::SendAllIov(iovec* iov, int n) {
       end_reason_ = "send failed (client gone?)";
       return false;
     }
-    while (n > 0 && static_cast<size_t>(sent) >= iov->iov_len) {
-      sent -= static_cast<ssize_t>(iov->iov_len);
-      ++iov;
-      --n;
-    }
-    if (n > 0) {
-      iov->iov_base = static_cast<uint8_t*>(iov->iov_base) + sent;
-      iov->iov_len -= static_cast<size_t>(sent);
-    }
+    AdvanceIov(iov, n, static_cast<size_t>(sent));
   }
   return true;
 }

@@ -147,6 +147,18 @@ Result<std::vector<std::string>> ResolveAll(const std::string& host) {
   return out;
 }
 
+void AdvanceIov(iovec*& iov, int& iovcnt, size_t bytes) {
+  while (iovcnt > 0 && bytes >= iov->iov_len) {
+    bytes -= iov->iov_len;
+    ++iov;
+    --iovcnt;
+  }
+  if (iovcnt > 0) {
+    iov->iov_base = static_cast<uint8_t*>(iov->iov_base) + bytes;
+    iov->iov_len -= bytes;
+  }
+}
+
 Status SendAll(int fd, iovec* iov, int iovcnt, Deadline deadline) {
   while (iovcnt > 0) {
     msghdr msg{};
@@ -161,16 +173,7 @@ Status SendAll(int fd, iovec* iov, int iovcnt, Deadline deadline) {
       }
       return ErrnoStatus(StatusCode::kUnavailable, "send", errno);
     }
-    size_t left = static_cast<size_t>(n);
-    while (iovcnt > 0 && left >= iov->iov_len) {
-      left -= iov->iov_len;
-      ++iov;
-      --iovcnt;
-    }
-    if (iovcnt > 0) {
-      iov->iov_base = static_cast<uint8_t*>(iov->iov_base) + left;
-      iov->iov_len -= left;
-    }
+    AdvanceIov(iov, iovcnt, static_cast<size_t>(n));
   }
   return Status::Ok();
 }
@@ -203,16 +206,7 @@ Status RecvExactV(int fd, iovec* iov, int iovcnt, Deadline deadline) {
       }
       return ErrnoStatus(StatusCode::kUnavailable, "receive", errno);
     }
-    size_t left = static_cast<size_t>(n);
-    while (iovcnt > 0 && left >= iov->iov_len) {
-      left -= iov->iov_len;
-      ++iov;
-      --iovcnt;
-    }
-    if (iovcnt > 0) {
-      iov->iov_base = static_cast<uint8_t*>(iov->iov_base) + left;
-      iov->iov_len -= left;
-    }
+    AdvanceIov(iov, iovcnt, static_cast<size_t>(n));
   }
   return Status::Ok();
 }

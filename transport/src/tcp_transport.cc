@@ -296,12 +296,10 @@ class TcpChannel final : public Channel {
     }
     if (got < total) {
       // Skip what arrived, receive the rest in place.
-      size_t i = 0, left = got;
-      while (left >= iov_[i].iov_len) left -= iov_[i++].iov_len;
-      iov_[i].iov_base = static_cast<uint8_t*>(iov_[i].iov_base) + left;
-      iov_[i].iov_len -= left;
-      FARMEM_RETURN_IF_ERROR(
-          RecvExactV(fd, iov_.data() + i, static_cast<int>(iov_.size() - i), kNoDeadline));
+      iovec* rest = iov_.data();
+      int rest_n = static_cast<int>(iov_.size());
+      AdvanceIov(rest, rest_n, got);
+      FARMEM_RETURN_IF_ERROR(RecvExactV(fd, rest, rest_n, kNoDeadline));
     }
     InFlight done = std::move(inflight_.front());
     inflight_.pop_front();

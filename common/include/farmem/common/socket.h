@@ -58,6 +58,10 @@ Result<uint16_t> LocalPort(const Socket& s);
 // Every address `host` resolves to (a DNS name with many A/AAAA records gives many peers).
 Result<std::vector<std::string>> ResolveAll(const std::string& host);
 
+// Steps past `bytes` bytes of the iovec array (as after a short send or receive): drops the
+// iovecs fully covered, shortens the next one. `bytes` must not exceed what the array holds.
+void AdvanceIov(iovec*& iov, int& iovcnt, size_t bytes);
+
 // Sends every byte of the iovecs (modifies the array as it goes). Unavailable on a broken peer.
 Status SendAll(int fd, iovec* iov, int iovcnt, Deadline deadline);
 Status SendAll(int fd, std::span<const uint8_t> bytes, Deadline deadline);
