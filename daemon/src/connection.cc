@@ -169,10 +169,11 @@ Connection::Next Connection::HandleFrame() {
       next = HandleRead(h, body);
       break;
     case wire::Opcode::kParityEncode:
-      next = HandleParityEncode(h, body);
+      next = HandleOffload(h, "PARITY_ENCODE", wire::DecodeParityEncode(body),
+                           &Connection::ParityEncode);
       break;
     case wire::Opcode::kGatherCell:
-      next = HandleGatherCell(h, body);
+      next = HandleOffload(h, "GATHER_CELL", wire::DecodeGatherCell(body), &Connection::GatherCell);
       break;
     default:
       next = HandleControl(h, body);
@@ -456,18 +457,18 @@ Connection::Next Connection::HandleBatch(const wire::FrameHeader& h) {
   return Next::kContinue;
 }
 
-Connection::Next Connection::HandleParityEncode(const wire::FrameHeader& h,
-                                                std::span<const uint8_t> body) {
-  Result<wire::ParityEncodeRequest> req = wire::DecodeParityEncode(body);
+template <typename Req>
+Connection::Next Connection::HandleOffload(const wire::FrameHeader& h, const char* name,
+                                           Result<Req> req, Status (Connection::*run)(const Req&)) {
   if (!req.has_value()) {
     ReplyError(h, req.error());
     return Next::kContinue;
   }
   // What is already answered goes out first: this request may take a while.
   if (!FlushReplies()) return Next::kClose;
-  Status s = ParityEncode(*req);
+  Status s = (this->*run)(*req);
   if (!s.ok()) {
-    spdlog::debug("{} ({}): PARITY_ENCODE failed: {}", peer_, client_name_, s.ToString());
+    spdlog::debug("{} ({}): {} failed: {}", peer_, client_name_, name, s.ToString());
     ReplyError(h, s);
     return Next::kContinue;
   }
@@ -528,24 +529,6 @@ PeerReader& Connection::Peers() {
                                           fmt::format("farmemd offload for {}", client_name_));
   }
   return *peers_;
-}
-
-Connection::Next Connection::HandleGatherCell(const wire::FrameHeader& h,
-                                              std::span<const uint8_t> body) {
-  Result<wire::GatherCellRequest> req = wire::DecodeGatherCell(body);
-  if (!req.has_value()) {
-    ReplyError(h, req.error());
-    return Next::kContinue;
-  }
-  if (!FlushReplies()) return Next::kClose;
-  Status s = GatherCell(*req);
-  if (!s.ok()) {
-    spdlog::debug("{} ({}): GATHER_CELL failed: {}", peer_, client_name_, s.ToString());
-    ReplyError(h, s);
-    return Next::kContinue;
-  }
-  Reply(h, {});
-  return Next::kContinue;
 }
 
 Status Connection::GatherCell(const wire::GatherCellRequest& req) {

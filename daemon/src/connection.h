@@ -46,12 +46,16 @@ class Connection {
   Next HandleRead(const wire::FrameHeader& h, std::span<const uint8_t> body);
   Next HandleWrite(const wire::FrameHeader& h);
   Next HandleBatch(const wire::FrameHeader& h);
+  // A daemon-to-daemon offload request (decoded into `req`): the replies already owed go out
+  // first (it may take a while and blocks this connection's thread), then `run`'s empty reply or
+  // its error.
+  template <typename Req>
+  Next HandleOffload(const wire::FrameHeader& h, const char* name, Result<Req> req,
+                     Status (Connection::*run)(const Req&));
   // Parity offload (docs/wire-protocol.md, PARITY_ENCODE): reads the k data cells from their
-  // daemons and stores one parity cell here. Blocks this connection's thread while it runs.
-  Next HandleParityEncode(const wire::FrameHeader& h, std::span<const uint8_t> body);
+  // daemons and stores one parity cell here.
   Status ParityEncode(const wire::ParityEncodeRequest& req);
   // Compaction offload (GATHER_CELL): builds one cell from pieces of cells on other daemons.
-  Next HandleGatherCell(const wire::FrameHeader& h, std::span<const uint8_t> body);
   Status GatherCell(const wire::GatherCellRequest& req);
   PeerReader& Peers();
 
