@@ -43,7 +43,7 @@ perftest() {
 }
 
 # Two daemons: one as it would run, one pinned to vCPU 0 for the pinned TCP run ("tcp0": client
-# and daemon on one vCPU, no cross-CPU wake-up per request; see design.md).
+# and daemon on one vCPU, no cross-CPU wake-up per request; see docs/architecture.md).
 "$bin/farmemd" --listen "$addr:7411" --rdma on --capacity 256M --slab-size 64M --log-level warn \
   --port-file "$work/port" &
 taskset -c 0 "$bin/farmemd" --listen "$addr:7421" --rdma off --capacity 128M --slab-size 64M \

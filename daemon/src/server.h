@@ -3,7 +3,7 @@
 // One thread accepts; each connection is served by a thread of its own that runs every request
 // to completion (read the frame, touch slab memory, answer) and batches the replies of all frames
 // that arrived together into one sendmsg. There is no hand-off between threads on the data path:
-// on these machines a cross-core wake-up costs more than the whole operation (design.md).
+// on these machines a cross-core wake-up costs more than the operation (docs/architecture.md).
 // A housekeeping thread reclaims leases whose clients stopped heartbeating. With RDMA, an
 // RdmaListener (rdma_listener.h) admits queue pairs and registers leases; it has no data path.
 //
