@@ -12,7 +12,7 @@
 #include <vector>
 
 #include "farmem/client/cluster.h"
-#include "farmem/client/thread_annotations.h"
+#include "farmem/common/thread_annotations.h"
 #include "farmem/transport/tcp_connection.h"
 
 namespace farmem::client {

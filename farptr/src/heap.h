@@ -39,7 +39,7 @@
 #include <vector>
 
 #include "farmem/client/cluster.h"
-#include "farmem/client/thread_annotations.h"
+#include "farmem/common/thread_annotations.h"
 #include "farmem/internal/object.h"
 #include "farmem/runtime.h"
 #include "remote_store.h"

@@ -38,7 +38,7 @@
 #include <vector>
 
 #include "farmem/client/cluster.h"
-#include "farmem/client/thread_annotations.h"
+#include "farmem/common/thread_annotations.h"
 #include "farmem/ec/reed_solomon.h"
 #include "farmem/runtime.h"
 

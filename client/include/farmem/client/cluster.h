@@ -42,7 +42,7 @@
 #include <vector>
 
 #include "farmem/client/placement.h"
-#include "farmem/client/thread_annotations.h"
+#include "farmem/common/thread_annotations.h"
 #include "farmem/common/config.h"
 #include "farmem/common/socket.h"
 #include "farmem/common/status.h"
