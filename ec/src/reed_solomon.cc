@@ -6,8 +6,6 @@
 #include <isa-l/erasure_code.h>
 
 #include <cstring>
-#include <mutex>
-#include <shared_mutex>
 
 namespace farmem::ec {
 
@@ -95,7 +93,7 @@ Result<const ReedSolomon::DecodePlan*> ReedSolomon::FindOrBuildPlan(
   // pairs with its acquire load, so a plan's contents are visible once its pointer is.
   std::atomic<const DecodePlan*>& slot = recent_plans_[RecentSlot(key)];
   {
-    std::shared_lock lock(cache_mu_);
+    ReaderLock lock(&cache_mu_);
     auto it = plans_.find(key);
     if (it != plans_.end()) {
       slot.store(it->second.get(), std::memory_order_release);
@@ -105,7 +103,7 @@ Result<const ReedSolomon::DecodePlan*> ReedSolomon::FindOrBuildPlan(
   // Built outside the lock so that a slow first decode does not stall decodes of cached patterns.
   // Two threads may build the same plan; the second one is dropped.
   FARMEM_ASSIGN_OR_RETURN(std::unique_ptr<DecodePlan> plan, BuildPlan(survivor_mask, output_mask));
-  std::unique_lock lock(cache_mu_);
+  WriterLock lock(&cache_mu_);
   auto it = plans_.find(key);
   if (it == plans_.end()) {
     if (plans_.size() >= kMaxCachedDecodePlans) {
@@ -119,7 +117,7 @@ Result<const ReedSolomon::DecodePlan*> ReedSolomon::FindOrBuildPlan(
 }
 
 size_t ReedSolomon::cached_decode_plans() const {
-  std::shared_lock lock(cache_mu_);
+  ReaderLock lock(&cache_mu_);
   return plans_.size();
 }
 

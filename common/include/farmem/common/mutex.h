@@ -100,44 +100,55 @@ class SCOPED_CAPABILITY ReaderLock {
   SharedMutex* mu_;
 };
 
-// A condition variable bound to one Mutex. Wait* must be called with that mutex held (checked by
-// the analysis); they return with it held again.
+// A condition variable for a farmem::Mutex. Every wait names the mutex, which the caller must hold
+// (checked by the analysis); it returns with the mutex held again. A predicate runs with the mutex
+// held: call mu->AssertHeld() in it to tell the analysis so.
 class CondVar {
  public:
-  explicit CondVar(Mutex* mu) : mu_(mu) {}
+  CondVar() = default;
   CondVar(const CondVar&) = delete;
   CondVar& operator=(const CondVar&) = delete;
 
-  void Wait() REQUIRES(mu_) {
-    std::unique_lock<std::mutex> lock(mu_->mu_, std::adopt_lock);
+  void Wait(Mutex* mu) REQUIRES(mu) {
+    std::unique_lock<std::mutex> lock(mu->mu_, std::adopt_lock);
     cv_.wait(lock);
     lock.release();
   }
-  // Waits until `pred()` holds or the deadline passes; returns pred().
+  template <typename Pred>
+  void Wait(Mutex* mu, Pred pred) REQUIRES(mu) {
+    std::unique_lock<std::mutex> lock(mu->mu_, std::adopt_lock);
+    cv_.wait(lock, std::move(pred));
+    lock.release();
+  }
+  // Returns false when the deadline passed without a signal.
+  template <typename Clock, typename Duration>
+  bool WaitUntil(Mutex* mu, std::chrono::time_point<Clock, Duration> deadline) REQUIRES(mu) {
+    std::unique_lock<std::mutex> lock(mu->mu_, std::adopt_lock);
+    const bool signalled = cv_.wait_until(lock, deadline) == std::cv_status::no_timeout;
+    lock.release();
+    return signalled;
+  }
+  // Waits until pred() holds or the deadline passes; returns pred().
   template <typename Clock, typename Duration, typename Pred>
-  bool WaitUntil(std::chrono::time_point<Clock, Duration> deadline, Pred pred) REQUIRES(mu_) {
-    std::unique_lock<std::mutex> lock(mu_->mu_, std::adopt_lock);
+  bool WaitUntil(Mutex* mu, std::chrono::time_point<Clock, Duration> deadline, Pred pred)
+      REQUIRES(mu) {
+    std::unique_lock<std::mutex> lock(mu->mu_, std::adopt_lock);
     const bool ok = cv_.wait_until(lock, deadline, std::move(pred));
     lock.release();
     return ok;
   }
   template <typename Rep, typename Period>
-  void WaitFor(std::chrono::duration<Rep, Period> d) REQUIRES(mu_) {
-    std::unique_lock<std::mutex> lock(mu_->mu_, std::adopt_lock);
-    cv_.wait_for(lock, d);
-    lock.release();
+  bool WaitFor(Mutex* mu, std::chrono::duration<Rep, Period> d) REQUIRES(mu) {
+    return WaitUntil(mu, std::chrono::steady_clock::now() + d);
   }
-  template <typename Pred>
-  void Wait(Pred pred) REQUIRES(mu_) {
-    std::unique_lock<std::mutex> lock(mu_->mu_, std::adopt_lock);
-    cv_.wait(lock, std::move(pred));
-    lock.release();
+  template <typename Rep, typename Period, typename Pred>
+  bool WaitFor(Mutex* mu, std::chrono::duration<Rep, Period> d, Pred pred) REQUIRES(mu) {
+    return WaitUntil(mu, std::chrono::steady_clock::now() + d, std::move(pred));
   }
   void Signal() { cv_.notify_one(); }
   void SignalAll() { cv_.notify_all(); }
 
  private:
-  Mutex* const mu_;
   std::condition_variable cv_;
 };
 

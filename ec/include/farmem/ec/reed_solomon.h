@@ -40,11 +40,11 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
-#include <shared_mutex>
 #include <span>
 #include <unordered_map>
 #include <vector>
 
+#include "farmem/common/mutex.h"
 #include "farmem/common/status.h"
 
 namespace farmem::ec {
@@ -158,9 +158,10 @@ class ReedSolomon {
 
   // Cache of decode plans, keyed by (survivor_mask << 32) | output_mask. Plans are never removed
   // while the object lives, so a pointer to one stays valid after the lock is released.
-  mutable std::shared_mutex cache_mu_;
-  // Owns every cached plan. Guarded by cache_mu_.
-  mutable std::unordered_map<uint64_t, std::unique_ptr<const DecodePlan>> plans_;
+  mutable SharedMutex cache_mu_;
+  // Owns every cached plan.
+  mutable std::unordered_map<uint64_t, std::unique_ptr<const DecodePlan>> plans_
+      GUARDED_BY(cache_mu_);
   // Lock-free front of plans_ for the data path: slot hash(key) holds the plan last used with a
   // key of that hash (or null). Readers check plan->key; a miss or a collision falls back to
   // plans_ under the lock. Stored while holding cache_mu_ (shared or exclusive), loaded without it.
