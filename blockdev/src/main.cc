@@ -125,6 +125,7 @@ int main(int argc, char** argv) {
   bool swap_safe = true;
   std::string log_level = "info";
   double handshake_timeout_s = 30;
+  double reply_timeout_s = 30;
   app.add_option("--unix", opts.unix_paths,
                  "Listen on this Unix socket path (repeatable). A stale socket file is replaced; "
                  "the file is removed on exit.");
@@ -142,6 +143,11 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--handshake-timeout", handshake_timeout_s,
                  "Seconds a client may take for each handshake message before it is dropped.")
+      ->check(CLI::Range(0.1, 3600.0))
+      ->capture_default_str();
+  app.add_option("--reply-timeout", reply_timeout_s,
+                 "Seconds a client may leave its replies unread (its socket full) before it is "
+                 "dropped. Meanwhile only that connection waits: it reads no new requests.")
       ->check(CLI::Range(0.1, 3600.0))
       ->capture_default_str();
   app.add_flag("--swap-safe,!--no-swap-safe", swap_safe,
@@ -186,6 +192,7 @@ int main(int argc, char** argv) {
   opts.inherited_fds = *activated;
   opts.handshake_timeout =
       std::chrono::milliseconds(static_cast<int64_t>(handshake_timeout_s * 1000));
+  opts.reply_timeout = std::chrono::milliseconds(static_cast<int64_t>(reply_timeout_s * 1000));
 
   auto backend = OpenBackend(backend_cfg);
   if (!backend) return Fail(backend.error().WithContext("opening the backend"));

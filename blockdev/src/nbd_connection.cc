@@ -13,12 +13,14 @@ namespace farmem::blockdev {
 
 NbdConnection::NbdConnection(int fd, std::string peer, BlockBackend* backend,
                              const nbd::ExportInfo* info,
-                             std::chrono::milliseconds handshake_timeout)
+                             std::chrono::milliseconds handshake_timeout,
+                             std::chrono::milliseconds reply_timeout)
     : fd_(fd),
       peer_(std::move(peer)),
       backend_(backend),
       info_(info),
-      handshake_timeout_(handshake_timeout) {}
+      handshake_timeout_(handshake_timeout),
+      reply_timeout_(reply_timeout) {}
 
 void NbdConnection::Run() {
   spdlog::debug("nbd: connection from {}", peer_);
@@ -27,8 +29,9 @@ void NbdConnection::Run() {
                session_.structured_replies, session_.transmission_flags);
   Transmit();
   spdlog::info(
-      "nbd: {} closed after {} requests in {} batches, {} replies sent early ({} failed): {}",
-      peer_, requests_, batches_, early_replies_, failed_requests_, end_reason_);
+      "nbd: {} closed after {} requests in {} batches, {} replies sent early ({} failed), {} "
+      "batches waited for the client to read: {}",
+      peer_, requests_, batches_, early_replies_, failed_requests_, reply_stalls_, end_reason_);
 }
 
 bool NbdConnection::Negotiate() {

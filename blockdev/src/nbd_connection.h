@@ -9,10 +9,23 @@
 //   recv() everything available  ->  split into requests (NextFrame/CheckRequest)
 //   -> backend->ExecuteBatch()   ->  one sendmsg() with every reply of the batch
 //
-// and never blocks on the socket while replies are waiting to be sent. A backend that finishes
-// some requests of a batch before the others (the remote page store, as each daemon answers)
-// reports them through BatchListener; their replies go out at once, one sendmsg() per wait of the
-// backend, so that the client can reuse those slots while the rest of the batch is in flight.
+// A backend that finishes some requests of a batch before the others (the remote page store, as
+// each daemon answers) reports them through BatchListener; their replies go out at once, one
+// sendmsg() per wait of the backend, so that the client can reuse those slots while the rest of
+// the batch is in flight.
+//
+// The reply queue, and why the batch never waits on the client. Replies are iovecs queued in
+// iov_ (headers in headers_, read data in data_); the queue holds the replies of one batch at most
+// (kMaxBatch replies, kMaxPayload bytes of data). Inside ExecuteBatch (OpDone/Progress) replies
+// are only queued and offered to the socket with non-blocking sends: whatever the socket does not
+// take stays queued, and the batch goes on. Its extent locks and remote reads must not wait for a
+// client, or a client that stops reading would hold up other connections and rebuilds and make
+// healthy daemons miss the page store's operation timeout. After the batch, the rest of the queue
+// is sent with poll(POLLOUT) between non-blocking sends, and no new request is read until it is
+// empty (backpressure: data_ and headers_ are reused by the next batch). If the client has not
+// taken the queued replies within reply_timeout of the socket first refusing them, the connection
+// is dropped with a log line.
+//
 // Buffers are allocated once when the connection enters transmission:
 //   in_   receive buffer (kInBufferSize): request headers and the payload of small writes, which
 //         the backend reads in place;
@@ -26,6 +39,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "farmem/blockdev/block_backend.h"
@@ -36,7 +50,8 @@ namespace farmem::blockdev {
 class NbdConnection final : private BatchListener {
  public:
   NbdConnection(int fd, std::string peer, BlockBackend* backend, const nbd::ExportInfo* info,
-                std::chrono::milliseconds handshake_timeout);
+                std::chrono::milliseconds handshake_timeout,
+                std::chrono::milliseconds reply_timeout);
   // Serves the connection until the client disconnects, violates the protocol, or the socket is
   // shut down by the server. Never throws.
   void Run();
@@ -69,11 +84,14 @@ class NbdConnection final : private BatchListener {
   bool HandleLargeWrite(const nbd::Request& r, const nbd::RequestCheck& check);
   // Runs ops_[0..n) and sends the replies for pending_[0..count).
   bool Complete(size_t count, size_t n_ops);
-  // Sends the replies of pending_[0..count) not sent yet (plus any early ones still queued).
+  // Queues the replies of pending_[0..count) not queued yet, then sends the whole queue, waiting
+  // for the client up to the reply deadline. False if the connection must end.
   bool SendReplies(size_t count);
-  // Appends the reply of pending_[i] to iov_ (at most two entries).
+  // Appends the reply of pending_[i] to the reply queue (at most two iovecs).
   void AppendReply(size_t i);
-  bool SendAllIov(iovec* iov, int n);
+  // Offers the reply queue to the socket without blocking; what it does not take stays queued.
+  // False (and send_failed_) if the send failed.
+  bool TrySend();
   // BatchListener: replies of requests the backend finished before the rest of the batch.
   void OpDone(size_t op) override;
   void Progress() override;
@@ -85,6 +103,7 @@ class NbdConnection final : private BatchListener {
   BlockBackend* const backend_;
   const nbd::ExportInfo* const info_;
   const std::chrono::milliseconds handshake_timeout_;
+  const std::chrono::milliseconds reply_timeout_;
   nbd::Session session_;
 
   std::unique_ptr<uint8_t[]> in_;
@@ -95,8 +114,14 @@ class NbdConnection final : private BatchListener {
   std::unique_ptr<std::array<Pending, kMaxBatch>> pending_;
   std::unique_ptr<std::array<BlockOp, kMaxBatch>> ops_;
   std::unique_ptr<std::array<std::array<uint8_t, kReplyHeaderMax>, kMaxBatch>> headers_;
+  // The reply queue: iov_[iov_sent_, iov_used_) is still to be sent (the entry at iov_sent_ may
+  // be partly sent). Empty (both 0) whenever a batch starts.
   std::unique_ptr<std::array<iovec, kMaxIov>> iov_;
-  int iov_used_ = 0;  // entries of iov_ queued for the next send
+  int iov_sent_ = 0;
+  int iov_used_ = 0;
+  // When the socket first refused queued replies (it was full); the reply deadline runs from here.
+  // Unset while the queue is empty or the socket has taken everything offered.
+  std::optional<std::chrono::steady_clock::time_point> refused_since_;
   std::unique_ptr<std::array<uint16_t, kMaxBatch>> op_pending_;  // ops_ index -> pending_ index
   bool send_failed_ = false;
 
@@ -104,6 +129,7 @@ class NbdConnection final : private BatchListener {
   uint64_t batches_ = 0;
   uint64_t early_replies_ = 0;
   uint64_t failed_requests_ = 0;
+  uint64_t reply_stalls_ = 0;  // batches whose replies the socket did not take at once
   const char* end_reason_ = "client disconnected";
 };
 

@@ -116,6 +116,7 @@ Result<std::unique_ptr<NbdServer>> NbdServer::Create(BlockBackend* backend,
     return Err(InvalidArgument("export name and description must be at most 4096 bytes"));
   }
   if (options.max_connections == 0) return Err(InvalidArgument("max_connections must be >= 1"));
+  if (options.reply_timeout.count() <= 0) return Err(InvalidArgument("reply_timeout must be > 0"));
   return std::unique_ptr<NbdServer>(new NbdServer(backend, std::move(options), std::move(info)));
 }
 
@@ -286,7 +287,8 @@ Status NbdServer::AddConnection(int fd, std::string peer) {
   raw->fd = fd;
   raw->body = [this, raw, fd, peer = std::move(peer)]() mutable {
     {
-      NbdConnection conn(fd, std::move(peer), backend_, &info_, options_.handshake_timeout);
+      NbdConnection conn(fd, std::move(peer), backend_, &info_, options_.handshake_timeout,
+                         options_.reply_timeout);
       conn.Run();
     }
     // Tell the client we are done now; the fd itself is closed by whoever joins this thread,
@@ -351,7 +353,8 @@ void NbdServer::Stop() {
       std::lock_guard lock(mu_);
       for (const auto& slot : slots_) all_done = all_done && slot->done.load();
       if (!all_done && std::chrono::steady_clock::now() >= deadline) {
-        // A client that does not read its replies keeps its thread in send(): cut it off.
+        // A client that does not read its replies keeps its thread waiting to send (up to
+        // reply_timeout): cut it off.
         for (const auto& slot : slots_) ::shutdown(slot->fd, SHUT_RDWR);
         break;
       }

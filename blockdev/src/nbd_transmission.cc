@@ -21,11 +21,12 @@ void NbdConnection::Transmit() {
   ops_ = std::make_unique<std::array<BlockOp, kMaxBatch>>();
   headers_ = std::make_unique<std::array<std::array<uint8_t, kReplyHeaderMax>, kMaxBatch>>();
   iov_ = std::make_unique<std::array<iovec, kMaxIov>>();
+  iov_sent_ = iov_used_ = 0;
   op_pending_ = std::make_unique<std::array<uint16_t, kMaxBatch>>();
   in_start_ = in_end_ = 0;
 
   for (;;) {
-    // Nothing is waiting to be sent here, so blocking on the socket is fine.
+    // The reply queue is empty here (SendReplies drained it), so blocking on the socket is fine.
     if (!Fill(kRequestHeaderSize)) return;
 
     size_t count = 0;    // requests in this batch
@@ -150,24 +151,6 @@ bool NbdConnection::Fill(size_t n) {
   return true;
 }
 
-namespace {
-
-// Receives exactly `len` bytes into `buf`. False on EOF or error.
-bool RecvExactly(int fd, uint8_t* buf, size_t len) {
-  while (len > 0) {
-    const ssize_t got = ::recv(fd, buf, len, MSG_WAITALL);
-    if (got > 0) {
-      buf += got;
-      len -= static_cast<size_t>(got);
-    } else if (got == 0 || errno != EINTR) {
-      return false;
-    }
-  }
-  return true;
-}
-
-}  // namespace
-
 bool NbdConnection::HandleLargeWrite(const nbd::Request& r, const nbd::RequestCheck& check) {
   in_start_ += kRequestHeaderSize;
   const size_t have = in_end_ - in_start_;  // less than r.length, or we would not be here
@@ -181,7 +164,7 @@ bool NbdConnection::HandleLargeWrite(const nbd::Request& r, const nbd::RequestCh
     // Valid, so r.length <= kMaxPayload: the whole payload fits in data_.
     std::memcpy(data_.get(), in_.get() + in_start_, have);
     in_start_ = in_end_ = 0;
-    if (!RecvExactly(fd_, data_.get() + have, r.length - have)) {
+    if (!RecvExact(fd_, {data_.get() + have, r.length - have}, kNoDeadline).ok()) {
       end_reason_ = "client disconnected in the middle of a write payload";
       return false;
     }
@@ -202,7 +185,7 @@ bool NbdConnection::HandleLargeWrite(const nbd::Request& r, const nbd::RequestCh
   in_start_ = in_end_ = 0;
   while (left > 0) {
     const size_t n = left < nbd::kMaxPayload ? static_cast<size_t>(left) : nbd::kMaxPayload;
-    if (!RecvExactly(fd_, data_.get(), n)) {
+    if (!RecvExact(fd_, {data_.get(), n}, kNoDeadline).ok()) {
       end_reason_ = "client disconnected in the middle of a write payload";
       return false;
     }
@@ -226,10 +209,9 @@ void NbdConnection::OpDone(size_t op) {
 }
 
 void NbdConnection::Progress() {
-  if (iov_used_ == 0 || send_failed_) return;
-  // A failed send ends the connection after the batch (SendReplies sees send_failed_).
-  send_failed_ = !SendAllIov(iov_->data(), iov_used_);
-  iov_used_ = 0;
+  // Offer, never wait: the batch holds extent locks and has remote operations in flight. A failed
+  // send ends the connection after the batch (SendReplies sees send_failed_).
+  if (!send_failed_) (void)TrySend();
 }
 
 uint32_t NbdConnection::NbdError(const Status& s, const nbd::Request& r) {
@@ -254,13 +236,63 @@ bool NbdConnection::SendReplies(size_t count) {
   for (size_t i = 0; i < count; ++i) {
     if (!(*pending_)[i].replied) AppendReply(i);
   }
-  const int n = iov_used_;
-  iov_used_ = 0;
-  if (send_failed_) {
+  // The common case: the socket takes every reply of the batch in one sendmsg().
+  if (send_failed_ || !TrySend()) {
     send_failed_ = false;
     return false;
   }
-  return n == 0 || SendAllIov(iov_->data(), n);
+  if (iov_sent_ == iov_used_) return true;
+  // The client is not keeping up. Wait for it here, outside the backend, reading no new requests
+  // (their replies would have nowhere to go), but not forever.
+  const auto deadline = *refused_since_ + reply_timeout_;
+  iovec* iov = iov_->data() + iov_sent_;
+  int n = iov_used_ - iov_sent_;
+  size_t queued = 0;
+  for (int i = 0; i < n; ++i) queued += iov[i].iov_len;
+  const Status s = SendAll(fd_, iov, n, deadline);
+  iov_sent_ = iov_used_ = 0;
+  refused_since_.reset();
+  if (s.ok()) return true;
+  if (s.code() == StatusCode::kDeadlineExceeded) {
+    spdlog::warn(
+        "nbd: {} did not read its replies: {} bytes were still queued {} ms after the socket "
+        "first refused them; dropping the connection (--reply-timeout)",
+        peer_, queued, reply_timeout_.count());
+    end_reason_ = "the client did not read its replies (--reply-timeout)";
+  } else {
+    end_reason_ = "send failed (client gone?)";
+  }
+  return false;
+}
+
+bool NbdConnection::TrySend() {
+  while (iov_sent_ < iov_used_) {
+    msghdr msg{};
+    msg.msg_iov = iov_->data() + iov_sent_;
+    msg.msg_iovlen = static_cast<size_t>(iov_used_ - iov_sent_);
+    const ssize_t sent = ::sendmsg(fd_, &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
+    if (sent < 0) {
+      if (errno == EINTR) continue;
+      if (errno == EAGAIN || errno == EWOULDBLOCK) {
+        if (!refused_since_) {
+          refused_since_ = std::chrono::steady_clock::now();
+          ++reply_stalls_;
+        }
+        return true;
+      }
+      end_reason_ = "send failed (client gone?)";
+      send_failed_ = true;
+      return false;
+    }
+    iovec* iov = iov_->data() + iov_sent_;
+    int left = iov_used_ - iov_sent_;
+    AdvanceIov(iov, left, static_cast<size_t>(sent));
+    iov_sent_ = iov_used_ - left;
+  }
+  // Everything offered was taken: later replies of the batch start the queue afresh.
+  iov_sent_ = iov_used_ = 0;
+  refused_since_.reset();
+  return true;
 }
 
 void NbdConnection::AppendReply(size_t i) {
@@ -307,22 +339,6 @@ void NbdConnection::AppendReply(size_t i) {
     iov[n++] = {h, nbd::kSimpleReplySize};
     if (is_read && error == 0) iov[n++] = {read_data.data(), read_data.size()};
   }
-}
-
-bool NbdConnection::SendAllIov(iovec* iov, int n) {
-  while (n > 0) {
-    msghdr msg{};
-    msg.msg_iov = iov;
-    msg.msg_iovlen = static_cast<size_t>(n);
-    ssize_t sent = ::sendmsg(fd_, &msg, MSG_NOSIGNAL);
-    if (sent < 0) {
-      if (errno == EINTR) continue;
-      end_reason_ = "send failed (client gone?)";
-      return false;
-    }
-    AdvanceIov(iov, n, static_cast<size_t>(sent));
-  }
-  return true;
 }
 
 }  // namespace farmem::blockdev

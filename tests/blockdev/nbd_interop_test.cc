@@ -321,9 +321,9 @@ TEST(NbdInterop, SwapSafeModeLocksMemoryOrSaysWhyNot) {
 TEST(NbdInterop, CommandLineIsDocumentedAndValidated) {
   const CommandResult help = RunCommand({testing::FarmemNbdPath(), "--help"});
   ASSERT_EQ(help.exit_code, 0) << Describe(help);
-  for (const char* opt :
-       {"--backend", "--size", "--unix", "--listen", "--export-name", "--description",
-        "--max-connections", "--handshake-timeout", "--swap-safe", "--log-level"}) {
+  for (const char* opt : {"--backend", "--size", "--unix", "--listen", "--export-name",
+                          "--description", "--max-connections", "--handshake-timeout",
+                          "--reply-timeout", "--swap-safe", "--log-level"}) {
     EXPECT_NE(help.out.find(opt), std::string::npos) << opt << " not in --help";
   }
   const CommandResult bad_size = RunCommand(

@@ -364,6 +364,44 @@ TEST_F(NbdServerTest, SilentClientIsDroppedAfterTheHandshakeTimeout) {
   EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(5));
 }
 
+TEST_F(NbdServerTest, EarlyRepliesNeverHoldUpTheBatchOfAClientThatDoesNotRead) {
+  backend_->set_report_early(true);
+  NbdTestClient c = Connect();
+  // 32 reads of 1 MiB fill one batch (the 32 MiB data buffer); the backend reports them one by
+  // one. The client reads nothing, so the socket takes a few hundred KiB: the listener must queue
+  // the rest and let the batch end, not wait for the client inside it.
+  std::vector<uint8_t> stream;
+  for (int i = 0; i < 32; ++i) {
+    auto req = testing::RequestBytes(kCmdRead, 0, i, uint64_t(i) << 20, 1u << 20);
+    stream.insert(stream.end(), req.begin(), req.end());
+  }
+  ASSERT_TRUE(c.SendRaw(stream).ok());
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (backend_->batches_finished() == 0 && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  EXPECT_EQ(backend_->batches_finished(), 1u) << "the batch waited for the client to read";
+}
+
+TEST_F(NbdServerTest, ClientThatDoesNotReadIsDroppedAfterTheReplyTimeout) {
+  NbdServerOptions o;
+  o.reply_timeout = std::chrono::milliseconds(300);
+  MakeServer(o);
+  NbdTestClient c = Connect();
+  std::vector<uint8_t> stream;
+  for (int i = 0; i < 16; ++i) {
+    auto req = testing::RequestBytes(kCmdRead, 0, i, uint64_t(i) << 20, 1u << 20);
+    stream.insert(stream.end(), req.begin(), req.end());
+  }
+  ASSERT_TRUE(c.SendRaw(stream).ok());
+  // Once dropped, the socket holds what was sent before the drop, then EOF.
+  for (int i = 0; i < 1000 && server_->active_connections() > 0; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  EXPECT_EQ(server_->active_connections(), 0u) << "still connected after the reply timeout";
+  EXPECT_TRUE(c.WaitForClose(std::chrono::seconds(5)));
+}
+
 TEST_F(NbdServerTest, ListensOnUnixTcpAndInheritedSockets) {
   testing::TempDir dir;
   const std::string path = dir.File("s.sock");

@@ -1,7 +1,9 @@
 // Backends for tests: one that records what the server asked for (to check that NBD flags such as
-// FUA and NO_HOLE arrive), and one that fails on demand (to check error replies).
+// FUA and NO_HOLE arrive), fails on demand (to check error replies) and, if asked, reports every
+// op of a batch early through the BatchListener, as the remote page store does.
 #pragma once
 
+#include <atomic>
 #include <memory>
 #include <mutex>
 #include <vector>
@@ -51,6 +53,22 @@ class RecordingBackend : public BlockBackend {
   bool can_write_zeroes() const override { return true; }
   bool can_multi_conn() const override { return multi_conn_; }
 
+  void ExecuteBatch(std::span<BlockOp> ops, BatchListener* listener = nullptr) override {
+    if (report_early_ && listener != nullptr) {
+      for (size_t i = 0; i < ops.size(); ++i) {
+        BlockBackend::ExecuteBatch(ops.subspan(i, 1));
+        listener->OpDone(i);
+        listener->Progress();
+      }
+    } else {
+      BlockBackend::ExecuteBatch(ops, listener);
+    }
+    batches_finished_.fetch_add(1);
+  }
+  // Each op of a batch is reported (OpDone + Progress) as soon as it is done.
+  void set_report_early(bool v) { report_early_ = v; }
+  uint64_t batches_finished() const { return batches_finished_.load(); }
+
   void set_fail(bool fail) {
     std::lock_guard lock(mu_);
     fail_ = fail;
@@ -77,6 +95,8 @@ class RecordingBackend : public BlockBackend {
 
   std::unique_ptr<MemoryBackend> inner_;
   bool multi_conn_ = true;
+  bool report_early_ = false;
+  std::atomic<uint64_t> batches_finished_{0};
   std::mutex mu_;
   std::vector<RecordedOp> ops_;  // guarded by mu_
   bool fail_ = false;            // guarded by mu_

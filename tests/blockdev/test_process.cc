@@ -189,11 +189,16 @@ bool HaveProgram(const std::string& name) {
 
 Result<std::unique_ptr<FarmemNbd>> FarmemNbd::Start(const std::string& size,
                                                     std::vector<std::string> extra_args) {
+  std::vector<std::string> args = {"--backend", "memory", "--size", size};
+  args.insert(args.end(), extra_args.begin(), extra_args.end());
+  return Launch(std::move(args));
+}
+
+Result<std::unique_ptr<FarmemNbd>> FarmemNbd::Launch(std::vector<std::string> args) {
   auto dir = std::make_unique<TempDir>();
   const std::string sock = dir->File("nbd.sock");
-  std::vector<std::string> argv = {FarmemNbdPath(), "--backend", "memory",        "--size", size,
-                                   "--unix",        sock,        "--no-swap-safe"};
-  argv.insert(argv.end(), extra_args.begin(), extra_args.end());
+  std::vector<std::string> argv = {FarmemNbdPath(), "--unix", sock, "--no-swap-safe"};
+  argv.insert(argv.end(), args.begin(), args.end());
   SpawnOptions opts;
   opts.stderr_path = dir->File("stderr.log");
   FARMEM_ASSIGN_OR_RETURN(ChildProcess p, ChildProcess::Spawn(argv, opts));

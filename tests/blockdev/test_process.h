@@ -72,11 +72,14 @@ std::string FarmemNbdPath();
 bool HaveProgram(const std::string& name);  // on PATH
 std::string ReadFile(const std::string& path);
 
-// farmem-nbd --backend memory on a Unix socket in its own TempDir, swap-safe mode off.
+// farmem-nbd on a Unix socket in its own TempDir, swap-safe mode off: Start() with --backend
+// memory, Launch() with whatever backend the arguments choose.
 class FarmemNbd {
  public:
   static Result<std::unique_ptr<FarmemNbd>> Start(const std::string& size,
                                                   std::vector<std::string> extra_args = {});
+  // farmem-nbd --unix <socket> --no-swap-safe <args> (any backend).
+  static Result<std::unique_ptr<FarmemNbd>> Launch(std::vector<std::string> args);
   const std::string& socket_path() const { return socket_; }
   std::string uri() const { return "nbd+unix:///?socket=" + socket_; }
   ChildProcess& process() { return process_; }

@@ -50,6 +50,9 @@ struct BlockOp {
 
 // Hears about the ops of a batch that finish before the whole batch does, so that their replies
 // can go out early (the client reuses those slots while the rest is still in flight).
+// Implementations never block in OpDone or Progress (the NBD connection only queues replies and
+// offers them to the socket without waiting): the backend calls them while it holds locks and has
+// remote operations in flight, and must not be held up by a client that stops reading.
 class BatchListener {
  public:
   virtual ~BatchListener() = default;

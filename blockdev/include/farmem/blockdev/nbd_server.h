@@ -9,7 +9,9 @@
 //    which runs the handshake and then every request to completion: it reads all requests the
 //    socket has ready, runs them against the backend as one batch on that same thread, and sends
 //    all their replies with one sendmsg. No request is handed from thread to thread (a cross-core
-//    wake-up costs tens of microseconds on these machines, see docs/nbd.md).
+//    wake-up costs tens of microseconds on these machines, see docs/nbd.md). A client that does
+//    not read its replies only stalls its own connection, which stops reading requests and is
+//    dropped after reply_timeout; the backend never waits on a client's socket.
 //  - A connection allocates its buffers (one receive buffer, one 32 MiB data buffer) when it enters
 //    transmission; the request path itself does not allocate.
 //  - The server borrows the backend, which must outlive it and be safe to call from all
@@ -49,6 +51,10 @@ struct NbdServerOptions {
   size_t max_connections = 16;
   // A client must send each handshake message within this time.
   std::chrono::milliseconds handshake_timeout{30000};
+  // A connection whose client leaves its replies unread this long (counted from when the socket
+  // first refuses them) is dropped. Meanwhile that connection reads no new requests; the backend
+  // and every other connection carry on (see nbd_connection.h).
+  std::chrono::milliseconds reply_timeout{30000};
   // On Stop(), how long connections get to finish the requests they already received.
   std::chrono::milliseconds drain_timeout{5000};
 };
