@@ -4,6 +4,7 @@
 #include <ctime>
 #include <fstream>
 #include <regex>
+#include <set>
 
 namespace farmem::chaos {
 
@@ -25,6 +26,11 @@ const std::regex kReprotectPatterns[] = {
     std::regex(R"(page store: extent \d+ member \d+ re-?protected)"),
     std::regex(R"(far memory: slab group \d+ member \d+ re-protected on)"),
 };
+
+// "far memory: slab group 6 member 1 (127.0.0.1:45751, lease 1412680156006318084) failed: ..."
+// (farptr/src/remote_store.cc).
+const std::regex kFailedMemberPattern(
+    R"(far memory: slab group (\d+) member (\d+) \(([^,]+), lease \d+\) failed)");
 
 // "page store: 12 pages of extent 3 (export bytes 100663296..104857600) are LOST: ..."
 const std::regex kLostPattern(
@@ -89,6 +95,19 @@ std::vector<DownEvent> DownEvents(const std::vector<LogLine>& log) {
     }
   }
   return out;
+}
+
+uint64_t FailedMembers(const std::vector<LogLine>& log, const std::string& endpoint, int64_t from,
+                       int64_t until) {
+  std::set<std::pair<std::string, std::string>> members;
+  for (const LogLine& l : log) {
+    if (l.ms < from || l.ms >= until) continue;
+    std::smatch m;
+    if (std::regex_search(l.text, m, kFailedMemberPattern) && m[3].str() == endpoint) {
+      members.emplace(m[1].str(), m[2].str());
+    }
+  }
+  return members.size();
 }
 
 std::vector<int64_t> ReprotectTimes(const std::vector<LogLine>& log) {

@@ -35,6 +35,12 @@ struct DownEvent {
 };
 std::vector<DownEvent> DownEvents(const std::vector<LogLine>& log);
 
+// far_ptr names each span-set member that failed, with its daemon; a daemon's leases may include
+// some no member uses. Returns how many distinct (group, member) pairs on `endpoint` failed in
+// [from, until).
+uint64_t FailedMembers(const std::vector<LogLine>& log, const std::string& endpoint, int64_t from,
+                       int64_t until);
+
 // Times of the lines that say one member (a lease's worth of data) was re-protected.
 std::vector<int64_t> ReprotectTimes(const std::vector<LogLine>& log);
 

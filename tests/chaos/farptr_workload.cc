@@ -13,6 +13,8 @@
 //
 // Threads: the worker threads own their objects; the main thread waits for the signal.
 #include <signal.h>
+#include <spdlog/sinks/stdout_color_sinks.h>
+#include <spdlog/spdlog.h>
 
 #include <algorithm>
 #include <atomic>
@@ -57,7 +59,7 @@ struct Worker {
   std::vector<uint64_t> version;
   // Not checked any more during the run: 1 = a deref failed, 2 = it came back wrong.
   std::vector<uint8_t> lost;
-  uint64_t failed = 0, ops = 0, corrupt = 0;
+  uint64_t failed = 0, ops = 0, corrupt = 0, verified = 0;
   double stall_ms = 0;
   std::string first_problem;
 };
@@ -100,6 +102,8 @@ int main(int argc, char** argv) {
       return 2;
     }
   }
+  // Logs to stderr (spdlog's default logger writes to stdout, which carries the protocol).
+  spdlog::set_default_logger(spdlog::stderr_color_mt("farptr-workload"));
   // The driver's signals are taken by the main thread only (sigwait below); every thread the
   // runtime starts inherits this mask.
   sigset_t sigs;
@@ -162,7 +166,9 @@ int main(int argc, char** argv) {
               ++w.failed;
               w.lost[i] = 1;
               if (w.first_problem.empty()) w.first_problem = bytes.error().ToString();
-            } else if (!Matches(*bytes, id_of(t, i), w.version[i])) {
+            } else if (Matches(*bytes, id_of(t, i), w.version[i])) {
+              w.verified += bytes->size();
+            } else {
               ++w.corrupt;
               w.lost[i] = 2;
               if (w.first_problem.empty()) {
@@ -196,6 +202,7 @@ int main(int argc, char** argv) {
     Worker& w = workers[static_cast<size_t>(t)];
     failed += w.failed;
     ops += w.ops;
+    verified += w.verified;
     stall = std::max(stall, w.stall_ms);
     if (problem.empty()) problem = w.first_problem;
     for (size_t i = 0; i < objects; ++i) {

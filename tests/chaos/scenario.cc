@@ -92,10 +92,12 @@ std::vector<FaultTimes> Analyze(const std::vector<Fault>& faults, const std::vec
     if (down == downs.end()) continue;
     FaultTimes& t = out[f];
     t.detect = std::max<int64_t>(0, down->ms - faults[f].ms);
-    t.needed = down->leases;
+    // far_ptr names the members that failed; otherwise every lease lost held one.
+    const uint64_t members = FailedMembers(log, faults[f].endpoint, from, until);
+    t.needed = members > 0 ? members : down->leases;
     std::vector<int64_t> in_window;
     for (int64_t r : reprotects) {
-      if (r >= down->ms && r < until) in_window.push_back(r);
+      if (r >= from && r < until) in_window.push_back(r);
     }
     t.done = in_window.size();
     if (t.needed == 0) {
