@@ -43,7 +43,7 @@ struct RunConfig {
   uint32_t heartbeat_ms = 100;
   uint32_t failure_timeout_ms = 1000;
   double nbd_ops_per_second = 4000;  // 0: unthrottled
-  int farptr_objects = 1500;         // per thread, 4 threads
+  int farptr_objects = 1000;         // per thread, 4 threads
   std::string farmemctl;
   std::string farptr_workload;
   bool verbose = false;
