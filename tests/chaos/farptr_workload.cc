@@ -7,7 +7,8 @@
 //       [--threads 4] [--objects 1500] [--heartbeat-ms 100] [--failure-timeout-ms 1000]
 //
 // Protocol with the driver: prints "ready" on stdout once every object exists and was swapped
-// out; on SIGUSR1 stops, checks every object and prints one line
+// out; on SIGUSR2 prints "recovery N done|pending" (Runtime::WaitForRecovery); on SIGUSR1 stops,
+// checks every object and prints one line
 //   result verified=B lost=B corrupt=B failed=N ops=N stall_ms=X reprotected=N spans_lost=N
 // then exits 0. Logs (spdlog) go to stderr, which the driver parses like farmem-nbd's.
 //
@@ -109,6 +110,7 @@ int main(int argc, char** argv) {
   sigset_t sigs;
   sigemptyset(&sigs);
   sigaddset(&sigs, SIGUSR1);
+  sigaddset(&sigs, SIGUSR2);
   sigaddset(&sigs, SIGTERM);
   pthread_sigmask(SIG_BLOCK, &sigs, nullptr);
 
@@ -189,8 +191,16 @@ int main(int argc, char** argv) {
   std::printf("ready\n");
   std::fflush(stdout);
 
-  int sig = 0;
-  sigwait(&sigs, &sig);
+  // SIGUSR2: say whether every failed span-set member was re-protected ("recovery N done" or
+  // "recovery N pending", N counting the questions); SIGUSR1 or SIGTERM: stop and verify.
+  for (int question = 1;; ++question) {
+    int sig = 0;
+    sigwait(&sigs, &sig);
+    if (sig != SIGUSR2) break;
+    const farmem::Status st = (*rt)->WaitForRecovery(std::chrono::milliseconds(50));
+    std::printf("recovery %d %s\n", question, st.ok() ? "done" : "pending");
+    std::fflush(stdout);
+  }
   stop = true;
   for (auto& th : pool) th.join();
   // Check every object once more, the lost ones too.

@@ -83,7 +83,10 @@ struct FaultTimes {
 // A burst's re-protection lines are those from its first fault to the next burst. They are
 // credited to the burst's faults in order: fault j is re-protected when the lines reach the
 // members needed by faults 0..j of the burst.
-std::vector<FaultTimes> Analyze(const std::vector<Fault>& faults, const std::vector<LogLine>& log) {
+// `recovered`: faults [0, recovered) are known re-protected (the far_ptr runtime said so): each
+// is complete at the last re-protection line of its burst (or at its detection if none).
+std::vector<FaultTimes> Analyze(const std::vector<Fault>& faults, const std::vector<LogLine>& log,
+                                size_t recovered) {
   const std::vector<DownEvent> downs = DownEvents(log);
   const std::vector<int64_t> reprotects = ReprotectTimes(log);
   std::vector<FaultTimes> out(faults.size());
@@ -124,6 +127,9 @@ std::vector<FaultTimes> Analyze(const std::vector<Fault>& faults, const std::vec
       t.reprotect = t.detect;
     } else if (lines.size() >= before + t.needed) {
       t.reprotect = std::max<int64_t>(lines[before + t.needed - 1] - faults[f].ms, *t.detect);
+    } else if (f < recovered) {
+      t.reprotect =
+          lines.empty() ? *t.detect : std::max<int64_t>(lines.back() - faults[f].ms, *t.detect);
     }
   }
   return out;
@@ -140,6 +146,9 @@ class Workload {
   virtual Status Finish(ScenarioResult* result, std::vector<uint64_t>* lost_blocks) = 0;
   virtual std::string log_path() const = 0;
   virtual std::string nbd_socket() const { return ""; }
+  // Whether the program itself knows everything is re-protected; nullopt if it cannot tell
+  // (then the log lines decide).
+  virtual std::optional<bool> Recovered() { return std::nullopt; }
 };
 
 class NbdWorkload : public Workload {
@@ -306,7 +315,23 @@ class FarptrWorkload : public Workload {
 
   std::string log_path() const override { return dir_ + "/farptr.log"; }
 
+  std::optional<bool> Recovered() override {
+    if (!alive()) return std::nullopt;
+    const std::string tag = fmt::format("recovery {} ", ++questions_);
+    ::kill(proc_->pid(), SIGUSR2);
+    const auto deadline = SteadyClock::now() + std::chrono::seconds(10);
+    while (SteadyClock::now() < deadline) {
+      const std::string out = Slurp(dir_ + "/farptr.out");
+      if (const size_t at = out.find(tag); at != std::string::npos) {
+        return out.compare(at + tag.size(), 4, "done") == 0;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    return std::nullopt;
+  }
+
  private:
+  int questions_ = 0;
   const Scenario& scenario_;
   const RunConfig& config_;
   testing::DaemonSet& daemons_;
@@ -392,13 +417,14 @@ ScenarioResult RunScenario(const Scenario& sc, const RunConfig& cfg) {
   SocketFlood flood;
   StalledNbdClients stalled;
   std::vector<Fault> faults;
+  size_t runtime_recovered = 0;  // faults [0, n) the far_ptr runtime said were re-protected
   int burst = 0;
   bool started = false;
 
   auto wait_reprotected = [&]() {
     const auto deadline = SteadyClock::now() + cfg.reprotect_deadline;
     for (;;) {
-      const auto times = Analyze(faults, ReadLog(workload->log_path()));
+      const auto times = Analyze(faults, ReadLog(workload->log_path()), runtime_recovered);
       bool all = true;
       std::string missing;
       for (size_t f = 0; f < faults.size(); ++f) {
@@ -407,6 +433,13 @@ ScenarioResult RunScenario(const Scenario& sc, const RunConfig& cfg) {
           missing += fmt::format(" [{}: {} of {} members]", faults[f].what, times[f].done,
                                  times[f].needed);
         }
+      }
+      // The far_ptr runtime knows which members still wait, better than counting log lines.
+      const std::optional<bool> recovered = workload->Recovered();
+      if (recovered.has_value() && all != *recovered) {
+        all = *recovered;
+        if (all) runtime_recovered = faults.size();
+        if (!all) missing += " [the far_ptr runtime still has members waiting]";
       }
       if (all) return;
       if (SteadyClock::now() > deadline) {
@@ -526,7 +559,7 @@ ScenarioResult RunScenario(const Scenario& sc, const RunConfig& cfg) {
     }
   }
   const std::vector<LogLine> log = ReadLog(workload->log_path());
-  const auto times = Analyze(faults, log);
+  const auto times = Analyze(faults, log, runtime_recovered);
   std::vector<std::string> det, rep;
   for (size_t f = 0; f < faults.size(); ++f) {
     det.push_back(times[f].detect ? std::to_string(*times[f].detect) : "n/a");
