@@ -1,5 +1,6 @@
 #include "faults.h"
 
+#include <arpa/inet.h>
 #include <fcntl.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
@@ -54,7 +55,9 @@ Result<Socket> ConnectNonBlocking(const Endpoint& ep) {
   sockaddr_in a{};
   a.sin_family = AF_INET;
   a.sin_port = htons(ep.port);
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (::inet_pton(AF_INET, ep.host.c_str(), &a.sin_addr) != 1) {
+    return Err(InvalidArgument("the flood needs an IPv4 address, not " + ep.host));
+  }
   if (::connect(s.fd(), reinterpret_cast<sockaddr*>(&a), sizeof(a)) != 0 && errno != EINPROGRESS) {
     return Err(ErrnoStatus(StatusCode::kUnavailable, "connect " + ep.ToString(), errno));
   }
