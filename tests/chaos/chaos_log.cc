@@ -1,0 +1,152 @@
+#include "chaos_log.h"
+
+#include <chrono>
+#include <ctime>
+#include <fstream>
+#include <regex>
+#include <set>
+
+namespace farmem::chaos {
+
+namespace {
+
+// "farmem client: node 2 (127.0.0.1:4711) is down (...); leases lost: [0x1, 0x2 and 7 more]"
+// (client/src/cluster_monitor.cc, MarkDown), and the restart case found before the failure was:
+// "farmem client: the daemon at 127.0.0.1:4711 restarted (...); leases lost: [...]" (Adopt).
+const std::regex kDownPatterns[] = {
+    std::regex(R"(farmem client: node \d+ \(([^)]+)\) is down .*leases lost: \[(.*)\])"),
+    std::regex(R"(farmem client: the daemon at (\S+) restarted .*leases lost: \[(.*)\])"),
+};
+
+// One line per member re-protected: the page store's rebuild (blockdev/src/page_store.cc,
+// RebuildExtent), far_ptr's re-protection (farptr/src/remote_store.cc). Issue 11 adds
+// re-protection onto returning daemons; if it logs another line, add its pattern here.
+const std::regex kReprotectPatterns[] = {
+    std::regex(R"(page store: extent \d+ member \d+ rebuilt on)"),
+    std::regex(R"(page store: extent \d+ member \d+ re-?protected)"),
+    std::regex(R"(far memory: slab group \d+ member \d+ re-protected on)"),
+};
+
+// "far memory: slab group 6 member 1 (127.0.0.1:45751, lease 1412680156006318084) failed: ..."
+// (farptr/src/remote_store.cc).
+const std::regex kFailedMemberPattern(
+    R"(far memory: slab group (\d+) member (\d+) \(([^,]+), lease \d+\) failed)");
+
+// "page store: 12 pages of extent 3 (export bytes 100663296..104857600) are LOST: ..."
+const std::regex kLostPattern(
+    R"(page store: \d+ pages of extent \d+ \(export bytes (\d+)\.\.(\d+)\) are LOST)");
+
+const std::regex kNotable(
+    R"(is down|is up|restarted|rebuilt|re-?protect|degraded|LOST|lost members|\[error\]|\[warning\])");
+
+// "[2026-12-01 12:13:53.123] ..." in local time.
+std::optional<int64_t> ParseTimestamp(const std::string& line) {
+  if (line.size() < 25 || line[0] != '[' || line[24] != ']') return std::nullopt;
+  std::tm tm{};
+  int ms = 0;
+  if (std::sscanf(line.c_str(), "[%d-%d-%d %d:%d:%d.%d]", &tm.tm_year, &tm.tm_mon, &tm.tm_mday,
+                  &tm.tm_hour, &tm.tm_min, &tm.tm_sec, &ms) != 7) {
+    return std::nullopt;
+  }
+  tm.tm_year -= 1900;
+  tm.tm_mon -= 1;
+  tm.tm_isdst = -1;
+  const std::time_t t = std::mktime(&tm);
+  if (t == static_cast<std::time_t>(-1)) return std::nullopt;
+  return static_cast<int64_t>(t) * 1000 + ms;
+}
+
+uint64_t CountLeaseIds(const std::string& list) {
+  uint64_t n = 0;
+  for (size_t p = list.find("0x"); p != std::string::npos; p = list.find("0x", p + 2)) ++n;
+  std::smatch m;
+  static const std::regex more(R"(and (\d+) more)");
+  if (std::regex_search(list, m, more)) n += std::stoull(m[1].str());
+  return n;
+}
+
+}  // namespace
+
+int64_t WallMs() {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(
+             std::chrono::system_clock::now().time_since_epoch())
+      .count();
+}
+
+std::vector<LogLine> ReadLog(const std::string& path) {
+  std::vector<LogLine> out;
+  std::ifstream in(path);
+  std::string line;
+  while (std::getline(in, line)) {
+    if (auto ms = ParseTimestamp(line)) out.push_back(LogLine{*ms, line});
+  }
+  return out;
+}
+
+std::vector<DownEvent> DownEvents(const std::vector<LogLine>& log) {
+  std::vector<DownEvent> out;
+  for (const LogLine& l : log) {
+    for (const std::regex& re : kDownPatterns) {
+      std::smatch m;
+      if (std::regex_search(l.text, m, re)) {
+        out.push_back(DownEvent{l.ms, m[1].str(), CountLeaseIds(m[2].str())});
+        break;
+      }
+    }
+  }
+  return out;
+}
+
+uint64_t FailedMembers(const std::vector<LogLine>& log, const std::string& endpoint, int64_t from,
+                       int64_t until) {
+  std::set<std::pair<std::string, std::string>> members;
+  for (const LogLine& l : log) {
+    if (l.ms < from || l.ms >= until) continue;
+    std::smatch m;
+    if (std::regex_search(l.text, m, kFailedMemberPattern) && m[3].str() == endpoint) {
+      members.emplace(m[1].str(), m[2].str());
+    }
+  }
+  return members.size();
+}
+
+std::vector<int64_t> ReprotectTimes(const std::vector<LogLine>& log) {
+  std::vector<int64_t> out;
+  for (const LogLine& l : log) {
+    for (const std::regex& re : kReprotectPatterns) {
+      if (std::regex_search(l.text, re)) {
+        out.push_back(l.ms);
+        break;
+      }
+    }
+  }
+  return out;
+}
+
+std::vector<LostRange> LostRanges(const std::vector<LogLine>& log) {
+  std::vector<LostRange> out;
+  for (const LogLine& l : log) {
+    std::smatch m;
+    if (std::regex_search(l.text, m, kLostPattern)) {
+      out.push_back(LostRange{l.ms, std::stoull(m[1].str()), std::stoull(m[2].str())});
+    }
+  }
+  return out;
+}
+
+std::vector<std::string> NotableLines(const std::vector<LogLine>& log, size_t max) {
+  std::vector<std::string> out;
+  for (const LogLine& l : log) {
+    if (std::regex_search(l.text, kNotable)) out.push_back(l.text);
+  }
+  if (out.size() > max) {
+    const size_t skipped = out.size() - max;
+    out.erase(out.begin() + static_cast<long>(max / 2),
+              out.begin() + static_cast<long>(max / 2 + skipped));
+    out.insert(out.begin() + static_cast<long>(max / 2),
+               "... (" + std::to_string(skipped) + " lines left out)");
+  }
+  return out;
+}
+
+}  // namespace farmem::chaos

@@ -1,0 +1,58 @@
+// Reading what farmem-nbd and far_ptr programs log during a chaos scenario: when a daemon was
+// declared down (time to detect), when what it held was re-protected (time to re-protect), and
+// which export ranges were reported LOST.
+//
+// Every line farmem logs through spdlog starts with a wall-clock timestamp
+// "[YYYY-mm-dd HH:MM:SS.mmm]"; the chaos driver records the wall-clock time of each fault and
+// compares. What the programs say is matched by the patterns in chaos_log.cc (kDownPatterns,
+// kReprotectPatterns, kLostPattern): when a log line changes, adapt it there, in one place.
+//
+// Used by the driver's main thread only.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace farmem::chaos {
+
+// Milliseconds since the Unix epoch, wall clock (what log timestamps are in).
+int64_t WallMs();
+
+struct LogLine {
+  int64_t ms = 0;  // parsed timestamp; lines without one are skipped
+  std::string text;
+};
+std::vector<LogLine> ReadLog(const std::string& path);
+
+// A daemon at `endpoint` ("127.0.0.1:port") was declared down (or found restarted) at `ms`, and
+// this client lost `leases` leases there: that many members must be re-protected.
+struct DownEvent {
+  int64_t ms = 0;
+  std::string endpoint;
+  uint64_t leases = 0;
+};
+std::vector<DownEvent> DownEvents(const std::vector<LogLine>& log);
+
+// far_ptr names each span-set member that failed, with its daemon; a daemon's leases may include
+// some no member uses. Returns how many distinct (group, member) pairs on `endpoint` failed in
+// [from, until).
+uint64_t FailedMembers(const std::vector<LogLine>& log, const std::string& endpoint, int64_t from,
+                       int64_t until);
+
+// Times of the lines that say one member (a lease's worth of data) was re-protected.
+std::vector<int64_t> ReprotectTimes(const std::vector<LogLine>& log);
+
+// Export byte ranges [begin, end) farmem-nbd reported LOST.
+struct LostRange {
+  int64_t ms = 0;
+  uint64_t begin = 0;
+  uint64_t end = 0;
+};
+std::vector<LostRange> LostRanges(const std::vector<LogLine>& log);
+
+// Lines that matter for a failure report (down/up/rebuilt/degraded/LOST/errors), at most `max`.
+std::vector<std::string> NotableLines(const std::vector<LogLine>& log, size_t max);
+
+}  // namespace farmem::chaos

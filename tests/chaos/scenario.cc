@@ -1,0 +1,611 @@
+#include "scenario.h"
+
+#include <fmt/format.h>
+#include <signal.h>
+#include <sys/wait.h>
+
+#include <algorithm>
+#include <fstream>
+#include <memory>
+#include <optional>
+#include <sstream>
+#include <thread>
+
+#include "chaos_log.h"
+#include "faults.h"
+#include "nbd_verifier.h"
+#include "support/daemon_fixture.h"
+#include "test_process.h"
+
+namespace farmem::chaos {
+
+namespace {
+
+using blockdev::testing::ChildProcess;
+using blockdev::testing::SpawnOptions;
+using SteadyClock = std::chrono::steady_clock;
+
+const char* const kStepsWithDaemon[] = {"kill", "stop", "restart", "fill", "flood", "probe"};
+const char* const kStepsWithCount[] = {"stall"};
+const char* const kStepsPlain[] = {"run", "reprotect", "unfill", "unstall", "unflood", "start"};
+
+Result<Step> ParseStep(const std::string& word, int daemons) {
+  Step s;
+  const size_t colon = word.find(':');
+  s.op = word.substr(0, colon);
+  const bool with_daemon = std::ranges::find(kStepsWithDaemon, s.op) != std::end(kStepsWithDaemon);
+  const bool with_count = std::ranges::find(kStepsWithCount, s.op) != std::end(kStepsWithCount);
+  const bool plain = std::ranges::find(kStepsPlain, s.op) != std::end(kStepsPlain);
+  if (!with_daemon && !with_count && !plain) {
+    return Err(InvalidArgument("unknown step '" + word + "'"));
+  }
+  if (plain) {
+    if (colon != std::string::npos) return Err(InvalidArgument("step '" + s.op + "' takes no :N"));
+    return s;
+  }
+  if (colon == std::string::npos) return Err(InvalidArgument("step '" + s.op + "' needs :N"));
+  try {
+    s.arg = std::stoi(word.substr(colon + 1));
+  } catch (...) {
+    return Err(InvalidArgument("bad number in '" + word + "'"));
+  }
+  if (with_daemon && (s.arg < 0 || s.arg >= daemons)) {
+    return Err(InvalidArgument(fmt::format("'{}': there are {} daemons", word, daemons)));
+  }
+  return s;
+}
+
+std::string Slurp(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+std::string Ms(double ms) { return fmt::format("{:.0f}", ms); }
+
+// A fault whose detection and re-protection the table reports.
+struct Fault {
+  std::string what;  // "kill 0"
+  std::string endpoint;
+  int64_t ms = 0;  // wall clock
+  // Faults with no `run` or `reprotect` step between them form one burst, re-protected together.
+  int burst = 0;
+};
+
+// Detection and re-protection of each fault, read from the workload's log.
+struct FaultTimes {
+  std::optional<int64_t> detect;     // ms after the fault
+  std::optional<int64_t> reprotect;  // ms after the fault
+  uint64_t needed = 0, done = 0;     // members to re-protect, seen re-protected (in its burst)
+};
+
+// A burst's re-protection lines are those from its first fault to the next burst. They are
+// credited to the burst's faults in order: fault j is re-protected when the lines reach the
+// members needed by faults 0..j of the burst.
+// `recovered`: faults [0, recovered) are known re-protected (the far_ptr runtime said so): each
+// is complete at the last re-protection line of its burst (or at its detection if none).
+std::vector<FaultTimes> Analyze(const std::vector<Fault>& faults, const std::vector<LogLine>& log,
+                                size_t recovered) {
+  const std::vector<DownEvent> downs = DownEvents(log);
+  const std::vector<int64_t> reprotects = ReprotectTimes(log);
+  std::vector<FaultTimes> out(faults.size());
+  // Log timestamps have millisecond resolution: allow a few ms of rounding.
+  constexpr int64_t kSlack = 5;
+  for (size_t f = 0; f < faults.size(); ++f) {
+    const int64_t from = faults[f].ms - kSlack;
+    size_t next = f + 1;
+    while (next < faults.size() && faults[next].burst == faults[f].burst) ++next;
+    const int64_t until = next < faults.size() ? faults[next].ms - kSlack : INT64_MAX;
+    auto down = std::ranges::find_if(downs, [&](const DownEvent& d) {
+      return d.endpoint == faults[f].endpoint && d.ms >= from;
+    });
+    if (down == downs.end()) continue;
+    FaultTimes& t = out[f];
+    t.detect = std::max<int64_t>(0, down->ms - faults[f].ms);
+    // far_ptr names the members that failed; otherwise every lease lost held one.
+    const uint64_t members = FailedMembers(log, faults[f].endpoint, from, until);
+    t.needed = members > 0 ? members : down->leases;
+  }
+  for (size_t f = 0; f < faults.size(); ++f) {
+    if (!out[f].detect) continue;
+    size_t first = f;
+    while (first > 0 && faults[first - 1].burst == faults[f].burst) --first;
+    size_t next = f + 1;
+    while (next < faults.size() && faults[next].burst == faults[f].burst) ++next;
+    const int64_t from = faults[first].ms - kSlack;
+    const int64_t until = next < faults.size() ? faults[next].ms - kSlack : INT64_MAX;
+    std::vector<int64_t> lines;
+    for (int64_t r : reprotects) {
+      if (r >= from && r < until) lines.push_back(r);
+    }
+    uint64_t before = 0;  // members of earlier faults of the burst
+    for (size_t g = first; g < f; ++g) before += out[g].needed;
+    FaultTimes& t = out[f];
+    t.done = lines.size() > before ? std::min<uint64_t>(lines.size() - before, t.needed) : 0;
+    if (t.needed == 0) {
+      t.reprotect = t.detect;
+    } else if (lines.size() >= before + t.needed) {
+      t.reprotect = std::max<int64_t>(lines[before + t.needed - 1] - faults[f].ms, *t.detect);
+    } else if (f < recovered) {
+      t.reprotect =
+          lines.empty() ? *t.detect : std::max<int64_t>(lines.back() - faults[f].ms, *t.detect);
+    }
+  }
+  return out;
+}
+
+// The workload under test: farmem-nbd + the verifying NBD client, or the far_ptr program.
+class Workload {
+ public:
+  virtual ~Workload() = default;
+  virtual Status Start() = 0;
+  virtual uint64_t progress() = 0;
+  virtual bool alive() = 0;
+  // Stops the workload and verifies everything.
+  virtual Status Finish(ScenarioResult* result, std::vector<uint64_t>* lost_blocks) = 0;
+  virtual std::string log_path() const = 0;
+  virtual std::string nbd_socket() const { return ""; }
+  // Whether the program itself knows everything is re-protected; nullopt if it cannot tell
+  // (then the log lines decide).
+  virtual std::optional<bool> Recovered() { return std::nullopt; }
+};
+
+class NbdWorkload : public Workload {
+ public:
+  NbdWorkload(const Scenario& s, const RunConfig& c, testing::DaemonSet& d)
+      : scenario_(s), config_(c), daemons_(d), dir_(d.work_dir()) {}
+
+  Status Start() override {
+    std::string peers;
+    for (const Endpoint& ep : daemons_.endpoints()) {
+      peers += (peers.empty() ? "" : ",") + ep.ToString();
+    }
+    socket_ = dir_ + "/nbd.sock";
+    std::vector<std::string> argv = {testing::BinPath("farmem-nbd"),
+                                     "--backend",
+                                     "farmem",
+                                     "--peers",
+                                     peers,
+                                     "--secret-file",
+                                     dir_ + "/secret",
+                                     "--resilience",
+                                     scenario_.resilience,
+                                     "--size",
+                                     std::to_string(config_.device_bytes),
+                                     "--unix",
+                                     socket_,
+                                     "--no-swap-safe",
+                                     "--heartbeat-ms",
+                                     std::to_string(config_.heartbeat_ms),
+                                     "--failure-timeout-ms",
+                                     std::to_string(config_.failure_timeout_ms)};
+    if (scenario_.backup) argv.insert(argv.end(), {"--backup", dir_ + "/backup.img"});
+    SpawnOptions so;
+    so.stderr_path = log_path();
+    FARMEM_ASSIGN_OR_RETURN(ChildProcess p, ChildProcess::Spawn(argv, so));
+    nbd_.emplace(std::move(p));
+    if (!blockdev::testing::WaitForUnixSocket(socket_, std::chrono::seconds(30))) {
+      return Unavailable("farmem-nbd did not start: " + Slurp(log_path()));
+    }
+    NbdWorkloadOptions o;
+    o.socket_path = socket_;
+    o.ops_per_second = config_.nbd_ops_per_second;
+    verifier_ = std::make_unique<NbdVerifier>(o);
+    FARMEM_RETURN_IF_ERROR(verifier_->Connect());
+    FARMEM_RETURN_IF_ERROR(verifier_->Fill());
+    verifier_->Start();
+    return Status::Ok();
+  }
+
+  uint64_t progress() override { return verifier_ ? verifier_->completed() : 0; }
+  bool alive() override { return nbd_ && nbd_->Alive(); }
+
+  Status Finish(ScenarioResult* r, std::vector<uint64_t>* lost_blocks) override {
+    verifier_->Stop();
+    Status s = alive() ? verifier_->VerifyAll()
+                       : Status(StatusCode::kUnavailable, "farmem-nbd died: " + Slurp(log_path()));
+    const NbdWorkloadReport rep = verifier_->Report();
+    r->bytes_verified = rep.bytes_verified;
+    r->bytes_lost = rep.bytes_lost;
+    r->bytes_corrupt = rep.bytes_corrupt;
+    r->failed_requests = rep.failed_requests;
+    r->longest_stall_ms = rep.longest_stall_ms;
+    *lost_blocks = rep.lost_blocks;
+    r->notes.push_back(fmt::format("nbd: {} requests, {} MiB written (acknowledged)", rep.requests,
+                                   rep.bytes_written >> 20));
+    for (const std::string& p : rep.problems) r->notes.push_back("nbd: " + p);
+    if (rep.transport_failed) r->failures.push_back("an NBD connection broke (see notes)");
+    verifier_.reset();
+    if (nbd_) (void)nbd_->Stop(SIGTERM, std::chrono::seconds(10));
+    return s;
+  }
+
+  std::string log_path() const override { return dir_ + "/farmem-nbd.log"; }
+  std::string nbd_socket() const override { return socket_; }
+
+ private:
+  const Scenario& scenario_;
+  const RunConfig& config_;
+  testing::DaemonSet& daemons_;
+  std::string dir_;
+  std::string socket_;
+  std::optional<ChildProcess> nbd_;
+  std::unique_ptr<NbdVerifier> verifier_;
+};
+
+class FarptrWorkload : public Workload {
+ public:
+  FarptrWorkload(const Scenario& s, const RunConfig& c, testing::DaemonSet& d)
+      : scenario_(s), config_(c), daemons_(d), dir_(d.work_dir()) {}
+
+  Status Start() override {
+    std::string peers;
+    for (const Endpoint& ep : daemons_.endpoints()) {
+      peers += (peers.empty() ? "" : ",") + ep.ToString();
+    }
+    std::vector<std::string> argv = {config_.farptr_workload,
+                                     "--peers",
+                                     peers,
+                                     "--secret-file",
+                                     dir_ + "/secret",
+                                     "--resilience",
+                                     scenario_.resilience,
+                                     "--objects",
+                                     std::to_string(config_.farptr_objects),
+                                     "--heartbeat-ms",
+                                     std::to_string(config_.heartbeat_ms),
+                                     "--failure-timeout-ms",
+                                     std::to_string(config_.failure_timeout_ms)};
+    SpawnOptions so;
+    so.stdout_path = dir_ + "/farptr.out";
+    so.stderr_path = log_path();
+    FARMEM_ASSIGN_OR_RETURN(ChildProcess p, ChildProcess::Spawn(argv, so));
+    proc_.emplace(std::move(p));
+    const auto deadline = SteadyClock::now() + std::chrono::seconds(120);
+    while (Slurp(dir_ + "/farptr.out").find("ready") == std::string::npos) {
+      if (!proc_->Alive()) return Internal("the far_ptr workload exited: " + Slurp(log_path()));
+      if (SteadyClock::now() > deadline)
+        return DeadlineExceeded("the far_ptr workload never got ready");
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    return Status::Ok();
+  }
+
+  uint64_t progress() override { return 0; }
+  bool alive() override { return proc_ && proc_->Alive(); }
+
+  Status Finish(ScenarioResult* r, std::vector<uint64_t>*) override {
+    if (!alive()) return Internal("the far_ptr workload died: " + Slurp(log_path()));
+    ::kill(proc_->pid(), SIGUSR1);
+    const auto deadline = SteadyClock::now() + std::chrono::seconds(180);
+    while (proc_->Alive()) {
+      if (SteadyClock::now() > deadline) {
+        (void)proc_->Stop(SIGKILL, std::chrono::seconds(5));
+        return DeadlineExceeded("the far_ptr workload did not finish its verification in 180 s");
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    const std::string out = Slurp(dir_ + "/farptr.out");
+    const size_t at = out.find("result ");
+    if (at == std::string::npos) {
+      return Internal("the far_ptr workload printed no result; its log ends: " +
+                      Slurp(log_path()).substr(0, 4000));
+    }
+    unsigned long verified = 0, lost = 0, corrupt = 0, failed = 0, ops = 0, rep = 0, spans = 0;
+    double stall = 0;
+    if (std::sscanf(out.c_str() + at,
+                    "result verified=%lu lost=%lu corrupt=%lu failed=%lu ops=%lu stall_ms=%lf "
+                    "reprotected=%lu spans_lost=%lu",
+                    &verified, &lost, &corrupt, &failed, &ops, &stall, &rep, &spans) != 8) {
+      return Internal("cannot parse the far_ptr result: " + out);
+    }
+    r->bytes_verified = verified;
+    r->bytes_lost = lost;
+    r->bytes_corrupt = corrupt;
+    r->failed_requests = failed;
+    r->longest_stall_ms = stall;
+    r->notes.push_back(
+        fmt::format("far_ptr: {} derefs, {} members re-protected, {} spans lost", ops, rep, spans));
+    if (const size_t p = out.find("problem "); p != std::string::npos) {
+      r->notes.push_back("far_ptr: " + out.substr(p + 8, out.find('\n', p) - p - 8));
+    }
+    return Status::Ok();
+  }
+
+  std::string log_path() const override { return dir_ + "/farptr.log"; }
+
+  std::optional<bool> Recovered() override {
+    if (!alive()) return std::nullopt;
+    const std::string tag = fmt::format("recovery {} ", ++questions_);
+    ::kill(proc_->pid(), SIGUSR2);
+    const auto deadline = SteadyClock::now() + std::chrono::seconds(10);
+    while (SteadyClock::now() < deadline) {
+      const std::string out = Slurp(dir_ + "/farptr.out");
+      if (const size_t at = out.find(tag); at != std::string::npos) {
+        return out.compare(at + tag.size(), 4, "done") == 0;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    return std::nullopt;
+  }
+
+ private:
+  int questions_ = 0;
+  const Scenario& scenario_;
+  const RunConfig& config_;
+  testing::DaemonSet& daemons_;
+  std::string dir_;
+  std::optional<ChildProcess> proc_;
+};
+
+}  // namespace
+
+Result<std::vector<Scenario>> LoadScenarios(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) return Err(NotFound("cannot read " + path));
+  std::vector<Scenario> out;
+  std::string line;
+  int lineno = 0;
+  while (std::getline(in, line)) {
+    ++lineno;
+    if (line.empty() || line[0] == '#') continue;
+    std::istringstream ss(line);
+    Scenario s;
+    s.line = line;
+    std::string expect;
+    if (!(ss >> s.name >> s.workload >> s.resilience >> s.daemons >> expect)) {
+      return Err(
+          InvalidArgument(fmt::format("{}:{}: want name workload resilience daemons "
+                                      "expect steps...",
+                                      path, lineno)));
+    }
+    auto bad = [&](const std::string& why) {
+      return Err(InvalidArgument(fmt::format("{}:{}: {}", path, lineno, why)));
+    };
+    if (s.workload != "nbd" && s.workload != "farptr") return bad("workload is nbd or farptr");
+    if (expect != "tolerate" && expect != "beyond") return bad("expect is tolerate or beyond");
+    s.tolerate = expect == "tolerate";
+    if (s.resilience.ends_with("+backup")) {
+      s.backup = true;
+      s.resilience.resize(s.resilience.size() - 7);
+    }
+    std::string word;
+    while (ss >> word) {
+      if (word.starts_with("known-fail:")) {
+        s.known_fail = word.substr(11);
+        continue;
+      }
+      auto step = ParseStep(word, s.daemons);
+      if (!step) return bad(step.error().message());
+      s.steps.push_back(*step);
+    }
+    out.push_back(std::move(s));
+  }
+  return out;
+}
+
+ScenarioResult RunScenario(const Scenario& sc, const RunConfig& cfg) {
+  const auto t_start = SteadyClock::now();
+  ScenarioResult res;
+  res.name = sc.name;
+  res.mode = sc.resilience + (sc.backup ? " + backup" : "");
+  auto fail = [&](std::string why) { res.failures.push_back(std::move(why)); };
+  auto note = [&](std::string what) {
+    if (cfg.verbose) std::fprintf(stderr, "[%s] %s\n", sc.name.c_str(), what.c_str());
+    res.notes.push_back(std::move(what));
+  };
+
+  testing::DaemonConfig dc;
+  dc.capacity = cfg.daemon_capacity;
+  dc.slab_size = cfg.slab_size;
+  dc.log_level = "warn";
+  dc.extra_args = {"--no-prefault"};
+  testing::DaemonSet daemons(dc);
+  if (Status s = daemons.Start(static_cast<size_t>(sc.daemons)); !s.ok()) {
+    fail("daemons did not start: " + s.ToString());
+    return res;
+  }
+  const std::string secret_file = daemons.work_dir() + "/secret";
+  std::unique_ptr<Workload> workload;
+  if (sc.workload == "nbd") {
+    workload = std::make_unique<NbdWorkload>(sc, cfg, daemons);
+  } else {
+    workload = std::make_unique<FarptrWorkload>(sc, cfg, daemons);
+  }
+  SlabFiller filler;
+  SocketFlood flood;
+  StalledNbdClients stalled;
+  std::vector<Fault> faults;
+  size_t runtime_recovered = 0;  // faults [0, n) the far_ptr runtime said were re-protected
+  int burst = 0;
+  bool started = false;
+
+  auto wait_reprotected = [&]() {
+    const auto deadline = SteadyClock::now() + cfg.reprotect_deadline;
+    for (;;) {
+      const auto times = Analyze(faults, ReadLog(workload->log_path()), runtime_recovered);
+      bool all = true;
+      std::string missing;
+      for (size_t f = 0; f < faults.size(); ++f) {
+        if (!times[f].reprotect) {
+          all = false;
+          missing += fmt::format(" [{}: {} of {} members]", faults[f].what, times[f].done,
+                                 times[f].needed);
+        }
+      }
+      // The far_ptr runtime knows which members still wait, better than counting log lines.
+      const std::optional<bool> recovered = workload->Recovered();
+      if (recovered.has_value() && all != *recovered) {
+        all = *recovered;
+        if (all) runtime_recovered = faults.size();
+        if (!all) missing += " [the far_ptr runtime still has members waiting]";
+      }
+      if (all) return;
+      if (SteadyClock::now() > deadline) {
+        const std::string why = fmt::format("re-protection not finished after {} s:{}",
+                                            cfg.reprotect_deadline.count() / 1000, missing);
+        note(why);
+        // Re-protection starts as soon as an eligible daemon is reachable (design.md, fault
+        // model); every `reprotect` step in scenarios.txt has one.
+        if (sc.tolerate) fail(why);
+        return;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+  };
+
+  auto start_workload = [&]() -> bool {
+    started = true;
+    if (Status s = workload->Start(); !s.ok()) {
+      fail("workload did not start: " + s.ToString());
+      return false;
+    }
+    return true;
+  };
+
+  const bool has_start =
+      std::ranges::any_of(sc.steps, [](const Step& s) { return s.op == "start"; });
+  if (!has_start && !start_workload()) return res;
+  for (const Step& step : sc.steps) {
+    const std::string what = step.arg >= 0 ? fmt::format("{} {}", step.op, step.arg) : step.op;
+    if (!started && step.op != "start" && step.op != "fill") {
+      fail("step '" + what + "' before start: only fill may come first");
+      return res;
+    }
+    if (step.op == "start") {
+      if (!start_workload()) return res;
+    } else if (step.op == "run") {
+      if (!faults.empty() && faults.back().burst == burst) ++burst;
+      // A period of workload: the length of the run is the subject here.
+      const uint64_t before = workload->progress();
+      std::this_thread::sleep_for(cfg.period);
+      if (sc.workload == "nbd" && workload->progress() == before) {
+        note(fmt::format("the workload completed no request for {} ms", cfg.period.count()));
+      }
+    } else if (step.op == "kill") {
+      testing::DaemonProcess& d = daemons[static_cast<size_t>(step.arg)];
+      faults.push_back(Fault{what, d.endpoint().ToString(), WallMs(), burst});
+      d.Kill();
+      note(what + " (" + d.endpoint().ToString() + ")");
+    } else if (step.op == "stop") {
+      testing::DaemonProcess& d = daemons[static_cast<size_t>(step.arg)];
+      faults.push_back(Fault{what, d.endpoint().ToString(), WallMs(), burst});
+      d.Pause();
+      // A gray failure lasts a while: three failure timeouts (time is the subject here).
+      std::this_thread::sleep_for(std::chrono::milliseconds(3 * cfg.failure_timeout_ms));
+      d.Resume();
+      note(fmt::format("{} ({}) for {} ms, then SIGCONT", what, d.endpoint().ToString(),
+                       3 * cfg.failure_timeout_ms));
+    } else if (step.op == "restart") {
+      testing::DaemonProcess& d = daemons[static_cast<size_t>(step.arg)];
+      Status s = d.running() ? d.Restart() : d.Start();
+      if (!s.ok()) fail(what + ": " + s.ToString());
+      note(what + " on " + d.endpoint().ToString());
+    } else if (step.op == "reprotect") {
+      wait_reprotected();
+      if (!faults.empty() && faults.back().burst == burst) ++burst;
+    } else if (step.op == "fill") {
+      Status s = filler.Fill(daemons[static_cast<size_t>(step.arg)].endpoint(), daemons.secret());
+      if (!s.ok()) fail(what + ": " + s.ToString());
+      note(fmt::format("{}: another client holds {} slabs there", what, filler.slabs()));
+    } else if (step.op == "unfill") {
+      filler.Release();
+      note("unfill: the other client freed its slabs");
+    } else if (step.op == "stall") {
+      if (workload->nbd_socket().empty()) {
+        fail("stall needs the nbd workload");
+      } else if (Status s = stalled.Start(workload->nbd_socket(), static_cast<size_t>(step.arg));
+                 !s.ok()) {
+        fail(what + ": " + s.ToString());
+      }
+      note(what + ": NBD clients that never read their replies");
+    } else if (step.op == "unstall") {
+      stalled.Release();
+      note("unstall: the stalled clients closed");
+    } else if (step.op == "flood") {
+      testing::DaemonProcess& d = daemons[static_cast<size_t>(step.arg)];
+      Status s = flood.Start(d.endpoint(), 2000, 16);
+      if (!s.ok()) fail(what + ": " + s.ToString());
+      note(fmt::format("{}: {} idle + 16 slowloris sockets at {}", what, flood.connected(),
+                       d.endpoint().ToString()));
+    } else if (step.op == "unflood") {
+      flood.Release();
+      note("unflood: the sockets closed");
+    } else if (step.op == "probe") {
+      testing::DaemonProcess& d = daemons[static_cast<size_t>(step.arg)];
+      ProbeResult p =
+          ProbeDaemon(cfg.farmemctl, d.endpoint(), secret_file, std::chrono::seconds(5));
+      if (p.ok) {
+        note(fmt::format("{}: farmemctl stat answered in {} ms", what, Ms(p.ms)));
+      } else {
+        note(fmt::format("{}: farmemctl stat FAILED after {} ms: {}", what, Ms(p.ms), p.error));
+        if (sc.tolerate) fail(what + ": a new authenticated client was not served");
+      }
+    }
+    if (started && !workload->alive()) {
+      fail("the workload process died after '" + what + "'");
+      break;
+    }
+  }
+  stalled.Release();
+  flood.Release();
+  filler.Release();
+
+  std::vector<uint64_t> lost_blocks;
+  if (started) {
+    if (Status s = workload->Finish(&res, &lost_blocks); !s.ok()) {
+      fail("final verification: " + s.ToString());
+    }
+  }
+  const std::vector<LogLine> log = ReadLog(workload->log_path());
+  const auto times = Analyze(faults, log, runtime_recovered);
+  std::vector<std::string> det, rep;
+  for (size_t f = 0; f < faults.size(); ++f) {
+    det.push_back(times[f].detect ? std::to_string(*times[f].detect) : "n/a");
+    rep.push_back(times[f].reprotect ? std::to_string(*times[f].reprotect)
+                                     : fmt::format("n/a ({}/{})", times[f].done, times[f].needed));
+  }
+  auto join = [](const std::vector<std::string>& v) {
+    std::string s;
+    for (const auto& x : v) s += (s.empty() ? "" : " / ") + x;
+    return s.empty() ? std::string("-") : s;
+  };
+  res.detect_ms = join(det);
+  res.reprotect_ms = join(rep);
+
+  // Expectations.
+  if (res.bytes_corrupt != 0) fail(fmt::format("{} bytes came back WRONG", res.bytes_corrupt));
+  if (sc.tolerate) {
+    if (res.bytes_lost != 0) fail(fmt::format("{} bytes lost", res.bytes_lost));
+    if (res.failed_requests != 0) {
+      fail(fmt::format("{} requests failed during the run", res.failed_requests));
+    }
+  } else {
+    if (res.bytes_lost == 0) fail("beyond tolerance, yet nothing was lost: the faults missed");
+    const std::vector<LostRange> ranges = LostRanges(log);
+    uint64_t outside = 0;
+    for (uint64_t b : lost_blocks) {
+      const uint64_t off = b * NbdVerifier::kBlock;
+      const bool inside = std::ranges::any_of(
+          ranges, [&](const LostRange& r) { return off >= r.begin && off < r.end; });
+      if (!inside) ++outside;
+    }
+    if (outside != 0) {
+      fail(fmt::format("{} blocks failed to read outside every range farmem-nbd reported LOST",
+                       outside));
+    }
+    note(fmt::format("{} ranges reported LOST, {} blocks read EIO, all inside them: {}",
+                     ranges.size(), lost_blocks.size(), outside == 0 ? "yes" : "no"));
+  }
+  if (res.bytes_verified == 0 && res.failures.empty()) fail("nothing was verified");
+  res.passed = res.failures.empty();
+  if (!res.passed || cfg.verbose) {
+    for (const std::string& l : NotableLines(log, 24)) res.notes.push_back("log: " + l);
+  }
+  res.seconds = std::chrono::duration<double>(SteadyClock::now() - t_start).count();
+  if (!res.passed) res.notes.push_back("daemon logs:\n" + daemons.Logs(1500));
+  return res;
+}
+
+}  // namespace farmem::chaos

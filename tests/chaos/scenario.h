@@ -1,0 +1,70 @@
+// Chaos scenarios: parsed from scenarios.txt (the format is described at its top), run against
+// real farmemd daemons with a verified workload, each producing one row of the results table.
+//
+// Used by the driver's main thread (it owns the daemons: see tests/support/daemon_fixture.h).
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "farmem/common/status.h"
+
+namespace farmem::chaos {
+
+struct Step {
+  std::string op;  // run, kill, stop, restart, reprotect, fill, unfill, stall, unstall, ...
+  int arg = -1;    // daemon index or client count; -1 when the step takes none
+};
+
+struct Scenario {
+  std::string name;
+  std::string workload;    // nbd | farptr
+  std::string resilience;  // as the programs take it (without "+backup")
+  bool backup = false;
+  int daemons = 0;
+  bool tolerate = true;  // false: beyond what the mode tolerates
+  std::vector<Step> steps;
+  std::string known_fail;  // why it fails on today's main (empty: it should pass)
+  std::string line;        // as written, for messages
+};
+
+Result<std::vector<Scenario>> LoadScenarios(const std::string& path);
+
+// Short form (CI) or long form (by hand).
+struct RunConfig {
+  bool long_form = false;
+  std::chrono::milliseconds period{3000};  // one `run` step
+  uint64_t device_bytes = 64u << 20;       // NBD export size
+  std::string daemon_capacity = "96M";
+  std::string slab_size = "1M";
+  std::chrono::milliseconds reprotect_deadline{20000};
+  uint32_t heartbeat_ms = 100;
+  uint32_t failure_timeout_ms = 1000;
+  double nbd_ops_per_second = 4000;  // 0: unthrottled
+  int farptr_objects = 1000;         // per thread, 4 threads
+  std::string farmemctl;
+  std::string farptr_workload;
+  bool verbose = false;
+};
+
+struct ScenarioResult {
+  std::string name;
+  std::string mode;  // resilience as shown in the table
+  uint64_t bytes_verified = 0;
+  uint64_t bytes_lost = 0;
+  uint64_t bytes_corrupt = 0;
+  uint64_t failed_requests = 0;
+  double longest_stall_ms = 0;
+  std::string detect_ms;     // per fault, "a / b"; "n/a" when not seen
+  std::string reprotect_ms;  // per fault; "n/a" when not seen within the run
+  double seconds = 0;
+  bool passed = false;
+  std::vector<std::string> failures;  // why it did not pass (empty when it did)
+  std::vector<std::string> notes;     // what happened (faults, probes, log lines)
+};
+
+ScenarioResult RunScenario(const Scenario& scenario, const RunConfig& config);
+
+}  // namespace farmem::chaos
