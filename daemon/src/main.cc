@@ -48,7 +48,7 @@ int main(int argc, char** argv) {
                  "Serve one-sided RDMA (rdma_cm + verbs) next to TCP: auto (when a device serves "
                  "the address), on (or fail), off")
       ->capture_default_str()
-      ->check(CLI::IsMember({"auto", "on", "off"}));
+      ->check(cli::OneOf({"auto", "on", "off"}));
   app.add_option("--rdma-listen", rdma_listen,
                  "rdma_cm address, host:port (default: the --listen host, its port + 1; "
                  "port 0 picks one)");
@@ -56,7 +56,7 @@ int main(int argc, char** argv) {
                  "Scheduling policy of connection threads: batch (SCHED_BATCH: a request never "
                  "preempts the lending machine's own work or the client that sent it) or normal")
       ->capture_default_str()
-      ->check(CLI::IsMember({"batch", "normal"}));
+      ->check(cli::OneOf({"batch", "normal"}));
   app.add_flag("--no-mlock", no_mlock, "Do not try to mlock the pool");
   app.add_flag("--no-prefault", no_prefault, "Do not touch the pool's pages at start");
   app.add_option("--port-file", port_file, "Write the port actually bound to this file");

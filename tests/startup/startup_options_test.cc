@@ -112,6 +112,17 @@ TEST_F(StartupOptionsTest, EveryProgramRefusesAnUnknownLogLevel) {
   EXPECT_THAT(ctl.err, HasSubstr(want)) << Describe(ctl);
 }
 
+// --rdma and --sched were checked before too; now every enum option words its refusal alike.
+TEST_F(StartupOptionsTest, FarmemdEnumOptionsListTheAcceptedValues) {
+  const CommandResult rdma = Farmemd({"--config", Config(""), "--rdma", "maybe"});
+  EXPECT_NE(rdma.exit_code, 0) << Describe(rdma);
+  EXPECT_THAT(rdma.err, HasSubstr("--rdma: 'maybe' is not one of auto, on, off")) << Describe(rdma);
+  const CommandResult sched = Farmemd({"--config", Config("sched = fifo\n")});
+  EXPECT_NE(sched.exit_code, 0) << Describe(sched);
+  EXPECT_THAT(sched.err, HasSubstr("'fifo' is not one of batch, normal")) << Describe(sched);
+  EXPECT_FALSE(Listened());
+}
+
 TEST_F(StartupOptionsTest, UnknownTransportAndResilienceAreRefusedWithTheAcceptedValues) {
   const CommandResult ctl =
       RunCommand({BinPath("farmemctl"), "stat", "--peers", "127.0.0.1:1", "--transport", "rdma"});
