@@ -20,8 +20,8 @@ Resilience Res(std::string_view text) { return Resilience::Parse(text).value(); 
 std::vector<DaemonSpace> Daemons(std::vector<uint64_t> free_mib, uint64_t capacity_mib) {
   std::vector<DaemonSpace> out;
   for (size_t i = 0; i < free_mib.size(); ++i) {
-    out.push_back({{"10.0.0." + std::to_string(i + 1), 7411}, true, free_mib[i] * kMiB,
-                   capacity_mib * kMiB});
+    out.push_back(
+        {{"10.0.0." + std::to_string(i + 1), 7411}, true, free_mib[i] * kMiB, capacity_mib * kMiB});
   }
   return out;
 }
@@ -52,8 +52,7 @@ TEST(ExportCapacity, NeedIsSizeTimesGroupOverDataWidthInWholeSlabs) {
 TEST(ExportCapacity, FitsExactlyAtTheBoundary) {
   const auto daemons = Daemons({16, 16, 16}, 16);
   EXPECT_EQ(CheckExportCapacity(32 * kMiB, Res("ec:2+1"), kMiB, daemons).verdict, Verdict::kFits);
-  EXPECT_EQ(CheckExportCapacity(34 * kMiB, Res("ec:2+1"), kMiB, daemons).verdict,
-            Verdict::kTooBig);
+  EXPECT_EQ(CheckExportCapacity(34 * kMiB, Res("ec:2+1"), kMiB, daemons).verdict, Verdict::kTooBig);
 }
 
 // Free memory on one daemon cannot hold two members of one group.
