@@ -1,6 +1,7 @@
 // farmem-nbd: serves a block device over NBD. With --backend memory the device lives in this
 // process's RAM (tests, benchmarks); the farmem backend (remote page store) plugs in at
 // OpenBackend() below. The protocol itself is in the farmem_blockdev library (nbd_server.h).
+#include <fmt/format.h>
 #include <malloc.h>
 #include <signal.h>
 #include <spdlog/sinks/stdout_color_sinks.h>
@@ -12,11 +13,13 @@
 #include <string>
 #include <vector>
 
+#include "export_capacity.h"
 #include "farmem/blockdev/block_backend.h"
 #include "farmem/blockdev/nbd_server.h"
 #include "farmem/blockdev/swap_safety.h"
 #include "farmem/client/cluster.h"
 #include "farmem/common/auth.h"
+#include "farmem/common/command_line.h"
 #include "farmem/common/config.h"
 #include "farmem/common/status.h"
 #include "page_store.h"
@@ -29,13 +32,15 @@ using farmem::blockdev::BlockBackend;
 
 // ---- backends ----
 // To add a backend: give it a name in BackendConfig::kind's check, add its flags (for the remote
-// page store: --peers, --resilience, ...) in AddBackendFlags, and open it in OpenBackend.
+// page store: --peers, --resilience, ...) in AddBackendFlags and to kFarmemOnlyFlags (a flag that
+// does not apply to the chosen backend is an error), and open it in OpenBackend.
 struct BackendConfig {
   std::string kind = "memory";
   std::string size = "1G";
   // --backend farmem: the remote page store on farmemd daemons.
   std::string peers, peers_dns, secret_file, resilience = "ec:4+2", backup, transport = "auto";
-  uint32_t heartbeat_ms = 500, failure_timeout_ms = 2000;
+  uint32_t heartbeat_ms = 500, failure_timeout_ms = 2000, peer_wait_ms = 5000;
+  bool overcommit = false;
   std::unique_ptr<farmem::client::Cluster> cluster;  // outlives the page store (declared first)
 };
 
@@ -43,7 +48,7 @@ void AddBackendFlags(CLI::App& app, BackendConfig* cfg) {
   app.add_option("--backend", cfg->kind,
                  "Where the device's bytes live. 'memory': this process's RAM, allocated (and "
                  "with --swap-safe locked) up front; for tests and benchmarks.")
-      ->check(CLI::IsMember({"memory", "farmem"}))
+      ->check(farmem::cli::OneOf({"memory", "farmem"}))
       ->capture_default_str();
   app.add_option("--size", cfg->size,
                  "Device size, e.g. 1G, 512M, 1073741824 (a multiple of 512 bytes; 4096 for "
@@ -58,17 +63,88 @@ void AddBackendFlags(CLI::App& app, BackendConfig* cfg) {
   app.add_option("--resilience", cfg->resilience,
                  "farmem: none, replicate:N or ec:k+r (each 4 KiB page split into k fragments "
                  "plus r parity, on k+r daemons)")
-      ->capture_default_str();
+      ->capture_default_str()
+      ->check(CLI::Validator(
+          [](std::string& text) -> std::string {
+            auto r = farmem::blockdev::Resilience::Parse(text);
+            return r ? std::string() : r.error().message();
+          },
+          "none|replicate:N|ec:K+R"));
   app.add_option("--backup", cfg->backup,
                  "farmem: also write every block to this local file (io_uring); reads fall back "
                  "to it when remote copies are gone");
   app.add_option("--transport", cfg->transport, "farmem: tcp, verbs or auto")
-      ->capture_default_str();
+      ->capture_default_str()
+      ->check(farmem::cli::OneOf(farmem::kTransports));
   app.add_option("--heartbeat-ms", cfg->heartbeat_ms, "farmem: heartbeat period")
       ->capture_default_str();
   app.add_option("--failure-timeout-ms", cfg->failure_timeout_ms,
                  "farmem: a daemon silent this long is declared down and its data rebuilt")
       ->capture_default_str();
+  app.add_flag("--overcommit", cfg->overcommit,
+               "farmem: start even when --size at this --resilience needs more memory than the "
+               "daemons have free (writes beyond it then fail with ENOSPC); without it such an "
+               "export is refused at start");
+  app.add_option("--peer-wait-ms", cfg->peer_wait_ms,
+                 "farmem: at start, wait up to this long for every peer to answer before "
+                 "checking that the export fits")
+      ->capture_default_str()
+      ->check(CLI::Range(0u, 600u * 1000u));
+}
+
+// The flags of --backend farmem: given with another backend they would be ignored (a --peers
+// that silently serves from local RAM), so they are an error there.
+Status CheckFlagsApply(const CLI::App& app, const BackendConfig& cfg) {
+  if (cfg.kind == "farmem") return Status::Ok();
+  return farmem::cli::RejectGiven(
+      app,
+      {"--peers", "--peers-dns", "--secret-file", "--resilience", "--backup", "--transport",
+       "--heartbeat-ms", "--failure-timeout-ms", "--overcommit", "--peer-wait-ms"},
+      "only to --backend farmem, and this is --backend " + cfg.kind +
+          " (the device lives in this process's RAM): add --backend farmem, or leave "
+          "them out");
+}
+
+// Refuses an export the cluster cannot hold at its resilience, unless --overcommit; warns when
+// it fits only once down daemons return.
+Status CheckExportFits(farmem::client::Cluster& cluster, const BackendConfig& cfg, uint64_t size,
+                       const farmem::blockdev::Resilience& resilience) {
+  using Verdict = farmem::blockdev::ExportCapacity::Verdict;
+  if (static_cast<size_t>(resilience.group_size()) > cluster.node_count()) {
+    return Status::Ok();  // PageStore::Create says why this cannot work at all
+  }
+  FARMEM_ASSIGN_OR_RETURN(
+      auto c, farmem::blockdev::SurveyExportCapacity(cluster, size, resilience,
+                                                     std::chrono::milliseconds(cfg.peer_wait_ms)));
+  switch (c.verdict) {
+    case Verdict::kFits:
+      spdlog::info("farmem-nbd: {}: it fits", c.Describe());
+      return Status::Ok();
+    case Verdict::kFitsIfPeersReturn:
+      spdlog::warn(
+          "farmem-nbd: {}. It fits only once the {} down daemon(s) are back; until then writes "
+          "beyond {} of the export may fail with ENOSPC",
+          c.Describe(), c.daemons_down, farmem::FormatSize(c.largest_fitting));
+      return Status::Ok();
+    case Verdict::kTooBig:
+      if (cfg.overcommit) {
+        spdlog::warn(
+            "farmem-nbd: --overcommit: {}. Writes beyond about {} of the export will fail with "
+            "ENOSPC until daemons are added or memory is freed",
+            c.Describe(), farmem::FormatSize(c.largest_fitting));
+        return Status::Ok();
+      }
+      // As the user would type it: whole MiB when it is (slabs are), else bytes.
+      const std::string fitting = c.largest_fitting % (1 << 20) == 0
+                                      ? fmt::format("{}M", c.largest_fitting >> 20)
+                                      : std::to_string(c.largest_fitting);
+      return farmem::ResourceExhausted(fmt::format(
+          "the export does not fit in the cluster: {}. Give --size {} or less, add daemons or "
+          "memory, choose a cheaper --resilience, or pass --overcommit to start anyway (writes "
+          "beyond the free memory then fail with ENOSPC)",
+          c.Describe(), fitting));
+  }
+  return Status::Ok();
 }
 
 Result<std::unique_ptr<BlockBackend>> OpenBackend(BackendConfig& cfg) {
@@ -90,6 +166,7 @@ Result<std::unique_ptr<BlockBackend>> OpenBackend(BackendConfig& cfg) {
     farmem::blockdev::PageStoreOptions po;
     FARMEM_ASSIGN_OR_RETURN(po.size, farmem::ParseSize(cfg.size));
     FARMEM_ASSIGN_OR_RETURN(po.resilience, farmem::blockdev::Resilience::Parse(cfg.resilience));
+    FARMEM_RETURN_IF_ERROR(CheckExportFits(*cfg.cluster, cfg, po.size, po.resilience));
     po.backup_path = cfg.backup;
     FARMEM_ASSIGN_OR_RETURN(auto store,
                             farmem::blockdev::PageStore::Create(cfg.cluster.get(), std::move(po)));
@@ -155,12 +232,13 @@ int main(int argc, char** argv) {
                "PR_SET_IO_FLUSHER, oom_score_adj -1000; each failure is a warning. On by "
                "default; --no-swap-safe (or --swap-safe=false) turns it off.");
   app.add_option("--log-level", log_level, "trace, debug, info, warn or error.")
-      ->check(CLI::IsMember({"trace", "debug", "info", "warn", "error"}))
+      ->check(farmem::cli::OneOf(farmem::kLogLevels))
       ->capture_default_str();
   CLI11_PARSE(app, argc, argv);
 
   spdlog::set_default_logger(spdlog::stderr_color_mt("farmem-nbd"));
   spdlog::set_level(spdlog::level::from_str(log_level));
+  if (Status s = CheckFlagsApply(app, backend_cfg); !s.ok()) return Fail(s);
 
   // Signals: SIGINT/SIGTERM are taken synchronously by the main thread (blocked in every thread,
   // which inherit the mask); a vanished client must not kill the server through SIGPIPE.

@@ -13,6 +13,7 @@
 
 #include "farmem/client/cluster.h"
 #include "farmem/common/auth.h"
+#include "farmem/common/command_line.h"
 #include "farmem/common/config.h"
 
 using namespace farmem;
@@ -201,10 +202,13 @@ int main(int argc, char** argv) {
     sub->add_option("--peers", c.peers, "Daemons: host:port,host:port (port defaults to 7411)");
     sub->add_option("--peers-dns", c.peers_dns, "A name:port whose every address is a daemon");
     sub->add_option("--secret-file", c.secret_file, "Shared secret the daemons require");
-    sub->add_option("--transport", c.transport, "tcp, verbs or auto")->capture_default_str();
+    sub->add_option("--transport", c.transport, "tcp, verbs or auto")
+        ->capture_default_str()
+        ->check(cli::OneOf(kTransports));
   };
   app.add_option("--log-level", log_level, "trace, debug, info, warn, error")
-      ->capture_default_str();
+      ->capture_default_str()
+      ->check(cli::OneOf(kLogLevels));
   CLI::App* stat = app.add_subcommand("stat", "Show every daemon's capacity and usage");
   add_common(stat);
   CLI::App* demo = app.add_subcommand(

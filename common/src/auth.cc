@@ -5,7 +5,6 @@
 #include <openssl/evp.h>
 #include <openssl/hmac.h>
 #include <openssl/rand.h>
-#include <spdlog/spdlog.h>
 #include <sys/stat.h>
 
 #include <fstream>
@@ -18,13 +17,19 @@ Result<std::string> LoadSecretFile(const std::string& path) {
   if (::stat(path.c_str(), &st) != 0) {
     return Err(ErrnoStatus(StatusCode::kNotFound, fmt::format("secret file {}", path), errno));
   }
-  if (st.st_size == 0 || st.st_size > 4096) {
-    return Err(InvalidArgument(
-        fmt::format("secret file {} is {} bytes: it must hold 1 to 4096 bytes", path, st.st_size)));
-  }
+  const std::string fix_length = fmt::format(
+      "make a new one with `head -c 32 /dev/urandom | base64 > {0} && chmod 600 {0}` and give "
+      "the same file to every daemon and client",
+      path);
   if (st.st_mode & (S_IRWXG | S_IRWXO)) {
-    spdlog::warn("secret file {} is accessible to group/others (mode {:o}): chmod 600 it", path,
-                 st.st_mode & 0777);
+    return Err(InvalidArgument(fmt::format(
+        "secret file {0} may be accessed by group or others (mode {1:03o}): anyone on this "
+        "machine could read the secret; run `chmod 600 {0}`",
+        path, st.st_mode & 0777)));
+  }
+  if (st.st_size > 4096) {
+    return Err(InvalidArgument(fmt::format(
+        "secret file {} is {} bytes: it may hold at most 4096; {}", path, st.st_size, fix_length)));
   }
   std::ifstream in(path, std::ios::binary);
   if (!in) return Err(ErrnoStatus(StatusCode::kIoError, fmt::format("open {}", path), errno));
@@ -33,7 +38,12 @@ Result<std::string> LoadSecretFile(const std::string& path) {
   std::string secret = ss.str();
   if (!secret.empty() && secret.back() == '\n') secret.pop_back();
   if (!secret.empty() && secret.back() == '\r') secret.pop_back();
-  if (secret.empty()) return Err(InvalidArgument(fmt::format("secret file {} is blank", path)));
+  if (secret.size() < kMinSecretBytes) {
+    return Err(InvalidArgument(fmt::format(
+        "secret file {} holds {} bytes{}: a secret needs at least {} (it could be guessed from "
+        "one recorded handshake); {}",
+        path, secret.size(), secret.empty() ? " (it is blank)" : "", kMinSecretBytes, fix_length)));
+  }
   return secret;
 }
 

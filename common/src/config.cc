@@ -2,7 +2,9 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <charconv>
+#include <map>
 
 namespace farmem {
 
@@ -127,6 +129,139 @@ Result<std::vector<Endpoint>> ParseEndpointList(std::string_view text, uint16_t 
     start = comma + 1;
   }
   return out;
+}
+
+Result<std::string> ParseChoice(std::string_view option, std::string_view value,
+                                std::span<const std::string_view> accepted) {
+  for (std::string_view a : accepted) {
+    if (value == a) return std::string(value);
+  }
+  return Err(
+      InvalidArgument(fmt::format("{}{}'{}' is not one of {}", option, option.empty() ? "" : ": ",
+                                  value, fmt::join(accepted, ", "))));
+}
+
+Result<std::string> ParseChoice(std::string_view option, std::string_view value,
+                                std::initializer_list<std::string_view> accepted) {
+  return ParseChoice(option, value, std::span<const std::string_view>(accepted));
+}
+
+namespace {
+
+std::string_view Trim(std::string_view s) {
+  while (!s.empty() && (s.front() == ' ' || s.front() == '\t')) s.remove_prefix(1);
+  while (!s.empty() && (s.back() == ' ' || s.back() == '\t' || s.back() == '\r'))
+    s.remove_suffix(1);
+  return s;
+}
+
+// Edit distance (insertions, deletions, substitutions, adjacent swaps): how far a typo is.
+size_t TypoDistance(std::string_view a, std::string_view b) {
+  std::vector<std::vector<size_t>> d(a.size() + 1, std::vector<size_t>(b.size() + 1));
+  for (size_t i = 0; i <= a.size(); ++i) d[i][0] = i;
+  for (size_t j = 0; j <= b.size(); ++j) d[0][j] = j;
+  for (size_t i = 1; i <= a.size(); ++i) {
+    for (size_t j = 1; j <= b.size(); ++j) {
+      const size_t cost = a[i - 1] == b[j - 1] ? 0 : 1;
+      d[i][j] = std::min({d[i - 1][j] + 1, d[i][j - 1] + 1, d[i - 1][j - 1] + cost});
+      if (i > 1 && j > 1 && a[i - 1] == b[j - 2] && a[i - 2] == b[j - 1]) {
+        d[i][j] = std::min(d[i][j], d[i - 2][j - 2] + 1);
+      }
+    }
+  }
+  return d[a.size()][b.size()];
+}
+
+}  // namespace
+
+Result<std::vector<ConfigEntry>> ParseConfigText(std::string_view text, std::string_view origin) {
+  std::vector<ConfigEntry> out;
+  std::map<std::string, int, std::less<>> seen;  // key -> line
+  int line_no = 0;
+  size_t pos = 0;
+  while (pos < text.size()) {
+    size_t end = text.find('\n', pos);
+    if (end == std::string_view::npos) end = text.size();
+    const std::string_view line = Trim(text.substr(pos, end - pos));
+    pos = end + 1;
+    ++line_no;
+    if (line.empty() || line.front() == '#' || line.front() == ';') continue;
+    auto error = [&](std::string_view what) {
+      return Err(InvalidArgument(fmt::format("{} line {}: {}", origin, line_no, what)));
+    };
+    if (line.front() == '[') {
+      return error(
+          fmt::format("sections like '{}' are not supported: write every option at the top level, "
+                      "`name = value`, without a section header",
+                      line));
+    }
+    const size_t eq = line.find('=');
+    if (eq == std::string_view::npos) {
+      return error(fmt::format("'{}' is not `name = value`", line));
+    }
+    ConfigEntry entry;
+    entry.line = line_no;
+    entry.key = std::string(Trim(line.substr(0, eq)));
+    if (entry.key.empty()) return error(fmt::format("'{}' has no name before '='", line));
+    if (entry.key.starts_with("-")) {
+      const size_t first = entry.key.find_first_not_of('-');
+      return error(fmt::format("write the option name without dashes: '{} = ...'",
+                               first == std::string::npos ? "" : entry.key.substr(first)));
+    }
+    std::string_view value = Trim(line.substr(eq + 1));
+    if (!value.empty() && (value.front() == '"' || value.front() == '\'')) {
+      const char quote = value.front();
+      const size_t close = value.find(quote, 1);
+      if (close == std::string_view::npos) {
+        return error(fmt::format("the value of '{}' has no closing {}", entry.key, quote));
+      }
+      const std::string_view rest = Trim(value.substr(close + 1));
+      if (!rest.empty() && rest.front() != '#') {
+        return error(
+            fmt::format("unexpected '{}' after the quoted value of '{}'", rest, entry.key));
+      }
+      value = value.substr(1, close - 1);
+    } else {
+      // A comment starts at a '#' that follows a blank; a '#' inside a word stays.
+      for (size_t i = 1; i < value.size(); ++i) {
+        if (value[i] == '#' && (value[i - 1] == ' ' || value[i - 1] == '\t')) {
+          value = Trim(value.substr(0, i));
+          break;
+        }
+      }
+    }
+    entry.value = std::string(value);
+    if (auto [it, inserted] = seen.emplace(entry.key, line_no); !inserted) {
+      return error(fmt::format("'{}' is set again (first on line {}): give each option once",
+                               entry.key, it->second));
+    }
+    out.push_back(std::move(entry));
+  }
+  return out;
+}
+
+Status CheckConfigKeys(std::span<const ConfigEntry> entries, std::span<const std::string> known,
+                       std::string_view origin) {
+  for (const ConfigEntry& e : entries) {
+    if (std::find(known.begin(), known.end(), e.key) != known.end()) continue;
+    std::string best;
+    size_t best_distance = SIZE_MAX;
+    std::string normalized = e.key;
+    std::replace(normalized.begin(), normalized.end(), '_', '-');
+    for (const std::string& k : known) {
+      const size_t d = TypoDistance(normalized, k);
+      if (d < best_distance) {
+        best_distance = d;
+        best = k;
+      }
+    }
+    const std::string hint = best_distance <= std::max<size_t>(2, e.key.size() / 4)
+                                 ? fmt::format(" (did you mean '{}'?)", best)
+                                 : fmt::format(" (known: {})", fmt::join(known, ", "));
+    return InvalidArgument(
+        fmt::format("{} line {}: unknown option '{}'{}", origin, e.line, e.key, hint));
+  }
+  return Status::Ok();
 }
 
 }  // namespace farmem

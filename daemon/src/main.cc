@@ -8,6 +8,7 @@
 #include <fstream>
 
 #include "farmem/common/auth.h"
+#include "farmem/common/command_line.h"
 #include "farmem/common/config.h"
 #include "server.h"
 #include "slab_pool.h"
@@ -23,7 +24,9 @@ int main(int argc, char** argv) {
   uint32_t lease_ttl_ms = 10000, max_connections = 256;
   bool no_mlock = false, no_prefault = false;
   std::string rdma = "auto", rdma_listen, sched = "batch";
-  app.set_config("--config", "", "Read options from this file (INI/TOML: name = value)");
+  cli::AddConfigFileOption(app,
+                           "Read options from this file: `name = value` per line, names without "
+                           "dashes; an unknown name or a [section] is an error");
   app.add_option("--listen", listen, "Address and port to serve on, host:port; port 0 picks one")
       ->capture_default_str();
   app.add_option("--capacity", capacity, "Memory to lend, e.g. 4G; rounded down to whole slabs")
@@ -45,7 +48,7 @@ int main(int argc, char** argv) {
                  "Serve one-sided RDMA (rdma_cm + verbs) next to TCP: auto (when a device serves "
                  "the address), on (or fail), off")
       ->capture_default_str()
-      ->check(CLI::IsMember({"auto", "on", "off"}));
+      ->check(cli::OneOf({"auto", "on", "off"}));
   app.add_option("--rdma-listen", rdma_listen,
                  "rdma_cm address, host:port (default: the --listen host, its port + 1; "
                  "port 0 picks one)");
@@ -53,12 +56,13 @@ int main(int argc, char** argv) {
                  "Scheduling policy of connection threads: batch (SCHED_BATCH: a request never "
                  "preempts the lending machine's own work or the client that sent it) or normal")
       ->capture_default_str()
-      ->check(CLI::IsMember({"batch", "normal"}));
+      ->check(cli::OneOf({"batch", "normal"}));
   app.add_flag("--no-mlock", no_mlock, "Do not try to mlock the pool");
   app.add_flag("--no-prefault", no_prefault, "Do not touch the pool's pages at start");
   app.add_option("--port-file", port_file, "Write the port actually bound to this file");
   app.add_option("--log-level", log_level, "trace, debug, info, warn, error")
-      ->capture_default_str();
+      ->capture_default_str()
+      ->check(cli::OneOf(kLogLevels));
   CLI11_PARSE(app, argc, argv);
 
   auto logger = spdlog::stderr_color_mt("farmemd");
@@ -72,6 +76,12 @@ int main(int argc, char** argv) {
   };
   daemon::PoolOptions pool_opts;
   daemon::ServerOptions server_opts;
+  if (rdma == "off") {
+    Status s = cli::RejectGiven(app, {"--rdma-listen"},
+                                "only when RDMA is served, and --rdma off serves TCP only: leave "
+                                "it out, or use --rdma auto|on");
+    if (!s.ok()) return fail(s);
+  }
   auto cap = ParseSize(capacity);
   if (!cap) return fail(cap.error().WithContext("--capacity"));
   auto slab = ParseSize(slab_size);

@@ -15,13 +15,12 @@
 //                  [--resilience ec:4+2] [--docs 20000]
 #include <cstdio>
 #include <cstring>
-#include <fstream>
 #include <random>
-#include <sstream>
 #include <string>
 #include <string_view>
 #include <vector>
 
+#include "farmem/common/auth.h"
 #include "farmem/common/config.h"
 #include "farmem/far_hash_map.h"
 #include "farmem/far_ptr.h"
@@ -68,13 +67,12 @@ int main(int argc, char** argv) {
       }
       opts.peers = *peers;
     } else if (k == "--secret-file") {
-      std::ifstream in(v);
-      std::stringstream ss;
-      ss << in.rdbuf();
-      opts.secret = ss.str();
-      while (!opts.secret.empty() && (opts.secret.back() == '\n' || opts.secret.back() == '\r')) {
-        opts.secret.pop_back();
+      auto secret = farmem::auth::LoadSecretFile(v);
+      if (!secret) {
+        std::fprintf(stderr, "--secret-file: %s\n", secret.error().ToString().c_str());
+        return 2;
       }
+      opts.secret = *secret;
     } else if (k == "--budget") {
       auto b = farmem::ParseSize(v);
       if (!b) {

@@ -138,16 +138,19 @@ class SecretFileTest : public ::testing::Test {
   std::string dir_;
 };
 
+constexpr char kSecret[] = "hunter2-hunter2-hunter2";  // 23 bytes: long enough
+
 TEST_F(SecretFileTest, StripsOneTrailingNewline) {
-  EXPECT_EQ(LoadSecretFile(Write("a", "hunter2")).value_or("?"), "hunter2");
-  EXPECT_EQ(LoadSecretFile(Write("b", "hunter2\n")).value_or("?"), "hunter2");
-  EXPECT_EQ(LoadSecretFile(Write("c", "hunter2\r\n")).value_or("?"), "hunter2");
-  EXPECT_EQ(LoadSecretFile(Write("d", "hunter2\n\n")).value_or("?"), "hunter2\n");
-  EXPECT_EQ(LoadSecretFile(Write("e", " spaces kept ")).value_or("?"), " spaces kept ");
+  const std::string s = kSecret;
+  EXPECT_EQ(LoadSecretFile(Write("a", s)).value_or("?"), s);
+  EXPECT_EQ(LoadSecretFile(Write("b", s + "\n")).value_or("?"), s);
+  EXPECT_EQ(LoadSecretFile(Write("c", s + "\r\n")).value_or("?"), s);
+  EXPECT_EQ(LoadSecretFile(Write("d", s + "\n\n")).value_or("?"), s + "\n");
+  EXPECT_EQ(LoadSecretFile(Write("e", " spaces kept " + s)).value_or("?"), " spaces kept " + s);
 }
 
 TEST_F(SecretFileTest, KeepsBinaryContent) {
-  const std::string binary("\x00\x01\xff\n\x7f", 5);
+  const std::string binary("\x00\x01\xff\n\x7f\x00\x01\xff\n\x7f\x00\x01\xff\n\x7f\x00", 16);
   auto r = LoadSecretFile(Write("bin", binary + "\n"));
   ASSERT_TRUE(r.has_value()) << r.error().ToString();
   EXPECT_EQ(*r, binary);
@@ -180,14 +183,38 @@ TEST_F(SecretFileTest, RejectsEmptyBlankAndOversizedFiles) {
 
 TEST_F(SecretFileTest, UnreadableFileFails) {
   if (::geteuid() == 0) GTEST_SKIP() << "root reads files whatever their mode";
-  auto r = LoadSecretFile(Write("locked", "secret", 0000));
+  auto r = LoadSecretFile(Write("locked", kSecret, 0000));
   ASSERT_FALSE(r.has_value());
   EXPECT_EQ(r.error().code(), StatusCode::kIoError);
 }
 
-TEST_F(SecretFileTest, LooseModeStillLoads) {
-  // Group/other access earns a warning in the log, not a failure.
-  EXPECT_EQ(LoadSecretFile(Write("loose", "s", 0644)).value_or("?"), "s");
+// Regression (issue 11, defect 4): a world-readable secret file only earned a warning.
+TEST_F(SecretFileTest, GroupOrOtherAccessIsRefusedWithTheChmodThatFixesIt) {
+  for (mode_t mode : {0644, 0640, 0604, 0620, 0602, 0610, 0601, 0660, 0666}) {
+    const std::string path = Write("loose", kSecret, mode);
+    auto r = LoadSecretFile(path);
+    ASSERT_FALSE(r.has_value()) << std::oct << mode;
+    EXPECT_EQ(r.error().code(), StatusCode::kInvalidArgument);
+    EXPECT_THAT(r.error().message(), HasSubstr("chmod 600 " + path)) << std::oct << mode;
+  }
+  EXPECT_TRUE(LoadSecretFile(Write("owner-only", kSecret, 0400)).has_value());
+  EXPECT_TRUE(LoadSecretFile(Write("owner-rw", kSecret, 0600)).has_value());
+}
+
+// Regression (issue 11, defect 4): a 1-byte secret was accepted.
+TEST_F(SecretFileTest, ShortSecretIsRefusedWithTheCommandThatMakesAGoodOne) {
+  for (const std::string& content :
+       {std::string("s"), std::string("s\n"), std::string(kMinSecretBytes - 1, 'x') + "\n"}) {
+    const std::string path = Write("short", content);
+    auto r = LoadSecretFile(path);
+    ASSERT_FALSE(r.has_value()) << content;
+    EXPECT_EQ(r.error().code(), StatusCode::kInvalidArgument);
+    EXPECT_THAT(r.error().message(), HasSubstr("at least 16"));
+    EXPECT_THAT(r.error().message(), HasSubstr("head -c 32 /dev/urandom | base64 > " + path));
+  }
+  auto ok = LoadSecretFile(Write("sixteen", std::string(kMinSecretBytes, 'x') + "\n"));
+  ASSERT_TRUE(ok.has_value()) << ok.error().ToString();
+  EXPECT_EQ(ok->size(), kMinSecretBytes);
 }
 
 }  // namespace

@@ -7,6 +7,9 @@
 
 #include <cstdint>
 #include <limits>
+#include <string>
+#include <tuple>
+#include <vector>
 
 namespace farmem {
 namespace {
@@ -161,6 +164,104 @@ TEST(ParseEndpointList, OneBadItemFailsTheListAndIsNamed) {
   EXPECT_EQ(r.error().code(), StatusCode::kInvalidArgument);
   EXPECT_THAT(r.error().message(), HasSubstr("'b'"));
   EXPECT_FALSE(ParseEndpointList("a:1,[::1:2").has_value());
+}
+
+// ---- config files (issue 11, defect 4: a typo must never quietly turn a setting off) ----
+
+std::vector<ConfigEntry> EntriesOrDie(std::string_view text) {
+  auto r = ParseConfigText(text, "farmemd.conf");
+  EXPECT_TRUE(r.has_value()) << text << ": " << r.error().ToString();
+  return r.value_or(std::vector<ConfigEntry>{});
+}
+
+TEST(ParseConfigText, NameEqualsValueWithCommentsBlanksAndQuotes) {
+  EXPECT_EQ(EntriesOrDie("# farmemd\n"
+                         "\n"
+                         "capacity = 8G\n"
+                         "; another comment\n"
+                         "  slab-size=64M   # the unit of lending\n"
+                         "secret-file = \"/etc/farmem/my secret#1\"  # quoted\n"
+                         "port-file = /run/a#b\r\n"
+                         "no-mlock = true"),
+            (std::vector<ConfigEntry>{{"capacity", "8G", 3},
+                                      {"slab-size", "64M", 5},
+                                      {"secret-file", "/etc/farmem/my secret#1", 6},
+                                      {"port-file", "/run/a#b", 7},
+                                      {"no-mlock", "true", 8}}));
+  EXPECT_TRUE(EntriesOrDie("").empty());
+  EXPECT_EQ(EntriesOrDie("listen = ''"), (std::vector<ConfigEntry>{{"listen", "", 1}}));
+}
+
+// Regression: "[farmemd]" made every key below it belong to a section nobody reads.
+TEST(ParseConfigText, SectionHeaderIsAnErrorNamingTheFileAndLine) {
+  auto r = ParseConfigText("# daemon\n[farmemd]\ncapacity = 8G\n", "/etc/farmem/main.conf");
+  ASSERT_FALSE(r.has_value());
+  EXPECT_EQ(r.error().code(), StatusCode::kInvalidArgument);
+  EXPECT_THAT(r.error().message(), HasSubstr("/etc/farmem/main.conf line 2"));
+  EXPECT_THAT(r.error().message(), HasSubstr("[farmemd]"));
+}
+
+TEST(ParseConfigText, MalformedLinesAreErrorsNamingTheLine) {
+  for (const auto& [text, line, what] : std::vector<std::tuple<std::string, int, std::string>>{
+           {"capacity = 8G\ncapacity 8G\n", 2, "not `name = value`"},
+           {"= 8G", 1, "no name"},
+           {"a = 1\n\n--capacity = 8G", 3, "without dashes"},
+           {"secret-file = \"/x", 1, "no closing"},
+           {"listen = \"a\" b", 1, "after the quoted value"},
+           {"capacity = 1G\nlisten = x:1\ncapacity = 2G", 3, "first on line 1"},
+       }) {
+    auto r = ParseConfigText(text, "f.conf");
+    ASSERT_FALSE(r.has_value()) << text;
+    EXPECT_THAT(r.error().message(), HasSubstr("f.conf line " + std::to_string(line))) << text;
+    EXPECT_THAT(r.error().message(), HasSubstr(what)) << text;
+  }
+}
+
+const std::vector<std::string> kDaemonKeys = {"listen",      "capacity",  "slab-size",
+                                              "secret-file", "log-level", "no-mlock"};
+
+// Regression: "secert-file = ..." was ignored and the daemon started with no authentication.
+TEST(CheckConfigKeys, UnknownKeyIsAnErrorNamingKeyLineAndTheLikelyMeant) {
+  const auto entries = EntriesOrDie("capacity = 8G\n\nsecert-file = /etc/farmem/secret\n");
+  const Status s = CheckConfigKeys(entries, kDaemonKeys, "main.conf");
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+  EXPECT_THAT(s.message(), HasSubstr("main.conf line 3"));
+  EXPECT_THAT(s.message(), HasSubstr("unknown option 'secert-file'"));
+  EXPECT_THAT(s.message(), HasSubstr("did you mean 'secret-file'?"));
+}
+
+TEST(CheckConfigKeys, FarOffKeyListsTheKnownOnesAndUnderscoresAreCorrected) {
+  const Status far = CheckConfigKeys(EntriesOrDie("colour = blue"), kDaemonKeys, "c");
+  EXPECT_THAT(far.message(), HasSubstr("line 1: unknown option 'colour'"));
+  EXPECT_THAT(far.message(), HasSubstr("known: listen, capacity, slab-size"));
+  const Status underscore = CheckConfigKeys(EntriesOrDie("slab_size = 1M"), kDaemonKeys, "c");
+  EXPECT_THAT(underscore.message(), HasSubstr("did you mean 'slab-size'?"));
+}
+
+TEST(CheckConfigKeys, KnownKeysPass) {
+  EXPECT_TRUE(CheckConfigKeys(EntriesOrDie("capacity = 8G\nsecret-file = /s\nno-mlock = true"),
+                              kDaemonKeys, "c")
+                  .ok());
+}
+
+// Regression: "--log-level bogus" silenced every log line, the no-authentication warning too.
+TEST(ParseChoice, AcceptsOnlyTheListedWordsAndNamesThemAll) {
+  EXPECT_EQ(ParseChoice("--log-level", "warn", kLogLevels).value_or("?"), "warn");
+  auto bad = ParseChoice("--log-level", "bogus", kLogLevels);
+  ASSERT_FALSE(bad.has_value());
+  EXPECT_EQ(bad.error().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(bad.error().message(),
+            "--log-level: 'bogus' is not one of trace, debug, info, warn, error");
+  // Case and surrounding blanks are not guessed at.
+  EXPECT_FALSE(ParseChoice("--log-level", "INFO", kLogLevels).has_value());
+  EXPECT_FALSE(ParseChoice("--log-level", " info", kLogLevels).has_value());
+  auto transport = ParseChoice("--transport", "rdma", kTransports);
+  ASSERT_FALSE(transport.has_value());
+  EXPECT_THAT(transport.error().message(), HasSubstr("auto, tcp, verbs"));
+  EXPECT_EQ(ParseChoice("--rdma", "on", {"auto", "on", "off"}).value_or("?"), "on");
+  auto anonymous = ParseChoice("", "x", {"a"});
+  ASSERT_FALSE(anonymous.has_value());
+  EXPECT_EQ(anonymous.error().message(), "'x' is not one of a");
 }
 
 }  // namespace

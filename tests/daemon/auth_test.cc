@@ -190,9 +190,9 @@ TEST(AuthOpenDaemon, ClientWithSecretRefusesADaemonWithoutOne) {
 
 TEST(AuthSecretFile, TrailingNewlineInTheFileIsNotPartOfTheSecret) {
   // `echo secret > file` writes a newline; the daemon strips one.
-  DaemonSet daemons(Daemon("from-echo\n"));
+  DaemonSet daemons(Daemon("secret-from-echo\n"));  // 16 bytes: the least accepted
   ASSERT_TRUE(daemons.Start(1).ok()) << daemons.Logs();
-  auto c = Dial(daemons[0].endpoint(), "from-echo");
+  auto c = Dial(daemons[0].endpoint(), "secret-from-echo");
   EXPECT_TRUE(c.has_value()) << c.error().ToString();
 }
 

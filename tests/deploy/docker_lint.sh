@@ -13,7 +13,8 @@ need shellcheck shellcheck
 
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
-echo secret >"$tmp/secret"
+head -c 32 /dev/urandom | base64 >"$tmp/secret"
+chmod 600 "$tmp/secret"
 export FARMEM_SECRET_PATH=$tmp/secret
 
 # Runs `docker-compose config` on a compose file; prints the resolved file.

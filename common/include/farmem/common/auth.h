@@ -13,8 +13,14 @@
 
 namespace farmem::auth {
 
-// Reads a secret file: its content with one trailing newline removed. Fails if the file is
-// missing, empty, or larger than 4 KiB. Warns (in the log) if group/other may read it.
+// A secret shorter than this is refused: it could be guessed offline from one recorded
+// handshake. `head -c 32 /dev/urandom | base64` gives 44 bytes.
+inline constexpr size_t kMinSecretBytes = 16;
+
+// Reads a secret file: its content with one trailing newline removed. The one loader of secret
+// files for every farmem program. Refuses (InvalidArgument, with the command that fixes it) a file
+// that group or others may access in any way (chmod 600), and a secret shorter than
+// kMinSecretBytes or longer than 4 KiB; NotFound/IoError if it cannot be read.
 Result<std::string> LoadSecretFile(const std::string& path);
 
 // Fills `out` with cryptographically strong random bytes.
