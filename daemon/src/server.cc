@@ -289,6 +289,9 @@ void Server::AcceptAll() {
     }
     pending_by_serial_.emplace(p.serial, std::prev(pending_.end()));
     pending_count_.store(pending_.size(), std::memory_order_relaxed);
+    if (pending_.size() > peak_pending_.load(std::memory_order_relaxed)) {
+      peak_pending_.store(pending_.size(), std::memory_order_relaxed);
+    }
     spdlog::debug("connection from {}", peer);
   }
 }
@@ -453,8 +456,10 @@ void Server::TrimAfterBurst() {
     std::lock_guard lock(conns_mu_);
     served = conns_.size();
   }
-  const size_t now = served + pending_count_.load(std::memory_order_relaxed);
-  peak_connections_ = std::max(peak_connections_, now);
+  const size_t pending = pending_count_.load(std::memory_order_relaxed);
+  const size_t now = served + pending;
+  // Pending connections may come and go between two looks: the admission thread keeps their peak.
+  peak_connections_ = std::max(peak_connections_, served + peak_pending_.exchange(pending));
   // After a burst of connections (a flood, or many clients leaving), the heap keeps what their
   // buffers used in per-thread arenas: give it back to the OS once most of them are gone.
   if (peak_connections_ >= kTrimAfter && now <= peak_connections_ / 4) {

@@ -137,6 +137,7 @@ class Server {
   RefusalLog refusals_;
   std::chrono::steady_clock::time_point accept_paused_until_{};
   std::atomic<size_t> pending_count_{0};
+  std::atomic<size_t> peak_pending_{0};  // since housekeeping last looked
   size_t peak_connections_ = 0;  // housekeeping thread: pending + served since the last trim
 
   struct Live {
