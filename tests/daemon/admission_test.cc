@@ -12,6 +12,7 @@
 #include <atomic>
 #include <chrono>
 #include <fstream>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -34,15 +35,16 @@ DaemonConfig SmallDaemon() {
   return {.capacity = "8M", .slab_size = "1M", .log_level = "warn", .extra_args = {"--no-mlock"}};
 }
 
-// The daemon's thread count, from /proc/PID/status; -1 if unreadable.
-int ThreadsOf(pid_t pid) {
+// A number from /proc/PID/status ("Threads", "VmRSS" in KiB); -1 if unreadable.
+long ProcStatus(pid_t pid, const std::string& key) {
   std::ifstream in("/proc/" + std::to_string(pid) + "/status");
   std::string line;
   while (std::getline(in, line)) {
-    if (line.starts_with("Threads:")) return std::stoi(line.substr(8));
+    if (line.starts_with(key + ":")) return std::stol(line.substr(key.size() + 1));
   }
   return -1;
 }
+int ThreadsOf(pid_t pid) { return static_cast<int>(ProcStatus(pid, "Threads")); }
 
 size_t LogLines(const DaemonProcess& d) {
   std::ifstream in(d.log_path());
@@ -123,6 +125,7 @@ TEST(DaemonAdmission, IdleSocketsNeitherLockOutClientsNorHoldThreads) {
   DaemonProcess& d = daemons[0];
   const size_t log_lines_before = LogLines(d);
   const int threads_before = ThreadsOf(d.pid());
+  const long rss_before_kib = ProcStatus(d.pid(), "VmRSS");
 
   std::vector<Socket> idle;
   for (int i = 0; i < 2000; ++i) {
@@ -148,10 +151,13 @@ TEST(DaemonAdmission, IdleSocketsNeitherLockOutClientsNorHoldThreads) {
     EXPECT_TRUE(lease.has_value()) << lease.error().ToString();
   }
 
-  // The sockets cost no threads.
+  // The sockets cost no threads, and little memory (about 1.5 KiB for each pending one).
   const int threads = ThreadsOf(d.pid());
   EXPECT_LE(threads, threads_before + 4) << "2000 idle sockets raised the daemon's threads from "
                                          << threads_before << " to " << threads;
+  const long rss_growth_kib = ProcStatus(d.pid(), "VmRSS") - rss_before_kib;
+  EXPECT_LT(rss_growth_kib, 16 << 10)
+      << "2000 idle sockets grew the daemon's RSS by " << rss_growth_kib << " KiB";
 
   // Every idle socket is closed by the handshake deadline.
   const size_t still_open = WaitAllClosed(idle, flood_done + kHandshakeTimeout + kSlack);
@@ -226,6 +232,37 @@ TEST(DaemonAdmission, AuthenticatedFrameTricklingInIsClosedAtTheFrameDeadline) {
   }
   const auto took = std::chrono::duration_cast<milliseconds>(Clock::now() - start);
   EXPECT_GE(took.count(), kFrameTimeout.count() - 500) << "closed before its frame deadline";
+}
+
+// At --max-connections, an authenticated client is told so (the old daemon closed its connection
+// without a word).
+TEST(DaemonAdmission, ClientBeyondMaxConnectionsIsToldWhy) {
+  DaemonConfig cfg = SmallDaemon();
+  cfg.extra_args.insert(cfg.extra_args.end(), {"--max-connections", "2"});
+  DaemonSet daemons(cfg);
+  ASSERT_TRUE(daemons.Start(1).ok()) << daemons.Logs();
+  auto first = DaemonClient::Connect(daemons[0].endpoint(), daemons.secret());
+  auto b = DaemonClient::Connect(daemons[0].endpoint(), daemons.secret());
+  ASSERT_TRUE(first.has_value() && b.has_value());
+  std::optional<DaemonClient> a(std::move(*first));
+  auto c = DaemonClient::Connect(daemons[0].endpoint(), daemons.secret());
+  ASSERT_FALSE(c.has_value()) << "a third connection was served";
+  EXPECT_EQ(c.error().code(), StatusCode::kResourceExhausted) << c.error().ToString();
+  EXPECT_THAT(c.error().message(), HasSubstr("--max-connections"));
+  // A place frees up when a client leaves.
+  a.reset();
+  std::optional<DaemonClient> d;
+  const Deadline deadline = DeadlineIn(milliseconds(5000));
+  while (!d && Clock::now() < deadline) {  // the daemon notices the close asynchronously
+    auto r = DaemonClient::Connect(daemons[0].endpoint(), daemons.secret());
+    if (r.has_value()) {
+      d.emplace(std::move(*r));
+    } else {
+      std::this_thread::sleep_for(milliseconds(10));  // polling state
+    }
+  }
+  ASSERT_TRUE(d.has_value()) << "no connection admitted after a client left";
+  EXPECT_TRUE(d->Stat().has_value());
 }
 
 // One client used to be able to lease every slab of a daemon; the next got ResourceExhausted.
