@@ -7,23 +7,33 @@
 
 #include <cstring>
 
-#include "farmem/common/auth.h"
+#include "handshake.h"
 #include "server.h"
 
 namespace farmem::daemon {
 
 namespace {
 constexpr size_t kRecvBuffer = 256 << 10;
-// How long a peer may take to deliver the rest of a frame it started, or to take our reply.
-// While a write payload trickles in, its slab stays pinned, so this also bounds how long ending
-// that lease can wait.
-constexpr std::chrono::milliseconds kFrameTimeout{10000};
 static_assert(kRecvBuffer >= wire::kHeaderSize + wire::kMaxControlBodyLen);
+static_assert(kRecvBuffer >= kHandshakeBuffer);  // a connection's early bytes fit
 static_assert(kRecvBuffer >= wire::kHeaderSize + 8 + wire::kMaxOpsPerBatch * wire::kBatchOpSize);
 }  // namespace
 
-Connection::Connection(Server* server, Socket socket, std::string peer)
-    : server_(server), socket_(std::move(socket)), peer_(std::move(peer)) {}
+Connection::Connection(Server* server, Socket socket, std::string peer,
+                       const wire::ClientId& client_id, std::string client_name,
+                       std::span<const uint8_t> early)
+    : server_(server),
+      socket_(std::move(socket)),
+      peer_(std::move(peer)),
+      counted_client_(true),
+      client_id_(client_id),
+      client_name_(std::move(client_name)) {
+  server_->ClientConnected(client_id_);
+  rbuf_.resize(kRecvBuffer);
+  std::memcpy(rbuf_.data(), early.data(), early.size());  // at most kHandshakeBuffer bytes
+  end_ = early.size();
+  if (end_ > 0) frame_deadline_ = DeadlineIn(server_->options().frame_timeout);
+}
 
 Connection::~Connection() {
   if (counted_client_) server_->ClientDisconnected(client_id_);
@@ -43,9 +53,9 @@ void Connection::Serve() {
 }
 
 void Connection::ServeFrames() {
-  rbuf_.resize(kRecvBuffer);
   wbuf_.reserve(64 << 10);
   scratch_.resize(64 << 10);
+  const std::chrono::milliseconds frame_timeout = server_->options().frame_timeout;
   for (;;) {
     Next next = Next::kNeedMore;
     while (Buffered() >= wire::kHeaderSize) {
@@ -54,24 +64,32 @@ void Connection::ServeFrames() {
     }
     if (!FlushReplies() || next == Next::kClose) return;
     if (pos_ > 0) {
+      // A frame was completed: whatever follows is the start of the next one, due in full within
+      // frame_timeout from now.
       std::memmove(rbuf_.data(), Cursor(), Buffered());
       end_ -= pos_;
       pos_ = 0;
+      frame_deadline_ = Buffered() > 0 ? DeadlineIn(frame_timeout) : kNoDeadline;
     }
-    // A frame has started: the rest of it is due within kFrameTimeout. (An idle connection may
-    // wait for ever; a half-sent frame may not hold its thread and connection slot.)
+    // A frame has started: all of it is due by frame_deadline_, however it trickles in (a byte
+    // now and then does not buy more time). An idle connection, between frames, may wait.
     if (Buffered() > 0) {
+      const auto left =
+          std::chrono::ceil<std::chrono::milliseconds>(frame_deadline_ - Clock::now()).count();
       pollfd p{socket_.fd(), POLLIN, 0};
-      int r;
-      do {
-        r = ::poll(&p, 1, static_cast<int>(kFrameTimeout.count()));
-      } while (r < 0 && errno == EINTR);
+      int r = 0;
+      if (left > 0) {
+        do {
+          r = ::poll(&p, 1, static_cast<int>(std::min<int64_t>(left, 3'600'000)));
+        } while (r < 0 && errno == EINTR);
+      }
       if (r == 0) {
-        spdlog::warn("{} ({}): frame cut short: nothing more for {} ms; closing", peer_,
-                     client_name_, kFrameTimeout.count());
+        spdlog::warn("{} ({}): frame cut short: not complete {} ms after it started; closing",
+                     peer_, client_name_, frame_timeout.count());
         return;
       }
     }
+    const bool idle = Buffered() == 0;
     const ssize_t n = ::recv(socket_.fd(), rbuf_.data() + end_, rbuf_.size() - end_, 0);
     if (n == 0) {
       spdlog::debug("{} ({}) disconnected", peer_, client_name_);
@@ -83,6 +101,7 @@ void Connection::ServeFrames() {
       return;
     }
     end_ += static_cast<size_t>(n);
+    if (idle) frame_deadline_ = DeadlineIn(frame_timeout);
   }
 }
 
@@ -103,11 +122,11 @@ Connection::Next Connection::HandleFrame() {
   const auto op = static_cast<wire::Opcode>(h.opcode);
   const bool data_op =
       op == wire::Opcode::kRead || op == wire::Opcode::kWrite || op == wire::Opcode::kBatch;
-  // Authentication comes before anything else.
-  if (op != wire::Opcode::kHello && op != wire::Opcode::kAuth && !authenticated_) {
-    ReplyError(h, Unauthenticated(fmt::format(
-                      "{} before authentication: send HELLO{} first", wire::OpcodeName(h.opcode),
-                      server_->options().secret.empty() ? "" : " and AUTH")));
+  // The handshake is over (the admission loop ran it): a second one is a protocol error.
+  if (op == wire::Opcode::kHello || op == wire::Opcode::kAuth) {
+    server_->counters().protocol_errors++;
+    ReplyError(h, ProtocolError(op == wire::Opcode::kHello ? "HELLO sent twice on one connection"
+                                                           : "already authenticated"));
     return Next::kClose;
   }
   // A body too short for its fixed part is refused from the header alone: waiting for the fixed
@@ -135,8 +154,7 @@ Connection::Next Connection::HandleFrame() {
     }
     return HandleBatch(h);
   }
-  const bool known = op == wire::Opcode::kHello || op == wire::Opcode::kAuth ||
-                     op == wire::Opcode::kStat || op == wire::Opcode::kAlloc ||
+  const bool known = op == wire::Opcode::kStat || op == wire::Opcode::kAlloc ||
                      op == wire::Opcode::kFree || op == wire::Opcode::kHeartbeat ||
                      op == wire::Opcode::kRdmaToken || op == wire::Opcode::kParityEncode ||
                      op == wire::Opcode::kGatherCell || data_op;
@@ -159,12 +177,6 @@ Connection::Next Connection::HandleFrame() {
   if (op != wire::Opcode::kRead && !pins_.empty() && !FlushReplies()) return Next::kClose;
   Next next;
   switch (op) {
-    case wire::Opcode::kHello:
-      next = HandleHello(h, body);
-      break;
-    case wire::Opcode::kAuth:
-      next = HandleAuth(h, body);
-      break;
     case wire::Opcode::kRead:
       next = HandleRead(h, body);
       break;
@@ -181,75 +193,6 @@ Connection::Next Connection::HandleFrame() {
   }
   Consume(wire::kHeaderSize + h.body_len);
   return next;
-}
-
-Connection::Next Connection::HandleHello(const wire::FrameHeader& h,
-                                         std::span<const uint8_t> body) {
-  if (hello_done_) {
-    ReplyError(h, ProtocolError("HELLO sent twice on one connection"));
-    return Next::kClose;
-  }
-  Result<wire::HelloRequest> req = wire::DecodeHello(body);
-  if (!req.has_value()) {
-    ReplyError(h, req.error());
-    return Next::kClose;
-  }
-  if (req->min_version > wire::kVersion || req->max_version < wire::kVersion) {
-    ReplyError(h, ProtocolError(fmt::format("client speaks versions {}..{}, this daemon {}",
-                                            req->min_version, req->max_version, wire::kVersion)));
-    return Next::kClose;
-  }
-  Status s = auth::RandomBytes(server_nonce_);
-  if (!s.ok()) {
-    ReplyError(h, s);
-    return Next::kClose;
-  }
-  hello_done_ = true;
-  client_id_ = req->client_id;
-  client_nonce_ = req->client_nonce;
-  client_name_ = req->client_name;
-  wire::HelloReply reply;
-  reply.node_id = server_->node_id();
-  reply.server_nonce = server_nonce_;
-  if (!server_->options().secret.empty()) reply.features |= wire::kFeatureAuthRequired;
-  if (server_->rdma() != nullptr) reply.features |= wire::kFeatureVerbs;
-  body_.clear();
-  wire::EncodeHelloReply(reply, &body_);
-  Reply(h, body_);
-  if (server_->options().secret.empty()) {
-    authenticated_ = true;
-    counted_client_ = true;
-    server_->ClientConnected(client_id_);
-  }
-  return Next::kContinue;
-}
-
-Connection::Next Connection::HandleAuth(const wire::FrameHeader& h, std::span<const uint8_t> body) {
-  if (!hello_done_ || authenticated_) {
-    ReplyError(h, ProtocolError(hello_done_ ? "already authenticated" : "AUTH before HELLO"));
-    return Next::kClose;
-  }
-  Result<wire::AuthRequest> req = wire::DecodeAuth(body);
-  if (!req.has_value()) {
-    ReplyError(h, req.error());
-    return Next::kClose;
-  }
-  const std::string& secret = server_->options().secret;
-  const wire::Mac expected = auth::ClientProof(secret, server_nonce_, client_nonce_, client_id_);
-  if (!auth::MacEqual(expected, req->client_mac)) {
-    spdlog::warn("{} ({}): authentication failed: wrong secret; closing", peer_, client_name_);
-    ReplyError(h, PermissionDenied("authentication failed: wrong secret"));
-    return Next::kClose;
-  }
-  authenticated_ = true;
-  counted_client_ = true;
-  server_->ClientConnected(client_id_);
-  wire::AuthReply reply;
-  reply.server_mac = auth::ServerProof(secret, server_nonce_, client_nonce_, client_id_);
-  body_.clear();
-  wire::EncodeAuthReply(reply, &body_);
-  Reply(h, body_);
-  return Next::kContinue;
 }
 
 Connection::Next Connection::HandleControl(const wire::FrameHeader& h,
@@ -576,7 +519,10 @@ bool Connection::TakePayload(uint8_t* dst, uint64_t len) {
   Consume(from_buffer);
   uint64_t rest = len - from_buffer;
   if (rest == 0) return true;
-  const Deadline deadline = DeadlineIn(kFrameTimeout);
+  // The payload is part of the frame that is arriving: same deadline.
+  const Deadline deadline = frame_deadline_ != kNoDeadline
+                                ? frame_deadline_
+                                : DeadlineIn(server_->options().frame_timeout);
   Status s;
   if (dst != nullptr) {
     s = RecvExact(socket_.fd(), {dst + from_buffer, static_cast<size_t>(rest)}, deadline);
@@ -595,31 +541,16 @@ bool Connection::TakePayload(uint8_t* dst, uint64_t len) {
 }
 
 void Connection::Reply(const wire::FrameHeader& req, std::span<const uint8_t> body) {
-  wire::FrameHeader r = req;
-  r.flags = wire::kFlagReply;
-  r.status = 0;
-  r.body_len = static_cast<uint32_t>(body.size());
   const size_t at = wbuf_.size();
-  wbuf_.resize(at + wire::kHeaderSize + body.size());
-  wire::EncodeHeader(r, wbuf_.data() + at);
-  if (!body.empty()) std::memcpy(wbuf_.data() + at + wire::kHeaderSize, body.data(), body.size());
-  pieces_.push_back({at, nullptr, wire::kHeaderSize + body.size()});
+  AppendReply(req, body, &wbuf_);
+  pieces_.push_back({at, nullptr, wbuf_.size() - at});
 }
 
 void Connection::ReplyError(const wire::FrameHeader& req, const Status& status) {
   spdlog::debug("{}: {} failed: {}", peer_, wire::OpcodeName(req.opcode), status.ToString());
-  std::vector<uint8_t> msg;
-  wire::EncodeError(status, &msg);
-  wire::FrameHeader r = req;
-  r.version = wire::kVersion;
-  r.flags = wire::kFlagReply;
-  r.status = static_cast<uint16_t>(status.code());
-  r.body_len = static_cast<uint32_t>(msg.size());
   const size_t at = wbuf_.size();
-  wbuf_.resize(at + wire::kHeaderSize + msg.size());
-  wire::EncodeHeader(r, wbuf_.data() + at);
-  std::memcpy(wbuf_.data() + at + wire::kHeaderSize, msg.data(), msg.size());
-  pieces_.push_back({at, nullptr, wire::kHeaderSize + msg.size()});
+  AppendErrorReply(req, status, &wbuf_);
+  pieces_.push_back({at, nullptr, wbuf_.size() - at});
 }
 
 void Connection::AddExternal(const uint8_t* data, size_t len, Pin pin) {
@@ -634,8 +565,8 @@ bool Connection::FlushReplies() {
     iov_.push_back(
         {const_cast<uint8_t*>(p.data != nullptr ? p.data : wbuf_.data() + p.offset), p.len});
   }
-  Status s =
-      SendAll(socket_.fd(), iov_.data(), static_cast<int>(iov_.size()), DeadlineIn(kFrameTimeout));
+  Status s = SendAll(socket_.fd(), iov_.data(), static_cast<int>(iov_.size()),
+                     DeadlineIn(server_->options().frame_timeout));
   pieces_.clear();
   wbuf_.clear();
   pins_.clear();

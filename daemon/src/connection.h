@@ -1,4 +1,5 @@
-// Connection: one client connection to farmemd, served start to finish by one thread.
+// Connection: one authenticated client connection to farmemd, served start to finish by one
+// thread. (The HELLO/AUTH exchange before it happens in the admission loop: handshake.h.)
 //
 // Reads frames into a receive buffer, decodes and validates each one (docs/wire-protocol.md),
 // and answers it. Write payloads that have not yet arrived are received straight into slab
@@ -30,7 +31,10 @@ class Server;
 
 class Connection {
  public:
-  Connection(Server* server, Socket socket, std::string peer);
+  // `early`: bytes the client sent after the frame that authenticated it (its first requests).
+  // Counts the client as connected (STAT) from here on.
+  Connection(Server* server, Socket socket, std::string peer, const wire::ClientId& client_id,
+             std::string client_name, std::span<const uint8_t> early);
   ~Connection();
   void Serve();     // runs until the peer leaves, the framing breaks, or Shutdown()
   void Shutdown();  // from another thread: unblocks Serve()
@@ -40,8 +44,6 @@ class Connection {
 
   void ServeFrames();
   Next HandleFrame();
-  Next HandleHello(const wire::FrameHeader& h, std::span<const uint8_t> body);
-  Next HandleAuth(const wire::FrameHeader& h, std::span<const uint8_t> body);
   Next HandleControl(const wire::FrameHeader& h, std::span<const uint8_t> body);
   Next HandleRead(const wire::FrameHeader& h, std::span<const uint8_t> body);
   Next HandleWrite(const wire::FrameHeader& h);
@@ -74,13 +76,11 @@ class Connection {
   Server* server_;
   Socket socket_;
   std::string peer_;
-  bool hello_done_ = false;
-  bool authenticated_ = false;
   bool counted_client_ = false;
   wire::ClientId client_id_{};
-  wire::Nonce client_nonce_{};
-  wire::Nonce server_nonce_{};
   std::string client_name_;
+  // When the frame at the front of rbuf_ must have arrived in full (set when its first bytes do).
+  Deadline frame_deadline_ = kNoDeadline;
 
   std::vector<uint8_t> rbuf_;
   size_t pos_ = 0, end_ = 0;

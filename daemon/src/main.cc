@@ -22,8 +22,9 @@ int main(int argc, char** argv) {
   std::string listen = fmt::format("127.0.0.1:{}", kDefaultPort);
   std::string capacity = "1G", slab_size = "64M", secret_file, port_file, log_level = "info";
   uint32_t lease_ttl_ms = 10000, max_connections = 256;
+  uint32_t max_pending_handshakes = 1024, handshake_timeout_ms = 5000, frame_timeout_ms = 10000;
   bool no_mlock = false, no_prefault = false;
-  std::string rdma = "auto", rdma_listen, sched = "batch";
+  std::string rdma = "auto", rdma_listen, sched = "batch", max_client_share = "0.75";
   cli::AddConfigFileOption(app,
                            "Read options from this file: `name = value` per line, names without "
                            "dashes; an unknown name or a [section] is an error");
@@ -41,9 +42,33 @@ int main(int argc, char** argv) {
                  "A lease whose client sends no heartbeat for this long is reclaimed and zeroed")
       ->capture_default_str()
       ->check(CLI::Range(100u, 3600u * 1000u));
-  app.add_option("--max-connections", max_connections, "Connections served at once")
+  app.add_option("--max-client-share", max_client_share,
+                 "Most one client may lease from this daemon: a fraction of --capacity (0.5, 50%; "
+                 "1 = no limit) or a size (512M). Beyond it ALLOC fails with ResourceExhausted "
+                 "naming this limit; the default leaves a quarter for other clients")
+      ->capture_default_str();
+  app.add_option("--max-connections", max_connections,
+                 "Authenticated connections served at once (one thread each); beyond it a client "
+                 "is refused with ResourceExhausted")
       ->capture_default_str()
       ->check(CLI::Range(1u, 65536u));
+  app.add_option("--max-pending-handshakes", max_pending_handshakes,
+                 "Connections still in HELLO/AUTH, handled by one thread without blocking; when "
+                 "full the oldest is dropped, so sockets without the secret cannot crowd out a "
+                 "client with it. Each costs a file descriptor and about 1.5 KiB")
+      ->capture_default_str()
+      ->check(CLI::Range(1u, 1u << 20));
+  app.add_option("--handshake-timeout-ms", handshake_timeout_ms,
+                 "A connection must complete HELLO (and AUTH) within this long of connecting, "
+                 "however slowly its bytes trickle in, or it is closed")
+      ->capture_default_str()
+      ->check(CLI::Range(100u, 600u * 1000u));
+  app.add_option("--frame-timeout-ms", frame_timeout_ms,
+                 "Once a frame has started to arrive, all of it is due within this long (and a "
+                 "client must take a batch of replies within it), or the connection is closed. "
+                 "Idle time between frames is not limited")
+      ->capture_default_str()
+      ->check(CLI::Range(100u, 3600u * 1000u));
   app.add_option("--rdma", rdma,
                  "Serve one-sided RDMA (rdma_cm + verbs) next to TCP: auto (when a device serves "
                  "the address), on (or fail), off")
@@ -93,8 +118,14 @@ int main(int argc, char** argv) {
   pool_opts.lease_ttl = std::chrono::milliseconds(lease_ttl_ms);
   pool_opts.mlock = !no_mlock;
   pool_opts.prefault = !no_prefault;
+  auto share = daemon::ParseClientShare(max_client_share);
+  if (!share) return fail(share.error());
+  pool_opts.max_client_share = *share;
   server_opts.listen = *ep;
   server_opts.max_connections = max_connections;
+  server_opts.max_pending_handshakes = max_pending_handshakes;
+  server_opts.handshake_timeout = std::chrono::milliseconds(handshake_timeout_ms);
+  server_opts.frame_timeout = std::chrono::milliseconds(frame_timeout_ms);
   server_opts.batch_scheduling = sched == "batch";
   auto rdma_mode = daemon::ParseRdmaMode(rdma);
   if (!rdma_mode) return fail(rdma_mode.error());

@@ -1,6 +1,12 @@
 // Server: farmemd's listener and its connections.
 //
-// One thread accepts; each connection is served by a thread of its own that runs every request
+// One thread admits connections: an epoll loop that accepts, runs each new connection's HELLO/AUTH
+// exchange without blocking (handshake.h), and closes those that do not finish it within one
+// deadline (--handshake-timeout-ms) or that exceed --max-pending-handshakes (the oldest goes).
+// Only an authenticated connection gets a thread (up to --max-connections): someone without the
+// secret can hold neither threads nor connection slots, and an idle or slow socket costs a
+// kernel socket and about 1.5 KiB. Refusals are logged at a bounded rate (refusal_log.h).
+// Each authenticated connection is served by a thread of its own that runs every request
 // to completion (read the frame, touch slab memory, answer) and batches the replies of all frames
 // that arrived together into one sendmsg. There is no hand-off between threads on the data path:
 // on these machines a cross-core wake-up costs more than the operation (docs/architecture.md).
@@ -10,27 +16,40 @@
 // Threading: Start/Stop from the main thread; everything else is internal.
 #pragma once
 
+#include <array>
 #include <atomic>
 #include <condition_variable>
+#include <list>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
 #include <string>
 #include <thread>
+#include <unordered_map>
 #include <vector>
 
 #include "farmem/common/config.h"
 #include "farmem/common/socket.h"
+#include "handshake.h"
 #include "rdma_listener.h"
+#include "refusal_log.h"
 #include "slab_pool.h"
 
 namespace farmem::daemon {
 
 struct ServerOptions {
   Endpoint listen{"127.0.0.1", kDefaultPort};
-  std::string secret;  // empty: no authentication (the daemon says so loudly)
-  uint32_t max_connections = 256;
+  std::string secret;              // empty: no authentication (the daemon says so loudly)
+  uint32_t max_connections = 256;  // authenticated connections served at once (one thread each)
+  // Connections still in HELLO/AUTH; when full, the oldest is dropped for the newest, so a flood
+  // of sockets without the secret cannot keep a client with it out.
+  uint32_t max_pending_handshakes = 1024;
+  // From accept to authenticated, whatever arrives meanwhile (not per byte).
+  std::chrono::milliseconds handshake_timeout{5000};
+  // Once a frame has started to arrive, all of it is due within this (not per byte); the same
+  // bound applies to the peer taking a batch of replies. Between frames a connection may idle.
+  std::chrono::milliseconds frame_timeout{10000};
   std::chrono::milliseconds idle_timeout{0};  // 0: connections may stay idle forever
   RdmaMode rdma = RdmaMode::kAuto;
   // Unset: the TCP host, port = TCP port + 1 (any free port when the TCP port is 0).
@@ -70,10 +89,30 @@ class Server {
   uint32_t client_count();
 
  private:
+  // A connection in HELLO/AUTH, owned by the admission thread.
+  struct Pending {
+    uint64_t serial = 0;  // its epoll key
+    Socket socket;
+    std::string peer;
+    std::chrono::steady_clock::time_point deadline;
+    Handshake handshake;
+    size_t len = 0;  // bytes in buf
+    std::array<uint8_t, kHandshakeBuffer> buf;
+  };
+  using PendingList = std::list<Pending>;  // oldest (earliest deadline) first
+
   Status StartRdma();
-  void AcceptLoop();
+  void AdmissionLoop();
+  void AcceptAll();
+  void OnReadable(uint64_t serial);
+  // Hands an authenticated connection to a thread of its own, or refuses it at --max-connections.
+  void Admit(PendingList::iterator it, size_t consumed);
+  // Closes a pending connection after sending it what its handshake produced (if anything).
+  void DropPending(PendingList::iterator it, RefusalLog::Kind kind, const std::string& why);
+  void ExpirePending();
   void HousekeepingLoop();
   void ReapFinished();
+  void TrimAfterBurst();
 
   ServerOptions options_;
   SlabPool* pool_;
@@ -82,11 +121,24 @@ class Server {
   Socket listener_;
   std::unique_ptr<RdmaListener> rdma_;
   std::atomic<bool> stopping_{false};
-  std::thread accept_thread_;
+  std::thread admission_thread_;
   std::thread housekeeping_thread_;
   std::mutex stop_mu_;
   std::condition_variable stop_cv_;
   ServerCounters counters_;
+
+  // Admission thread only.
+  Socket epoll_;
+  Socket wake_;  // eventfd: Stop() wakes the admission loop
+  HandshakeConfig handshake_config_;
+  PendingList pending_;
+  std::unordered_map<uint64_t, PendingList::iterator> pending_by_serial_;
+  uint64_t next_serial_ = 0;
+  RefusalLog refusals_;
+  std::chrono::steady_clock::time_point accept_paused_until_{};
+  std::atomic<size_t> pending_count_{0};
+  std::atomic<size_t> peak_pending_{0};  // since housekeeping last looked
+  size_t peak_connections_ = 0;  // housekeeping thread: pending + served since the last trim
 
   struct Live {
     std::unique_ptr<Connection> conn;

@@ -5,6 +5,7 @@
 #include <sys/mman.h>
 
 #include <algorithm>
+#include <charconv>
 #include <cstring>
 #include <random>
 #include <thread>
@@ -12,6 +13,37 @@
 #include "farmem/common/config.h"
 
 namespace farmem::daemon {
+
+Result<ClientShare> ParseClientShare(std::string_view text) {
+  ClientShare share;
+  share.text = std::string(text);
+  std::string_view s = text;
+  const bool percent = s.ends_with('%');
+  if (percent) s.remove_suffix(1);
+  double v = 0;
+  auto [ptr, ec] = std::from_chars(s.data(), s.data() + s.size(), v);
+  const bool plain_number = ec == std::errc() && ptr == s.data() + s.size() && !s.empty();
+  if (percent || (plain_number && v <= 1.0)) {
+    const double f = percent ? v / 100 : v;
+    if (!plain_number || !(f > 0 && f <= 1)) {
+      return Err(InvalidArgument(fmt::format(
+          "--max-client-share '{}': a fraction must be in (0, 1] (e.g. 0.5 or 50%), or give a "
+          "size such as 512M",
+          text)));
+    }
+    share.fraction = f;
+    return share;
+  }
+  Result<uint64_t> bytes = ParseSize(text);
+  if (!bytes.has_value() || *bytes == 0) {
+    return Err(InvalidArgument(
+        fmt::format("--max-client-share '{}' is neither a fraction in (0, 1] (e.g. 0.5, 50%) nor "
+                    "a size (e.g. 512M)",
+                    text)));
+  }
+  share.bytes = *bytes;
+  return share;
+}
 
 Result<std::unique_ptr<SlabPool>> SlabPool::Create(const PoolOptions& options) {
   if (options.slab_size < 4096 || options.slab_size % 4096 != 0) {
@@ -28,8 +60,18 @@ Result<std::unique_ptr<SlabPool>> SlabPool::Create(const PoolOptions& options) {
                                     FormatSize(options.capacity), FormatSize(options.slab_size))));
   }
   if (slabs > 1'000'000) return Err(InvalidArgument("more than a million slabs: use larger slabs"));
+  const ClientShare& share = options.max_client_share;
+  uint64_t share_slabs = share.bytes != 0 ? share.bytes / options.slab_size
+                                          : static_cast<uint64_t>(share.fraction * slabs);
+  if (share.bytes != 0 && share_slabs == 0) {
+    return Err(InvalidArgument(fmt::format(
+        "--max-client-share {} is smaller than one slab ({}): no client could lease anything",
+        share.text, FormatSize(options.slab_size))));
+  }
+  share_slabs = std::clamp<uint64_t>(share_slabs, 1, slabs);
   std::unique_ptr<SlabPool> pool(new SlabPool(options));
   pool->total_ = static_cast<uint32_t>(slabs);
+  pool->max_client_slabs_ = static_cast<uint32_t>(share_slabs);
   pool->mapped_ = slabs * options.slab_size;
   void* p =
       ::mmap(nullptr, pool->mapped_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
@@ -61,8 +103,11 @@ Result<std::unique_ptr<SlabPool>> SlabPool::Create(const PoolOptions& options) {
   for (uint32_t i = pool->total_; i > 0; --i) pool->free_list_.push_back(i - 1);
   std::random_device rd;
   pool->next_epoch_ = std::uniform_int_distribution<uint32_t>(1, UINT32_MAX / 2)(rd);
-  spdlog::info("slab pool: {} in {} slabs of {}{}", FormatSize(pool->mapped_), slabs,
-               FormatSize(options.slab_size), locked ? " (mlocked)" : "");
+  spdlog::info(
+      "slab pool: {} in {} slabs of {}{}; each client may hold {} slab(s) ({}, "
+      "--max-client-share {})",
+      FormatSize(pool->mapped_), slabs, FormatSize(options.slab_size), locked ? " (mlocked)" : "",
+      share_slabs, FormatSize(share_slabs * options.slab_size), share.text);
   return pool;
 }
 
@@ -73,6 +118,18 @@ SlabPool::~SlabPool() {
 Result<std::vector<wire::LeaseGrant>> SlabPool::Grant(uint32_t count, const wire::ClientId& owner) {
   std::lock_guard lock(mu_);
   ReclaimDrained();
+  // (A share of the whole pool is no limit: then "not enough free" is the whole story.)
+  if (max_client_slabs_ < total_ &&
+      (count > max_client_slabs_ || HeldBy(owner) > max_client_slabs_ - count)) {
+    const uint32_t held = HeldBy(owner);
+    return Err(ResourceExhausted(fmt::format(
+        "asked for {} slab(s) but this client already holds {} and may hold at most {} ({}) of "
+        "this daemon's {} (--max-client-share {}): free some, use other daemons, or raise "
+        "--max-client-share on this daemon",
+        count, held, max_client_slabs_,
+        FormatSize(uint64_t{max_client_slabs_} * options_.slab_size), total_,
+        options_.max_client_share.text)));
+  }
   if (count > free_list_.size()) {
     return Err(ResourceExhausted(fmt::format("asked for {} slabs but only {} of {} are free", count,
                                              free_list_.size(), total_)));
@@ -102,6 +159,15 @@ Result<std::vector<wire::LeaseGrant>> SlabPool::Grant(uint32_t count, const wire
     out.push_back({id, options_.slab_size, reinterpret_cast<uint64_t>(addr), rkey});
   }
   return out;
+}
+
+uint32_t SlabPool::HeldBy(const wire::ClientId& owner) const {
+  uint32_t held = 0;
+  for (uint32_t i = 0; i < total_; ++i) {
+    const Slab& s = slabs_[i];
+    if (s.lease_id.load(std::memory_order_relaxed) != 0 && s.owner == owner) ++held;
+  }
+  return held;
 }
 
 void SlabPool::EndLease(uint32_t index) {

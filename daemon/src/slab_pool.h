@@ -16,6 +16,8 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <string>
+#include <string_view>
 #include <vector>
 
 #include "farmem/common/status.h"
@@ -23,12 +25,25 @@
 
 namespace farmem::daemon {
 
+// How much of a daemon one client may hold (--max-client-share): a fraction of the pool ("0.5",
+// "50%"; "1" is all of it) or a size ("512M"). `text` is what the operator wrote, for messages.
+struct ClientShare {
+  double fraction = 0.75;
+  uint64_t bytes = 0;  // used when non-zero
+  std::string text = "0.75";
+};
+// A number in (0, 1] or a percentage is a fraction; anything else is a size (ParseSize).
+Result<ClientShare> ParseClientShare(std::string_view text);
+
 struct PoolOptions {
   uint64_t capacity = 1ull << 30;
   uint64_t slab_size = 64ull << 20;
   std::chrono::milliseconds lease_ttl{10000};
   bool mlock = true;     // try to mlock; warn and continue when not permitted
   bool prefault = true;  // touch every page at start so lending never waits on the kernel
+  // The default leaves a quarter of every daemon to other clients, while a lone client still
+  // reaches three quarters of the cluster.
+  ClientShare max_client_share{};
 };
 
 // Keeps a slab's memory valid for the duration of one data operation.
@@ -83,7 +98,8 @@ class SlabPool {
   static Result<std::unique_ptr<SlabPool>> Create(const PoolOptions& options);
   ~SlabPool();
 
-  // All-or-nothing: `count` slabs for `owner`, or ResourceExhausted.
+  // All-or-nothing: `count` slabs for `owner`, or ResourceExhausted (the pool is short, or `owner`
+  // would hold more than max_client_share; the message says which).
   Result<std::vector<wire::LeaseGrant>> Grant(uint32_t count, const wire::ClientId& owner);
   // Ends leases held by `owner`. Every id is checked before any is released.
   Status Release(std::span<const uint64_t> lease_ids, const wire::ClientId& owner);
@@ -120,12 +136,15 @@ class SlabPool {
   // Caller holds mu_.
   void EndLease(uint32_t index);
   void ReclaimDrained();
+  // Slabs `owner` holds a lease on. Caller holds mu_.
+  uint32_t HeldBy(const wire::ClientId& owner) const;
 
   PoolOptions options_;
   uint8_t* base_ = nullptr;
   uint64_t mapped_ = 0;
   std::unique_ptr<Slab[]> slabs_;
   uint32_t total_ = 0;
+  uint32_t max_client_slabs_ = 0;  // per client, from options_.max_client_share
   mutable std::mutex mu_;
   std::vector<uint32_t> free_list_;      // GUARDED_BY(mu_)
   std::vector<uint32_t> draining_;       // GUARDED_BY(mu_): ended, still pinned by a data operation

@@ -929,7 +929,7 @@ TEST_F(BadInputTest, BatchWithInconsistentLengthsGetsAnErrorAndIsSkipped) {
   EXPECT_EQ(f->code(), StatusCode::kResourceExhausted);
   ASSERT_TRUE(StillServes(c));
   auto head = c.Read(id, 0, 4096);
-  ASSERT_TRUE(head.has_value());
+  ASSERT_TRUE(head.has_value()) << head.error().ToString();
   EXPECT_EQ(std::count(head->begin(), head->end(), 0xee), 0) << "a refused BATCH wrote";
   EXPECT_TRUE(c.Free({id}).ok());
 }

@@ -56,6 +56,9 @@ struct DaemonConfig {
   std::string listen_host = "127.0.0.1";
   std::vector<std::string> extra_args{};
   std::chrono::milliseconds start_timeout{10000};
+  // farmemd --max-client-share. Tests often fill a daemon with one client on purpose, so the
+  // fixture lets one client take everything; empty: farmemd's default.
+  std::string max_client_share = "1";
 };
 
 // $FARMEM_BIN_DIR/<name>, or ./<name> when the variable is unset.
@@ -121,6 +124,9 @@ class DaemonProcess {
       const std::string secret_file = work_dir_ + "/secret";
       FARMEM_RETURN_IF_ERROR(WritePrivateFile(secret_file, config_.secret));
       args.insert(args.end(), {"--secret-file", secret_file});
+    }
+    if (!config_.max_client_share.empty()) {
+      args.insert(args.end(), {"--max-client-share", config_.max_client_share});
     }
     if (config_.lease_ttl_ms) {
       args.insert(args.end(), {"--lease-ttl-ms", std::to_string(*config_.lease_ttl_ms)});

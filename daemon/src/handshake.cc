@@ -1,0 +1,121 @@
+#include "handshake.h"
+
+#include <fmt/format.h>
+
+#include <cstring>
+
+#include "farmem/common/auth.h"
+
+namespace farmem::daemon {
+
+void AppendReply(const wire::FrameHeader& req, std::span<const uint8_t> body,
+                 std::vector<uint8_t>* out) {
+  wire::FrameHeader r = req;
+  r.flags = wire::kFlagReply;
+  r.status = 0;
+  r.body_len = static_cast<uint32_t>(body.size());
+  const size_t at = out->size();
+  out->resize(at + wire::kHeaderSize + body.size());
+  wire::EncodeHeader(r, out->data() + at);
+  if (!body.empty()) std::memcpy(out->data() + at + wire::kHeaderSize, body.data(), body.size());
+}
+
+void AppendErrorReply(const wire::FrameHeader& req, const Status& status,
+                      std::vector<uint8_t>* out) {
+  std::vector<uint8_t> msg;
+  wire::EncodeError(status, &msg);
+  wire::FrameHeader r = req;
+  r.version = wire::kVersion;
+  r.flags = wire::kFlagReply;
+  r.status = static_cast<uint16_t>(status.code());
+  r.body_len = static_cast<uint32_t>(msg.size());
+  const size_t at = out->size();
+  out->resize(at + wire::kHeaderSize + msg.size());
+  wire::EncodeHeader(r, out->data() + at);
+  std::memcpy(out->data() + at + wire::kHeaderSize, msg.data(), msg.size());
+}
+
+Handshake::Outcome Handshake::Feed(std::span<const uint8_t> in, size_t* consumed) {
+  *consumed = 0;
+  while (in.size() - *consumed >= wire::kHeaderSize) {
+    const std::span<const uint8_t> rest = in.subspan(*consumed);
+    Result<wire::FrameHeader> hr = wire::DecodeHeader(rest.first(wire::kHeaderSize));
+    if (!hr.has_value()) return Fail(wire::FrameHeader{}, hr.error());
+    const wire::FrameHeader h = *hr;
+    last_ = h;
+    if (h.flags != 0) {
+      return Fail(h, ProtocolError("clients send requests: reply/push flags are not allowed"));
+    }
+    const auto op = static_cast<wire::Opcode>(h.opcode);
+    if (op != wire::Opcode::kHello && op != wire::Opcode::kAuth) {
+      return Fail(h, Unauthenticated(fmt::format("{} before authentication: send HELLO{} first",
+                                                 wire::OpcodeName(h.opcode),
+                                                 config_->secret.empty() ? "" : " and AUTH")));
+    }
+    if (h.body_len > kMaxHandshakeBody) {
+      return Fail(
+          h, ProtocolError(fmt::format("{} body of {} bytes exceeds {}", wire::OpcodeName(h.opcode),
+                                       h.body_len, kMaxHandshakeBody)));
+    }
+    if (rest.size() < wire::kHeaderSize + h.body_len) return Outcome::kNeedMore;
+    const std::span<const uint8_t> body = rest.subspan(wire::kHeaderSize, h.body_len);
+    *consumed += wire::kHeaderSize + h.body_len;
+    const Outcome o = op == wire::Opcode::kHello ? OnHello(h, body) : OnAuth(h, body);
+    if (o != Outcome::kNeedMore) return o;
+  }
+  return Outcome::kNeedMore;
+}
+
+Handshake::Outcome Handshake::OnHello(const wire::FrameHeader& h, std::span<const uint8_t> body) {
+  if (hello_done_) return Fail(h, ProtocolError("HELLO sent twice on one connection"));
+  Result<wire::HelloRequest> req = wire::DecodeHello(body);
+  if (!req.has_value()) return Fail(h, req.error());
+  if (req->min_version > wire::kVersion || req->max_version < wire::kVersion) {
+    return Fail(h, ProtocolError(fmt::format("client speaks versions {}..{}, this daemon {}",
+                                             req->min_version, req->max_version, wire::kVersion)));
+  }
+  if (Status s = auth::RandomBytes(server_nonce_); !s.ok()) return Fail(h, s);
+  hello_done_ = true;
+  client_id_ = req->client_id;
+  client_nonce_ = req->client_nonce;
+  client_name_ = req->client_name;
+  wire::HelloReply reply;
+  reply.node_id = config_->node_id;
+  reply.server_nonce = server_nonce_;
+  reply.features = config_->features;
+  if (!config_->secret.empty()) reply.features |= wire::kFeatureAuthRequired;
+  std::vector<uint8_t> body_out;
+  wire::EncodeHelloReply(reply, &body_out);
+  AppendReply(h, body_out, &out_);
+  return config_->secret.empty() ? Outcome::kAuthenticated : Outcome::kNeedMore;
+}
+
+Handshake::Outcome Handshake::OnAuth(const wire::FrameHeader& h, std::span<const uint8_t> body) {
+  if (!hello_done_) return Fail(h, ProtocolError("AUTH before HELLO"));
+  Result<wire::AuthRequest> req = wire::DecodeAuth(body);
+  if (!req.has_value()) return Fail(h, req.error());
+  const std::string& secret = config_->secret;
+  const wire::Mac expected = auth::ClientProof(secret, server_nonce_, client_nonce_, client_id_);
+  if (!auth::MacEqual(expected, req->client_mac)) {
+    return Fail(h, PermissionDenied("authentication failed: wrong secret"));
+  }
+  wire::AuthReply reply;
+  reply.server_mac = auth::ServerProof(secret, server_nonce_, client_nonce_, client_id_);
+  std::vector<uint8_t> body_out;
+  wire::EncodeAuthReply(reply, &body_out);
+  AppendReply(h, body_out, &out_);
+  return Outcome::kAuthenticated;
+}
+
+Handshake::Outcome Handshake::Fail(const wire::FrameHeader& h, Status status) {
+  AppendErrorReply(h, status, &out_);
+  failure_ = std::move(status);
+  return Outcome::kRefused;
+}
+
+void Handshake::Refuse(const Status& status) {
+  out_.clear();
+  (void)Fail(last_, status);
+}
+
+}  // namespace farmem::daemon

@@ -1,0 +1,84 @@
+// Handshake: the HELLO / AUTH exchange that admits one connection to farmemd
+// (docs/wire-protocol.md, "HELLO" and "AUTH"), as a state machine that does no I/O.
+//
+// The admission loop (server.cc) owns one Handshake per connection that has not authenticated
+// yet, feeds it whatever bytes arrived and sends what it produced; no thread waits on such a
+// connection. Only once the client has proved it knows the secret (or said HELLO to a daemon
+// without one) does the connection get a thread of its own (Connection). A handshake frame is
+// small: a body over kMaxHandshakeBody is refused from its header, so a connection being admitted
+// never buffers more than kHandshakeBuffer bytes.
+//
+// Threading: a Handshake belongs to the thread that feeds it. The reply helpers at the end are
+// pure and shared with Connection, so every reply of the daemon is framed in one place.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "farmem/common/status.h"
+#include "farmem/common/wire.h"
+
+namespace farmem::daemon {
+
+// Largest HELLO or AUTH body accepted (a HELLO is at most 116 bytes today).
+inline constexpr uint32_t kMaxHandshakeBody = 1024;
+inline constexpr size_t kHandshakeBuffer = wire::kHeaderSize + kMaxHandshakeBody;
+
+// Appends a reply to `req` carrying `body` (status OK), or an error reply carrying `status`'s
+// message, to `out`.
+void AppendReply(const wire::FrameHeader& req, std::span<const uint8_t> body,
+                 std::vector<uint8_t>* out);
+void AppendErrorReply(const wire::FrameHeader& req, const Status& status,
+                      std::vector<uint8_t>* out);
+
+struct HandshakeConfig {
+  std::string secret;  // empty: HELLO alone admits
+  uint64_t node_id = 0;
+  uint32_t features = 0;  // HELLO reply features besides AUTH_REQUIRED
+};
+
+class Handshake {
+ public:
+  enum class Outcome {
+    kNeedMore,       // waiting for the rest of a frame or for the next one
+    kAuthenticated,  // admitted: send output(), then serve the connection
+    kRefused,        // send output() (one error reply), then close; failure() says why
+  };
+
+  explicit Handshake(const HandshakeConfig* config) : config_(config) {}
+
+  // Processes the complete frames at the front of `in` until the handshake ends or needs more
+  // bytes; sets *consumed to the bytes used. Bytes after the frame that authenticated the
+  // connection are not consumed: they are the client's first requests.
+  Outcome Feed(std::span<const uint8_t> in, size_t* consumed);
+
+  // Replaces the output with an error reply to the last request and ends the handshake refused
+  // (e.g. the daemon already serves --max-connections connections).
+  void Refuse(const Status& status);
+
+  std::vector<uint8_t>& output() { return out_; }
+  const Status& failure() const { return failure_; }
+  bool hello_done() const { return hello_done_; }
+  const wire::ClientId& client_id() const { return client_id_; }
+  const std::string& client_name() const { return client_name_; }
+
+ private:
+  Outcome Fail(const wire::FrameHeader& h, Status status);
+  Outcome OnHello(const wire::FrameHeader& h, std::span<const uint8_t> body);
+  Outcome OnAuth(const wire::FrameHeader& h, std::span<const uint8_t> body);
+
+  const HandshakeConfig* config_;
+  bool hello_done_ = false;
+  wire::FrameHeader last_{};
+  wire::ClientId client_id_{};
+  wire::Nonce client_nonce_{};
+  wire::Nonce server_nonce_{};
+  std::string client_name_;
+  std::vector<uint8_t> out_;
+  Status failure_;
+};
+
+}  // namespace farmem::daemon

@@ -1,0 +1,151 @@
+// Handshake (daemon/src/handshake.h), the HELLO/AUTH state machine the admission loop runs
+// without a thread per connection: fed a byte at a time it waits, then admits; bytes after the
+// authenticating frame are left for the connection; every way of breaking it is refused with one
+// error reply.
+#include "handshake.h"
+
+#include <gtest/gtest.h>
+
+#include "farmem/common/auth.h"
+#include "support/raw_client.h"
+
+namespace farmem::daemon {
+namespace {
+
+using testing::EncodeRawHeader;
+
+std::vector<uint8_t> Frame(wire::Opcode op, const std::vector<uint8_t>& body, uint64_t id) {
+  std::vector<uint8_t> f = EncodeRawHeader({.opcode = static_cast<uint8_t>(op),
+                                            .request_id = id,
+                                            .body_len = static_cast<uint32_t>(body.size())});
+  f.insert(f.end(), body.begin(), body.end());
+  return f;
+}
+
+// Splits `out` into frames (header + body) and decodes the headers.
+std::vector<wire::FrameHeader> Replies(const std::vector<uint8_t>& out) {
+  std::vector<wire::FrameHeader> hs;
+  for (size_t at = 0; at + wire::kHeaderSize <= out.size();) {
+    auto h = wire::DecodeHeader({out.data() + at, wire::kHeaderSize});
+    EXPECT_TRUE(h.has_value());
+    if (!h) break;
+    hs.push_back(*h);
+    at += wire::kHeaderSize + h->body_len;
+  }
+  return hs;
+}
+
+const std::string kSecret = "handshake-test-secret";
+
+TEST(Handshake, ByteByByteThenAdmittedLeavingTheFirstRequestUnread) {
+  HandshakeConfig config{.secret = kSecret, .node_id = 7, .features = 0};
+  Handshake hs(&config);
+  wire::HelloRequest hello;
+  hello.client_id = testing::RandomClientId();
+  hello.client_nonce.fill(3);
+  hello.client_name = "t";
+  std::vector<uint8_t> body;
+  wire::EncodeHello(hello, &body);
+  std::vector<uint8_t> in = Frame(wire::Opcode::kHello, body, 1);
+  size_t consumed = 0;
+  std::vector<uint8_t> buf;
+  for (uint8_t b : in) {  // one byte at a time: never more than "need more" until it is all there
+    buf.push_back(b);
+    const auto o = hs.Feed(buf, &consumed);
+    if (buf.size() < in.size()) {
+      ASSERT_EQ(o, Handshake::Outcome::kNeedMore);
+      ASSERT_EQ(consumed, 0u);
+    } else {
+      ASSERT_EQ(o, Handshake::Outcome::kNeedMore);  // AUTH still due
+      ASSERT_EQ(consumed, in.size());
+    }
+  }
+  auto hello_reply = Replies(hs.output());
+  ASSERT_EQ(hello_reply.size(), 1u);
+  EXPECT_EQ(hello_reply[0].request_id, 1u);
+  EXPECT_EQ(hello_reply[0].status, 0);
+  auto decoded = wire::DecodeHelloReply(
+      std::span(hs.output()).subspan(wire::kHeaderSize, hello_reply[0].body_len));
+  ASSERT_TRUE(decoded.has_value());
+  EXPECT_TRUE(decoded->features & wire::kFeatureAuthRequired);
+  hs.output().clear();
+
+  // AUTH and a STAT pipelined behind it in one read.
+  wire::AuthRequest auth;
+  auth.client_mac =
+      auth::ClientProof(kSecret, decoded->server_nonce, hello.client_nonce, hello.client_id);
+  body.clear();
+  wire::EncodeAuth(auth, &body);
+  std::vector<uint8_t> two = Frame(wire::Opcode::kAuth, body, 2);
+  const size_t auth_len = two.size();
+  const std::vector<uint8_t> stat = Frame(wire::Opcode::kStat, {}, 3);
+  two.insert(two.end(), stat.begin(), stat.end());
+  ASSERT_EQ(hs.Feed(two, &consumed), Handshake::Outcome::kAuthenticated);
+  EXPECT_EQ(consumed, auth_len) << "the STAT after AUTH belongs to the connection";
+  auto auth_reply = Replies(hs.output());
+  ASSERT_EQ(auth_reply.size(), 1u);
+  EXPECT_EQ(auth_reply[0].request_id, 2u);
+  EXPECT_EQ(auth_reply[0].status, 0);
+  EXPECT_EQ(hs.client_id(), hello.client_id);
+  EXPECT_EQ(hs.client_name(), "t");
+}
+
+TEST(Handshake, EveryBrokenHandshakeIsRefusedWithOneErrorReply) {
+  HandshakeConfig config{.secret = kSecret, .node_id = 7, .features = 0};
+  wire::HelloRequest hello;
+  hello.client_id = testing::RandomClientId();
+  std::vector<uint8_t> hello_body;
+  wire::EncodeHello(hello, &hello_body);
+  struct Case {
+    const char* what;
+    std::vector<uint8_t> in;
+    StatusCode code;
+  };
+  std::vector<uint8_t> wrong_mac_body(wire::kMacSize, 9);
+  std::vector<uint8_t> hello_then_wrong = Frame(wire::Opcode::kHello, hello_body, 1);
+  const auto wrong = Frame(wire::Opcode::kAuth, wrong_mac_body, 2);
+  hello_then_wrong.insert(hello_then_wrong.end(), wrong.begin(), wrong.end());
+  const std::vector<uint8_t> one_hello = Frame(wire::Opcode::kHello, hello_body, 1);
+  std::vector<uint8_t> hello_twice = one_hello;
+  hello_twice.insert(hello_twice.end(), one_hello.begin(), one_hello.end());
+  const std::vector<Case> cases = {
+      {"STAT first", Frame(wire::Opcode::kStat, {}, 1), StatusCode::kUnauthenticated},
+      {"AUTH first", Frame(wire::Opcode::kAuth, wrong_mac_body, 1), StatusCode::kProtocolError},
+      {"wrong proof", hello_then_wrong, StatusCode::kPermissionDenied},
+      {"HELLO twice", hello_twice, StatusCode::kProtocolError},
+      {"oversized HELLO",
+       EncodeRawHeader({.opcode = static_cast<uint8_t>(wire::Opcode::kHello),
+                        .body_len = kMaxHandshakeBody + 1}),
+       StatusCode::kProtocolError},
+      {"bad magic", EncodeRawHeader({.magic = 0xdeadbeef}), StatusCode::kProtocolError},
+  };
+  for (const Case& c : cases) {
+    Handshake hs(&config);
+    size_t consumed = 0;
+    EXPECT_EQ(hs.Feed(c.in, &consumed), Handshake::Outcome::kRefused) << c.what;
+    EXPECT_EQ(hs.failure().code(), c.code) << c.what << ": " << hs.failure().ToString();
+    auto replies = Replies(hs.output());
+    ASSERT_FALSE(replies.empty()) << c.what;
+    EXPECT_EQ(StatusCodeFromWire(replies.back().status), c.code) << c.what;
+  }
+}
+
+TEST(Handshake, WithoutASecretHelloAloneAdmits) {
+  HandshakeConfig config{.secret = "", .node_id = 7, .features = wire::kFeatureVerbs};
+  Handshake hs(&config);
+  wire::HelloRequest hello;
+  std::vector<uint8_t> body;
+  wire::EncodeHello(hello, &body);
+  size_t consumed = 0;
+  ASSERT_EQ(hs.Feed(Frame(wire::Opcode::kHello, body, 1), &consumed),
+            Handshake::Outcome::kAuthenticated);
+  // Refused at --max-connections after all: the HELLO reply is replaced by the error.
+  hs.Refuse(ResourceExhausted("--max-connections"));
+  auto replies = Replies(hs.output());
+  ASSERT_EQ(replies.size(), 1u);
+  EXPECT_EQ(StatusCodeFromWire(replies[0].status), StatusCode::kResourceExhausted);
+  EXPECT_EQ(replies[0].request_id, 1u);
+}
+
+}  // namespace
+}  // namespace farmem::daemon
