@@ -67,6 +67,10 @@ LogEvery& RebuildFailLog() {
   static LogEvery log(std::chrono::seconds(10));
   return log;
 }
+LogEvery& StillDegradedLog() {
+  static LogEvery log(std::chrono::seconds(30));
+  return log;
+}
 LogEvery& CapacityLog() {
   static LogEvery log(std::chrono::seconds(60));
   return log;
@@ -1382,6 +1386,10 @@ void PageStore::Reprotect(Worker& w, std::vector<uint64_t> todo, bool all) {
     std::vector<bool> full(nodes.size(), false);
     std::vector<client::NodeId> candidates;
     for (uint64_t index : todo) {
+      {
+        std::lock_guard lock(rebuild_mu_);
+        if (stopping_) return;  // shutting down: do not start another rebuild
+      }
       Extent& e = *extents_[index];
       candidates.clear();
       {
@@ -1405,7 +1413,20 @@ void PageStore::Reprotect(Worker& w, std::vector<uint64_t> todo, bool all) {
     }
   }
   // Whole again? End the episode: say how long it was degraded and how long re-protecting took.
-  if (CountDegraded() != 0) return;
+  if (const uint64_t degraded = CountDegraded(); degraded != 0) {
+    uint64_t missing = 0;
+    for (const auto& e : extents_) {
+      if (e->mapped.load()) missing += static_cast<uint64_t>(std::popcount(e->failed.load()));
+    }
+    if (uint64_t left_out = 0; StillDegradedLog().Allow(&left_out)) {
+      spdlog::warn(
+          "page store: {} extents run degraded ({} members missing, {}): they are re-protected "
+          "as soon as a daemon that is up, has room and holds none of their members is "
+          "reachable{}",
+          degraded, missing, options_.resilience.ToString(), Suppressed(left_out));
+    }
+    return;
+  }
   std::lock_guard lock(stats_mu_);
   if (degraded_since_ == Clock::time_point::max()) return;
   const auto now = Clock::now();
