@@ -6,6 +6,7 @@
 #include <signal.h>
 
 #include <filesystem>
+#include <fstream>
 #include <functional>
 #include <random>
 
@@ -182,6 +183,15 @@ class PageStoreTest : public ::testing::Test {
     return true;
   }
 
+  // The state letter of /proc/<pid>/stat ('T' once stopped), or '?'.
+  static char ProcessState(pid_t pid) {
+    std::ifstream in("/proc/" + std::to_string(pid) + "/stat");
+    std::string line;
+    std::getline(in, line);
+    const size_t paren = line.rfind(')');  // the command name may hold spaces
+    return paren != std::string::npos && paren + 2 < line.size() ? line[paren + 2] : '?';
+  }
+
   std::string Describe() {
     const PageStoreStats s = store_->stats();
     std::string out = "degraded_extents=" + std::to_string(s.degraded_extents) +
@@ -348,6 +358,10 @@ TEST_F(PageStoreTest, OpsOnAnsweringDaemonsAreReportedWhileAnotherIsStopped) {
     CheckingListener l(ops, shadow_);
     l.on_first = [&] { ::kill(stopped, SIGCONT); };
     ASSERT_EQ(0, ::kill(stopped, SIGSTOP));
+    // kill() returns before the daemon has stopped: on a loaded machine it may not get a CPU to
+    // act on SIGSTOP for a while, and meanwhile it may still answer. Wait until it is stopped.
+    ASSERT_TRUE(WaitFor([&] { return ProcessState(stopped) == 'T'; }, std::chrono::seconds(10)))
+        << "the daemon did not stop: state " << ProcessState(stopped);
     store_->ExecuteBatch(ops, &l);
     ::kill(stopped, SIGCONT);  // also when nothing was reported
     EXPECT_GT(l.early, 0) << "nothing reported while a daemon was stopped" << Describe();
