@@ -48,7 +48,8 @@ class PageStoreTest : public ::testing::Test {
     cluster_ = std::move(*c);
   }
 
-  void Open(const std::string& mode, const std::string& backup = "") {
+  void Open(const std::string& mode, const std::string& backup = "",
+            std::chrono::milliseconds reconcile = std::chrono::milliseconds(3000)) {
     PageStoreOptions o;
     o.size = kExport;
     auto r = Resilience::Parse(mode);
@@ -56,6 +57,7 @@ class PageStoreTest : public ::testing::Test {
     o.resilience = *r;
     o.backup_path = backup;
     o.op_timeout = std::chrono::milliseconds(2000);
+    o.reconcile_interval = reconcile;
     auto ps = PageStore::Create(cluster_.get(), o);
     ASSERT_TRUE(ps.has_value()) << ps.error().ToString();
     store_ = std::move(*ps);
@@ -523,6 +525,21 @@ TEST_F(PageStoreTest, TrimReturnsLeasesToTheDaemons) {
   EXPECT_EQ(free_slabs(), initially);
   for (const client::NodeInfo& n : cluster_->nodes()) EXPECT_EQ(n.leases_held, 0u);
   VerifyAll();  // all zeroes
+}
+
+// Defect 5, at run time: a cluster that cannot hold what the export still needs is noticed (and
+// warned about in the log) by the periodic check, with both numbers.
+TEST_F(PageStoreTest, CapacityCheckSeesAClusterShortOfRoom) {
+  StartDaemons(3, "8M");  // 3 x 8 slabs; ec:2+1 over 32 MiB needs 16 extents x 3 slabs
+  Open("ec:2+1", "", std::chrono::milliseconds(50));
+  ASSERT_TRUE(WaitFor([&] { return store_->stats().slabs_needed > 0; }, std::chrono::seconds(10)));
+  EXPECT_EQ(store_->stats().slabs_needed, 48u);
+  EXPECT_EQ(store_->stats().cluster_free_slabs, 24u);
+  std::vector<uint8_t> data(2 * store_->extent_bytes(), 0x11);
+  ASSERT_TRUE(store_->Write(0, data, false).ok());  // two extents mapped: 6 slabs fewer on both
+  ASSERT_TRUE(
+      WaitFor([&] { return store_->stats().slabs_needed == 42; }, std::chrono::seconds(10)));
+  EXPECT_EQ(store_->stats().cluster_free_slabs, 18u);
 }
 
 }  // namespace
