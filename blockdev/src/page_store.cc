@@ -1489,6 +1489,54 @@ void PageStore::CheckCapacity() {
   }
 }
 
+Status PageStore::ReadMembers(Worker& w, Extent& e, std::span<const int> which, uint64_t offset,
+                              uint8_t* base, size_t len) {
+  Status first;
+  std::vector<transport::Channel*> posted;  // the rebuild path may allocate
+  for (int m : which) {
+    const client::Lease& lease = e.members[static_cast<size_t>(m)];
+    Status cs;
+    transport::Channel* ch = ChannelFor(w, lease.node, &cs);
+    if (ch == nullptr) {
+      first = cs;
+      break;
+    }
+    const transport::Op op{transport::OpType::kRead,
+                           lease.slab(),
+                           offset,
+                           base + static_cast<size_t>(m) * len,
+                           static_cast<uint32_t>(len),
+                           nullptr,
+                           static_cast<uint64_t>(m)};
+    if (Status ps = ch->Post(op); !ps.ok()) {
+      first = ps;
+      break;
+    }
+    (void)ch->Flush();  // a failure completes the op with an error below
+    posted.push_back(ch);
+  }
+  const Deadline deadline = DeadlineIn(options_.op_timeout);
+  transport::Completion c[8];
+  for (transport::Channel* ch : posted) {
+    while (ch->outstanding() > 0) {
+      auto got = ch->Poll(c, options_.op_timeout);
+      if (!got) {
+        if (first.ok()) first = got.error();
+        break;
+      }
+      for (size_t i = 0; i < *got; ++i) {
+        if (!c[i].status.ok() && first.ok()) first = c[i].status;
+      }
+      if (*got == 0 && Clock::now() >= deadline) {
+        if (first.ok()) first = DeadlineExceeded("a surviving member did not answer in time");
+        break;
+      }
+    }
+  }
+  if (!first.ok()) ResetStuckChannels(w);  // nothing may land in `base` after we return
+  return first;
+}
+
 Status PageStore::RebuildExtent(Worker& w, uint64_t index) {
   const Clock::time_point started = Clock::now();
   DrainStragglers(w);  // the synchronous reads below need idle channels
@@ -1562,24 +1610,12 @@ Status PageStore::RebuildExtent(Worker& w, uint64_t index) {
           std::memcpy(frag_buf.data() + j * flen, pagebuf.data(), flen);
         }
       } else if (codec_) {
-        std::vector<transport::Op> ops;
-        std::vector<client::NodeId> nodes;
         std::vector<int> present;
         for (size_t m = 0; m < n && static_cast<int>(present.size()) < res.k; ++m) {
           if (!((live >> m) & 1)) continue;
           present.push_back(static_cast<int>(m));
         }
-        for (int m : present) {
-          Status cs;
-          transport::Channel* ch = ChannelFor(w, e.members[static_cast<size_t>(m)].node, &cs);
-          if (ch == nullptr) {
-            s = cs;
-            break;
-          }
-          s = ch->Read(e.members[static_cast<size_t>(m)].slab(), member_off,
-                       {frag_buf.data() + static_cast<size_t>(m) * flen, flen});
-          if (!s.ok()) break;
-        }
+        s = ReadMembers(w, e, present, member_off, frag_buf.data(), flen);
         if (!s.ok()) break;
         uint8_t* frags[32];
         for (size_t m = 0; m < n; ++m) frags[m] = frag_buf.data() + m * flen;

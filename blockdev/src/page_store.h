@@ -177,6 +177,10 @@ class PageStore final : public BlockBackend {
 
   // ---- failures, rebuild and re-protection (page_store.cc, "Failures and rebuild") ----
   Status RebuildExtent(Worker& w, uint64_t index);  // takes the extent exclusively
+  // Reads [offset, offset+len) of the members `which` at once (one op on each member's channel,
+  // all in flight together); member m's bytes land at base + m * len.
+  Status ReadMembers(Worker& w, Extent& e, std::span<const int> which, uint64_t offset,
+                     uint8_t* base, size_t len);
   void OnClusterEvent(const client::Event& ev);
   void RebuildLoop();
   void QueueRebuild(uint64_t index);
