@@ -22,6 +22,59 @@ const std::vector<uint8_t>& ZeroBuffer() {
   static const std::vector<uint8_t> zeros(kMaxPiece, 0);
   return zeros;
 }
+
+// A member of a group mapped degraded that never had a lease (no daemon could take it): lease
+// id 0 (daemons never grant it), on no node. It is marked failed, so nothing is ever posted to it.
+constexpr client::NodeId kNoNode = ~client::NodeId{0};
+bool IsVacant(const client::Lease& l) { return l.grant.lease_id == 0; }
+
+// At most one log line per `period` for one kind of message, saying how many were left out:
+// conditions that persist (a store that stays degraded, a cluster short of room) are re-checked
+// every few seconds and must not flood the log.
+class LogEvery {
+ public:
+  explicit LogEvery(std::chrono::seconds period) : period_(period) {}
+  // Whether to log now; *suppressed is set to the number of lines left out since the last one.
+  bool Allow(uint64_t* suppressed) {
+    std::lock_guard lock(mu_);
+    const auto now = Clock::now();
+    if (last_ != Clock::time_point{} && now - last_ < period_) {
+      ++suppressed_;
+      return false;
+    }
+    last_ = now;
+    *suppressed = suppressed_;
+    suppressed_ = 0;
+    return true;
+  }
+
+ private:
+  std::mutex mu_;
+  const std::chrono::seconds period_;
+  Clock::time_point last_{};
+  uint64_t suppressed_ = 0;
+};
+
+std::string Suppressed(uint64_t n) {
+  return n == 0 ? std::string() : fmt::format(" ({} similar lines left out)", n);
+}
+
+LogEvery& DegradedMapLog() {
+  static LogEvery log(std::chrono::seconds(10));
+  return log;
+}
+LogEvery& RebuildFailLog() {
+  static LogEvery log(std::chrono::seconds(10));
+  return log;
+}
+LogEvery& StillDegradedLog() {
+  static LogEvery log(std::chrono::seconds(30));
+  return log;
+}
+LogEvery& CapacityLog() {
+  static LogEvery log(std::chrono::seconds(60));
+  return log;
+}
 }  // namespace
 
 // ---------------------------------------------------------------------------------------------
@@ -164,6 +217,7 @@ struct PageStore::RemoteOp {
 
 struct PageStore::Worker {
   std::vector<std::unique_ptr<transport::Channel>> channels;  // by NodeId, opened lazily
+  std::vector<uint64_t> channel_daemon;  // by NodeId: the daemon (HELLO node id) it was opened to
   std::vector<uint8_t> staging;
   std::vector<transport::Completion> comps;
   std::vector<pollfd> pfds;
@@ -215,9 +269,35 @@ Status PageStore::Init() {
     FARMEM_ASSIGN_OR_RETURN(codec_, ec::ReedSolomon::Create(res.k, res.r));
     frag_size_ = static_cast<uint32_t>(kPage / static_cast<uint64_t>(res.k));
   }
-  if (static_cast<size_t>(res.group_size()) > cluster_->node_count()) {
+  // Daemons named in --peers are nodes even while down; with --peers-dns more may join later.
+  const size_t nodes = cluster_->node_count();
+  if (static_cast<size_t>(res.group_size()) > nodes && cluster_->options().peers_dns.empty()) {
     return InvalidArgument(fmt::format("resilience {} needs {} daemons, the cluster has {}",
-                                       res.ToString(), res.group_size(), cluster_->node_count()));
+                                       res.ToString(), res.group_size(), nodes));
+  }
+  // Daemons may still be starting (prefaulting their pools): wait a bounded time for the fewest
+  // that can hold data; fewer than the whole group is fine (extents are mapped degraded and
+  // re-protected when the others come up).
+  const Deadline wait_until = DeadlineIn(options_.startup_wait);
+  while (cluster_->alive_count() < static_cast<size_t>(MinMembers())) {
+    if (Clock::now() >= wait_until) {
+      std::string down;
+      for (const client::NodeInfo& n : cluster_->nodes()) {
+        if (!n.alive) down += (down.empty() ? "" : ", ") + n.endpoint.ToString();
+      }
+      return Unavailable(fmt::format(
+          "resilience {} needs at least {} live daemons, but only {} of {} are up after {} ms "
+          "(down: {})",
+          res.ToString(), MinMembers(), cluster_->alive_count(), cluster_->node_count(),
+          options_.startup_wait.count(), down));
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));  // polls state, with a deadline
+  }
+  if (cluster_->alive_count() < static_cast<size_t>(res.group_size())) {
+    spdlog::warn(
+        "page store: only {} of the {} daemons a {} group needs are up: new extents are mapped "
+        "degraded and re-protected as daemons come up",
+        cluster_->alive_count(), res.group_size(), res.ToString());
   }
   for (client::NodeId id = 0; id < cluster_->node_count() && slab_size_ == 0; ++id) {
     if (auto st = cluster_->Stat(id)) slab_size_ = st->slab_size;
@@ -264,7 +344,8 @@ PageStore::~PageStore() {
   if (rebuild_thread_.joinable()) rebuild_thread_.join();
   std::vector<client::Lease> leases;
   for (auto& e : extents_) {
-    if (e->mapped.load()) leases.insert(leases.end(), e->members.begin(), e->members.end());
+    if (!e->mapped.load()) continue;
+    for (const client::Lease& l : HeldLeases(e->members)) leases.push_back(l);
   }
   if (!leases.empty()) {
     if (Status s = cluster_->Free(leases); !s.ok()) spdlog::warn("page store: {}", s.ToString());
@@ -291,7 +372,12 @@ PageStoreStats PageStore::stats() const {
   std::lock_guard lock(stats_mu_);
   PageStoreStats s = stats_;
   s.extents_mapped = 0;
-  for (auto& e : extents_) s.extents_mapped += e->mapped.load() ? 1 : 0;
+  s.degraded_extents = 0;
+  for (auto& e : extents_) {
+    const bool mapped = e->mapped.load();
+    s.extents_mapped += mapped ? 1 : 0;
+    s.degraded_extents += mapped && e->failed.load() != 0 ? 1 : 0;
+  }
   return s;
 }
 
@@ -532,7 +618,10 @@ transport::Channel* PageStore::ChannelFor(Worker& w, client::NodeId node, Status
       if (!n || *n == 0) break;
     }
   }
-  return cluster_->EnsureChannel(ch, node, error);
+  if (w.channel_daemon.size() <= node) w.channel_daemon.resize(node + 1, 0);
+  // A channel to an earlier incarnation of the daemon (it restarted on the same address) is dead
+  // even if no error was seen on it yet: EnsureChannel replaces it instead of failing an op on it.
+  return cluster_->EnsureChannel(ch, node, error, &w.channel_daemon[node]);
 }
 
 template <typename Fn>
@@ -567,10 +656,15 @@ bool PageStore::PollChannels(Worker& w, Deadline deadline, Fn&& on_completion) {
   const bool pollable =
       std::all_of(w.pfds.begin(), w.pfds.end(), [](const pollfd& p) { return p.fd >= 0; });
   const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
-  if (left.count() <= 0) return false;
   if (pollable) {
-    const int rc = ::poll(w.pfds.data(), w.pfds.size(), static_cast<int>(left.count()));
+    // Past the deadline, still look (without waiting) before giving up: if this thread was held
+    // up (descheduled, a slow listener) the replies may have been waiting here all along, and a
+    // daemon that answered in time must not be blamed for our own stall.
+    const int rc =
+        ::poll(w.pfds.data(), w.pfds.size(), static_cast<int>(std::max<int64_t>(0, left.count())));
     if (rc == 0) return false;
+  } else if (left.count() <= 0) {
+    return false;  // the channels without a pollable fd were reaped (without waiting) above
   }
   for (size_t i = 0; i < w.pfds.size(); ++i) {
     if (pollable && w.pfds[i].revents == 0) continue;
@@ -616,19 +710,71 @@ Status PageStore::MapExtent(uint64_t index) {
   Extent& e = *extents_[index];
   std::lock_guard lock(map_mu_);  // a leaf lock: never wait on an extent lock while holding it
   if (e.mapped.load(std::memory_order_acquire)) return Status::Ok();
-  const size_t n = static_cast<size_t>(options_.resilience.group_size());
-  Result<std::vector<client::Lease>> leases =
-      n == 1 ? cluster_->Allocate(1) : cluster_->AllocateGroup(n);
-  if (!leases) {
-    return leases.error().WithContext(fmt::format("mapping extent {} (export bytes {}..{})", index,
-                                                  index * extent_bytes_,
-                                                  index * extent_bytes_ + e.pages * kPage));
+  const Resilience& res = options_.resilience;
+  const size_t n = static_cast<size_t>(res.group_size());
+  const size_t min = static_cast<size_t>(MinMembers());
+  auto context = [&] {
+    return fmt::format("mapping extent {} (export bytes {}..{})", index, index * extent_bytes_,
+                       index * extent_bytes_ + e.pages * kPage);
+  };
+  // Member by member on distinct daemons (two-choices each, as AllocateGroup). When fewer daemons
+  // than the group size can take a slab (down, still starting, full), the group is mapped
+  // degraded on those that can, provided the mode can still read it back; the missing members
+  // are placeholders marked failed, re-protected as soon as daemons can take them.
+  std::vector<client::Lease> leases;
+  std::vector<client::NodeId> used;
+  Status why;
+  while (leases.size() < n) {
+    Result<client::Lease> l = cluster_->AllocateExcluding(used);
+    if (!l) {
+      why = l.error();
+      break;
+    }
+    used.push_back(l->node);
+    leases.push_back(*l);
   }
-  e.members = std::move(*leases);
-  e.failed.store(0, std::memory_order_release);
+  if (leases.size() < min) {
+    if (!leases.empty()) (void)cluster_->Free(leases);
+    return Status(why.code(),
+                  fmt::format("{}: resilience {} needs at least {} daemons that can take a slab, "
+                              "{} could ({})",
+                              context(), res.ToString(), min, leases.size(), why.message()));
+  }
+  uint32_t vacant = 0;
+  for (size_t j = leases.size(); j < n; ++j) {
+    client::Lease none;
+    none.node = kNoNode;
+    leases.push_back(none);  // the parity positions (ec): reads need no decoding
+    vacant |= 1u << j;
+  }
+  e.members = std::move(leases);
+  e.failed.store(vacant, std::memory_order_release);
   e.mapped.store(true, std::memory_order_release);
+  if (vacant != 0) {
+    CountStat(&PageStoreStats::degraded_maps);
+    NoteDegraded();
+    if (uint64_t left_out = 0; DegradedMapLog().Allow(&left_out)) {
+      spdlog::warn(
+          "page store: {}: mapped degraded on {} of {} daemons ({} survives {} missing), "
+          "re-protected as soon as daemons can take the rest: {}{}",
+          context(), n - static_cast<size_t>(std::popcount(vacant)), n, res.ToString(), n - min,
+          why.ToString(), Suppressed(left_out));
+    }
+  }
   spdlog::debug("extent {} mapped to {} lease(s)", index, n);
   return Status::Ok();
+}
+
+int PageStore::MinMembers() const {
+  return options_.resilience.mode == Resilience::Mode::kErasure ? options_.resilience.k : 1;
+}
+
+std::vector<client::Lease> PageStore::HeldLeases(std::span<const client::Lease> members) {
+  std::vector<client::Lease> out;
+  for (const client::Lease& l : members) {
+    if (!IsVacant(l)) out.push_back(l);
+  }
+  return out;
 }
 
 void PageStore::UnmapIfEmpty(uint64_t index) {
@@ -639,11 +785,14 @@ void PageStore::UnmapIfEmpty(uint64_t index) {
     std::lock_guard lock(map_mu_);
     if (!e.mapped.load() || e.Any()) return;
     e.mapped.store(false, std::memory_order_release);
-    freed.swap(e.members);
+    freed = HeldLeases(e.members);
+    e.members.clear();
     e.failed.store(0);
   }
   spdlog::debug("extent {} holds no data any more: its {} lease(s) go back", index, freed.size());
   if (Status s = cluster_->Free(freed); !s.ok()) spdlog::warn("page store: {}", s.ToString());
+  // The leases freed may be what a degraded extent was waiting for.
+  if (CountDegraded() > 0) RequestReconcile();
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -804,6 +953,7 @@ void PageStore::RunPieces(Worker& w, std::vector<Piece>& pieces, std::span<Statu
       Piece& p = round.piece(i);
       if (p.fail_mask != 0) {  // also a straggler of a piece settled early
         p.extent->failed.fetch_or(p.fail_mask, std::memory_order_acq_rel);
+        NoteDegraded();
         QueueRebuild(p.index);
       }
       if (p.settled) continue;
@@ -1101,6 +1251,11 @@ void PageStore::ExecuteBatch(std::span<BlockOp> ops, BatchListener* listener) {
 // Failures and rebuild
 
 void PageStore::OnClusterEvent(const client::Event& ev) {
+  if (ev.type == client::EventType::kNodeUp) {
+    // A daemon returned, restarted empty, or joined: it may take what degraded extents miss.
+    RequestReconcile();
+    return;
+  }
   if (ev.lease_ids.empty()) return;
   if (ev.type != client::EventType::kNodeDown && ev.type != client::EventType::kLeasesLost &&
       ev.type != client::EventType::kEvictNotice) {
@@ -1108,24 +1263,28 @@ void PageStore::OnClusterEvent(const client::Event& ev) {
   }
   {
     std::lock_guard lock(rebuild_mu_);
-    lost_leases_.insert(lost_leases_.end(), ev.lease_ids.begin(), ev.lease_ids.end());
+    for (uint64_t id : ev.lease_ids) lost_leases_.push_back({ev.node, id});
   }
   rebuild_cv_.notify_all();
 }
 
-void PageStore::MarkLost(std::span<const uint64_t> lease_ids) {
+void PageStore::MarkLost(std::span<const LostLease> lost) {
   for (uint64_t index = 0; index < extents_.size(); ++index) {
     Extent& e = *extents_[index];
     std::shared_lock lock(e.mu);
     if (!e.mapped.load()) continue;
     uint32_t bits = 0;
     for (size_t j = 0; j < e.members.size(); ++j) {
-      if (std::find(lease_ids.begin(), lease_ids.end(), e.members[j].id()) != lease_ids.end()) {
+      const client::Lease& m = e.members[j];
+      // Lease ids are the daemon's: match the node too.
+      if (std::any_of(lost.begin(), lost.end(),
+                      [&](const LostLease& l) { return l.node == m.node && l.id == m.id(); })) {
         bits |= 1u << j;
       }
     }
     if (bits != 0) {
       e.failed.fetch_or(bits);
+      NoteDegraded();
       std::lock_guard q(rebuild_mu_);
       rebuild_queue_.push_back(index);
     }
@@ -1140,22 +1299,36 @@ void PageStore::QueueRebuild(uint64_t index) {
   rebuild_cv_.notify_all();
 }
 
+void PageStore::RequestReconcile() {
+  {
+    std::lock_guard lock(rebuild_mu_);
+    reconcile_requested_ = true;
+  }
+  rebuild_cv_.notify_all();
+}
+
 void PageStore::WaitForRebuilds() {
   std::unique_lock lock(rebuild_mu_);
   rebuild_cv_.wait(lock, [&] {
-    return stopping_ || (rebuild_queue_.empty() && lost_leases_.empty() && !rebuilding_);
+    return stopping_ || (rebuild_queue_.empty() && lost_leases_.empty() && !reconcile_requested_ &&
+                         !rebuilding_);
   });
 }
 
 void PageStore::RebuildLoop() {
   Worker& w = *all_workers_.back();
   std::unique_lock lock(rebuild_mu_);
+  Clock::time_point next_reconcile = Clock::now() + options_.reconcile_interval;
   for (;;) {
-    rebuild_cv_.wait(lock,
-                     [&] { return stopping_ || !rebuild_queue_.empty() || !lost_leases_.empty(); });
+    rebuild_cv_.wait_until(lock, next_reconcile, [&] {
+      return stopping_ || !rebuild_queue_.empty() || !lost_leases_.empty() || reconcile_requested_;
+    });
     if (stopping_) return;
+    const bool periodic = Clock::now() >= next_reconcile;
+    const bool all = periodic || reconcile_requested_;
+    reconcile_requested_ = false;
     rebuilding_ = true;
-    std::vector<uint64_t> lost;
+    std::vector<LostLease> lost;
     lost.swap(lost_leases_);
     lock.unlock();
     if (!lost.empty()) MarkLost(lost);
@@ -1163,16 +1336,209 @@ void PageStore::RebuildLoop() {
     std::vector<uint64_t> todo(rebuild_queue_.begin(), rebuild_queue_.end());
     rebuild_queue_.clear();
     lock.unlock();
-    std::sort(todo.begin(), todo.end());
-    todo.erase(std::unique(todo.begin(), todo.end()), todo.end());
-    for (uint64_t index : todo) (void)RebuildExtent(w, index);
+    Reprotect(w, std::move(todo), all);
+    if (periodic) {
+      CheckCapacity();
+      next_reconcile = Clock::now() + options_.reconcile_interval;
+    }
     lock.lock();
     rebuilding_ = false;
     rebuild_cv_.notify_all();
   }
 }
 
+// ---------------------------------------------------------------------------------------------
+// Re-protection
+
+uint64_t PageStore::CountDegraded() const {
+  uint64_t n = 0;
+  for (const auto& e : extents_) n += e->mapped.load() && e->failed.load() != 0 ? 1 : 0;
+  return n;
+}
+
+void PageStore::NoteDegraded() {
+  std::lock_guard lock(stats_mu_);
+  if (degraded_since_ == Clock::time_point::max()) degraded_since_ = Clock::now();
+}
+
+void PageStore::NoteRebuilt(uint64_t bytes, bool extent_whole, Clock::time_point started) {
+  std::lock_guard lock(stats_mu_);
+  stats_.rebuilds += 1;
+  stats_.rebuilt_bytes += bytes;
+  stats_.reprotected_extents += extent_whole ? 1 : 0;
+  episode_bytes_ += bytes;
+  episode_extents_ += extent_whole ? 1 : 0;
+  reprotect_since_ = std::min(reprotect_since_, started);
+}
+
+void PageStore::Reprotect(Worker& w, std::vector<uint64_t> todo, bool all) {
+  if (all) {
+    for (uint64_t i = 0; i < extents_.size(); ++i) {
+      if (extents_[i]->mapped.load() && extents_[i]->failed.load() != 0) todo.push_back(i);
+    }
+  }
+  std::sort(todo.begin(), todo.end());
+  todo.erase(std::unique(todo.begin(), todo.end()), todo.end());
+  if (!todo.empty()) {
+    // A member can only go to a daemon that is up and holds no other member of its group. Ask
+    // only where one exists, and, within this pass, not again where every such daemon said full.
+    const std::vector<client::NodeInfo> nodes = cluster_->nodes();
+    std::vector<bool> full(nodes.size(), false);
+    std::vector<client::NodeId> candidates;
+    for (uint64_t index : todo) {
+      {
+        std::lock_guard lock(rebuild_mu_);
+        if (stopping_) return;  // shutting down: do not start another rebuild
+      }
+      Extent& e = *extents_[index];
+      candidates.clear();
+      {
+        std::shared_lock lock(e.mu);
+        const uint32_t failed = e.failed.load();
+        if (!e.mapped.load() || failed == 0) continue;
+        for (const client::NodeInfo& n : nodes) {
+          if (!n.alive || full[n.id]) continue;
+          bool member = false;
+          for (size_t j = 0; j < e.members.size(); ++j) {
+            member = member || (!((failed >> j) & 1) && e.members[j].node == n.id);
+          }
+          if (!member) candidates.push_back(n.id);
+        }
+      }
+      if (candidates.empty()) continue;  // stays degraded; a node-up event or the next pass retries
+      Status s = RebuildExtent(w, index);
+      if (s.code() == StatusCode::kResourceExhausted) {
+        for (client::NodeId id : candidates) full[id] = true;
+      }
+    }
+  }
+  // Whole again? End the episode: say how long it was degraded and how long re-protecting took.
+  if (const uint64_t degraded = CountDegraded(); degraded != 0) {
+    uint64_t missing = 0;
+    for (const auto& e : extents_) {
+      if (e->mapped.load()) missing += static_cast<uint64_t>(std::popcount(e->failed.load()));
+    }
+    if (uint64_t left_out = 0; StillDegradedLog().Allow(&left_out)) {
+      spdlog::warn(
+          "page store: {} extents run degraded ({} members missing, {}): they are re-protected "
+          "as soon as a daemon that is up, has room and holds none of their members is "
+          "reachable{}",
+          degraded, missing, options_.resilience.ToString(), Suppressed(left_out));
+    }
+    return;
+  }
+  std::lock_guard lock(stats_mu_);
+  if (degraded_since_ == Clock::time_point::max()) return;
+  const auto now = Clock::now();
+  auto ms = [&](Clock::time_point since) {
+    return static_cast<uint64_t>(
+        std::chrono::duration_cast<std::chrono::milliseconds>(now - since).count());
+  };
+  stats_.last_degraded_ms = ms(degraded_since_);
+  stats_.last_reprotect_ms =
+      reprotect_since_ == Clock::time_point::max() ? 0 : ms(reprotect_since_);
+  stats_.last_reprotect_bytes = episode_bytes_;
+  if (episode_extents_ > 0) {
+    spdlog::info(
+        "page store: every extent is whole again: {} extents re-protected, {} written to new "
+        "members in {} ms (degraded for {} ms)",
+        episode_extents_, FormatSize(episode_bytes_), stats_.last_reprotect_ms,
+        stats_.last_degraded_ms);
+  }
+  degraded_since_ = reprotect_since_ = Clock::time_point::max();
+  episode_bytes_ = episode_extents_ = 0;
+}
+
+void PageStore::CheckCapacity() {
+  const uint64_t group = static_cast<uint64_t>(options_.resilience.group_size());
+  uint64_t unmapped = 0, missing = 0;
+  for (const auto& e : extents_) {
+    if (!e->mapped.load()) {
+      ++unmapped;
+    } else {
+      missing += static_cast<uint64_t>(std::popcount(e->failed.load()));
+    }
+  }
+  const uint64_t needed = unmapped * group + missing;
+  uint64_t free_slabs = 0;
+  size_t live = 0;
+  if (needed > 0) {
+    for (const client::NodeInfo& n : cluster_->nodes()) {
+      if (!n.alive) continue;
+      if (auto st = cluster_->Stat(n.id)) {
+        free_slabs += st->free_slabs;
+        ++live;
+      }
+    }
+  }
+  {
+    std::lock_guard lock(stats_mu_);
+    stats_.cluster_free_slabs = free_slabs;
+    stats_.slabs_needed = needed;
+  }
+  if (needed == 0 || free_slabs >= needed) return;
+  if (uint64_t left_out = 0; CapacityLog().Allow(&left_out)) {
+    spdlog::warn(
+        "page store: the cluster is short of room for this export: {} live daemons have {} free "
+        "slabs ({}), but it still needs {} ({}): {} unmapped extents x {} slabs at {} plus {} "
+        "members to re-protect. Writes to unmapped space fail with ENOSPC once the room is gone: "
+        "add daemons, free memory on them, or trim/discard unused space{}",
+        live, free_slabs, FormatSize(free_slabs * slab_size_), needed,
+        FormatSize(needed * slab_size_), unmapped, group, options_.resilience.ToString(), missing,
+        Suppressed(left_out));
+  }
+}
+
+Status PageStore::ReadMembers(Worker& w, Extent& e, std::span<const int> which, uint64_t offset,
+                              uint8_t* base, size_t len) {
+  Status first;
+  std::vector<transport::Channel*> posted;  // the rebuild path may allocate
+  for (int m : which) {
+    const client::Lease& lease = e.members[static_cast<size_t>(m)];
+    Status cs;
+    transport::Channel* ch = ChannelFor(w, lease.node, &cs);
+    if (ch == nullptr) {
+      first = cs;
+      break;
+    }
+    const transport::Op op{transport::OpType::kRead,
+                           lease.slab(),
+                           offset,
+                           base + static_cast<size_t>(m) * len,
+                           static_cast<uint32_t>(len),
+                           nullptr,
+                           static_cast<uint64_t>(m)};
+    if (Status ps = ch->Post(op); !ps.ok()) {
+      first = ps;
+      break;
+    }
+    (void)ch->Flush();  // a failure completes the op with an error below
+    posted.push_back(ch);
+  }
+  const Deadline deadline = DeadlineIn(options_.op_timeout);
+  transport::Completion c[8];
+  for (transport::Channel* ch : posted) {
+    while (ch->outstanding() > 0) {
+      auto got = ch->Poll(c, options_.op_timeout);
+      if (!got) {
+        if (first.ok()) first = got.error();
+        break;
+      }
+      for (size_t i = 0; i < *got; ++i) {
+        if (!c[i].status.ok() && first.ok()) first = c[i].status;
+      }
+      if (*got == 0 && Clock::now() >= deadline) {
+        if (first.ok()) first = DeadlineExceeded("a surviving member did not answer in time");
+        break;
+      }
+    }
+  }
+  if (!first.ok()) ResetStuckChannels(w);  // nothing may land in `base` after we return
+  return first;
+}
+
 Status PageStore::RebuildExtent(Worker& w, uint64_t index) {
+  const Clock::time_point started = Clock::now();
   DrainStragglers(w);  // the synchronous reads below need idle channels
   Extent& e = *extents_[index];
   std::unique_lock ex(e.mu);
@@ -1191,11 +1557,17 @@ Status PageStore::RebuildExtent(Worker& w, uint64_t index) {
     if (!((failed >> j) & 1)) continue;
     Result<client::Lease> fresh = cluster_->AllocateExcluding(used);
     if (!fresh) {
-      spdlog::warn("page store: extent {} runs degraded ({} of {} members): {}", index,
-                   std::popcount(e.live_mask()), n, fresh.error().ToString());
+      // Retried when a daemon comes up and every reconcile_interval: say so once in a while.
+      if (uint64_t left_out = 0; RebuildFailLog().Allow(&left_out)) {
+        spdlog::warn(
+            "page store: extent {} runs degraded ({} of {} members) until a daemon that holds "
+            "none of its members can take a slab: {}{}",
+            index, std::popcount(e.live_mask()), n, fresh.error().ToString(), Suppressed(left_out));
+      }
       result = fresh.error();
       continue;
     }
+    uint64_t written_bytes = 0;
     // Rebuild member j's contents for every written page, a run of pages at a time.
     Status s;
     const uint64_t run_pages = std::max<uint64_t>(1, kMaxPiece / kPage / 4);
@@ -1238,24 +1610,12 @@ Status PageStore::RebuildExtent(Worker& w, uint64_t index) {
           std::memcpy(frag_buf.data() + j * flen, pagebuf.data(), flen);
         }
       } else if (codec_) {
-        std::vector<transport::Op> ops;
-        std::vector<client::NodeId> nodes;
         std::vector<int> present;
         for (size_t m = 0; m < n && static_cast<int>(present.size()) < res.k; ++m) {
           if (!((live >> m) & 1)) continue;
           present.push_back(static_cast<int>(m));
         }
-        for (int m : present) {
-          Status cs;
-          transport::Channel* ch = ChannelFor(w, e.members[static_cast<size_t>(m)].node, &cs);
-          if (ch == nullptr) {
-            s = cs;
-            break;
-          }
-          s = ch->Read(e.members[static_cast<size_t>(m)].slab(), member_off,
-                       {frag_buf.data() + static_cast<size_t>(m) * flen, flen});
-          if (!s.ok()) break;
-        }
+        s = ReadMembers(w, e, present, member_off, frag_buf.data(), flen);
         if (!s.ok()) break;
         uint8_t* frags[32];
         for (size_t m = 0; m < n; ++m) frags[m] = frag_buf.data() + m * flen;
@@ -1291,6 +1651,7 @@ Status PageStore::RebuildExtent(Worker& w, uint64_t index) {
       transport::Channel* ch = ChannelFor(w, fresh->node, &cs);
       s = ch == nullptr ? cs
                         : ch->Write(fresh->slab(), member_off, {frag_buf.data() + j * flen, flen});
+      if (s.ok()) written_bytes += flen;
     }
     if (!s.ok()) {
       if (!can_read && !backup_) {
@@ -1321,11 +1682,13 @@ Status PageStore::RebuildExtent(Worker& w, uint64_t index) {
     e.members[j] = *fresh;
     e.failed.fetch_and(~(1u << j));
     used.push_back(fresh->node);
-    (void)cluster_->Free({&old, 1});
-    CountStat(&PageStoreStats::rebuilds);
-    spdlog::info("page store: extent {} member {} rebuilt on {}", index, j,
-                 cluster_->node(fresh->node).endpoint.ToString());
+    if (!IsVacant(old)) (void)cluster_->Free({&old, 1});
+    NoteRebuilt(written_bytes, e.failed.load() == 0, started);
+    spdlog::info("page store: extent {} member {} rebuilt on {} ({})", index, j,
+                 cluster_->node(fresh->node).endpoint.ToString(), FormatSize(written_bytes));
   }
+  // A rebuild on a request path: let the rebuild thread see whether the store is whole again.
+  if (&w != all_workers_.back().get() && e.failed.load() == 0) RequestReconcile();
   return result;
 }
 

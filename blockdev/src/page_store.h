@@ -18,6 +18,13 @@
 // no daemon is left to make it whole (then the log says the group runs degraded). A member whose
 // daemon failed is rebuilt on another daemon from the survivors: in the background when the
 // client core reports the failure, synchronously when a write finds it.
+// Re-protection: a degraded extent (a member lost, or mapped on fewer daemons than its group
+// needs because not enough were up) gets its missing members back as soon as a daemon that is up,
+// has room and holds no other member of the group is reachable: the rebuild thread tries when a
+// member fails, when the client core reports a daemon up (returning, restarted empty, or new from
+// DNS), and every reconcile_interval (room freed on a daemon, a rebuild that failed earlier).
+// New extents are mapped degraded when fewer daemons than the group size can take a slab, as
+// long as the mode can still read them back (k members for ec:k+r, one otherwise).
 // With a backup file (Infiniswap), every write also goes to the file; reads fall back to it when
 // no remote copy can produce the data, and writes whose remote copies all failed complete from it.
 // Data that truly cannot be produced is an IoError naming the pages.
@@ -65,6 +72,12 @@ struct PageStoreOptions {
   std::string backup_path;  // empty: no backup file
   size_t workers = 8;       // concurrent callers served without waiting
   std::chrono::milliseconds op_timeout{5000};
+  // How often the rebuild thread looks for degraded extents that events did not bring up (a
+  // daemon freed memory, a rebuild failed for lack of room) and checks the cluster's capacity.
+  std::chrono::milliseconds reconcile_interval{3000};
+  // At start, how long to wait for the minimum number of live daemons (k for ec:k+r, else 1)
+  // before Create fails.
+  std::chrono::milliseconds startup_wait{10000};
 };
 
 struct PageStoreStats {
@@ -73,6 +86,22 @@ struct PageStoreStats {
   uint64_t backup_reads = 0;
   uint64_t rebuilds = 0;  // members rebuilt on another daemon
   uint64_t write_retries = 0;
+  // Re-protection (see "Re-protection" in page_store.cc and docs/nbd.md).
+  uint64_t degraded_extents = 0;     // now: mapped extents with a member missing
+  uint64_t degraded_maps = 0;        // extents mapped on fewer daemons than their group needs
+  uint64_t reprotected_extents = 0;  // degraded extents made whole again
+  uint64_t rebuilt_bytes = 0;        // bytes written to replacement members
+  // The last time the store became whole again: how long it had been degraded (first member
+  // lost, or first degraded mapping), and how long the re-protection itself took (from the start
+  // of the first rebuild that found a daemon to take a member).
+  uint64_t last_degraded_ms = 0;
+  uint64_t last_reprotect_ms = 0;
+  uint64_t last_reprotect_bytes = 0;
+  // The last capacity check (every reconcile_interval): free slabs on the live daemons, and the
+  // slabs this export still needs to map everything it does not hold yet and re-protect what is
+  // degraded.
+  uint64_t cluster_free_slabs = 0;
+  uint64_t slabs_needed = 0;
 };
 
 class PageStore final : public BlockBackend {
@@ -141,11 +170,38 @@ class PageStore final : public BlockBackend {
 
   Status MapExtent(uint64_t index);
   void UnmapIfEmpty(uint64_t index);
+  // The fewest members an extent can live with: k for ec:k+r, one otherwise.
+  int MinMembers() const;
+  // Leases of `members` that are real (not placeholders of a degraded mapping), to be freed.
+  static std::vector<client::Lease> HeldLeases(std::span<const client::Lease> members);
+
+  // ---- failures, rebuild and re-protection (page_store.cc, "Failures and rebuild") ----
   Status RebuildExtent(Worker& w, uint64_t index);  // takes the extent exclusively
+  // Reads [offset, offset+len) of the members `which` at once (one op on each member's channel,
+  // all in flight together); member m's bytes land at base + m * len.
+  Status ReadMembers(Worker& w, Extent& e, std::span<const int> which, uint64_t offset,
+                     uint8_t* base, size_t len);
   void OnClusterEvent(const client::Event& ev);
   void RebuildLoop();
   void QueueRebuild(uint64_t index);
-  void MarkLost(std::span<const uint64_t> lease_ids);
+  // Asks the rebuild thread for a pass over every degraded extent now.
+  void RequestReconcile();
+  struct LostLease {
+    client::NodeId node;
+    uint64_t id;
+  };
+  void MarkLost(std::span<const LostLease> lost);
+  // One rebuild-thread pass: rebuilds the members missing in `todo` (or in every degraded extent
+  // with `all`) wherever a daemon is eligible; then, if the store is whole again, ends the
+  // degraded episode (stats, log line).
+  void Reprotect(Worker& w, std::vector<uint64_t> todo, bool all);
+  // Warns (rate-limited) when the live daemons' free slabs fall short of what the export still
+  // needs: unmapped extents at full group size plus missing members.
+  void CheckCapacity();
+  // Bookkeeping of degraded episodes (stats_mu_): the store lost redundancy / rebuilt a member.
+  void NoteDegraded();
+  void NoteRebuilt(uint64_t bytes, bool extent_whole, Clock::time_point started);
+  uint64_t CountDegraded() const;
 
   transport::Channel* ChannelFor(Worker& w, client::NodeId node, Status* error);
   // Waits for completions on every channel with outstanding operations; false on deadline.
@@ -176,13 +232,20 @@ class PageStore final : public BlockBackend {
   std::mutex rebuild_mu_;
   std::condition_variable rebuild_cv_;
   std::deque<uint64_t> rebuild_queue_;  // GUARDED_BY(rebuild_mu_)
-  std::vector<uint64_t> lost_leases_;   // GUARDED_BY(rebuild_mu_): from cluster events
+  std::vector<LostLease> lost_leases_;  // GUARDED_BY(rebuild_mu_): from cluster events
+  bool reconcile_requested_ = false;    // GUARDED_BY(rebuild_mu_): a daemon came up
   bool rebuilding_ = false;             // GUARDED_BY(rebuild_mu_)
   bool stopping_ = false;               // GUARDED_BY(rebuild_mu_)
   std::thread rebuild_thread_;
 
   mutable std::mutex stats_mu_;
   PageStoreStats stats_;  // GUARDED_BY(stats_mu_)
+  // The current degraded episode (stats_mu_): since when, and since when a rebuild has been
+  // making progress; max() when none.
+  Clock::time_point degraded_since_ = Clock::time_point::max();
+  Clock::time_point reprotect_since_ = Clock::time_point::max();
+  uint64_t episode_bytes_ = 0;
+  uint64_t episode_extents_ = 0;
 };
 
 }  // namespace farmem::blockdev

@@ -625,8 +625,14 @@ Status Cluster::Free(std::span<const Lease> leases) {
 }
 
 transport::Channel* Cluster::EnsureChannel(std::unique_ptr<transport::Channel>& slot, NodeId id,
-                                           Status* error) {
+                                           Status* error, uint64_t* opened_to) {
   if (slot && slot->broken()) slot.reset();
+  uint64_t daemon_id = 0;
+  if (opened_to != nullptr) {
+    std::lock_guard lock(mu_);
+    if (id < nodes_.size()) daemon_id = nodes_[id]->daemon_id;
+  }
+  if (slot && opened_to != nullptr && *opened_to != daemon_id) slot.reset();
   if (!slot) {
     if (!node(id).alive) {
       *error = Unavailable(fmt::format("daemon {} is down", node(id).endpoint.ToString()));
@@ -639,6 +645,7 @@ transport::Channel* Cluster::EnsureChannel(std::unique_ptr<transport::Channel>& 
       return nullptr;
     }
     slot = std::move(*opened);
+    if (opened_to != nullptr) *opened_to = daemon_id;
   }
   return slot.get();
 }

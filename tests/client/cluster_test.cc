@@ -591,6 +591,45 @@ TEST(Cluster, DataChannelReadsWhatItWroteToALease) {
   }
 }
 
+// A borrower's channel to a daemon that then restarted on the same address is dead, though no op
+// has failed on it yet. EnsureChannel with `opened_to` replaces it, so the first op on a lease from
+// the new incarnation succeeds instead of failing and getting that healthy daemon blamed.
+TEST(Cluster, EnsureChannelReplacesAChannelToARestartedDaemon) {
+  DaemonSet daemons;
+  ASSERT_TRUE(daemons.Start(2).ok());
+  auto c = MustConnect(OptionsFor(daemons), daemons);
+  ASSERT_TRUE(c);
+  std::unique_ptr<transport::Channel> slot;
+  uint64_t opened_to = 0;
+  std::vector<uint8_t> out(4096, 0x5a), in(4096);
+  const NodeId other[] = {0};
+  auto lease = c->AllocateExcluding(other);
+  ASSERT_TRUE(lease.has_value()) << lease.error().ToString();
+  Status err;
+  transport::Channel* ch = c->EnsureChannel(slot, 1, &err, &opened_to);
+  ASSERT_NE(ch, nullptr) << err.ToString();
+  ASSERT_TRUE(ch->Write(lease->slab(), 0, out).ok());
+  EXPECT_EQ(opened_to, c->node(1).daemon_id);
+
+  ASSERT_TRUE(daemons[1].Restart().ok()) << daemons.Logs();
+  // Wait (on state, with a deadline) until the client knows the new incarnation and has it up.
+  const auto deadline = Clock::now() + kFailureTimeout + 2 * kSlack;
+  while (!(c->node(1).alive && c->node(1).daemon_id != opened_to) && Clock::now() < deadline) {
+    std::this_thread::sleep_for(milliseconds(10));
+  }
+  ASSERT_TRUE(c->node(1).alive) << daemons.Logs();
+  ASSERT_NE(c->node(1).daemon_id, opened_to);
+  auto fresh = c->AllocateExcluding(other);
+  ASSERT_TRUE(fresh.has_value()) << fresh.error().ToString();
+  ch = c->EnsureChannel(slot, 1, &err, &opened_to);
+  ASSERT_NE(ch, nullptr) << err.ToString();
+  Status w = ch->Write(fresh->slab(), 0, out);
+  ASSERT_TRUE(w.ok()) << w.ToString();
+  ASSERT_TRUE(ch->Read(fresh->slab(), 0, in).ok());
+  EXPECT_EQ(in, out);
+  EXPECT_EQ(opened_to, c->node(1).daemon_id);
+}
+
 TEST(Cluster, HeartbeatsKeepLeasesAlivePastTheLeaseTtl) {
   DaemonSet daemons(DaemonConfig{.lease_ttl_ms = 1000 * kTimeScale});
   ASSERT_TRUE(daemons.Start(1).ok());

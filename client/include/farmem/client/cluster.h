@@ -176,9 +176,11 @@ class Cluster {
   // For a borrower's per-thread table of channels: the channel in `slot`, reopened when it is
   // missing or broken (a broken one is dropped with whatever it still had outstanding). Null with
   // *error set when the node is down or the open fails (the failure is reported as by
-  // ReportFailure).
+  // ReportFailure). With `opened_to` (kept by the caller beside `slot`), a channel opened to an
+  // earlier incarnation of the daemon (it restarted on the same address: new HELLO node id) is
+  // replaced too, before an op fails on it and a healthy member is blamed.
   transport::Channel* EnsureChannel(std::unique_ptr<transport::Channel>& slot, NodeId id,
-                                    Status* error);
+                                    Status* error, uint64_t* opened_to = nullptr);
 
   // A borrower saw a data-path error on this node: probe it now rather than at the next heartbeat.
   void ReportFailure(NodeId id, const Status& error);
