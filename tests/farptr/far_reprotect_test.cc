@@ -3,6 +3,7 @@
 //     failure afterwards loses nothing;
 //   - span sets are written degraded while fewer than k + r (but at least k) daemons are up, and
 //     re-protected as soon as the others start;
+//   - a daemon that frees memory (no event says so) is found by the periodic reconcile;
 //   - a set beyond what its resilience survives gives DataLoss for exactly its objects, never
 //     wrong bytes.
 // Each test prints how long re-protection took (FARPTR_TEST_STATS=1 prints the runtime's stats).
@@ -159,6 +160,49 @@ TEST_F(FarReprotectTest, WritesDegradedWhileADaemonIsDownAndReprotectsWhenItStar
 
   (*daemons_)[0].Kill();  // a data member of every group
   ASSERT_NO_FATAL_FAILURE(ExpectIntact("after a kill following re-protection"));
+  EXPECT_EQ(rt_->stats().spans_lost, 0u);
+}
+
+// No event announces a daemon that frees memory: the periodic reconcile finds it. ec:2+1 on four
+// daemons, the fourth filled by another client. A member's daemon dies: nowhere to re-protect.
+// The other client frees its slabs: the degraded groups are re-protected there, and a second kill
+// loses nothing.
+TEST_F(FarReprotectTest, DaemonThatFreedMemoryIsFoundByTheReconcile) {
+  ASSERT_NO_FATAL_FAILURE(StartDaemons(4, "16M"));
+  client::ClusterOptions co;
+  co.peers = {(*daemons_)[3].endpoint()};
+  co.secret = daemons_->secret();
+  co.client_name = "filler";
+  auto filler = client::Cluster::Connect(co);
+  ASSERT_TRUE(filler.has_value()) << filler.error().ToString();
+  std::vector<client::Lease> held;
+  for (;;) {
+    auto got = (*filler)->Allocate(1);
+    if (!got) break;
+    held.push_back(got->front());
+  }
+  ASSERT_GT(held.size(), 0u);
+  ASSERT_NO_FATAL_FAILURE(OpenEc("ec:2+1"));
+  ASSERT_NO_FATAL_FAILURE(MakeObjects());
+  ASSERT_TRUE(rt_->EvictUntil(0).ok());
+  const uint64_t reprotected_before = rt_->stats().members_reprotected;
+
+  (*daemons_)[0].Kill();
+  ASSERT_TRUE(
+      WaitFor([&] { return rt_->stats().degraded_span_sets > 0; }, std::chrono::seconds(15)))
+      << "the kill was not noticed";
+  EXPECT_EQ(rt_->stats().members_reprotected, reprotected_before) << "re-protected onto what?";
+  ASSERT_TRUE((*filler)->Free(held).ok());
+  const auto freed = steady_clock::now();
+  ASSERT_TRUE(
+      WaitFor([&] { return rt_->stats().degraded_span_sets == 0; }, std::chrono::seconds(15)))
+      << "not re-protected onto the daemon that freed memory: " << Describe(rt_->stats());
+  std::fprintf(stderr, "re-protected onto the daemon that freed memory %ld ms after it did\n",
+               static_cast<long>(
+                   std::chrono::duration_cast<milliseconds>(steady_clock::now() - freed).count()));
+  EXPECT_GT(LeasesOn(3), 0u);
+  (*daemons_)[1].Kill();
+  ASSERT_NO_FATAL_FAILURE(ExpectIntact("after a second kill"));
   EXPECT_EQ(rt_->stats().spans_lost, 0u);
 }
 
