@@ -12,13 +12,19 @@
 namespace farmem::farptr_internal {
 
 RemoteStore::RemoteStore(client::Cluster* cluster, SpanResilience res, uint32_t span_size,
-                         std::chrono::milliseconds op_timeout)
-    : cluster_(cluster), res_(res), span_size_(span_size), op_timeout_(op_timeout) {}
+                         std::chrono::milliseconds op_timeout,
+                         std::chrono::milliseconds reconcile_interval)
+    : cluster_(cluster),
+      res_(res),
+      span_size_(span_size),
+      op_timeout_(op_timeout),
+      reconcile_interval_(std::max(reconcile_interval, std::chrono::milliseconds(10))) {}
 
-Result<std::unique_ptr<RemoteStore>> RemoteStore::Create(client::Cluster* cluster,
-                                                         SpanResilience res, uint32_t span_size,
-                                                         std::chrono::milliseconds op_timeout) {
-  std::unique_ptr<RemoteStore> s(new RemoteStore(cluster, res, span_size, op_timeout));
+Result<std::unique_ptr<RemoteStore>> RemoteStore::Create(
+    client::Cluster* cluster, SpanResilience res, uint32_t span_size,
+    std::chrono::milliseconds op_timeout, std::chrono::milliseconds reconcile_interval) {
+  std::unique_ptr<RemoteStore> s(
+      new RemoteStore(cluster, res, span_size, op_timeout, reconcile_interval));
   FARMEM_RETURN_IF_ERROR(s->Init());
   return s;
 }
@@ -70,7 +76,9 @@ void RemoteStore::Shutdown() {
     std::lock_guard lock(mu_);
     for (auto& g : groups_) {
       for (auto* set : g->rows) delete set;
-      leases.insert(leases.end(), g->members.begin(), g->members.end());
+      for (const auto& l : g->members) {
+        if (!Vacant(l)) leases.push_back(l);
+      }
     }
     groups_.clear();
     by_lease_.clear();
@@ -81,29 +89,47 @@ void RemoteStore::Shutdown() {
 // ---------------------------------------------------------------------------------------------
 // Rows and groups
 
-Result<SpanSet*> RemoteStore::ReserveRow(std::vector<client::Lease>* members, uint64_t* epoch) {
-  for (int attempt = 0; attempt < 2; ++attempt) {
+SpanSet* RemoteStore::TakeRowLocked(bool degraded, std::vector<client::Lease>* members,
+                                    uint64_t* epoch, uint32_t* absent) {
+  Group* best = nullptr;
+  for (auto& g : groups_) {
+    if (g->rebuilding || g->used_rows >= rows_per_group_) continue;
+    if (degraded) {
+      // Missing members, but enough of them to write (and later rebuild) a set.
+      if (g->lost_mask != 0 || g->failed_mask == 0) continue;
+      if (res_.width() - std::popcount(g->failed_mask) < MinMembers()) continue;
+    } else if (g->failed_mask != 0 || g->lost_mask != 0) {
+      continue;
+    }
+    if (best == nullptr || g->used_rows > best->used_rows) best = g.get();
+  }
+  if (best == nullptr) return nullptr;
+  uint32_t row = 0;
+  while (best->rows[row] != nullptr) ++row;
+  auto* set = new SpanSet;
+  set->group = best;
+  set->row = row;
+  set->id = next_set_id_++;
+  best->rows[row] = set;
+  ++best->used_rows;
+  ++sets_;
+  *members = best->members;
+  *epoch = best->epoch;
+  *absent = best->failed_mask | best->lost_mask;
+  return set;
+}
+
+Result<SpanSet*> RemoteStore::ReserveRow(bool allow_degraded, std::vector<client::Lease>* members,
+                                         uint64_t* epoch, uint32_t* absent) {
+  *absent = 0;
+  for (int attempt = 0; attempt < 3; ++attempt) {
     {
       std::lock_guard lock(mu_);
-      Group* best = nullptr;
-      for (auto& g : groups_) {
-        if (g->failed_mask != 0 || g->lost_mask != 0 || g->rebuilding) continue;
-        if (g->used_rows >= rows_per_group_) continue;
-        if (best == nullptr || g->used_rows > best->used_rows) best = g.get();
-      }
-      if (best != nullptr) {
-        uint32_t row = 0;
-        while (best->rows[row] != nullptr) ++row;
-        auto* set = new SpanSet;
-        set->group = best;
-        set->row = row;
-        set->id = next_set_id_++;
-        best->rows[row] = set;
-        ++best->used_rows;
-        ++sets_;
-        *members = best->members;
-        *epoch = best->epoch;
-        return set;
+      if (SpanSet* set = TakeRowLocked(false, members, epoch, absent)) return set;
+      // While complete groups cannot be had, degraded ones with room take rows before another
+      // attempt at a complete group (re-protection completes them as daemons appear).
+      if (allow_degraded && full_alloc_failed_) {
+        if (SpanSet* set = TakeRowLocked(true, members, epoch, absent)) return set;
       }
     }
     // No room: one thread allocates a group while the others wait and then look again.
@@ -112,20 +138,96 @@ Result<SpanSet*> RemoteStore::ReserveRow(std::vector<client::Lease>* members, ui
       alloc.lock();
       continue;
     }
-    FARMEM_ASSIGN_OR_RETURN(std::vector<client::Lease> leases,
-                            cluster_->AllocateGroup(static_cast<size_t>(res_.width())));
-    std::lock_guard lock(mu_);
-    auto g = std::make_unique<Group>();
-    g->id = next_group_id_++;
-    g->members = std::move(leases);
-    g->rows.assign(rows_per_group_, nullptr);
-    for (size_t m = 0; m < g->members.size(); ++m) {
-      by_lease_[g->members[m].id()] = {g.get(), static_cast<int>(m)};
+    Result<std::vector<client::Lease>> leases =
+        cluster_->AllocateGroup(static_cast<size_t>(res_.width()));
+    if (!leases) {
+      if (!allow_degraded) return Err(leases.error());
+      {
+        std::lock_guard lock(mu_);
+        full_alloc_failed_ = true;
+        if (SpanSet* set = TakeRowLocked(true, members, epoch, absent)) return set;
+      }
+      leases = AllocateDegraded(leases.error());
+      if (!leases) return Err(leases.error());
+    } else {
+      std::lock_guard lock(mu_);
+      full_alloc_failed_ = false;
     }
-    groups_.push_back(std::move(g));
+    AddGroup(std::move(*leases));
     attempt = -1;  // the new group has room: take a row from it
   }
   return Err(Internal("no span-set row after allocating a group"));
+}
+
+Result<std::vector<client::Lease>> RemoteStore::AllocateDegraded(const Status& full_error) {
+  const int n = res_.width();
+  const int min = MinMembers();
+  Status last = full_error;
+  const int alive = static_cast<int>(cluster_->alive_count());
+  for (int m = std::min(n - 1, alive); m >= min; --m) {
+    Result<std::vector<client::Lease>> got = cluster_->AllocateGroup(static_cast<size_t>(m));
+    if (!got) {
+      last = got.error();
+      continue;
+    }
+    // Data members first: vacant ones are parity (or extra copies) while possible, so reads
+    // need no decoding until a data member's daemon fails too.
+    std::vector<client::Lease> leases = std::move(*got);
+    leases.resize(static_cast<size_t>(n));  // default Leases: vacant
+    spdlog::warn(
+        "far memory: a slab group of {} ({}) got only {} of {} daemons ({}); span sets go there "
+        "degraded until re-protection places the missing members",
+        FormatSize(slab_size_ * static_cast<uint64_t>(n)), res_.ToString(), m, n,
+        full_error.message());
+    return leases;
+  }
+  return Err(Status(
+      last.code() == StatusCode::kInvalidArgument ? StatusCode::kResourceExhausted : last.code(),
+      fmt::format("a span set ({}) needs at least {} of its {} daemons with room; "
+                  "{} of {} are up: {}",
+                  res_.ToString(), min, n, alive, cluster_->node_count(), last.message())));
+}
+
+void RemoteStore::AddGroup(std::vector<client::Lease> leases) {
+  std::vector<uint64_t> daemon_ids(leases.size(), 0);
+  for (size_t m = 0; m < leases.size(); ++m) {
+    if (!Vacant(leases[m])) daemon_ids[m] = cluster_->node(leases[m].node).daemon_id;
+  }
+  const Clock::time_point now = Clock::now();
+  std::lock_guard lock(mu_);
+  auto g = std::make_unique<Group>();
+  g->id = next_group_id_++;
+  g->members = std::move(leases);
+  g->daemon_ids = std::move(daemon_ids);
+  g->failed_since.assign(g->members.size(), now);
+  g->rows.assign(rows_per_group_, nullptr);
+  for (size_t m = 0; m < g->members.size(); ++m) {
+    if (Vacant(g->members[m])) {
+      g->failed_mask |= 1u << m;
+    } else {
+      by_lease_[g->members[m].id()] = {g.get(), static_cast<int>(m)};
+    }
+  }
+  if (g->failed_mask != 0) QueueLocked(g.get());
+  groups_.push_back(std::move(g));
+  recovery_cv_.notify_all();
+}
+
+std::vector<client::Lease> RemoteStore::RemoveGroupLocked(Group* g) {
+  std::vector<client::Lease> to_free;
+  for (const auto& l : g->members) {
+    if (Vacant(l)) continue;
+    to_free.push_back(l);
+    by_lease_.erase(l.id());
+  }
+  std::erase_if(recovery_queue_, [g](Group* q) { return q == g; });
+  std::erase_if(groups_, [g](const std::unique_ptr<Group>& p) { return p.get() == g; });
+  return to_free;
+}
+
+std::string RemoteStore::MemberName(const client::Lease& l) const {
+  if (Vacant(l)) return "(never placed: too few daemons)";
+  return cluster_->node(l.node).endpoint.ToString();
 }
 
 uint32_t RemoteStore::DataCells(std::span<const uint8_t* const> data, const uint8_t** cells) const {
@@ -156,11 +258,12 @@ void RemoteStore::Release(SpanSet* set, int member) {
     if (set->live_mask != 0) return;
     Group* g = set->group;
     FreeRowLocked(set);
-    if (g->used_rows != 0 || g->rebuilding) return;
-    to_free = g->members;
-    for (const auto& l : g->members) by_lease_.erase(l.id());
-    std::erase_if(recovery_queue_, [g](Group* q) { return q == g; });
-    std::erase_if(groups_, [g](const std::unique_ptr<Group>& p) { return p.get() == g; });
+    if (g->used_rows != 0) return;
+    if (g->rebuilding || g->in_recovery) {
+      g->release_wanted = true;  // the recovery thread frees it when done
+      return;
+    }
+    to_free = RemoveGroupLocked(g);
   }
   if (Status s = cluster_->Free(to_free); !s.ok()) {
     spdlog::debug("far memory: freeing an empty slab group: {}", s.ToString());
@@ -217,18 +320,17 @@ std::vector<Span*> RemoteStore::CompactionCandidates(size_t max_spans) {
 }
 
 std::vector<std::vector<Endpoint>> RemoteStore::GroupLayout() const {
-  std::vector<std::vector<client::NodeId>> nodes;
+  std::vector<std::vector<client::Lease>> members;
   {
     std::lock_guard lock(mu_);
-    for (auto& g : groups_) {
-      nodes.emplace_back();
-      for (auto& m : g->members) nodes.back().push_back(m.node);
-    }
+    for (auto& g : groups_) members.push_back(g->members);
   }
   std::vector<std::vector<Endpoint>> out;
-  for (auto& g : nodes) {
+  for (auto& g : members) {
     out.emplace_back();
-    for (client::NodeId n : g) out.back().push_back(cluster_->node(n).endpoint);
+    for (const client::Lease& l : g) {
+      out.back().push_back(Vacant(l) ? Endpoint{} : cluster_->node(l.node).endpoint);
+    }
   }
   return out;
 }
@@ -242,6 +344,16 @@ RemoteStoreStats RemoteStore::stats() const {
   s.leased_bytes = groups_.size() * static_cast<uint64_t>(res_.width()) * slab_size_;
   s.degraded_reads = degraded_reads_;
   s.members_reprotected = reprotected_;
+  for (auto& g : groups_) {
+    if (g->lost_mask != 0) {
+      s.unrecoverable_sets += g->used_rows;
+    } else if (g->failed_mask != 0) {
+      s.degraded_sets += g->used_rows;
+    }
+  }
+  s.degraded_sets_written = degraded_sets_written_;
+  s.reprotect_last_ms = reprotect_last_ms_;
+  s.reprotect_max_ms = reprotect_max_ms_;
   return s;
 }
 
@@ -256,15 +368,31 @@ void RemoteStore::MarkFailed(Group* g, int m, uint64_t lease_id, const Status& w
     const uint32_t bit = 1u << m;
     if ((g->failed_mask & bit) != 0 || (g->lost_mask & bit) != 0) return;
     g->failed_mask |= bit;
-    recovery_queue_.push_back(g);
+    g->failed_since[static_cast<size_t>(m)] = Clock::now();
+    QueueLocked(g);
     spdlog::warn("far memory: slab group {} member {} ({}, lease {}) failed: {}", g->id, m,
-                 cluster_->node(g->members[static_cast<size_t>(m)].node).endpoint.ToString(),
-                 lease_id, why.ToString());
+                 MemberName(g->members[static_cast<size_t>(m)]), lease_id, why.ToString());
   }
   recovery_cv_.notify_all();
 }
 
+void RemoteStore::QueueLocked(Group* g) {
+  if (g->queued) return;
+  g->queued = true;
+  recovery_queue_.push_back(g);
+}
+
 void RemoteStore::OnClusterEvent(const client::Event& ev) {
+  if (ev.type == client::EventType::kNodeUp || ev.type == client::EventType::kLeasesLost) {
+    // A daemon answers (again, or for the first time, or restarted empty): it may take the
+    // members that degraded groups lack, and complete groups may be possible again.
+    {
+      std::lock_guard lock(mu_);
+      retry_all_ = true;
+      full_alloc_failed_ = false;
+    }
+    recovery_cv_.notify_all();
+  }
   if (ev.lease_ids.empty()) return;
   if (ev.type != client::EventType::kNodeDown && ev.type != client::EventType::kLeasesLost &&
       ev.type != client::EventType::kEvictNotice) {
@@ -281,7 +409,12 @@ void RemoteStore::OnClusterEvent(const client::Event& ev) {
     std::lock_guard lock(mu_);
     for (uint64_t id : ev.lease_ids) {
       auto it = by_lease_.find(id);
-      if (it != by_lease_.end()) hits.push_back({it->second.first, it->second.second, id});
+      if (it == by_lease_.end()) continue;
+      auto [g, m] = it->second;
+      if (g->members[static_cast<size_t>(m)].node != ev.node) continue;  // another daemon's id
+      // A daemon giving memory back under pressure should not get the member back.
+      if (ev.type == client::EventType::kEvictNotice) g->evicted_mask |= 1u << m;
+      hits.push_back({g, m, id});
     }
   }
   for (const Hit& h : hits) MarkFailed(h.group, h.member, h.lease, why);
@@ -289,72 +422,132 @@ void RemoteStore::OnClusterEvent(const client::Event& ev) {
 
 bool RemoteStore::WaitForRecovery(std::chrono::milliseconds timeout) {
   std::unique_lock lock(mu_);
-  return recovery_cv_.wait_for(
-      lock, timeout, [&] { return stopping_ || (recovery_queue_.empty() && !recovering_); });
+  return recovery_cv_.wait_for(lock, timeout, [&]() REQUIRES(mu_) {
+    if (stopping_) return true;
+    if (recovering_) return false;
+    return std::none_of(groups_.begin(), groups_.end(),
+                        [](const std::unique_ptr<Group>& g) { return g->failed_mask != 0; });
+  });
+}
+
+void RemoteStore::ReconcileMembers() {
+  const std::vector<client::NodeInfo> nodes = cluster_->nodes();
+  struct Hit {
+    Group* group;
+    int member;
+    uint64_t lease;
+    Status why;
+  };
+  std::vector<Hit> hits;
+  {
+    std::lock_guard lock(mu_);
+    for (auto& g : groups_) {
+      for (size_t m = 0; m < g->members.size(); ++m) {
+        const client::Lease& l = g->members[m];
+        if (Vacant(l) || (((g->failed_mask | g->lost_mask) >> m) & 1) != 0) continue;
+        if (l.node >= nodes.size()) continue;
+        const client::NodeInfo& info = nodes[l.node];
+        if (!info.alive) {
+          hits.push_back(
+              {g.get(), static_cast<int>(m), l.id(),
+               Unavailable(fmt::format("reconcile: daemon {} is down ({})",
+                                       info.endpoint.ToString(), info.last_error.ToString()))});
+        } else if (g->daemon_ids[m] != 0 && info.daemon_id != 0 &&
+                   info.daemon_id != g->daemon_ids[m]) {
+          hits.push_back(
+              {g.get(), static_cast<int>(m), l.id(),
+               Expired(fmt::format("reconcile: daemon {} restarted (node id {:#x} -> "
+                                   "{:#x}): its leases are gone",
+                                   info.endpoint.ToString(), g->daemon_ids[m], info.daemon_id))});
+        }
+      }
+    }
+  }
+  for (const Hit& h : hits) MarkFailed(h.group, h.member, h.lease, h.why);
 }
 
 void RemoteStore::RecoveryLoop() {
   IoContext io;
   std::unique_lock lock(mu_);
+  Clock::time_point next_reconcile = Clock::now() + reconcile_interval_;
   for (;;) {
-    recovery_cv_.wait(lock, [&] { return stopping_ || !recovery_queue_.empty(); });
+    recovery_cv_.wait_until(lock, next_reconcile, [&]() REQUIRES(mu_) {
+      return stopping_ || !recovery_queue_.empty() || retry_all_;
+    });
     if (stopping_) return;
+    const bool tick = Clock::now() >= next_reconcile;
+    if (tick) {
+      // What events do not tell: a daemon that freed memory (complete groups possible again), a
+      // member whose daemon went down or restarted without its event reaching us.
+      next_reconcile = Clock::now() + reconcile_interval_;
+      full_alloc_failed_ = false;
+      lock.unlock();
+      ReconcileMembers();
+      lock.lock();
+      if (stopping_) return;
+    }
+    if (tick || retry_all_) {
+      retry_all_ = false;
+      for (auto& g : groups_) {
+        if (g->failed_mask != 0) QueueLocked(g.get());
+      }
+    }
+    if (recovery_queue_.empty()) {
+      recovery_cv_.notify_all();
+      continue;
+    }
     Group* g = recovery_queue_.front();
     recovery_queue_.pop_front();
+    g->queued = false;
     if (g->failed_mask == 0) {
       recovery_cv_.notify_all();
       continue;
     }
-    g->rebuilding = true;
+    g->in_recovery = true;
     recovering_ = true;
     lock.unlock();
     Reprotect(io, g);
     lock.lock();
-    if (g->failed_mask != 0 && !stopping_) {
-      // Could not re-protect now (no daemon with room): back off and try again. g stays marked
-      // rebuilding meanwhile, so nothing frees it under us.
-      lock.unlock();
-      std::this_thread::sleep_for(std::chrono::milliseconds(200));
-      lock.lock();
-    }
-    g->rebuilding = false;
+    g->in_recovery = false;
     recovering_ = false;
-    if (g->used_rows == 0) {
-      std::vector<client::Lease> to_free = g->members;
-      for (const auto& l : g->members) by_lease_.erase(l.id());
-      std::erase_if(recovery_queue_, [g](Group* q) { return q == g; });
-      std::erase_if(groups_, [g](const std::unique_ptr<Group>& p) { return p.get() == g; });
+    // A group still missing members (no eligible daemon yet) is not retried in a loop: the next
+    // node-up event or reconcile tick queues it again.
+    // Emptied meanwhile (Release left it to us). A group that never had a row stays: it was
+    // just made for a writer that is about to take one.
+    if (g->used_rows == 0 && g->release_wanted) {
+      std::vector<client::Lease> to_free = RemoveGroupLocked(g);
       lock.unlock();
-      (void)cluster_->Free(to_free);
+      if (!to_free.empty()) (void)cluster_->Free(to_free);
       lock.lock();
-    } else if (g->failed_mask != 0 && !stopping_ &&
-               std::find(recovery_queue_.begin(), recovery_queue_.end(), g) ==
-                   recovery_queue_.end()) {
-      recovery_queue_.push_back(g);
     }
     recovery_cv_.notify_all();
   }
 }
 
-// Rebuilds every failed member of `g` on a daemon the group does not use. Runs on the recovery
-// thread with g->rebuilding set (no new rows are placed in g, g is not freed).
+// Rebuilds every failed member of `g` on a live daemon that holds none of the group's surviving
+// members (the failed member's own daemon qualifies once it is back, e.g. restarted empty). Runs
+// on the recovery thread with g->in_recovery set (g is not freed). While a member's cells are
+// rebuilt g->rebuilding is set: no new rows are placed in g, and rows reserved before and
+// committed after see the flag (or the new epoch) and go elsewhere.
 void RemoteStore::Reprotect(IoContext& io, Group* g) {
   const int n = res_.width();
   const size_t span = span_size_;
   if (io.scratch.size() < span * static_cast<size_t>(n)) io.scratch.resize(span * n);
   std::vector<client::Lease> members;
   uint32_t failed = 0;
-  std::vector<uint32_t> rows;
+  uint32_t lost = 0;
+  uint32_t evicted = 0;
+  size_t used_rows = 0;
   {
     std::lock_guard lock(mu_);
     members = g->members;
     failed = g->failed_mask;
-    for (uint32_t r = 0; r < rows_per_group_; ++r) {
-      if (g->rows[r] != nullptr && !g->rows[r]->writing) rows.push_back(r);
-    }
+    lost = g->lost_mask;
+    evicted = g->evicted_mask;
+    used_rows = g->used_rows;
   }
   const uint32_t all = n >= 32 ? ~0u : ((1u << n) - 1);
-  const uint32_t live = all & ~failed & ~g->lost_mask;
+  const uint32_t live = all & ~failed & ~lost;
   const bool recoverable = res_.mode == SpanResilience::Mode::kErasure
                                ? std::popcount(live) >= res_.k
                                : (res_.mode == SpanResilience::Mode::kReplicate && live != 0);
@@ -363,90 +556,153 @@ void RemoteStore::Reprotect(IoContext& io, Group* g) {
     g->lost_mask |= failed;
     g->failed_mask = 0;
     spdlog::error(
-        "far memory: slab group {} lost members {:#x}: {} span sets ({} rows) cannot be "
-        "rebuilt with resilience {}; objects that were only there are LOST (deref says which)",
-        g->id, failed, rows.size(), rows.size(), res_.ToString());
+        "far memory: slab group {} lost members {:#x}: {} span sets cannot be rebuilt with "
+        "resilience {}; objects that were only there are LOST (deref says which)",
+        g->id, failed, g->used_rows, res_.ToString());
     return;
   }
+  // Survivors to read: the first k live members (ec) or one live copy (replicate).
+  std::vector<int> readers;
+  for (int m = 0; m < n; ++m) {
+    if (((live >> m) & 1) != 0) readers.push_back(m);
+  }
+  readers.resize(res_.mode == SpanResilience::Mode::kErasure ? static_cast<size_t>(res_.k) : 1);
+  // A replacement may share a daemon with no surviving member, nor with another replacement.
+  std::vector<client::NodeId> exclude;
+  for (int m = 0; m < n; ++m) {
+    if (((live >> m) & 1) != 0) exclude.push_back(members[static_cast<size_t>(m)].node);
+  }
+
+  // Rebuilds member j's cell of `row` from the readers and writes it at the same offset of
+  // `fresh`. *stale: a failure was a stale channel's (worth another try at once).
+  auto rebuild_row = [&](int j, const client::Lease& fresh, uint32_t row, bool* stale) -> Status {
+    const uint64_t off = static_cast<uint64_t>(row) * span;
+    transport::Op ops[kMaxSetWidth];
+    client::NodeId nodes[kMaxSetWidth];
+    Status results[kMaxSetWidth];
+    for (size_t i = 0; i < readers.size(); ++i) {
+      const int m = readers[i];
+      ops[i] = {transport::OpType::kRead,
+                members[static_cast<size_t>(m)].slab(),
+                off,
+                io.scratch.data() + static_cast<size_t>(m) * span,
+                static_cast<uint32_t>(span),
+                nullptr,
+                0};
+      nodes[i] = members[static_cast<size_t>(m)].node;
+    }
+    RunOps(io, {ops, readers.size()}, {nodes, readers.size()}, {results, readers.size()});
+    Status s;
+    for (size_t i = 0; i < readers.size(); ++i) {
+      if (results[i].ok()) continue;
+      if (s.ok()) s = results[i];
+      if (StaleChannel(io, nodes[i])) {
+        *stale = true;
+        continue;
+      }
+      cluster_->ReportFailure(nodes[i], results[i]);
+      if (NodeGone(results[i])) {
+        MarkFailed(g, readers[i], members[static_cast<size_t>(readers[i])].id(), results[i]);
+      }
+    }
+    if (!s.ok()) return s;
+    uint8_t* cell = io.scratch.data() + static_cast<size_t>(j) * span;
+    if (res_.mode == SpanResilience::Mode::kErasure) {
+      uint8_t* frags[kMaxSetWidth];
+      std::vector<int> erased;
+      for (int m = 0; m < n; ++m) {
+        frags[m] = io.scratch.data() + static_cast<size_t>(m) * span;
+        if (std::find(readers.begin(), readers.end(), m) == readers.end()) erased.push_back(m);
+      }
+      if (Status d = codec_->Decode({frags, static_cast<size_t>(n)}, erased, span); !d.ok()) {
+        return d;
+      }
+    } else {
+      std::memcpy(cell, io.scratch.data() + static_cast<size_t>(readers[0]) * span, span);
+    }
+    transport::Op w{transport::OpType::kWrite,   fresh.slab(), off, cell,
+                    static_cast<uint32_t>(span), nullptr,      0};
+    client::NodeId wn = fresh.node;
+    Status ws;
+    RunOps(io, {&w, 1}, {&wn, 1}, {&ws, 1});
+    if (!ws.ok() && StaleChannel(io, wn)) *stale = true;
+    return ws;
+  };
+
   for (int j = 0; j < n; ++j) {
     if (((failed >> j) & 1) == 0) continue;
-    std::vector<client::NodeId> exclude;
-    for (const auto& m : members) exclude.push_back(m.node);
-    Result<client::Lease> fresh = cluster_->AllocateExcluding(exclude);
+    std::vector<client::NodeId> avoid = exclude;
+    if (((evicted >> j) & 1) != 0) avoid.push_back(members[static_cast<size_t>(j)].node);
+    Result<client::Lease> fresh = cluster_->AllocateExcluding(avoid);
     if (!fresh) {
       if (!g->degraded_logged) {
         g->degraded_logged = true;
-        spdlog::warn("far memory: slab group {} runs degraded (member {} lost), retrying: {}",
-                     g->id, j, fresh.error().ToString());
+        spdlog::warn(
+            "far memory: slab group {} runs degraded (member {} missing, {} span sets): no "
+            "daemon outside the group can take it yet ({}); re-protecting when one comes up",
+            g->id, j, used_rows, fresh.error().ToString());
       }
       continue;
     }
-    // Survivors to read: the first k live members (ec) or one live copy (replicate).
-    std::vector<int> readers;
-    for (int m = 0; m < n; ++m) {
-      if (((live >> m) & 1) != 0) readers.push_back(m);
+    const Clock::time_point rebuild_start = Clock::now();
+    std::vector<uint32_t> rows;
+    {
+      std::lock_guard lock(mu_);
+      g->rebuilding = true;  // from here, rows committed in g are the ones below
+      for (uint32_t r = 0; r < rows_per_group_; ++r) {
+        if (g->rows[r] != nullptr && !g->rows[r]->writing) rows.push_back(r);
+      }
     }
-    if (res_.mode == SpanResilience::Mode::kErasure)
-      readers.resize(static_cast<size_t>(res_.k));
-    else
-      readers.resize(1);
     Status s;
+    bool stale = false;
     for (uint32_t row : rows) {
-      const uint64_t off = static_cast<uint64_t>(row) * span;
-      std::vector<transport::Op> ops;
-      std::vector<client::NodeId> nodes;
-      for (int m : readers) {
-        const uint8_t* dst = io.scratch.data() + static_cast<size_t>(m) * span;
-        ops.push_back({transport::OpType::kRead, members[static_cast<size_t>(m)].slab(), off,
-                       const_cast<uint8_t*>(dst), static_cast<uint32_t>(span), nullptr, 0});
-        nodes.push_back(members[static_cast<size_t>(m)].node);
-      }
-      std::vector<Status> results(ops.size());
-      RunOps(io, ops, nodes, results);
-      for (size_t i = 0; i < results.size() && s.ok(); ++i) s = results[i];
-      if (!s.ok()) break;
-      uint8_t* cell = io.scratch.data() + static_cast<size_t>(j) * span;
-      if (res_.mode == SpanResilience::Mode::kErasure) {
-        uint8_t* frags[kMaxSetWidth];
-        std::vector<int> erased;
-        for (int m = 0; m < n; ++m) {
-          frags[m] = io.scratch.data() + static_cast<size_t>(m) * span;
-          if (std::find(readers.begin(), readers.end(), m) == readers.end()) erased.push_back(m);
-        }
-        s = codec_->Decode({frags, static_cast<size_t>(n)}, erased, span);
-      } else {
-        std::memcpy(cell, io.scratch.data() + static_cast<size_t>(readers[0]) * span, span);
-      }
-      if (!s.ok()) break;
-      transport::Op w{transport::OpType::kWrite,   fresh->slab(), off, cell,
-                      static_cast<uint32_t>(span), nullptr,       0};
-      client::NodeId wn = fresh->node;
-      Status ws;
-      RunOps(io, {&w, 1}, {&wn, 1}, {&ws, 1});
-      s = ws;
+      s = rebuild_row(j, *fresh, row, &stale);
+      if (!s.ok() && stale) s = rebuild_row(j, *fresh, row, &stale);  // reopened channels
       if (!s.ok()) break;
     }
     if (!s.ok()) {
+      {
+        std::lock_guard lock(mu_);
+        g->rebuilding = false;
+        if (stale) QueueLocked(g);  // try again at once rather than at the next tick
+      }
       spdlog::warn("far memory: re-protecting slab group {} member {} failed: {}", g->id, j,
                    s.ToString());
       (void)cluster_->Free({&*fresh, 1});
+      if (NodeGone(s)) return;  // a survivor failed: the next pass starts from the new masks
       continue;
     }
+    const uint64_t daemon_id = cluster_->node(fresh->node).daemon_id;
+    const Clock::time_point now = Clock::now();
     client::Lease old;
+    uint64_t degraded_ms = 0;
     {
       std::lock_guard lock(mu_);
       old = g->members[static_cast<size_t>(j)];
-      by_lease_.erase(old.id());
+      if (!Vacant(old)) by_lease_.erase(old.id());
       g->members[static_cast<size_t>(j)] = *fresh;
+      g->daemon_ids[static_cast<size_t>(j)] = daemon_id;
       by_lease_[fresh->id()] = {g, j};
       g->failed_mask &= ~(1u << j);
+      g->evicted_mask &= ~(1u << j);
       g->degraded_logged = false;
+      g->rebuilding = false;
       ++g->epoch;
       ++reprotected_;
+      degraded_ms = static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::milliseconds>(
+                                              now - g->failed_since[static_cast<size_t>(j)])
+                                              .count());
+      reprotect_last_ms_ = degraded_ms;
+      reprotect_max_ms_ = std::max(reprotect_max_ms_, degraded_ms);
     }
-    (void)cluster_->Free({&old, 1});
-    spdlog::info("far memory: slab group {} member {} re-protected on {} ({} span sets)", g->id, j,
-                 cluster_->node(fresh->node).endpoint.ToString(), rows.size());
+    exclude.push_back(fresh->node);
+    if (!Vacant(old)) (void)cluster_->Free({&old, 1});
+    spdlog::info(
+        "far memory: slab group {} member {} re-protected on {} ({} span sets rebuilt in {} ms; "
+        "{} ms after it went missing)",
+        g->id, j, cluster_->node(fresh->node).endpoint.ToString(), rows.size(),
+        std::chrono::duration_cast<std::chrono::milliseconds>(now - rebuild_start).count(),
+        degraded_ms);
   }
 }
 

@@ -14,8 +14,18 @@
 //              cells are all holes is freed; a group with no rows in use goes back to the
 //              daemons.
 // Failed members (node down, leases lost, evict notice, I/O error) are re-protected in the
-// background: a new slab on a daemon the group does not use, each used row's cell rebuilt from
-// survivors and written there. With none, a failed member's spans are lost: ReadSpan says which.
+// background: a new slab on any live daemon with room that holds none of the group's surviving
+// members (a daemon that came back — restarted empty on its port, or that lost its leases —
+// qualifies), each used row's cell rebuilt from survivors and written there. A group that finds
+// no such daemon waits for the next node-up event from the cluster, or for the periodic
+// reconcile (which also catches members whose daemon went down or restarted without an event
+// reaching us, and daemons that freed memory). With none, a failed member's spans are lost:
+// ReadSpan says which.
+//
+// Degraded writes: when k + r daemons cannot be had (some are down or still starting, or full),
+// a group is made of as many as can (at least k for erasure, one for replicate); the members it
+// lacks are vacant (lease id 0) and counted failed from the start, so re-protection places them
+// like any lost member once a daemon appears. Below that minimum WriteSet fails.
 //
 // Rows are placed in the fullest group that has room, so groups left sparse by swap-ins drain
 // and return to the daemons once compaction moves their last sets.
@@ -63,14 +73,23 @@ struct SpanSet {
   std::array<Span*, kMaxSetWidth> spans{};  // data member -> span stored there (null: hole)
 };
 
+// A member that was never placed (a degraded group made with fewer daemons than k + r).
+inline bool Vacant(const client::Lease& l) { return l.grant.lease_id == 0; }
+
 struct Group {
   uint32_t id = 0;
-  std::vector<client::Lease> members;  // k + r
-  uint32_t failed_mask = 0;            // members whose slab is gone, not yet re-protected
-  uint32_t lost_mask = 0;              // members given up for good (none, or too many failures)
-  std::vector<SpanSet*> rows;          // nullptr: free row
+  std::vector<client::Lease> members;  // k + r; Vacant() ones were never placed (failed)
+  std::vector<uint64_t> daemon_ids;    // each member's daemon incarnation (HELLO id) when placed
+  std::vector<Clock::time_point> failed_since;  // when each failed member failed (or was vacant)
+  uint32_t failed_mask = 0;    // members whose slab is gone (or vacant), not yet re-protected
+  uint32_t lost_mask = 0;      // members given up for good (none, or too many failures)
+  uint32_t evicted_mask = 0;   // failed by an eviction notice: not re-placed on that daemon
+  std::vector<SpanSet*> rows;  // nullptr: free row
   uint32_t used_rows = 0;
-  bool rebuilding = false;
+  bool rebuilding = false;       // a member's cells are being rebuilt: no new rows are placed here
+  bool in_recovery = false;      // the recovery thread holds it (it is not freed meanwhile)
+  bool release_wanted = false;   // emptied while rebuilding / in recovery: free it after
+  bool queued = false;           // in the recovery queue
   uint64_t epoch = 0;            // bumped whenever a member is replaced
   bool degraded_logged = false;  // recovery thread only: say "runs degraded" once
 };
@@ -78,7 +97,8 @@ struct Group {
 // Per-thread I/O state: channels by node, scratch for parity and degraded reads.
 struct IoContext {
   std::vector<std::unique_ptr<transport::Channel>> channels;
-  std::vector<uint8_t> scratch;  // (k + r) spans
+  std::vector<uint64_t> channel_daemons;  // by node: the daemon incarnation a channel was opened to
+  std::vector<uint8_t> scratch;           // (k + r) spans
   std::vector<transport::Completion> comps = std::vector<transport::Completion>(64);
   uint64_t bytes_read = 0;
   uint64_t bytes_written = 0;
@@ -95,13 +115,21 @@ struct RemoteStoreStats {
   uint64_t degraded_reads = 0;
   uint64_t members_reprotected = 0;
   uint64_t groups = 0;
+  uint64_t degraded_sets = 0;       // in groups with a failed member that can still be rebuilt
+  uint64_t unrecoverable_sets = 0;  // in groups that lost more members than they survive
+  uint64_t degraded_sets_written = 0;
+  uint64_t reprotect_last_ms = 0;
+  uint64_t reprotect_max_ms = 0;
 };
 
 class RemoteStore {
  public:
-  static Result<std::unique_ptr<RemoteStore>> Create(client::Cluster* cluster, SpanResilience res,
-                                                     uint32_t span_size,
-                                                     std::chrono::milliseconds op_timeout);
+  // `reconcile_interval`: how often the recovery thread looks for degraded groups and failed
+  // members by itself (RuntimeOptions::reconcile_interval).
+  static Result<std::unique_ptr<RemoteStore>> Create(
+      client::Cluster* cluster, SpanResilience res, uint32_t span_size,
+      std::chrono::milliseconds op_timeout,
+      std::chrono::milliseconds reconcile_interval = std::chrono::milliseconds(1000));
   ~RemoteStore();
 
   const SpanResilience& resilience() const { return res_; }
@@ -111,6 +139,8 @@ class RemoteStore {
   // Writes data[0..n) (n <= k; null entries are zero spans that start as holes) as one span
   // set holding spans[i] at member i. `data` must stay unchanged until it returns. Retries on
   // other daemons when a write fails. Returns the set; live_mask has a bit per non-null entry.
+  // Written degraded (members missing, re-protected later) when fewer than k + r daemons can
+  // take it; fails when fewer than the minimum (k, or 1 for replicate) can.
   Result<SpanSet*> WriteSet(IoContext& io, std::span<const uint8_t* const> data,
                             std::span<Span* const> spans);
   // WriteSet with parity offload (remote_store_offload.cc): the client writes only the k data
@@ -158,7 +188,8 @@ class RemoteStore {
   RemoteStoreStats stats() const;
   // Each slab group's daemons in member order (k data members, then parity / copies).
   std::vector<std::vector<Endpoint>> GroupLayout() const;
-  // False if members still wait for re-protection after `timeout`.
+  // False if members still wait for re-protection after `timeout` (groups beyond tolerance do
+  // not count: nothing can rebuild them).
   bool WaitForRecovery(std::chrono::milliseconds timeout);
   void Shutdown();
 
@@ -166,22 +197,42 @@ class RemoteStore {
   transport::TcpConnection* CallConnectionFor(IoContext& io, client::NodeId node, Status* error);
   // Opens (once) the channel to `node` in `io`.
   transport::Channel* ChannelFor(IoContext& io, client::NodeId node, Status* error);
+  // True if a failure seen through io's channel to `node` is the channel's own: it was opened to
+  // an earlier incarnation of the daemon (which restarted since) and broke. That says nothing of
+  // members placed on the daemon there now; the channel is dropped, so a retry reopens it.
+  bool StaleChannel(IoContext& io, client::NodeId node);
 
  private:
   RemoteStore(client::Cluster* cluster, SpanResilience res, uint32_t span_size,
-              std::chrono::milliseconds op_timeout);
+              std::chrono::milliseconds op_timeout, std::chrono::milliseconds reconcile_interval);
   Status Init();
 
+  // Members a span set needs to be written (and read) at all: k for erasure, else 1.
+  int MinMembers() const { return res_.mode == SpanResilience::Mode::kErasure ? res_.k : 1; }
   // Reserves a free row in a healthy group (allocating a group if none has room); `members` and
-  // `epoch` get the group's members and epoch as they were when the row was taken.
-  Result<SpanSet*> ReserveRow(std::vector<client::Lease>* members, uint64_t* epoch);
+  // `epoch` get the group's members and epoch as they were when the row was taken. With
+  // `allow_degraded`, when no complete group can be had, a row of a group missing members (but
+  // holding at least MinMembers()) instead; *absent gets the members not to write (failed or
+  // vacant). Without it *absent is always 0.
+  Result<SpanSet*> ReserveRow(bool allow_degraded, std::vector<client::Lease>* members,
+                              uint64_t* epoch, uint32_t* absent);
+  // A free row of a group that has room and no rebuild running: a healthy one, or (degraded) one
+  // whose missing members still leave at least MinMembers(). Null if none.
+  SpanSet* TakeRowLocked(bool degraded, std::vector<client::Lease>* members, uint64_t* epoch,
+                         uint32_t* absent) REQUIRES(mu_);
+  // Adds a group over `leases` (k + r of them; Vacant() ones are failed from the start).
+  void AddGroup(std::vector<client::Lease> leases);
+  // As many slabs on distinct daemons as can be had, at least MinMembers(): a degraded group.
+  // `full_error` is why a complete group could not be had (quoted when this fails too).
+  Result<std::vector<client::Lease>> AllocateDegraded(const Status& full_error);
   // cells[m] = data[m], or zeros_ where there is no span, for the k data members; returns the
   // mask of members that hold a span.
   uint32_t DataCells(std::span<const uint8_t* const> data, const uint8_t** cells) const;
   void FreeRowLocked(SpanSet* set) REQUIRES(mu_);
-  // Writes cells[m] (span_size bytes) at `off` of member m's slab, for every m; results[m].
+  // Writes cells[m] (span_size bytes) at `off` of member m's slab, for every m not in `skip`;
+  // results[m] (OK for skipped members).
   void WriteCells(IoContext& io, const std::vector<client::Lease>& members, uint64_t off,
-                  std::span<const uint8_t* const> cells, Status* results);
+                  std::span<const uint8_t* const> cells, Status* results, uint32_t skip = 0);
   // Runs `ops` (each with user_data = index) over their nodes; results[i] = status of op i.
   void RunOps(IoContext& io, std::span<transport::Op> ops, std::span<const client::NodeId> nodes,
               std::span<Status> results);
@@ -198,12 +249,22 @@ class RemoteStore {
                  std::span<const std::vector<uint8_t>> bodies);
   void OnClusterEvent(const client::Event& ev);
   void RecoveryLoop();
+  // Puts g in the recovery queue unless it is there already.
+  void QueueLocked(Group* g) REQUIRES(mu_);
+  // The periodic half of failure handling: marks failed the members whose daemon the cluster
+  // says is down or restarted (in case an event did not reach us).
+  void ReconcileMembers();
   void Reprotect(IoContext& io, Group* g);
+  // Takes g out of the store and returns its placed leases, to be freed (g has no rows).
+  std::vector<client::Lease> RemoveGroupLocked(Group* g) REQUIRES(mu_);
+  // Endpoint of member m's daemon, or "(never placed)".
+  std::string MemberName(const client::Lease& l) const;
 
   client::Cluster* cluster_;
   const SpanResilience res_;
   const uint32_t span_size_;
   const std::chrono::milliseconds op_timeout_;
+  const std::chrono::milliseconds reconcile_interval_;
   uint64_t slab_size_ = 0;
   uint32_t rows_per_group_ = 0;
   std::unique_ptr<ec::ReedSolomon> codec_;
@@ -216,12 +277,20 @@ class RemoteStore {
   std::unordered_map<uint64_t, std::pair<Group*, int>> by_lease_ GUARDED_BY(mu_);
   std::deque<Group*> recovery_queue_ GUARDED_BY(mu_);
   bool recovering_ GUARDED_BY(mu_) = false;
+  // A node came up (or restarted): every degraded group is worth another try now.
+  bool retry_all_ GUARDED_BY(mu_) = false;
+  // A complete group could not be had lately: degraded groups with room take rows first. Cleared
+  // by node-up events and reconcile ticks.
+  bool full_alloc_failed_ GUARDED_BY(mu_) = false;
   bool stopping_ GUARDED_BY(mu_) = false;
   uint32_t next_group_id_ GUARDED_BY(mu_) = 1;
   uint32_t next_set_id_ GUARDED_BY(mu_) = 1;
   uint64_t sets_ GUARDED_BY(mu_) = 0;
   uint64_t degraded_reads_ GUARDED_BY(mu_) = 0;
   uint64_t reprotected_ GUARDED_BY(mu_) = 0;
+  uint64_t degraded_sets_written_ GUARDED_BY(mu_) = 0;
+  uint64_t reprotect_last_ms_ GUARDED_BY(mu_) = 0;
+  uint64_t reprotect_max_ms_ GUARDED_BY(mu_) = 0;
   std::mutex alloc_mu_;  // one group allocation at a time
   std::thread recovery_thread_;
 };

@@ -27,8 +27,25 @@ bool NodeGone(const Status& s) {
 }
 
 transport::Channel* RemoteStore::ChannelFor(IoContext& io, client::NodeId node, Status* error) {
-  if (io.channels.size() <= node) io.channels.resize(node + 1);
-  return cluster_->EnsureChannel(io.channels[node], node, error);
+  if (io.channels.size() <= node) {
+    io.channels.resize(node + 1);
+    io.channel_daemons.resize(node + 1, 0);
+  }
+  auto& slot = io.channels[node];
+  const bool opening = !slot || slot->broken();
+  transport::Channel* ch = cluster_->EnsureChannel(slot, node, error);
+  if (opening && ch != nullptr) io.channel_daemons[node] = cluster_->node(node).daemon_id;
+  return ch;
+}
+
+bool RemoteStore::StaleChannel(IoContext& io, client::NodeId node) {
+  if (node >= io.channels.size() || !io.channels[node] || !io.channels[node]->broken()) {
+    return false;
+  }
+  const uint64_t current = cluster_->node(node).daemon_id;
+  if (current == 0 || current == io.channel_daemons[node]) return false;
+  io.channels[node].reset();
+  return true;
 }
 
 void RemoteStore::RunOps(IoContext& io, std::span<transport::Op> ops,
@@ -167,15 +184,17 @@ Result<SpanSet*> RemoteStore::WriteSet(IoContext& io, std::span<const uint8_t* c
   for (int attempt = 0; attempt < 4; ++attempt) {
     std::vector<client::Lease> members;
     uint64_t epoch = 0;
-    FARMEM_ASSIGN_OR_RETURN(SpanSet * set, ReserveRow(&members, &epoch));
+    uint32_t absent = 0;  // members missing from a degraded group: nothing to write there
+    FARMEM_ASSIGN_OR_RETURN(SpanSet * set, ReserveRow(true, &members, &epoch, &absent));
     Status results[kMaxSetWidth];
     const uint64_t off = static_cast<uint64_t>(set->row) * span;
-    WriteCells(io, members, off, {cells, static_cast<size_t>(n)}, results);
+    WriteCells(io, members, off, {cells, static_cast<size_t>(n)}, results, absent);
     bool ok = true;
     for (int m = 0; m < n; ++m) {
-      if (results[m].ok()) continue;
+      if (results[m].ok() || ((absent >> m) & 1) != 0) continue;
       ok = false;
       last = results[m];
+      if (StaleChannel(io, members[static_cast<size_t>(m)].node)) continue;  // not the member's
       cluster_->ReportFailure(members[static_cast<size_t>(m)].node, results[m]);
       if (NodeGone(results[m])) {
         MarkFailed(set->group, m, members[static_cast<size_t>(m)].id(), results[m]);
@@ -184,13 +203,16 @@ Result<SpanSet*> RemoteStore::WriteSet(IoContext& io, std::span<const uint8_t* c
     if (ok) {
       std::lock_guard lock(mu_);
       Group* g = set->group;
-      if (g->failed_mask != 0 || g->lost_mask != 0 || g->rebuilding || g->epoch != epoch) {
-        // A member failed while we wrote: re-protection did not see this row. The data is still
-        // in the caller's hands, so place the set elsewhere rather than rebuild it.
+      if (g->rebuilding || g->epoch != epoch || g->lost_mask != 0) {
+        // A member is being (or was) replaced while we wrote: re-protection did not see this
+        // row. Or the group is beyond repair. The data is still in the caller's hands, so place
+        // the set elsewhere rather than rebuild it. (A member that failed after we wrote it is
+        // rebuilt with the group's other rows.)
         last = Unavailable(fmt::format("slab group {} lost a member during the write", g->id));
         FreeRowLocked(set);
         continue;
       }
+      if (absent != 0) ++degraded_sets_written_;
       set->writing = false;
       set->live_mask = live;
       for (size_t i = 0; i < spans.size(); ++i)
@@ -248,21 +270,29 @@ void RemoteStore::ReadSpans(IoContext& io, std::span<SpanSet* const> sets,
 }
 
 void RemoteStore::WriteCells(IoContext& io, const std::vector<client::Lease>& members, uint64_t off,
-                             std::span<const uint8_t* const> cells, Status* results) {
+                             std::span<const uint8_t* const> cells, Status* results,
+                             uint32_t skip) {
   transport::Op ops[kMaxSetWidth];
   client::NodeId nodes[kMaxSetWidth];
+  Status got[kMaxSetWidth];
+  size_t index[kMaxSetWidth];
+  size_t posted = 0;
   const size_t n = std::min<size_t>(cells.size(), kMaxSetWidth);
   for (size_t m = 0; m < n; ++m) {
-    ops[m] = {transport::OpType::kWrite,
-              members[m].slab(),
-              off,
-              const_cast<uint8_t*>(cells[m]),
-              span_size_,
-              nullptr,
-              0};
-    nodes[m] = members[m].node;
+    results[m] = Status::Ok();
+    if (((skip >> m) & 1) != 0) continue;
+    ops[posted] = {transport::OpType::kWrite,
+                   members[m].slab(),
+                   off,
+                   const_cast<uint8_t*>(cells[m]),
+                   span_size_,
+                   nullptr,
+                   0};
+    nodes[posted] = members[m].node;
+    index[posted++] = m;
   }
-  RunOps(io, {ops, n}, {nodes, n}, {results, n});
+  RunOps(io, {ops, posted}, {nodes, posted}, {got, posted});
+  for (size_t i = 0; i < posted; ++i) results[index[i]] = std::move(got[i]);
 }
 
 Status RemoteStore::ReadSpan(IoContext& io, SpanSet* set, int member, uint8_t* dst) {
@@ -297,6 +327,7 @@ Status RemoteStore::ReadSpan(IoContext& io, SpanSet* set, int member, uint8_t* d
       Status s;
       RunOps(io, {&op, 1}, {&node, 1}, {&s, 1});
       if (s.ok()) return s;
+      if (StaleChannel(io, node)) continue;  // a channel to a restarted daemon: read again
       cluster_->ReportFailure(node, s);
       if (!NodeGone(s)) return s;
       MarkFailed(set->group, member, members[static_cast<size_t>(member)].id(), s);
@@ -314,10 +345,10 @@ Status RemoteStore::ReadSpan(IoContext& io, SpanSet* set, int member, uint8_t* d
       for (int m = 0; m < n; ++m) {
         if (((bad >> m) & 1) == 0) continue;
         if (!gone.empty()) gone += ", ";
-        gone +=
-            fmt::format("{} (lease {})",
-                        cluster_->node(members[static_cast<size_t>(m)].node).endpoint.ToString(),
-                        members[static_cast<size_t>(m)].id());
+        gone += Vacant(members[static_cast<size_t>(m)])
+                    ? MemberName(members[static_cast<size_t>(m)])
+                    : fmt::format("{} (lease {})", MemberName(members[static_cast<size_t>(m)]),
+                                  members[static_cast<size_t>(m)].id());
       }
       return DataLoss(fmt::format(
           "it lived in span set {} (slab group {}, row {}) whose members on {} are gone; "
@@ -349,6 +380,7 @@ Status RemoteStore::ReadSpan(IoContext& io, SpanSet* set, int member, uint8_t* d
     for (size_t i = 0; i < readers.size(); ++i) {
       if (results[i].ok()) continue;
       ok = false;
+      if (StaleChannel(io, nodes[i])) continue;
       cluster_->ReportFailure(nodes[i], results[i]);
       if (NodeGone(results[i])) {
         MarkFailed(set->group, readers[i], members[static_cast<size_t>(readers[i])].id(),

@@ -70,7 +70,12 @@ Result<SpanSet*> RemoteStore::WriteSetOffloaded(IoContext& io, std::span<const u
   const uint32_t live = DataCells(data, cells);
   std::vector<client::Lease> members;
   uint64_t epoch = 0;
-  FARMEM_ASSIGN_OR_RETURN(SpanSet * set, ReserveRow(&members, &epoch));
+  uint32_t absent = 0;
+  // Only complete groups: a degraded one has no parity daemon to offload to. WriteSet writes
+  // degraded when it must.
+  Result<SpanSet*> reserved = ReserveRow(false, &members, &epoch, &absent);
+  if (!reserved) return fall_back(nullptr, reserved.error());
+  SpanSet* set = *reserved;
   const uint64_t off = static_cast<uint64_t>(set->row) * span;
 
   // 1. The k data cells, as WriteSet writes them.
@@ -78,6 +83,9 @@ Result<SpanSet*> RemoteStore::WriteSetOffloaded(IoContext& io, std::span<const u
   WriteCells(io, members, off, {cells, static_cast<size_t>(k)}, results);
   for (int m = 0; m < k; ++m) {
     if (results[m].ok()) continue;
+    if (StaleChannel(io, members[static_cast<size_t>(m)].node)) {
+      return fall_back(set, results[m].WithContext("writing a data cell"));
+    }
     cluster_->ReportFailure(members[static_cast<size_t>(m)].node, results[m]);
     if (NodeGone(results[m])) {
       MarkFailed(set->group, m, members[static_cast<size_t>(m)].id(), results[m]);
@@ -258,7 +266,8 @@ Result<SpanSet*> RemoteStore::WriteSetGathered(IoContext& io,
   }
   std::vector<client::Lease> members;
   uint64_t epoch = 0;
-  FARMEM_ASSIGN_OR_RETURN(SpanSet * set, ReserveRow(&members, &epoch));
+  uint32_t absent = 0;
+  FARMEM_ASSIGN_OR_RETURN(SpanSet * set, ReserveRow(false, &members, &epoch, &absent));
   auto give_up = [&](Status why) -> Result<SpanSet*> {
     std::lock_guard lock(mu_);
     FreeRowLocked(set);

@@ -175,8 +175,9 @@ Status Heap::Start() {
   co.failure_timeout = options_.failure_timeout;
   co.op_timeout = options_.op_timeout;
   FARMEM_ASSIGN_OR_RETURN(cluster_, client::Cluster::Connect(std::move(co)));
-  FARMEM_ASSIGN_OR_RETURN(
-      store_, RemoteStore::Create(cluster_.get(), res_, span_size_, options_.op_timeout));
+  FARMEM_ASSIGN_OR_RETURN(store_,
+                          RemoteStore::Create(cluster_.get(), res_, span_size_, options_.op_timeout,
+                                              options_.reconcile_interval));
   evictor_ = std::thread([this] { EvictorLoop(); });
   for (int i = 0; i < options_.prefetch_threads; ++i) {
     prefetchers_.emplace_back([this] { PrefetchLoop(); });
@@ -242,6 +243,11 @@ RuntimeStats Heap::stats() const {
   s.remote_leased_bytes = rs.leased_bytes;
   s.degraded_reads = rs.degraded_reads;
   s.members_reprotected = rs.members_reprotected;
+  s.degraded_span_sets = rs.degraded_sets;
+  s.unrecoverable_span_sets = rs.unrecoverable_sets;
+  s.degraded_sets_written = rs.degraded_sets_written;
+  s.reprotect_last_ms = rs.reprotect_last_ms;
+  s.reprotect_max_ms = rs.reprotect_max_ms;
   s.swap_ins = swap_ins_.load();
   s.prefetches = prefetches_.load();
   s.spans_evicted = spans_evicted_.load();

@@ -84,6 +84,10 @@ struct RuntimeOptions {
   std::chrono::milliseconds heartbeat_interval{500};
   std::chrono::milliseconds failure_timeout{2000};
   std::chrono::milliseconds op_timeout{5000};
+  // Span sets missing a member are re-protected as soon as the cluster reports a daemon up (or
+  // one restarted); this is how often the remote store also looks on its own, for what events do
+  // not announce (a daemon that freed memory, a missed event).
+  std::chrono::milliseconds reconcile_interval{1000};
   // Make this runtime the one make_far<T>(args...) without a runtime uses.
   bool make_default = true;
 };
@@ -114,6 +118,14 @@ struct RuntimeStats {
   uint64_t eviction_cancels = 0;   // spans a deref pulled back while being evicted
   uint64_t objects_relocated = 0;  // hot objects moved out of cold spans
   uint64_t members_reprotected = 0;
+  // Re-protection (docs/farptr.md, "Resilience and failures").
+  uint64_t degraded_span_sets = 0;       // now: sets with a member missing that can be rebuilt
+  uint64_t unrecoverable_span_sets = 0;  // now: sets that lost more members than they survive
+  uint64_t degraded_sets_written = 0;    // sets written while fewer than k + r daemons could take
+                                         // them (members missing from the start)
+  uint64_t reprotect_last_ms = 0;        // the last member re-protected: time from its loss (or its
+                                         // set being written without it) until it was rebuilt
+  uint64_t reprotect_max_ms = 0;         // ... the longest such time
   uint64_t spans_lost = 0;
   uint64_t compactions = 0;
   uint64_t compaction_spans_in = 0;
