@@ -49,7 +49,8 @@ class TcpConnection {
   // ---- pipelined requests ----
 
   // Sends one request frame whose body is `body` (SendV: the iovecs' bytes in order, sent
-  // straight from them). Returns the id to Receive the reply with.
+  // straight from them). Returns the id to Receive the reply with. Every request sent is
+  // received, or the connection dropped: a reply nobody takes is kept until then.
   Result<uint64_t> Send(wire::Opcode op, std::span<const uint8_t> body, Deadline deadline);
   Result<uint64_t> SendV(wire::Opcode op, std::span<const iovec> body, Deadline deadline);
 
@@ -91,11 +92,6 @@ class TcpConnection {
   bool broken() const { return broken_; }
   // Unblocks a thread stuck in a receive (used on shutdown).
   void Shutdown() { socket_.Shutdown(); }
-
-  // Being removed: the hand-written request loops still on them move to Send/Receive.
-  Socket& socket() { return socket_; }
-  uint64_t NextRequestId() { return ++next_request_id_; }
-  void MarkBroken() { broken_ = true; }
 
  private:
   // A request sent and not yet received by Receive.
