@@ -804,6 +804,17 @@ void Cluster::Unsubscribe(SubscriptionId id) {
   if (internal::t_monitor_of != this) std::lock_guard wait(dispatch_mu_);
 }
 
+Result<TcpConnection> Cluster::ControlConnection(NodeId id) {
+  FARMEM_RETURN_IF_ERROR(CheckOpen());
+  const NodeInfo info = node(id);
+  if (id >= node_count()) return Err(info.last_error);
+  if (!info.alive) {
+    return Err(Unavailable(fmt::format("daemon {} is down: {}", info.endpoint.ToString(),
+                                       info.last_error.ToString())));
+  }
+  return ConnectTo(info.endpoint, options_.connect_timeout);
+}
+
 Result<Lease> Cluster::AllocateExcluding(std::span<const NodeId> exclude) {
   FARMEM_RETURN_IF_ERROR(CheckOpen());
   std::vector<bool> excluded;

@@ -211,6 +211,23 @@ Status RecvExactV(int fd, iovec* iov, int iovcnt, Deadline deadline) {
   return Status::Ok();
 }
 
+Result<size_t> RecvSome(int fd, const iovec* iov, int iovcnt, Deadline deadline) {
+  msghdr msg{};
+  msg.msg_iov = const_cast<iovec*>(iov);
+  msg.msg_iovlen = static_cast<size_t>(std::min(iovcnt, IOV_MAX));
+  for (;;) {
+    const ssize_t n = ::recvmsg(fd, &msg, deadline == kNoDeadline ? 0 : MSG_DONTWAIT);
+    if (n > 0) return static_cast<size_t>(n);
+    if (n == 0) return Err(Unavailable("connection closed by peer"));
+    if (errno == EINTR) continue;
+    if (errno != EAGAIN && errno != EWOULDBLOCK) {
+      return Err(ErrnoStatus(StatusCode::kUnavailable, "receive", errno));
+    }
+    if (deadline == kNoDeadline) return Err(DeadlineExceeded("receive timed out"));
+    FARMEM_RETURN_IF_ERROR(WaitFd(fd, POLLIN, deadline, "receive"));
+  }
+}
+
 Status SetReceiveTimeout(int fd, std::chrono::milliseconds timeout) {
   timeval tv{};
   tv.tv_sec = timeout.count() / 1000;

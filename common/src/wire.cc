@@ -630,7 +630,7 @@ Result<BatchDescriptors> DecodeBatch(std::span<const uint8_t> body, uint32_t bod
         fmt::format("BATCH of {} operations: must be 1 to {}", count, kMaxOpsPerBatch)));
   }
   BatchDescriptors d;
-  d.payload_offset = 8 + size_t{count} * kBatchOpSize;
+  d.payload_offset = BatchRequestTableSize(count);
   if (d.payload_offset > body_len) return Err(Malformed("BATCH", body));
   if (body.size() < d.payload_offset) {
     return Err(Internal("DecodeBatch needs the whole descriptor table"));
@@ -665,6 +665,38 @@ Result<BatchDescriptors> DecodeBatch(std::span<const uint8_t> body, uint32_t bod
                                   body_len, d.payload_offset + d.write_bytes)));
   }
   return d;
+}
+
+void EncodeBatchCount(uint32_t count, uint8_t out[kBatchCountSize]) {
+  const uint32_t reserved = 0;
+  std::memcpy(out, &count, 4);
+  std::memcpy(out + 4, &reserved, 4);
+}
+
+void EncodeBatchReplyTable(uint32_t count, uint8_t* out) {
+  EncodeBatchCount(count, out);
+  std::memset(out + kBatchCountSize, 0, BatchReplyTableSize(count) - kBatchCountSize);
+}
+
+void SetBatchReplyStatus(uint8_t* table, size_t i, uint16_t code) {
+  const uint32_t code32 = code;
+  std::memcpy(table + kBatchCountSize + 4 * i, &code32, 4);
+}
+
+Status DecodeBatchReplyTable(std::span<const uint8_t> table, std::span<uint16_t> codes) {
+  if (table.size() != BatchReplyTableSize(codes.size())) {
+    return ProtocolError(
+        fmt::format("BATCH reply table of {} bytes for {} operations", table.size(), codes.size()));
+  }
+  Reader r(table);
+  const uint32_t count = r.U32();
+  r.U32();
+  if (count != codes.size()) {
+    return ProtocolError(
+        fmt::format("BATCH reply counts {} operations, the request had {}", count, codes.size()));
+  }
+  for (uint16_t& code : codes) code = static_cast<uint16_t>(r.U32());
+  return Status::Ok();
 }
 
 void EncodeError(const Status& s, std::vector<uint8_t>* out) {

@@ -361,12 +361,10 @@ Connection::Next Connection::HandleBatch(const wire::FrameHeader& h) {
   const size_t pieces_before = pieces_.size(), pins_before = pins_.size();
   // Reply: header, count, reserved, one u32 status per op, then the data of the OK reads.
   const size_t at = wbuf_.size();
-  wbuf_.resize(at + wire::kHeaderSize + 8 + 4 * n);
-  uint8_t* table = wbuf_.data() + at + wire::kHeaderSize;
-  const uint32_t count = static_cast<uint32_t>(n);
-  std::memcpy(table, &count, 4);
-  std::memset(table + 4, 0, 4 + 4 * n);
-  pieces_.push_back({at, nullptr, wire::kHeaderSize + 8 + 4 * n});
+  const size_t table = wire::BatchReplyTableSize(n);
+  wbuf_.resize(at + wire::kHeaderSize + table);
+  wire::EncodeBatchReplyTable(static_cast<uint32_t>(n), wbuf_.data() + at + wire::kHeaderSize);
+  pieces_.push_back({at, nullptr, wire::kHeaderSize + table});
   uint64_t read_bytes = 0;
   auto& counters = server_->counters();
   for (size_t i = 0; i < n; ++i) {
@@ -389,13 +387,12 @@ Connection::Next Connection::HandleBatch(const wire::FrameHeader& h) {
       counters.bytes_read.fetch_add(op.length, std::memory_order_relaxed);
     }
     // wbuf_ may have moved: address the table by offset.
-    const uint32_t code32 = code;
-    std::memcpy(wbuf_.data() + at + wire::kHeaderSize + 8 + 4 * i, &code32, 4);
+    wire::SetBatchReplyStatus(wbuf_.data() + at + wire::kHeaderSize, i, code);
   }
   counters.ops.fetch_add(n, std::memory_order_relaxed);
   wire::FrameHeader r = h;
   r.flags = wire::kFlagReply;
-  r.body_len = static_cast<uint32_t>(8 + 4 * n + read_bytes);
+  r.body_len = static_cast<uint32_t>(table + read_bytes);
   wire::EncodeHeader(r, wbuf_.data() + at);
   return Next::kContinue;
 }

@@ -52,21 +52,16 @@ Status PeerReader::Start(std::span<const wire::PeerCell> cells, uint32_t length,
       return link.error();
     }
     transport::TcpConnection& conn = *(*link)->conn;
-    wire::FrameHeader h;
-    h.opcode = static_cast<uint8_t>(wire::Opcode::kRead);
-    h.request_id = conn.NextRequestId();
-    h.body_len = wire::kDataOpSize;
-    uint8_t frame[wire::kHeaderSize + wire::kDataOpSize];
-    wire::EncodeHeader(h, frame);
-    wire::EncodeDataOp({cell.lease_id, cell.offset, length}, frame + wire::kHeaderSize);
+    uint8_t op[wire::kDataOpSize];
+    wire::EncodeDataOp({cell.lease_id, cell.offset, length}, op);
     inflight_.push_back(*link);
-    ids_.push_back(h.request_id);
     names_.push_back(conn.endpoint().ToString());
-    if (Status s = SendAll(conn.socket().fd(), frame, deadline); !s.ok()) {
-      conn.MarkBroken();
+    Result<uint64_t> id = conn.Send(wire::Opcode::kRead, op, deadline);
+    if (!id.has_value()) {
       Abandon();
-      return s.WithContext("sending READ to " + names_.back());
+      return id.error().WithContext("sending READ to " + names_.back());
     }
+    ids_.push_back(*id);
   }
   return Status::Ok();
 }
@@ -75,60 +70,24 @@ Status PeerReader::Finish(size_t i, uint8_t* dst, Deadline deadline) {
   if (i >= inflight_.size() || inflight_[i] == nullptr || inflight_[i]->conn == nullptr) {
     return Internal(fmt::format("PeerReader::Finish({}) without a request in flight", i));
   }
-  transport::TcpConnection& conn = *inflight_[i]->conn;
+  Link& link = *inflight_[i];
   const std::string& name = names_[i];
-  for (;;) {
-    uint8_t hdr[wire::kHeaderSize];
-    Status s = RecvExact(conn.socket().fd(), hdr, deadline);
-    if (!s.ok()) {
-      conn.MarkBroken();
-      return s.WithContext("reading from " + name);
-    }
-    Result<wire::FrameHeader> h = wire::DecodeHeader(hdr);
-    if (!h.has_value()) {
-      conn.MarkBroken();
-      return h.error().WithContext("reply from " + name);
-    }
-    if (h->flags & wire::kFlagPush) {  // an EVICT_NOTICE meant for the client: not ours to act on
-      std::vector<uint8_t> skip(h->body_len);
-      if (s = RecvExact(conn.socket().fd(), skip, deadline); !s.ok()) {
-        conn.MarkBroken();
-        return s.WithContext("reading from " + name);
-      }
-      continue;
-    }
-    if (!h->is_reply() || h->request_id != ids_[i] ||
-        h->opcode != static_cast<uint8_t>(wire::Opcode::kRead)) {
-      conn.MarkBroken();
-      return ProtocolError(fmt::format("{} answered {} id {} where the READ id {} reply was due",
-                                       name, wire::OpcodeName(h->opcode), h->request_id, ids_[i]));
-    }
-    if (h->status != 0) {
-      std::vector<uint8_t> msg(h->body_len);
-      if (s = RecvExact(conn.socket().fd(), msg, deadline); !s.ok()) {
-        conn.MarkBroken();
-        return s.WithContext("reading from " + name);
-      }
-      return wire::DecodeError(h->status, msg).WithContext("READ on " + name);
-    }
-    if (h->body_len != length_) {
-      conn.MarkBroken();
-      return ProtocolError(
-          fmt::format("{} answered a READ of {} bytes with {}", name, length_, h->body_len));
-    }
-    s = RecvExact(conn.socket().fd(), {dst, length_}, deadline);
-    if (!s.ok()) {
-      conn.MarkBroken();
-      return s.WithContext("reading from " + name);
-    }
-    inflight_[i] = nullptr;
-    return Status::Ok();
+  Result<transport::TcpConnection::Reply> r = link.conn->Receive(ids_[i], {dst, length_}, deadline);
+  if (!r.has_value()) {
+    return r.error().WithContext((link.conn->broken() ? "reading from " : "READ on ") + name);
   }
+  if (!r->in_place) {
+    link.conn.reset();  // it broke the protocol: not trusted with the next request
+    return ProtocolError(
+        fmt::format("{} answered a READ of {} bytes with {}", name, length_, r->body_len));
+  }
+  inflight_[i] = nullptr;
+  return Status::Ok();
 }
 
 void PeerReader::Abandon() {
   for (Link* l : inflight_) {
-    if (l != nullptr && l->conn != nullptr) l->conn->MarkBroken();
+    if (l != nullptr) l->conn.reset();
   }
   inflight_.clear();
 }

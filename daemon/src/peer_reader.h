@@ -53,7 +53,7 @@ class PeerReader {
   std::string client_name_;
   std::map<std::string, Link> links_;  // by "host:port"
   // During one Start/Finish round, for cells[i]: its link, request id and "host:port". Replies
-  // on one link come back in request order, so a peer named twice is still read right.
+  // are matched by request id, so a peer named twice is still read right.
   std::vector<Link*> inflight_;
   std::vector<uint64_t> ids_;
   std::vector<std::string> names_;

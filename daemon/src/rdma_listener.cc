@@ -59,13 +59,6 @@ uint64_t TokenKey(const wire::RdmaToken& t) {
   return k;
 }
 
-// Compares without an early exit, so timing says nothing about how much of a guess was right.
-bool TokenEqual(const wire::RdmaToken& a, const wire::RdmaToken& b) {
-  uint8_t diff = 0;
-  for (size_t i = 0; i < a.size(); ++i) diff |= a[i] ^ b[i];
-  return diff == 0;
-}
-
 constexpr size_t kMaxTokens = 4096;
 
 }  // namespace
@@ -149,7 +142,7 @@ struct RdmaListener::Impl {
     PurgeExpiredTokens();
     auto [lo, hi] = tokens.equal_range(TokenKey(token));
     for (auto it = lo; it != hi; ++it) {
-      if (TokenEqual(it->second.token, token)) {
+      if (auth::MacEqual(it->second.token, token)) {  // constant time: a guess learns nothing
         const wire::ClientId client = it->second.client;
         tokens.erase(it);
         return client;

@@ -23,19 +23,7 @@ transport::TcpConnection* RemoteStore::CallConnectionFor(IoContext& io, client::
   auto& conn = io.calls[node];
   if (conn && conn->broken()) conn.reset();
   if (!conn) {
-    const client::NodeInfo info = cluster_->node(node);
-    if (!info.alive) {
-      *error = Unavailable(fmt::format("daemon {} is down", info.endpoint.ToString()));
-      return nullptr;
-    }
-    transport::ChannelOptions o;
-    o.endpoint = info.endpoint;
-    o.credentials.secret = cluster_->options().secret;
-    o.credentials.client_id = cluster_->client_id();
-    o.credentials.client_name = "farptr-parity-offload";
-    o.connect_timeout = op_timeout_;
-    o.op_timeout = op_timeout_;
-    auto c = transport::TcpConnection::Connect(o);
+    auto c = cluster_->ControlConnection(node);
     if (!c) {
       *error = c.error();
       return nullptr;
@@ -166,55 +154,23 @@ Status RemoteStore::CallAll(IoContext& io, wire::Opcode op, std::span<const clie
       note(i, err);
       break;
     }
-    wire::FrameHeader h;
-    h.opcode = static_cast<uint8_t>(op);
-    h.request_id = conn->NextRequestId();
-    h.body_len = static_cast<uint32_t>(bodies[i].size());
-    uint8_t hdr[wire::kHeaderSize];
-    wire::EncodeHeader(h, hdr);
-    iovec iov[2] = {{hdr, wire::kHeaderSize},
-                    {const_cast<uint8_t*>(bodies[i].data()), bodies[i].size()}};
-    if (Status s = SendAll(conn->socket().fd(), iov, 2, deadline); !s.ok()) {
-      conn->MarkBroken();
-      note(i, s);
+    Result<uint64_t> id = conn->Send(op, bodies[i], deadline);
+    if (!id) {
+      note(i, id.error());
       break;
     }
     io.offload_bytes_sent += wire::kHeaderSize + bodies[i].size();
     conns[i] = conn;
-    ids[i] = h.request_id;
+    ids[i] = *id;
   }
-  std::vector<uint8_t> reply;
   for (size_t i = 0; i < sent; ++i) {
-    transport::TcpConnection* conn = conns[i];
-    if (conn->broken()) {
-      note(i, Unavailable("connection broke"));
+    // The reply's body (an error's message) is all there is; a success has none to keep.
+    Result<transport::TcpConnection::Reply> r = conns[i]->Receive(ids[i], {}, deadline);
+    if (!r) {
+      note(i, r.error());
       continue;
     }
-    for (;;) {
-      uint8_t hdr[wire::kHeaderSize];
-      Status s = RecvExact(conn->socket().fd(), hdr, deadline);
-      Result<wire::FrameHeader> h = s.ok() ? wire::DecodeHeader(hdr, wire::kMaxControlBodyLen)
-                                           : Result<wire::FrameHeader>(Err(s));
-      if (h.has_value()) {
-        reply.resize(h->body_len);
-        s = RecvExact(conn->socket().fd(), reply, deadline);
-      }
-      if (!h.has_value() || !s.ok()) {
-        conn->MarkBroken();
-        note(i, h.has_value() ? s : h.error());
-        break;
-      }
-      io.offload_bytes_received += wire::kHeaderSize + h->body_len;
-      if (h->flags & wire::kFlagPush) continue;  // the Cluster's own connection acts on notices
-      if (!h->is_reply() || h->request_id != ids[i] || h->opcode != static_cast<uint8_t>(op)) {
-        conn->MarkBroken();
-        note(i, ProtocolError(fmt::format("unexpected frame {} id {} instead of the reply to id {}",
-                                          wire::OpcodeName(h->opcode), h->request_id, ids[i])));
-        break;
-      }
-      if (h->status != 0) note(i, wire::DecodeError(h->status, reply));
-      break;
-    }
+    io.offload_bytes_received += wire::kHeaderSize + r->body_len;
   }
   return first;
 }

@@ -888,6 +888,77 @@ TEST(WireBatch, RejectsEveryTruncationOfTheTable) {
   }
 }
 
+TEST(WireBatch, CountIsTheTablesFirstEightBytes) {
+  uint8_t out[kBatchCountSize];
+  std::memset(out, 0xee, sizeof(out));
+  EncodeBatchCount(0x01020304, out);
+  const uint8_t want[kBatchCountSize] = {4, 3, 2, 1, 0, 0, 0, 0};
+  EXPECT_EQ(std::memcmp(out, want, sizeof(want)), 0);
+  EXPECT_EQ(BatchRequestTableSize(3), 8 + 3 * kBatchOpSize);
+  // What a client builds from EncodeBatchCount and EncodeBatchOp is what the daemon decodes.
+  std::vector<uint8_t> body(BatchRequestTableSize(2));
+  EncodeBatchCount(2, body.data());
+  EncodeBatchOp({Opcode::kRead, 7, 9, 11}, body.data() + kBatchCountSize);
+  EncodeBatchOp({Opcode::kWrite, 5, 9, 13}, body.data() + kBatchCountSize + kBatchOpSize);
+  body.resize(body.size() + 5, 0);
+  auto d = DecodeBatch(body, static_cast<uint32_t>(body.size()));
+  ASSERT_TRUE(d.has_value()) << d.error().ToString();
+  EXPECT_EQ(d->ops.size(), 2u);
+  EXPECT_EQ(d->write_bytes, 5u);
+  EXPECT_EQ(d->read_bytes, 7u);
+}
+
+TEST(WireBatchReply, TableRoundTripsEveryStatus) {
+  const uint16_t codes[] = {0, static_cast<uint16_t>(StatusCode::kNotFound), 0, 0xffff};
+  std::vector<uint8_t> table(BatchReplyTableSize(std::size(codes)), 0xee);
+  ASSERT_EQ(table.size(), 8 + 4 * std::size(codes));
+  EncodeBatchReplyTable(static_cast<uint32_t>(std::size(codes)), table.data());
+  for (size_t i = 0; i < std::size(codes); ++i) SetBatchReplyStatus(table.data(), i, codes[i]);
+  // The layout of docs/wire-protocol.md: count u32, reserved u32, one u32 status per op.
+  Reader r(table);
+  EXPECT_EQ(r.U32(), std::size(codes));
+  EXPECT_EQ(r.U32(), 0u);
+  for (uint16_t c : codes) EXPECT_EQ(r.U32(), c);
+  uint16_t got[std::size(codes)] = {};
+  ASSERT_TRUE(DecodeBatchReplyTable(table, got).ok());
+  for (size_t i = 0; i < std::size(codes); ++i) EXPECT_EQ(got[i], codes[i]) << i;
+}
+
+TEST(WireBatchReply, FreshTableSaysEveryOpSucceeded) {
+  std::vector<uint8_t> table(BatchReplyTableSize(3), 0xee);
+  EncodeBatchReplyTable(3, table.data());
+  uint16_t got[3] = {1, 1, 1};
+  ASSERT_TRUE(DecodeBatchReplyTable(table, got).ok());
+  EXPECT_EQ(got[0] | got[1] | got[2], 0);
+}
+
+TEST(WireBatchReply, StatusIsTheLowSixteenBits) {
+  std::vector<uint8_t> table(BatchReplyTableSize(1));
+  EncodeBatchReplyTable(1, table.data());
+  const uint32_t raw = 0xabcd0005;
+  std::memcpy(table.data() + 8, &raw, 4);
+  uint16_t got[1] = {};
+  ASSERT_TRUE(DecodeBatchReplyTable(table, got).ok());
+  EXPECT_EQ(got[0], 5);
+}
+
+TEST(WireBatchReply, RejectsACountOtherThanTheRequests) {
+  std::vector<uint8_t> table(BatchReplyTableSize(2));
+  EncodeBatchReplyTable(2, table.data());
+  uint16_t three[3] = {};
+  // A table sized for three ops but counting two.
+  std::vector<uint8_t> longer(BatchReplyTableSize(3));
+  EncodeBatchReplyTable(2, longer.data());
+  Status s = DecodeBatchReplyTable(longer, three);
+  EXPECT_EQ(s.code(), StatusCode::kProtocolError) << s.ToString();
+  // A table of the wrong size for the request.
+  s = DecodeBatchReplyTable(table, three);
+  EXPECT_EQ(s.code(), StatusCode::kProtocolError) << s.ToString();
+  uint16_t one[1] = {};
+  s = DecodeBatchReplyTable(table, one);
+  EXPECT_EQ(s.code(), StatusCode::kProtocolError) << s.ToString();
+}
+
 // ---------------------------------------------------------------- errors
 
 TEST(WireError, RoundTripsCodeAndMessage) {

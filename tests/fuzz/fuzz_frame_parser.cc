@@ -7,6 +7,7 @@
 // Beyond "no crash, no UB, no leak" (ASan/UBSan), every successful decode must satisfy what
 // docs/wire-protocol.md promises (limits, printable names) and survive a re-encode unchanged;
 // a violation traps.
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
@@ -221,6 +222,23 @@ void Batch(Bytes body, uint32_t body_len) {
   }
 }
 
+// A BATCH reply as the transport reads it: the status table for the count it claims.
+void BatchReplyBody(Bytes body) {
+  Reader r(body);
+  const uint32_t count = r.U32();
+  if (!r.ok() || count == 0 || count > kMaxOpsPerBatch) return;
+  const size_t table = BatchReplyTableSize(count);
+  std::vector<uint16_t> codes(count);
+  const Status s = DecodeBatchReplyTable(body.first(std::min(table, body.size())), codes);
+  FUZZ_CHECK(s.ok() == (body.size() >= table));
+  if (!s.ok()) return;
+  std::vector<uint8_t> out(table);
+  EncodeBatchReplyTable(count, out.data());
+  for (size_t i = 0; i < count; ++i) SetBatchReplyStatus(out.data(), i, codes[i]);
+  std::vector<uint16_t> again(count);
+  FUZZ_CHECK(DecodeBatchReplyTable(out, again).ok() && again == codes);
+}
+
 void ErrorBody(uint16_t status, Bytes body) {
   const Status s = DecodeError(status, body);
   FUZZ_CHECK(!s.ok());
@@ -328,7 +346,7 @@ void Body(const FrameHeader& h, Bytes body) {
     case Opcode::kWrite:
       return Data(body);
     case Opcode::kBatch:
-      return Batch(body, h.body_len);
+      return reply ? BatchReplyBody(body) : Batch(body, h.body_len);
     case Opcode::kEvictNotice:
       return Evict(body);
     case Opcode::kRdmaToken:

@@ -182,6 +182,10 @@ class Cluster {
   transport::Channel* EnsureChannel(std::unique_ptr<transport::Channel>& slot, NodeId id,
                                     Status* error, uint64_t* opened_to = nullptr);
 
+  // A new control connection to the node, authenticated as this client, for a borrower's own
+  // requests (farptr's offload); the caller owns it. Unavailable when the node is down.
+  Result<transport::TcpConnection> ControlConnection(NodeId id);
+
   // A borrower saw a data-path error on this node: probe it now rather than at the next heartbeat.
   void ReportFailure(NodeId id, const Status& error);
 

@@ -32,7 +32,7 @@ wire::Mac ClientProof(std::string_view secret, const wire::Nonce& server_nonce,
 wire::Mac ServerProof(std::string_view secret, const wire::Nonce& server_nonce,
                       const wire::Nonce& client_nonce, const wire::ClientId& client_id);
 
-// Constant-time comparison.
+// Constant-time comparison (of MACs, and of RDMA tokens, which have the same type).
 bool MacEqual(const wire::Mac& a, const wire::Mac& b);
 
 }  // namespace farmem::auth

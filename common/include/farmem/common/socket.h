@@ -68,6 +68,9 @@ Status SendAll(int fd, std::span<const uint8_t> bytes, Deadline deadline);
 // Receives exactly out.size() bytes. Unavailable if the peer closes first; DeadlineExceeded.
 Status RecvExact(int fd, std::span<uint8_t> out, Deadline deadline);
 Status RecvExactV(int fd, iovec* iov, int iovcnt, Deadline deadline);
+// Receives what has arrived, at least one byte, at most what the iovecs hold: the number of
+// bytes. With kNoDeadline it blocks (bounded by SO_RCVTIMEO, if set); errors as RecvExact's.
+Result<size_t> RecvSome(int fd, const iovec* iov, int iovcnt, Deadline deadline);
 // Bounds blocking receives made with kNoDeadline (they then fail with DeadlineExceeded). The data
 // path uses this instead of poll()+recv: one syscall per receive.
 Status SetReceiveTimeout(int fd, std::chrono::milliseconds timeout);

@@ -27,7 +27,10 @@ inline constexpr uint32_t kMaxDataLen = 16u << 20;
 // Largest body of any frame: the biggest BATCH (descriptors + payload).
 inline constexpr uint32_t kMaxOpsPerBatch = 1024;
 inline constexpr uint32_t kBatchOpSize = 24;
-inline constexpr uint32_t kMaxBodyLen = kMaxDataLen + 8 + kMaxOpsPerBatch * kBatchOpSize;
+// A BATCH request body and its reply body both start with `count u32, reserved u32`.
+inline constexpr uint32_t kBatchCountSize = 8;
+inline constexpr uint32_t kMaxBodyLen =
+    kMaxDataLen + kBatchCountSize + kMaxOpsPerBatch * kBatchOpSize;
 inline constexpr uint32_t kMaxControlBodyLen = 64u << 10;
 inline constexpr uint32_t kMaxLeasesPerCall = 1024;
 inline constexpr size_t kMaxErrorMessage = 1024;
@@ -346,6 +349,24 @@ struct BatchDescriptors {
 };
 // `body` must hold at least the count and the whole descriptor table; body_len is the frame's.
 Result<BatchDescriptors> DecodeBatch(std::span<const uint8_t> body, uint32_t body_len);
+
+// The table a BATCH request starts with: count, reserved, `count` descriptors.
+inline constexpr size_t BatchRequestTableSize(size_t count) {
+  return kBatchCountSize + count * kBatchOpSize;
+}
+// Writes the count and reserved word; the caller puts the descriptors (EncodeBatchOp) after them.
+void EncodeBatchCount(uint32_t count, uint8_t out[kBatchCountSize]);
+
+// The table a BATCH reply starts with: count, reserved, one u32 status per descriptor (the low
+// 16 bits a status code); the data of the reads whose status is 0 follow it, in order.
+inline constexpr size_t BatchReplyTableSize(size_t count) { return kBatchCountSize + count * 4; }
+// Writes a table of `count` statuses, all 0 (BatchReplyTableSize(count) bytes at `out`).
+void EncodeBatchReplyTable(uint32_t count, uint8_t* out);
+// Sets status i of a table written by EncodeBatchReplyTable.
+void SetBatchReplyStatus(uint8_t* table, size_t i, uint16_t code);
+// Reads a reply table of codes.size() statuses (table must be BatchReplyTableSize(codes.size())
+// bytes). ProtocolError when it is not, or when its count is not codes.size().
+Status DecodeBatchReplyTable(std::span<const uint8_t> table, std::span<uint16_t> codes);
 
 // Error replies carry the Status message as body (truncated to kMaxErrorMessage).
 void EncodeError(const Status& s, std::vector<uint8_t>* out);
