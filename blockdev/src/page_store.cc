@@ -766,6 +766,10 @@ Status PageStore::MapExtent(uint64_t index) {
 }
 
 int PageStore::MinMembers() const {
+  // With a backup file every write is in the file first, so an extent no daemon can take is
+  // mapped with every member vacant: its writes stand in the file, its reads come from there, and
+  // re-protection gives it remote members (from the file) once daemons have room (Infiniswap).
+  if (!options_.backup_path.empty()) return 0;
   return options_.resilience.mode == Resilience::Mode::kErasure ? options_.resilience.k : 1;
 }
 
