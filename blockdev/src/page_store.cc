@@ -18,6 +18,8 @@ constexpr uint64_t kPage = 4096;
 constexpr uint64_t kMaxPiece = 1 << 20;
 constexpr uint64_t kRoundBytes = 2 << 20;
 constexpr int kMaxRetries = 3;
+// While ops are in flight, how often to check whether their daemon was declared down meanwhile.
+constexpr std::chrono::milliseconds kDownCheck{50};
 const std::vector<uint8_t>& ZeroBuffer() {
   static const std::vector<uint8_t> zeros(kMaxPiece, 0);
   return zeros;
@@ -498,9 +500,16 @@ class PageStore::Round {
     const Deadline deadline = DeadlineIn(ps_->options_.op_timeout);
     while (!Satisfied()) {
       if (early_ != nullptr) SettleEarly();
-      if (!ps_->PollChannels(*w_, deadline, [&](const transport::Completion& c) {
+      // Wait in slices: a daemon declared down while our ops to it are in flight (a gray failure:
+      // SIGSTOP, a partition) must not hold this round, and the extent locks, for op_timeout.
+      const Deadline slice = std::min(deadline, DeadlineIn(kDownCheck));
+      if (!ps_->PollChannels(*w_, slice, [&](const transport::Completion& c) {
             Complete(static_cast<size_t>(c.user_data), c.status);
           })) {
+        if (Clock::now() < deadline) {
+          FailOpsOnDownNodes();
+          continue;
+        }
         // Timed out: whatever is still missing failed.
         for (size_t i = 0; i < ops_.size(); ++i) {
           if (!ops_[i].done) Complete(i, DeadlineExceeded("daemon did not answer in time"));
@@ -513,6 +522,22 @@ class PageStore::Round {
 
  private:
   static constexpr size_t kMaxPieces = 64;
+
+  // Ops still waiting on a daemon the cluster has declared down fail now (Unavailable); its
+  // channel is dropped with them, so nothing can land in our buffers later.
+  void FailOpsOnDownNodes() {
+    for (client::NodeId n = 0; n < w_->channels.size(); ++n) {
+      auto& ch = w_->channels[n];
+      if (!ch || ch->outstanding() == 0 || ps_->cluster_->node(n).alive) continue;
+      for (size_t i = 0; i < ops_.size(); ++i) {
+        if (!ops_[i].done && ops_[i].node == n) {
+          Complete(i, Unavailable(fmt::format("{} was declared down while the op was in flight",
+                                              ps_->cluster_->node(n).endpoint.ToString())));
+        }
+      }
+      ch.reset();
+    }
+  }
 
   void Post(size_t piece, int member, bool write, uint64_t offset, uint8_t* local, uint32_t len) {
     Piece& p = pieces_[piece];
@@ -691,9 +716,18 @@ void PageStore::DrainStragglers(Worker& w) {
     bool any = false;
     for (auto& ch : w.channels) any = any || (ch && ch->outstanding() > 0);
     if (!any) return;
-    if (!PollChannels(w, deadline, [](const transport::Completion&) {})) {
-      ResetStuckChannels(w);
-      return;
+    if (!PollChannels(w, std::min(deadline, DeadlineIn(kDownCheck)),
+                      [](const transport::Completion&) {})) {
+      if (Clock::now() >= deadline) {
+        ResetStuckChannels(w);
+        return;
+      }
+      // Stragglers on a daemon declared down are not worth waiting for (see Round::Run).
+      for (client::NodeId n = 0; n < w.channels.size(); ++n) {
+        if (w.channels[n] && w.channels[n]->outstanding() > 0 && !cluster_->node(n).alive) {
+          w.channels[n].reset();
+        }
+      }
     }
   }
 }

@@ -585,10 +585,24 @@ Status Cluster::Free(std::span<const Lease> leases) {
                                 internal::FormatLeaseIds(ids), id, node_count())));
       continue;
     }
-    std::lock_guard call(node->call_mu);
     std::vector<uint64_t> send;
     std::vector<uint64_t> unknown;
+    // None of them held there (lost with the node, or unknown): nothing to send, so do not wait
+    // for call_mu, which a reconnect to a hung daemon holds for up to connect_timeout.
+    bool nothing_to_send = false;
     {
+      std::lock_guard lock(mu_);
+      nothing_to_send =
+          std::ranges::none_of(ids, [&](uint64_t l) { return node->leases.contains(l); });
+      if (nothing_to_send) {
+        for (uint64_t lease_id : ids) {
+          if (node->lost.erase(lease_id) == 0) unknown.push_back(lease_id);
+        }
+      }
+    }
+    std::unique_lock call(node->call_mu, std::defer_lock);
+    if (!nothing_to_send) call.lock();
+    if (!nothing_to_send) {
       std::lock_guard lock(mu_);
       for (uint64_t lease_id : ids) {
         if (node->leases.erase(lease_id) > 0) {

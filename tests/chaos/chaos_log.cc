@@ -19,13 +19,19 @@ const std::regex kDownPatterns[] = {
 };
 
 // One line per member re-protected: the page store's rebuild (blockdev/src/page_store.cc,
-// RebuildExtent), far_ptr's re-protection (farptr/src/remote_store.cc). Issue 11 adds
-// re-protection onto returning daemons; if it logs another line, add its pattern here.
+// RebuildExtent: "page store: extent 3 member 1 rebuilt on 127.0.0.1:4711 (1 MiB)"), far_ptr's
+// re-protection (farptr/src/remote_store.cc: "far memory: slab group 6 member 1 re-protected on
+// 127.0.0.1:4711 (12 span sets rebuilt in 3 ms; 5012 ms after it went missing)").
 const std::regex kReprotectPatterns[] = {
     std::regex(R"(page store: extent \d+ member \d+ rebuilt on)"),
-    std::regex(R"(page store: extent \d+ member \d+ re-?protected)"),
     std::regex(R"(far memory: slab group \d+ member \d+ re-protected on)"),
 };
+
+// The page store's end of a degraded episode (page_store.cc, Reprotect): "page store: every
+// extent is whole again: 8 extents re-protected, 16 MiB written to new members in 412 ms
+// (degraded for 5230 ms)". Every fault before it is re-protected.
+const std::regex kWholePattern(
+    R"(page store: every extent is whole again: (\d+) extents re-protected, .* in (\d+) ms \(degraded for (\d+) ms\))");
 
 // "far memory: slab group 6 member 1 (127.0.0.1:45751, lease 1412680156006318084) failed: ..."
 // (farptr/src/remote_store.cc).
@@ -37,7 +43,7 @@ const std::regex kLostPattern(
     R"(page store: \d+ pages of extent \d+ \(export bytes (\d+)\.\.(\d+)\) are LOST)");
 
 const std::regex kNotable(
-    R"(is down|is up|restarted|rebuilt|re-?protect|degraded|LOST|lost members|\[error\]|\[warning\])");
+    R"(is down|is up|restarted|rebuilt|re-?protect|whole again|degraded|LOST|lost members|\[error\]|\[warning\])");
 
 // "[2026-12-01 12:13:53.123] ..." in local time.
 std::optional<int64_t> ParseTimestamp(const std::string& line) {
@@ -118,6 +124,18 @@ std::vector<int64_t> ReprotectTimes(const std::vector<LogLine>& log) {
         out.push_back(l.ms);
         break;
       }
+    }
+  }
+  return out;
+}
+
+std::vector<WholeEvent> WholeEvents(const std::vector<LogLine>& log) {
+  std::vector<WholeEvent> out;
+  for (const LogLine& l : log) {
+    std::smatch m;
+    if (std::regex_search(l.text, m, kWholePattern)) {
+      out.push_back(WholeEvent{l.ms, std::stoull(m[1].str()), std::stoull(m[2].str()),
+                               std::stoull(m[3].str())});
     }
   }
   return out;

@@ -5,7 +5,8 @@
 // Every line farmem logs through spdlog starts with a wall-clock timestamp
 // "[YYYY-mm-dd HH:MM:SS.mmm]"; the chaos driver records the wall-clock time of each fault and
 // compares. What the programs say is matched by the patterns in chaos_log.cc (kDownPatterns,
-// kReprotectPatterns, kLostPattern): when a log line changes, adapt it there, in one place.
+// kReprotectPatterns, kWholePattern, kLostPattern): when a log line changes, adapt it there, in
+// one place.
 //
 // Used by the driver's main thread only.
 #pragma once
@@ -43,6 +44,16 @@ uint64_t FailedMembers(const std::vector<LogLine>& log, const std::string& endpo
 
 // Times of the lines that say one member (a lease's worth of data) was re-protected.
 std::vector<int64_t> ReprotectTimes(const std::vector<LogLine>& log);
+
+// The page store said every extent is whole again at `ms`: the degraded episode that began
+// `degraded_ms` before ended, `extents` extents were re-protected in the last `reprotect_ms`.
+struct WholeEvent {
+  int64_t ms = 0;
+  uint64_t extents = 0;
+  uint64_t reprotect_ms = 0;
+  uint64_t degraded_ms = 0;
+};
+std::vector<WholeEvent> WholeEvents(const std::vector<LogLine>& log);
 
 // Export byte ranges [begin, end) farmem-nbd reported LOST.
 struct LostRange {

@@ -82,13 +82,15 @@ struct FaultTimes {
 
 // A burst's re-protection lines are those from its first fault to the next burst. They are
 // credited to the burst's faults in order: fault j is re-protected when the lines reach the
-// members needed by faults 0..j of the burst.
+// members needed by faults 0..j of the burst, or when the page store says every extent is whole
+// again (after the fault was detected, before the next burst), whichever comes first.
 // `recovered`: faults [0, recovered) are known re-protected (the far_ptr runtime said so): each
 // is complete at the last re-protection line of its burst (or at its detection if none).
 std::vector<FaultTimes> Analyze(const std::vector<Fault>& faults, const std::vector<LogLine>& log,
                                 size_t recovered) {
   const std::vector<DownEvent> downs = DownEvents(log);
   const std::vector<int64_t> reprotects = ReprotectTimes(log);
+  const std::vector<WholeEvent> wholes = WholeEvents(log);
   std::vector<FaultTimes> out(faults.size());
   // Log timestamps have millisecond resolution: allow a few ms of rounding.
   constexpr int64_t kSlack = 5;
@@ -130,6 +132,16 @@ std::vector<FaultTimes> Analyze(const std::vector<Fault>& faults, const std::vec
     } else if (f < recovered) {
       t.reprotect =
           lines.empty() ? *t.detect : std::max<int64_t>(lines.back() - faults[f].ms, *t.detect);
+    }
+    // The page store says when every extent is whole again: that ends the burst's re-protection,
+    // however many leases the fault cost (a lease of an unmapped extent needs no rebuild).
+    auto whole = std::ranges::find_if(wholes, [&](const WholeEvent& w) {
+      return w.ms >= faults[f].ms + *t.detect - kSlack && w.ms < until;
+    });
+    if (whole != wholes.end()) {
+      const int64_t at = std::max<int64_t>(whole->ms - faults[f].ms, *t.detect);
+      t.done = t.needed;
+      t.reprotect = t.reprotect ? std::min(*t.reprotect, at) : at;
     }
   }
   return out;

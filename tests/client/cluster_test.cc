@@ -461,6 +461,42 @@ TEST(Cluster, HungDaemonIsDeclaredDownAndItsLeasesAreReturnedWhenItWakes) {
   EXPECT_EQ(FreeSlabs(*c, 1), 16u);
 }
 
+// Freeing a lease lost with a hung (SIGSTOPped) daemon has nothing to send: it must not wait for
+// the background thread's reconnect attempt to that daemon (up to connect_timeout, 5 s here). The
+// page store frees the old member of a rebuilt extent while it holds the extent: waiting here
+// held requests and the rest of the re-protection until the daemon woke up (chaos replicate2-gray).
+TEST(Cluster, FreeingLeasesLostWithAHungDaemonDoesNotWaitForItsReconnect) {
+  DaemonSet daemons;
+  ASSERT_TRUE(daemons.Start(2).ok());
+  auto c = MustConnect(OptionsFor(daemons), daemons);
+  ASSERT_TRUE(c);
+  auto log = Record(*c);
+  auto leases = c->AllocateGroup(2);
+  ASSERT_TRUE(leases.has_value()) << leases.error().ToString();
+  const Lease lost = (*leases)[0].node == 1 ? (*leases)[0] : (*leases)[1];
+  ASSERT_EQ(lost.node, 1u);
+
+  daemons[1].Pause();  // accepts TCP connections, answers nothing: a reconnect waits it out
+  auto down = log->WaitFor(EventType::kNodeDown, 1, kFailureTimeout + kSlack);
+  ASSERT_TRUE(down.has_value()) << "no kNodeDown for a hung daemon";
+  // Reconnects start every reconnect_interval (200 ms) after the node is down and each waits up
+  // to connect_timeout: free (again and again: the later calls find the lease already gone)
+  // through several of those windows.
+  const auto until = Clock::now() + 6 * OptionsFor(daemons).reconnect_interval;
+  auto slowest = Clock::duration::zero();
+  int calls = 0;
+  while (Clock::now() < until) {
+    const auto t0 = Clock::now();
+    Status s = c->Free({&lost, 1});
+    slowest = std::max(slowest, Clock::now() - t0);
+    if (calls++ == 0) EXPECT_TRUE(s.ok()) << s.ToString();
+  }
+  daemons[1].Resume();
+  EXPECT_LT(slowest, milliseconds(500))
+      << "Free of a lost lease waited " << std::chrono::duration_cast<milliseconds>(slowest).count()
+      << " ms for the hung daemon (" << calls << " calls)";
+}
+
 TEST(Cluster, ReportFailureProbesAtOnce) {
   DaemonSet daemons;
   ASSERT_TRUE(daemons.Start(2).ok());

@@ -381,6 +381,44 @@ TEST_F(PageStoreTest, OpsOnAnsweringDaemonsAreReportedWhileAnotherIsStopped) {
   VerifyAll();
 }
 
+// Writes whose replica sits on a stopped (SIGSTOP) daemon end once the cluster declares it down
+// (failure_timeout, 600 ms here), not after op_timeout (10 s here): the round must not hold the
+// request, and the extent against its rebuild, for as long as the daemon stays stopped.
+TEST_F(PageStoreTest, WritesToAStoppedDaemonEndWhenItIsDeclaredDownNotAtOpTimeout) {
+  StartDaemons(3);
+  PageStoreOptions o;
+  o.size = kExport;
+  o.resilience = *Resilience::Parse("replicate:2");
+  o.op_timeout = std::chrono::milliseconds(10000);
+  auto ps = PageStore::Create(cluster_.get(), o);
+  ASSERT_TRUE(ps.has_value()) << ps.error().ToString();
+  store_ = std::move(*ps);
+  shadow_.assign(kExport, 0);
+  const uint64_t extent = store_->extent_bytes();
+  std::vector<uint8_t> page(4096, 0x3c);
+  for (uint64_t off = 0; off < kExport; off += extent) {
+    ASSERT_TRUE(store_->Write(off, page, false).ok());
+    std::memcpy(shadow_.data() + off, page.data(), page.size());
+  }
+  const pid_t stopped = (*daemons_)[1].pid();
+  ASSERT_EQ(0, ::kill(stopped, SIGSTOP));
+  ASSERT_TRUE(WaitFor([&] { return ProcessState(stopped) == 'T'; }, std::chrono::seconds(10)))
+      << "the daemon did not stop: state " << ProcessState(stopped);
+  std::fill(page.begin(), page.end(), 0xc3);
+  const auto t0 = Clock::now();
+  for (uint64_t off = 0; off < kExport; off += extent) {
+    Status s = store_->Write(off + 4096, page, false);
+    ASSERT_TRUE(s.ok()) << s.ToString();
+    std::memcpy(shadow_.data() + off + 4096, page.data(), page.size());
+  }
+  const auto took = Clock::now() - t0;
+  ::kill(stopped, SIGCONT);
+  EXPECT_LT(took, std::chrono::milliseconds(5000))
+      << "writes waited for the stopped daemon: "
+      << std::chrono::duration_cast<std::chrono::milliseconds>(took).count() << " ms";
+  VerifyAll();
+}
+
 TEST_F(PageStoreTest, NoneWithoutBackupReportsLostPages) {
   StartDaemons(2);
   Open("none");
