@@ -87,7 +87,7 @@ void Cluster::Heartbeat(Node& node) {
   // A user call in flight holds the connection; it counts as contact, and its failure reports
   // itself. Skip this node for this round rather than hold up everyone else's heartbeat.
   if (!internal::LockWithin(&node.call_mu, options_.heartbeat_interval)) return;
-  internal::AdoptedLock call(&node.call_mu);
+  MutexLock call(&node.call_mu, kAdoptLock);
 
   Clock::time_point deadline;
   {
@@ -176,7 +176,7 @@ void Cluster::Heartbeat(Node& node) {
 
 void Cluster::Reconnect(Node& node) {
   if (!internal::LockWithin(&node.call_mu, options_.heartbeat_interval)) return;
-  internal::AdoptedLock call(&node.call_mu);
+  MutexLock call(&node.call_mu, kAdoptLock);
   {
     MutexLock lock(&mu_);
     if (node.alive) return;

@@ -73,18 +73,6 @@ inline bool LockWithin(Mutex* mu, std::chrono::milliseconds timeout) TRY_ACQUIRE
   return true;
 }
 
-// Releases, at the end of its scope, a Mutex the caller already holds (one LockWithin took).
-class SCOPED_CAPABILITY AdoptedLock {
- public:
-  explicit AdoptedLock(Mutex* mu) REQUIRES(mu) : mu_(mu) {}
-  ~AdoptedLock() RELEASE() { mu_->Unlock(); }
-  AdoptedLock(const AdoptedLock&) = delete;
-  AdoptedLock& operator=(const AdoptedLock&) = delete;
-
- private:
-  Mutex* mu_;
-};
-
 // Set on the background thread to its Cluster, so Close()/Unsubscribe() can tell they are being
 // called from an event callback.
 inline thread_local const void* t_monitor_of = nullptr;
