@@ -308,8 +308,9 @@ Status Cluster::CheckOpen() const {
 
 Result<std::vector<uint8_t>> Cluster::CallLocked(Node& node, wire::Opcode op,
                                                  std::span<const uint8_t> body) {
-  node.call_mu
-      .AssertHeld();  // every caller holds it (Node is incomplete in cluster.h: no REQUIRES)
+  // Every caller holds call_mu; REQUIRES(node.call_mu) cannot be written in cluster.h, where
+  // Node is incomplete.
+  node.call_mu.AssertHeld();
   if (!node.conn) {
     MutexLock lock(&mu_);
     const std::string why = node.last_error.ok() ? "" : ": " + node.last_error.ToString();
@@ -383,8 +384,9 @@ Result<Lease> Cluster::AllocOn(Node& node) {
 }
 
 Status Cluster::SendFreeLocked(Node& node, std::span<const uint64_t> ids) {
-  node.call_mu
-      .AssertHeld();  // every caller holds it (Node is incomplete in cluster.h: no REQUIRES)
+  // Every caller holds call_mu; REQUIRES(node.call_mu) cannot be written in cluster.h, where
+  // Node is incomplete.
+  node.call_mu.AssertHeld();
   Status first;
   for (size_t pos = 0; pos < ids.size(); pos += wire::kMaxLeasesPerCall) {
     const auto chunk =

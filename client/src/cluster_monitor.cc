@@ -213,8 +213,9 @@ void Cluster::Reconnect(Node& node) {
 }
 
 bool Cluster::Adopt(Node& node, TcpConnection conn) {
-  node.call_mu
-      .AssertHeld();  // every caller holds it (Node is incomplete in cluster.h: no REQUIRES)
+  // Every caller holds call_mu; REQUIRES(node.call_mu) cannot be written in cluster.h, where
+  // Node is incomplete.
+  node.call_mu.AssertHeld();
   const uint64_t daemon_id = conn.hello().node_id;
   const Clock::time_point now = Clock::now();
   MutexLock lock(&mu_);
@@ -257,8 +258,9 @@ bool Cluster::Adopt(Node& node, TcpConnection conn) {
 }
 
 void Cluster::MarkDown(Node& node, Status reason) {
-  node.call_mu
-      .AssertHeld();  // every caller holds it (Node is incomplete in cluster.h: no REQUIRES)
+  // Every caller holds call_mu; REQUIRES(node.call_mu) cannot be written in cluster.h, where
+  // Node is incomplete.
+  node.call_mu.AssertHeld();
   node.conn.reset();
   MutexLock lock(&mu_);
   if (!node.alive) return;
@@ -277,8 +279,9 @@ void Cluster::MarkDown(Node& node, Status reason) {
 }
 
 void Cluster::RetryPendingFreesLocked(Node& node) {
-  node.call_mu
-      .AssertHeld();  // every caller holds it (Node is incomplete in cluster.h: no REQUIRES)
+  // Every caller holds call_mu; REQUIRES(node.call_mu) cannot be written in cluster.h, where
+  // Node is incomplete.
+  node.call_mu.AssertHeld();
   std::vector<uint64_t> ids;
   {
     MutexLock lock(&mu_);
@@ -297,8 +300,9 @@ void Cluster::RetryPendingFreesLocked(Node& node) {
 }
 
 void Cluster::CollectPushes(Node& node) {
-  node.call_mu
-      .AssertHeld();  // every caller holds it (Node is incomplete in cluster.h: no REQUIRES)
+  // Every caller holds call_mu; REQUIRES(node.call_mu) cannot be written in cluster.h, where
+  // Node is incomplete.
+  node.call_mu.AssertHeld();
   if (!node.conn) return;
   for (const std::vector<uint8_t>& body : node.conn->TakePushes()) {
     auto notice = wire::DecodeEvictNotice(body);
