@@ -14,14 +14,13 @@
 
 #include <liburing.h>
 
-#include <condition_variable>
 #include <cstdint>
 #include <memory>
-#include <mutex>
 #include <span>
 #include <string>
 #include <vector>
 
+#include "farmem/common/mutex.h"
 #include "farmem/common/status.h"
 
 namespace farmem::blockdev {
@@ -51,9 +50,9 @@ class BackupFile {
   static constexpr size_t kSlot = 128 << 10;  // one registered buffer; larger writes are split
 
   BackupFile() = default;
-  // Reaps completions; with wait, blocks for at least one. Caller holds mu_.
-  Status ReapLocked(std::unique_lock<std::mutex>& lock, bool wait);
-  bool OverlapsInFlightLocked(uint64_t offset, uint64_t length) const;
+  // Reaps completions; with wait, blocks for at least one (mu_ is released while it blocks).
+  Status ReapLocked(bool wait) REQUIRES(mu_);
+  bool OverlapsInFlightLocked(uint64_t offset, uint64_t length) const REQUIRES(mu_);
 
   std::string path_;
   int fd_ = -1;
@@ -69,12 +68,12 @@ class BackupFile {
     uint64_t length = 0;
     bool busy = false;
   };
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::vector<InFlight> inflight_;  // GUARDED_BY(mu_), one per slot
-  std::vector<size_t> free_slots_;  // GUARDED_BY(mu_)
-  bool reaping_ = false;            // GUARDED_BY(mu_): a thread waits in io_uring_wait_cqe
-  Status error_;                    // GUARDED_BY(mu_): first failed write, sticky
+  Mutex mu_;
+  CondVar cv_;
+  std::vector<InFlight> inflight_ GUARDED_BY(mu_);  // one per slot
+  std::vector<size_t> free_slots_ GUARDED_BY(mu_);
+  bool reaping_ GUARDED_BY(mu_) = false;  // a thread waits in io_uring_wait_cqe
+  Status error_ GUARDED_BY(mu_);          // first failed write, sticky
 };
 
 }  // namespace farmem::blockdev

@@ -3,8 +3,8 @@
 #include <fmt/format.h>
 
 #include <algorithm>
-#include <condition_variable>
-#include <mutex>
+
+#include "farmem/common/mutex.h"
 
 namespace farmem::blockdev {
 namespace {
@@ -88,16 +88,16 @@ Result<ExportCapacity> SurveyExportCapacity(client::Cluster& cluster, uint64_t s
                                             const Resilience& resilience,
                                             std::chrono::milliseconds wait) {
   // Wait on the cluster's own node-up events, not on a clock.
-  std::mutex mu;
-  std::condition_variable cv;
+  Mutex mu;
+  CondVar cv;
   const client::SubscriptionId sub = cluster.Subscribe([&](const client::Event& ev) {
     if (ev.type != client::EventType::kNodeUp) return;
-    std::lock_guard lock(mu);
-    cv.notify_all();
+    MutexLock lock(&mu);
+    cv.SignalAll();
   });
   {
-    std::unique_lock lock(mu);
-    cv.wait_for(lock, wait, [&] { return cluster.alive_count() == cluster.node_count(); });
+    MutexLock lock(&mu);
+    cv.WaitFor(&mu, wait, [&] { return cluster.alive_count() == cluster.node_count(); });
   }
   cluster.Unsubscribe(sub);
 

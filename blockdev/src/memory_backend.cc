@@ -5,7 +5,6 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
-#include <mutex>
 
 #include "farmem/blockdev/block_backend.h"
 
@@ -42,12 +41,12 @@ void MemoryBackend::ForEachRegion(uint64_t offset, uint64_t length, Fn&& fn) {
   while (length > 0) {
     const uint64_t region_end = ((offset >> kRegionShift) + 1) << kRegionShift;
     const uint64_t n = std::min(length, region_end - offset);
-    std::shared_mutex& mu = StripeFor(offset);
+    SharedMutex& mu = StripeFor(offset);
     if constexpr (kExclusive) {
-      std::unique_lock lock(mu);
+      WriterLock lock(&mu);
       fn(offset, n);
     } else {
-      std::shared_lock lock(mu);
+      ReaderLock lock(&mu);
       fn(offset, n);
     }
     offset += n;

@@ -180,7 +180,7 @@ Status NbdServer::AdoptListener(int fd) {
 Status NbdServer::Start() {
   if (wake_fd_ < 0) return ErrnoStatus(StatusCode::kIoError, "eventfd", errno);
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     if (stopping_) return Aborted("server is stopping");
   }
   if (accept_started_) return InvalidArgument("server already started");
@@ -214,7 +214,7 @@ uint16_t NbdServer::tcp_port(size_t i) const {
 }
 
 size_t NbdServer::active_connections() const {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   size_t n = 0;
   for (const auto& slot : slots_) n += slot->done.load() ? 0 : 1;
   return n;
@@ -240,7 +240,7 @@ void NbdServer::AcceptLoop() {
       uint64_t v;
       [[maybe_unused]] ssize_t r = ::read(wake_fd_, &v, sizeof(v));
       {
-        std::lock_guard lock(mu_);
+        MutexLock lock(&mu_);
         if (stopping_) return;
       }
       ReapFinished();
@@ -270,7 +270,7 @@ Status NbdServer::Serve(int fd) { return AddConnection(fd, PeerName(fd)); }
 
 Status NbdServer::AddConnection(int fd, std::string peer) {
   ReapFinished();
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   if (stopping_) {
     ::close(fd);
     return Aborted("server is stopping");
@@ -310,7 +310,7 @@ Status NbdServer::AddConnection(int fd, std::string peer) {
 void NbdServer::ReapFinished() {
   std::vector<std::unique_ptr<ConnectionSlot>> finished;
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     for (auto it = slots_.begin(); it != slots_.end();) {
       if ((*it)->done.load()) {
         finished.push_back(std::move(*it));
@@ -328,7 +328,7 @@ void NbdServer::ReapFinished() {
 
 void NbdServer::Stop() {
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     if (stopped_) return;
     stopping_ = true;
     stopped_ = true;
@@ -350,7 +350,7 @@ void NbdServer::Stop() {
   for (;;) {
     bool all_done = true;
     {
-      std::lock_guard lock(mu_);
+      MutexLock lock(&mu_);
       for (const auto& slot : slots_) all_done = all_done && slot->done.load();
       if (!all_done && std::chrono::steady_clock::now() >= deadline) {
         // A client that does not read its replies keeps its thread waiting to send (up to
@@ -364,7 +364,7 @@ void NbdServer::Stop() {
   }
   std::vector<std::unique_ptr<ConnectionSlot>> all;
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     all.swap(slots_);
   }
   for (auto& slot : all) {

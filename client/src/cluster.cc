@@ -186,7 +186,7 @@ Status Cluster::Start() {
   bool same_code = true;
   std::vector<std::pair<Node*, TcpConnection>> adopted;
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     const auto now = Clock::now();
     for (size_t i = 0; i < peers.size(); ++i) {
       Result<TcpConnection>& r = *dialed[i];
@@ -223,7 +223,7 @@ Status Cluster::Start() {
     }
   }
   for (auto& [n, conn] : adopted) {
-    std::lock_guard call(n->call_mu);  // lock order: call_mu is never taken under mu_
+    MutexLock call(&n->call_mu);  // lock order: call_mu is never taken under mu_
     n->conn.emplace(std::move(conn));
   }
   if (alive_count() == 0) {
@@ -250,12 +250,12 @@ Cluster::Node* Cluster::AddNode(const Endpoint& ep) {
 }
 
 Cluster::Node* Cluster::FindNode(NodeId id) const {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   return id < nodes_.size() ? nodes_[id].get() : nullptr;
 }
 
 std::vector<NodeId> Cluster::AliveNodes() const {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   std::vector<NodeId> out;
   for (const auto& n : nodes_) {
     if (n->alive) out.push_back(n->id);
@@ -264,14 +264,14 @@ std::vector<NodeId> Cluster::AliveNodes() const {
 }
 
 size_t Cluster::node_count() const {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   return nodes_.size();
 }
 
 size_t Cluster::alive_count() const { return AliveNodes().size(); }
 
 NodeInfo Cluster::node(NodeId id) const {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   NodeInfo info;
   info.id = id;
   if (id >= nodes_.size()) {
@@ -299,7 +299,7 @@ std::vector<NodeInfo> Cluster::nodes() const {
 }
 
 Status Cluster::CheckOpen() const {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   if (closed_) return Aborted("the farmem cluster client is closed");
   return Status::Ok();
 }
@@ -308,8 +308,11 @@ Status Cluster::CheckOpen() const {
 
 Result<std::vector<uint8_t>> Cluster::CallLocked(Node& node, wire::Opcode op,
                                                  std::span<const uint8_t> body) {
+  // Every caller holds call_mu; REQUIRES(node.call_mu) cannot be written in cluster.h, where
+  // Node is incomplete.
+  node.call_mu.AssertHeld();
   if (!node.conn) {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     const std::string why = node.last_error.ok() ? "" : ": " + node.last_error.ToString();
     return Err(Unavailable(
         fmt::format("{} is {}{}", node.name(), node.alive ? "reconnecting" : "down", why)));
@@ -317,7 +320,7 @@ Result<std::vector<uint8_t>> Cluster::CallLocked(Node& node, wire::Opcode op,
   auto reply = node.conn->Call(op, body, options_.op_timeout);
   CollectPushes(node);
   if (reply) {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     node.last_contact = Clock::now();
     return reply;
   }
@@ -331,35 +334,35 @@ Result<std::vector<uint8_t>> Cluster::CallLocked(Node& node, wire::Opcode op,
   if (transport_failure) {
     node.conn.reset();
     {
-      std::lock_guard lock(mu_);
+      MutexLock lock(&mu_);
       node.last_error = err;
       node.probe = true;
       probe_requested_ = true;
     }
-    wake_.notify_all();
+    wake_.SignalAll();
   }
   return Err(std::move(err));
 }
 
 Result<wire::StatReply> Cluster::StatNode(Node& node) {
-  std::lock_guard call(node.call_mu);
+  MutexLock call(&node.call_mu);
   FARMEM_ASSIGN_OR_RETURN(auto body, CallLocked(node, wire::Opcode::kStat, {}));
   auto stat = wire::DecodeStatReply(body);
   if (!stat) return Err(stat.error().WithContext(fmt::format("STAT reply from {}", node.name())));
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   node.stat = *stat;
   return *stat;
 }
 
 Result<Lease> Cluster::AllocOn(Node& node) {
-  std::lock_guard call(node.call_mu);
+  MutexLock call(&node.call_mu);
   std::vector<uint8_t> req;
   wire::EncodeAlloc(wire::AllocRequest{1}, &req);
   FARMEM_ASSIGN_OR_RETURN(auto body, CallLocked(node, wire::Opcode::kAlloc, req));
   auto reply = wire::DecodeAllocReply(body);
   if (!reply)
     return Err(reply.error().WithContext(fmt::format("ALLOC reply from {}", node.name())));
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   // A reply that grants more (or other) than asked is a daemon bug: give back the extras.
   for (size_t i = 1; i < reply->leases.size(); ++i) {
     node.to_free.push_back(reply->leases[i].lease_id);
@@ -381,6 +384,9 @@ Result<Lease> Cluster::AllocOn(Node& node) {
 }
 
 Status Cluster::SendFreeLocked(Node& node, std::span<const uint64_t> ids) {
+  // Every caller holds call_mu; REQUIRES(node.call_mu) cannot be written in cluster.h, where
+  // Node is incomplete.
+  node.call_mu.AssertHeld();
   Status first;
   for (size_t pos = 0; pos < ids.size(); pos += wire::kMaxLeasesPerCall) {
     const auto chunk =
@@ -403,7 +409,7 @@ Status Cluster::SendFreeLocked(Node& node, std::span<const uint64_t> ids) {
         }
         if (first.ok()) first = r1.error();
         if (!node.conn) {
-          std::lock_guard lock(mu_);
+          MutexLock lock(&mu_);
           node.to_free.insert(node.to_free.end(), ids.begin() + pos + i, ids.end());
           return first;
         }
@@ -413,7 +419,7 @@ Status Cluster::SendFreeLocked(Node& node, std::span<const uint64_t> ids) {
     if (first.ok()) first = r.error();
     if (!node.conn) {
       // The connection failed: whatever was not confirmed is freed once the daemon answers.
-      std::lock_guard lock(mu_);
+      MutexLock lock(&mu_);
       node.to_free.insert(node.to_free.end(), ids.begin() + pos, ids.end());
       return first;
     }
@@ -437,7 +443,7 @@ Result<Lease> Cluster::PlaceOne(const std::vector<bool>& exclude) {
   std::vector<NodeId> candidates;
   std::vector<NodeId> picks;
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     for (const auto& n : nodes_) {
       if (n->alive && !excluded(n->id)) candidates.push_back(n->id);
     }
@@ -480,7 +486,7 @@ Result<Lease> Cluster::PlaceOne(const std::vector<bool>& exclude) {
     if (id >= tried.size() || !tried[id]) rest.push_back(id);
   }
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     std::shuffle(rest.begin(), rest.end(), rng_);  // ties among the rest broken at random
   }
   if (auto lease = try_in_order(rest)) return *lease;
@@ -488,7 +494,7 @@ Result<Lease> Cluster::PlaceOne(const std::vector<bool>& exclude) {
   std::string counts;
   bool any_alive = false;
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     for (const auto& n : nodes_) {
       any_alive = any_alive || n->alive;
       if (!counts.empty()) counts += ", ";
@@ -532,7 +538,7 @@ Result<std::vector<Lease>> Cluster::AllocateGroup(size_t n) {
   size_t total = 0;
   size_t alive = 0;
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     total = nodes_.size();
     for (const auto& node : nodes_) {
       if (node->alive) {
@@ -590,8 +596,15 @@ Status Cluster::Free(std::span<const Lease> leases) {
     // None of them held there (lost with the node, or unknown): nothing to send, so do not wait
     // for call_mu, which a reconnect to a hung daemon holds for up to connect_timeout.
     bool nothing_to_send = false;
+    auto note_unknown = [&] {
+      if (unknown.empty()) return;
+      note(
+          NotFound(fmt::format("leases {} on {} are not held by this client (never granted or "
+                               "already freed)",
+                               internal::FormatLeaseIds(unknown), node->name())));
+    };
     {
-      std::lock_guard lock(mu_);
+      MutexLock lock(&mu_);
       nothing_to_send =
           std::ranges::none_of(ids, [&](uint64_t l) { return node->leases.contains(l); });
       if (nothing_to_send) {
@@ -600,10 +613,13 @@ Status Cluster::Free(std::span<const Lease> leases) {
         }
       }
     }
-    std::unique_lock call(node->call_mu, std::defer_lock);
-    if (!nothing_to_send) call.lock();
-    if (!nothing_to_send) {
-      std::lock_guard lock(mu_);
+    if (nothing_to_send) {
+      note_unknown();
+      continue;
+    }
+    MutexLock call(&node->call_mu);
+    {
+      MutexLock lock(&mu_);
       for (uint64_t lease_id : ids) {
         if (node->leases.erase(lease_id) > 0) {
           send.push_back(lease_id);
@@ -615,12 +631,7 @@ Status Cluster::Free(std::span<const Lease> leases) {
         node->to_free.insert(node->to_free.end(), send.begin(), send.end());
       }
     }
-    if (!unknown.empty()) {
-      note(
-          NotFound(fmt::format("leases {} on {} are not held by this client (never granted or "
-                               "already freed)",
-                               internal::FormatLeaseIds(unknown), node->name())));
-    }
+    note_unknown();
     if (send.empty()) continue;
     if (!node->conn) {
       note(
@@ -643,7 +654,7 @@ transport::Channel* Cluster::EnsureChannel(std::unique_ptr<transport::Channel>& 
   if (slot && slot->broken()) slot.reset();
   uint64_t daemon_id = 0;
   if (opened_to != nullptr) {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     if (id < nodes_.size()) daemon_id = nodes_[id]->daemon_id;
   }
   if (slot && opened_to != nullptr && *opened_to != daemon_id) slot.reset();
@@ -672,7 +683,7 @@ Result<std::unique_ptr<transport::Channel>> Cluster::OpenChannel(NodeId id) {
   }
   uint32_t features = 0;
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     if (!node->alive) {
       return Err(
           Unavailable(fmt::format("{} is down: {}", node->name(), node->last_error.ToString())));
@@ -725,14 +736,14 @@ void Cluster::ReportFailure(NodeId id, const Status& error) {
   Node* node = FindNode(id);
   if (node == nullptr) return;
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     if (closed_ || stopping_ || !node->alive) return;
     spdlog::info("farmem client: data path error on {}: {}; probing it", node->name(),
                  error.ToString());
     node->probe = true;
     probe_requested_ = true;
   }
-  wake_.notify_all();
+  wake_.SignalAll();
 }
 
 // ---- shutdown ----
@@ -741,14 +752,14 @@ Status Cluster::FreeAll() {
   Status first;
   std::vector<Node*> all;
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     for (const auto& n : nodes_) all.push_back(n.get());
   }
   for (Node* node : all) {
-    std::lock_guard call(node->call_mu);
+    MutexLock call(&node->call_mu);
     std::vector<uint64_t> ids;
     {
-      std::lock_guard lock(mu_);
+      MutexLock lock(&mu_);
       ids.assign(node->leases.begin(), node->leases.end());
       if (node->alive) ids.insert(ids.end(), node->to_free.begin(), node->to_free.end());
       node->leases.clear();
@@ -771,30 +782,30 @@ Status Cluster::Close() {
     return InvalidArgument(
         "Cluster::Close called from an event callback (it would wait for itself)");
   }
-  std::lock_guard close_lock(close_mu_);
+  MutexLock close_lock(&close_mu_);
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     if (closed_) return Status::Ok();
     closed_ = true;
     stopping_ = true;
   }
-  wake_.notify_all();
+  wake_.SignalAll();
   if (monitor_.joinable()) monitor_.join();
   Status st = FreeAll();
   std::vector<Node*> all;
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     for (const auto& n : nodes_) all.push_back(n.get());
     pending_events_.clear();
   }
   for (Node* node : all) {
-    std::lock_guard call(node->call_mu);
+    MutexLock call(&node->call_mu);
     node->conn.reset();
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     node->alive = false;
   }
   {
-    std::lock_guard lock(subs_mu_);
+    MutexLock lock(&subs_mu_);
     subscribers_.clear();
   }
   return st;
@@ -803,7 +814,7 @@ Status Cluster::Close() {
 // ---- events ----
 
 SubscriptionId Cluster::Subscribe(EventCallback callback) {
-  std::lock_guard lock(subs_mu_);
+  MutexLock lock(&subs_mu_);
   const SubscriptionId id = next_subscription_++;
   subscribers_.emplace(id, std::make_shared<EventCallback>(std::move(callback)));
   return id;
@@ -811,11 +822,11 @@ SubscriptionId Cluster::Subscribe(EventCallback callback) {
 
 void Cluster::Unsubscribe(SubscriptionId id) {
   {
-    std::lock_guard lock(subs_mu_);
+    MutexLock lock(&subs_mu_);
     subscribers_.erase(id);
   }
   // Wait out a callback that may be running (not from inside one: that would wait for itself).
-  if (internal::t_monitor_of != this) std::lock_guard wait(dispatch_mu_);
+  if (internal::t_monitor_of != this) MutexLock wait(&dispatch_mu_);
 }
 
 Result<TcpConnection> Cluster::ControlConnection(NodeId id) {

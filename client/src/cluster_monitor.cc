@@ -31,8 +31,9 @@ void Cluster::MonitorLoop() {
   Clock::time_point next_dns = Clock::now() + options_.dns_refresh_interval;
   for (;;) {
     {
-      std::unique_lock lock(mu_);
-      wake_.wait_until(lock, next_beat, [&]() REQUIRES(mu_) {
+      MutexLock lock(&mu_);
+      wake_.WaitUntil(&mu_, next_beat, [&] {
+        mu_.AssertHeld();
         return stopping_ || probe_requested_ || !pending_events_.empty();
       });
       if (stopping_) break;
@@ -50,7 +51,7 @@ void Cluster::MonitorLoop() {
     };
     std::vector<Due> due;
     {
-      std::lock_guard lock(mu_);
+      MutexLock lock(&mu_);
       for (const auto& n : nodes_) {
         if (n->alive && (beat || n->probe)) {
           due.push_back({n.get(), true});
@@ -62,7 +63,7 @@ void Cluster::MonitorLoop() {
     }
     for (const Due& d : due) {
       {
-        std::lock_guard lock(mu_);
+        MutexLock lock(&mu_);
         if (stopping_) break;
       }
       if (d.heartbeat) {
@@ -83,14 +84,14 @@ void Cluster::MonitorLoop() {
 }
 
 void Cluster::Heartbeat(Node& node) {
-  std::unique_lock call(node.call_mu, std::defer_lock);
   // A user call in flight holds the connection; it counts as contact, and its failure reports
   // itself. Skip this node for this round rather than hold up everyone else's heartbeat.
-  if (!internal::LockWithin(call, options_.heartbeat_interval)) return;
+  if (!internal::LockWithin(&node.call_mu, options_.heartbeat_interval)) return;
+  MutexLock call(&node.call_mu, kAdoptLock);
 
   Clock::time_point deadline;
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     if (!node.alive) return;
     node.probe = false;
     // failure_timeout after the last answer, but never less than half of it from now: if this
@@ -107,7 +108,7 @@ void Cluster::Heartbeat(Node& node) {
     CollectPushes(node);
     if (reply) {
       auto hb = wire::DecodeHeartbeatReply(*reply);
-      std::lock_guard lock(mu_);
+      MutexLock lock(&mu_);
       node.last_contact = Clock::now();
       node.last_error = Status::Ok();
       if (hb) {
@@ -129,7 +130,7 @@ void Cluster::Heartbeat(Node& node) {
       // (fall through to retry pending FREEs below, outside this lock)
     } else if (!internal::IsTransportFailure(reply.error(), *node.conn)) {
       // The daemon answered, with an error: it is alive. Odd, but not a failure of the node.
-      std::lock_guard lock(mu_);
+      MutexLock lock(&mu_);
       node.last_contact = Clock::now();
       node.last_error = reply.error();
       spdlog::warn("farmem client: HEARTBEAT to {} answered {}", node.name(),
@@ -144,7 +145,7 @@ void Cluster::Heartbeat(Node& node) {
       return;
     }
   } else {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     failure = node.last_error.ok() ? Unavailable("connection dropped") : node.last_error;
   }
 
@@ -168,21 +169,21 @@ void Cluster::Heartbeat(Node& node) {
   if (conn.error().code() != StatusCode::kDeadlineExceeded || Clock::now() >= deadline) {
     MarkDown(node, std::move(reason));
   } else {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     node.last_error = std::move(reason);
   }
 }
 
 void Cluster::Reconnect(Node& node) {
-  std::unique_lock call(node.call_mu, std::defer_lock);
-  if (!internal::LockWithin(call, options_.heartbeat_interval)) return;
+  if (!internal::LockWithin(&node.call_mu, options_.heartbeat_interval)) return;
+  MutexLock call(&node.call_mu, kAdoptLock);
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     if (node.alive) return;
   }
   auto conn = ConnectTo(node.endpoint, options_.connect_timeout);
   if (!conn) {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     node.last_error = conn.error();
     // Refused is cheap to retry; a timeout costs this thread connect_timeout, so back off.
     if (conn.error().code() == StatusCode::kDeadlineExceeded) {
@@ -205,16 +206,19 @@ void Cluster::Reconnect(Node& node) {
                         : Result<std::vector<uint8_t>>(Err(Unavailable("")));
   if (stat) {
     if (auto s = wire::DecodeStatReply(*stat)) {
-      std::lock_guard lock(mu_);
+      MutexLock lock(&mu_);
       node.stat = *s;
     }
   }
 }
 
 bool Cluster::Adopt(Node& node, TcpConnection conn) {
+  // Every caller holds call_mu; REQUIRES(node.call_mu) cannot be written in cluster.h, where
+  // Node is incomplete.
+  node.call_mu.AssertHeld();
   const uint64_t daemon_id = conn.hello().node_id;
   const Clock::time_point now = Clock::now();
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   for (const auto& other : nodes_) {
     if (other.get() != &node && other->alive && other->daemon_id == daemon_id) {
       node.last_error = InvalidArgument(
@@ -254,8 +258,11 @@ bool Cluster::Adopt(Node& node, TcpConnection conn) {
 }
 
 void Cluster::MarkDown(Node& node, Status reason) {
+  // Every caller holds call_mu; REQUIRES(node.call_mu) cannot be written in cluster.h, where
+  // Node is incomplete.
+  node.call_mu.AssertHeld();
   node.conn.reset();
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   if (!node.alive) return;
   node.alive = false;
   node.last_error = reason;
@@ -272,13 +279,16 @@ void Cluster::MarkDown(Node& node, Status reason) {
 }
 
 void Cluster::RetryPendingFreesLocked(Node& node) {
+  // Every caller holds call_mu; REQUIRES(node.call_mu) cannot be written in cluster.h, where
+  // Node is incomplete.
+  node.call_mu.AssertHeld();
   std::vector<uint64_t> ids;
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     ids.swap(node.to_free);
   }
   if (ids.empty() || !node.conn) {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     node.to_free.insert(node.to_free.end(), ids.begin(), ids.end());
     return;
   }
@@ -290,6 +300,9 @@ void Cluster::RetryPendingFreesLocked(Node& node) {
 }
 
 void Cluster::CollectPushes(Node& node) {
+  // Every caller holds call_mu; REQUIRES(node.call_mu) cannot be written in cluster.h, where
+  // Node is incomplete.
+  node.call_mu.AssertHeld();
   if (!node.conn) return;
   for (const std::vector<uint8_t>& body : node.conn->TakePushes()) {
     auto notice = wire::DecodeEvictNotice(body);
@@ -300,7 +313,7 @@ void Cluster::CollectPushes(Node& node) {
     }
     spdlog::info("farmem client: {} will evict leases [{}] in {} ms", node.name(),
                  internal::FormatLeaseIds(notice->lease_ids), notice->grace_ms);
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     Emit(Event{EventType::kEvictNotice, node.id, node.endpoint, std::move(notice->lease_ids),
                notice->grace_ms, Status::Ok()});
   }
@@ -316,7 +329,7 @@ void Cluster::RefreshDns() {
   for (const std::string& a : *addrs) {
     Endpoint ep{a, dns_endpoint_->port};
     {
-      std::lock_guard lock(mu_);
+      MutexLock lock(&mu_);
       if (stopping_) return;
       const bool known = std::any_of(nodes_.begin(), nodes_.end(),
                                      [&](const auto& n) { return n->endpoint == ep; }) ||
@@ -331,7 +344,7 @@ void Cluster::RefreshDns() {
     }
     Node* node = nullptr;
     {
-      std::lock_guard lock(mu_);
+      MutexLock lock(&mu_);
       const uint64_t daemon_id = conn->hello().node_id;
       const bool alias = std::any_of(nodes_.begin(), nodes_.end(), [&](const auto& n) {
         return n->alive && n->daemon_id == daemon_id;
@@ -344,7 +357,7 @@ void Cluster::RefreshDns() {
       node = AddNode(ep);
       node->next_reconnect = Clock::time_point::max();
     }
-    std::lock_guard call(node->call_mu);
+    MutexLock call(&node->call_mu);
     spdlog::info("farmem client: new daemon {} from {}", ep.ToString(), options_.peers_dns);
     (void)Adopt(*node, std::move(*conn));
   }
@@ -353,21 +366,21 @@ void Cluster::RefreshDns() {
 void Cluster::Emit(Event event) {
   if (stopping_) return;
   pending_events_.push_back(std::move(event));
-  wake_.notify_all();
+  wake_.SignalAll();
 }
 
 void Cluster::DispatchEvents() {
   std::vector<Event> events;
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     events.swap(pending_events_);
   }
   if (events.empty()) return;
-  std::lock_guard dispatch(dispatch_mu_);
+  MutexLock dispatch(&dispatch_mu_);
   for (const Event& ev : events) {
     std::vector<std::shared_ptr<EventCallback>> subs;
     {
-      std::lock_guard lock(subs_mu_);
+      MutexLock lock(&subs_mu_);
       for (const auto& [id, cb] : subscribers_) subs.push_back(cb);
     }
     for (const auto& cb : subs) (*cb)(ev);

@@ -3,7 +3,6 @@
 #pragma once
 
 #include <chrono>
-#include <mutex>
 #include <optional>
 #include <set>
 #include <span>
@@ -12,7 +11,7 @@
 #include <vector>
 
 #include "farmem/client/cluster.h"
-#include "farmem/common/thread_annotations.h"
+#include "farmem/common/mutex.h"
 #include "farmem/transport/tcp_connection.h"
 
 namespace farmem::client {
@@ -32,7 +31,7 @@ struct Cluster::Node {
   const NodeId id;
   const Endpoint endpoint;
 
-  std::mutex call_mu;
+  Mutex call_mu;
   std::optional<transport::TcpConnection> conn GUARDED_BY(call_mu);
 
   // ---- guarded by Cluster::mu_ ----
@@ -65,9 +64,9 @@ namespace internal {
 // Takes `mu` if it is free now or becomes free within `timeout` (polls: the background thread
 // uses it where a busy node should be skipped, not waited for). Not std::timed_mutex: GCC 12's
 // ThreadSanitizer does not see its pthread_mutex_clocklock and then reports false races.
-inline bool LockWithin(std::unique_lock<std::mutex>& lock, std::chrono::milliseconds timeout) {
+inline bool LockWithin(Mutex* mu, std::chrono::milliseconds timeout) TRY_ACQUIRE(true, mu) {
   const auto deadline = Clock::now() + timeout;
-  while (!lock.try_lock()) {
+  while (!mu->TryLock()) {
     if (Clock::now() >= deadline) return false;
     std::this_thread::sleep_for(std::chrono::microseconds(500));
   }

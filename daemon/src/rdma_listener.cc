@@ -4,6 +4,7 @@
 #include <spdlog/spdlog.h>
 
 #include "farmem/common/auth.h"
+#include "farmem/common/mutex.h"
 #include "farmem/common/socket.h"
 
 #ifdef FARMEM_HAVE_VERBS
@@ -73,24 +74,24 @@ struct RdmaListener::Impl {
   std::thread thread;
   uint16_t port = 0;
 
-  std::mutex mu;
-  bool stopped = false;  // GUARDED_BY(mu)
+  Mutex mu;
+  bool stopped GUARDED_BY(mu) = false;
   struct Domain {
     ibv_pd* pd = nullptr;
     uint32_t refs = 0;  // regions + queue pairs
   };
-  std::map<wire::ClientId, Domain> domains;  // GUARDED_BY(mu)
+  std::map<wire::ClientId, Domain> domains GUARDED_BY(mu);
   struct Region {
     ibv_mr* mr = nullptr;
     wire::ClientId owner{};
   };
-  std::map<uint32_t, Region> regions;  // by slab index; GUARDED_BY(mu)
+  std::map<uint32_t, Region> regions GUARDED_BY(mu);  // by slab index
   struct Token {
     wire::RdmaToken token{};
     wire::ClientId client{};
     Clock::time_point expiry{};
   };
-  std::multimap<uint64_t, Token> tokens;  // by the token's first 8 bytes; GUARDED_BY(mu)
+  std::multimap<uint64_t, Token> tokens GUARDED_BY(mu);  // by the token's first 8 bytes
 
   // Owned by the event thread (and by Stop once the thread is gone).
   struct Conn {
@@ -106,8 +107,7 @@ struct RdmaListener::Impl {
     if (stop_fd >= 0) ::close(stop_fd);
   }
 
-  // Caller holds mu.
-  Result<ibv_pd*> AcquireDomain(const wire::ClientId& client) {
+  Result<ibv_pd*> AcquireDomain(const wire::ClientId& client) REQUIRES(mu) {
     Domain& d = domains[client];
     if (d.pd == nullptr) {
       d.pd = ibv_alloc_pd(ctx);
@@ -123,8 +123,7 @@ struct RdmaListener::Impl {
     return d.pd;
   }
 
-  // Caller holds mu.
-  void ReleaseDomain(const wire::ClientId& client) {
+  void ReleaseDomain(const wire::ClientId& client) REQUIRES(mu) {
     auto it = domains.find(client);
     if (it == domains.end()) return;
     if (--it->second.refs == 0) {
@@ -138,7 +137,7 @@ struct RdmaListener::Impl {
 
   Result<wire::ClientId> ConsumeToken(std::span<const uint8_t> private_data) {
     FARMEM_ASSIGN_OR_RETURN(wire::RdmaToken token, wire::DecodeRdmaConnectData(private_data));
-    std::lock_guard lock(mu);
+    MutexLock lock(&mu);
     PurgeExpiredTokens();
     auto [lo, hi] = tokens.equal_range(TokenKey(token));
     for (auto it = lo; it != hi; ++it) {
@@ -153,7 +152,7 @@ struct RdmaListener::Impl {
         "authenticated TCP connection (RDMA_TOKEN) and connect within its lifetime"));
   }
 
-  void PurgeExpiredTokens() {  // caller holds mu
+  void PurgeExpiredTokens() REQUIRES(mu) {
     const auto now = Clock::now();
     for (auto it = tokens.begin(); it != tokens.end();) {
       it = it->second.expiry < now ? tokens.erase(it) : std::next(it);
@@ -241,7 +240,7 @@ struct RdmaListener::Impl {
     }
     ibv_pd* pd;
     {
-      std::lock_guard lock(mu);
+      MutexLock lock(&mu);
       if (stopped) return Reject(id, peer, Unavailable("the daemon is shutting down"));
       Result<ibv_pd*> r = AcquireDomain(*client);
       if (!r.has_value()) return Reject(id, peer, r.error());
@@ -259,7 +258,7 @@ struct RdmaListener::Impl {
     if (rdma_create_qp(id, pd, &init) != 0) {
       const Status s = ErrnoStatus(StatusCode::kResourceExhausted, "creating a queue pair", errno);
       {
-        std::lock_guard lock(mu);
+        MutexLock lock(&mu);
         ReleaseDomain(*client);
       }
       return Reject(id, peer, s);
@@ -289,7 +288,7 @@ struct RdmaListener::Impl {
                  ClientName(it->second.client), why);
     rdma_destroy_qp(id);
     {
-      std::lock_guard lock(mu);
+      MutexLock lock(&mu);
       ReleaseDomain(it->second.client);
     }
     conns.erase(it);
@@ -373,7 +372,7 @@ RdmaListener::~RdmaListener() { Stop(); }
 void RdmaListener::Stop() {
   Impl& im = *impl_;
   {
-    std::lock_guard lock(im.mu);
+    MutexLock lock(&im.mu);
     if (im.stopped) return;
     im.stopped = true;
   }
@@ -387,7 +386,7 @@ void RdmaListener::Stop() {
     rdma_disconnect(id);
     im.DestroyConn(id, "the daemon is shutting down");
   }
-  std::lock_guard lock(im.mu);
+  MutexLock lock(&im.mu);
   for (auto& [slab, region] : im.regions) {
     ibv_dereg_mr(region.mr);
     im.ReleaseDomain(region.owner);
@@ -401,7 +400,7 @@ Result<wire::RdmaTokenReply> RdmaListener::IssueToken(const wire::ClientId& clie
   FARMEM_RETURN_IF_ERROR(auth::RandomBytes(reply.token));
   reply.rdma_port = port_;
   reply.valid_ms = static_cast<uint32_t>(kTokenLifetime.count());
-  std::lock_guard lock(impl_->mu);
+  MutexLock lock(&impl_->mu);
   if (impl_->stopped) return Err(Unavailable("the daemon is shutting down"));
   impl_->PurgeExpiredTokens();
   if (impl_->tokens.size() >= kMaxTokens) {
@@ -415,7 +414,7 @@ Result<wire::RdmaTokenReply> RdmaListener::IssueToken(const wire::ClientId& clie
 
 Result<uint32_t> RdmaListener::RegisterLease(uint32_t slab, const wire::ClientId& owner, void* addr,
                                              uint64_t length) {
-  std::lock_guard lock(impl_->mu);
+  MutexLock lock(&impl_->mu);
   if (impl_->stopped) return Err(Unavailable("the RDMA listener is stopped"));
   if (impl_->regions.contains(slab)) {
     return Err(Internal(fmt::format("slab {} is registered twice", slab)));
@@ -437,7 +436,7 @@ Result<uint32_t> RdmaListener::RegisterLease(uint32_t slab, const wire::ClientId
 }
 
 void RdmaListener::DeregisterLease(uint32_t slab) {
-  std::lock_guard lock(impl_->mu);
+  MutexLock lock(&impl_->mu);
   auto it = impl_->regions.find(slab);
   if (it == impl_->regions.end()) return;
   if (int rc = ibv_dereg_mr(it->second.mr); rc != 0) {

@@ -147,13 +147,13 @@ void Server::Stop() {
   }
   if (admission_thread_.joinable()) admission_thread_.join();
   {
-    std::lock_guard lock(stop_mu_);
-    stop_cv_.notify_all();
+    MutexLock lock(&stop_mu_);
+    stop_cv_.SignalAll();
   }
   if (housekeeping_thread_.joinable()) housekeeping_thread_.join();
   std::vector<Live> conns;
   {
-    std::lock_guard lock(conns_mu_);
+    MutexLock lock(&conns_mu_);
     conns.swap(conns_);
   }
   for (Live& l : conns) l.conn->Shutdown();
@@ -345,7 +345,7 @@ void Server::Admit(PendingList::iterator it, size_t consumed) {
   ReapFinished();
   size_t served;
   {
-    std::lock_guard lock(conns_mu_);
+    MutexLock lock(&conns_mu_);
     served = conns_.size();  // only this thread adds connections: the count cannot grow
   }
   if (served >= options_.max_connections) {
@@ -381,7 +381,7 @@ void Server::Admit(PendingList::iterator it, size_t consumed) {
     finished->store(true);
   });
   {
-    std::lock_guard lock(conns_mu_);
+    MutexLock lock(&conns_mu_);
     conns_.push_back({std::move(conn), std::move(t), finished});
   }
   pending_by_serial_.erase(p.serial);
@@ -422,7 +422,7 @@ void Server::ExpirePending() {
 void Server::ReapFinished() {
   std::vector<Live> done;
   {
-    std::lock_guard lock(conns_mu_);
+    MutexLock lock(&conns_mu_);
     for (size_t i = 0; i < conns_.size();) {
       if (conns_[i].finished->load()) {
         done.push_back(std::move(conns_[i]));
@@ -438,22 +438,22 @@ void Server::ReapFinished() {
 
 void Server::HousekeepingLoop() {
   const auto period = std::max(std::chrono::milliseconds(50), pool_->lease_ttl() / 4);
-  std::unique_lock lock(stop_mu_);
+  MutexLock lock(&stop_mu_);
   while (!stopping_.load()) {
-    stop_cv_.wait_for(lock, period);
+    stop_cv_.WaitFor(&stop_mu_, period);
     if (stopping_.load()) break;
-    lock.unlock();
+    lock.Unlock();
     pool_->ReclaimExpired();
     ReapFinished();
     TrimAfterBurst();
-    lock.lock();
+    lock.Lock();
   }
 }
 
 void Server::TrimAfterBurst() {
   size_t served;
   {
-    std::lock_guard lock(conns_mu_);
+    MutexLock lock(&conns_mu_);
     served = conns_.size();
   }
   const size_t pending = pending_count_.load(std::memory_order_relaxed);
@@ -471,18 +471,18 @@ void Server::TrimAfterBurst() {
 }
 
 void Server::ClientConnected(const wire::ClientId& id) {
-  std::lock_guard lock(conns_mu_);
+  MutexLock lock(&conns_mu_);
   ++clients_[id];
 }
 
 void Server::ClientDisconnected(const wire::ClientId& id) {
-  std::lock_guard lock(conns_mu_);
+  MutexLock lock(&conns_mu_);
   auto it = clients_.find(id);
   if (it != clients_.end() && --it->second == 0) clients_.erase(it);
 }
 
 uint32_t Server::client_count() {
-  std::lock_guard lock(conns_mu_);
+  MutexLock lock(&conns_mu_);
   return static_cast<uint32_t>(clients_.size());
 }
 

@@ -18,11 +18,9 @@
 
 #include <array>
 #include <atomic>
-#include <condition_variable>
 #include <list>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <optional>
 #include <string>
 #include <thread>
@@ -30,6 +28,7 @@
 #include <vector>
 
 #include "farmem/common/config.h"
+#include "farmem/common/mutex.h"
 #include "farmem/common/socket.h"
 #include "handshake.h"
 #include "rdma_listener.h"
@@ -75,7 +74,8 @@ class Server {
   ~Server();
 
   Status Start();  // binds and starts the threads
-  void Stop();     // closes everything; returns when all threads are done
+  void Stop()
+      EXCLUDES(conns_mu_, stop_mu_);  // closes everything; returns when all threads are done
   uint16_t port() const { return port_; }
   uint64_t node_id() const { return node_id_; }
 
@@ -84,9 +84,9 @@ class Server {
   const ServerOptions& options() const { return options_; }
   ServerCounters& counters() { return counters_; }
   RdmaListener* rdma() { return rdma_.get(); }  // null: this daemon serves TCP only
-  void ClientConnected(const wire::ClientId& id);
-  void ClientDisconnected(const wire::ClientId& id);
-  uint32_t client_count();
+  void ClientConnected(const wire::ClientId& id) EXCLUDES(conns_mu_);
+  void ClientDisconnected(const wire::ClientId& id) EXCLUDES(conns_mu_);
+  uint32_t client_count() EXCLUDES(conns_mu_);
 
  private:
   // A connection in HELLO/AUTH, owned by the admission thread.
@@ -106,13 +106,13 @@ class Server {
   void AcceptAll();
   void OnReadable(uint64_t serial);
   // Hands an authenticated connection to a thread of its own, or refuses it at --max-connections.
-  void Admit(PendingList::iterator it, size_t consumed);
+  void Admit(PendingList::iterator it, size_t consumed) EXCLUDES(conns_mu_);
   // Closes a pending connection after sending it what its handshake produced (if anything).
   void DropPending(PendingList::iterator it, RefusalLog::Kind kind, const std::string& why);
   void ExpirePending();
-  void HousekeepingLoop();
-  void ReapFinished();
-  void TrimAfterBurst();
+  void HousekeepingLoop() EXCLUDES(stop_mu_);
+  void ReapFinished() EXCLUDES(conns_mu_);
+  void TrimAfterBurst() EXCLUDES(conns_mu_);
 
   ServerOptions options_;
   SlabPool* pool_;
@@ -123,8 +123,8 @@ class Server {
   std::atomic<bool> stopping_{false};
   std::thread admission_thread_;
   std::thread housekeeping_thread_;
-  std::mutex stop_mu_;
-  std::condition_variable stop_cv_;
+  Mutex stop_mu_;  // only for stop_cv_'s waits: stopping_ is atomic
+  CondVar stop_cv_;
   ServerCounters counters_;
 
   // Admission thread only.
@@ -145,9 +145,9 @@ class Server {
     std::thread thread;
     std::shared_ptr<std::atomic<bool>> finished;
   };
-  std::mutex conns_mu_;
-  std::vector<Live> conns_;                     // GUARDED_BY(conns_mu_)
-  std::map<wire::ClientId, uint32_t> clients_;  // GUARDED_BY(conns_mu_)
+  Mutex conns_mu_;
+  std::vector<Live> conns_ GUARDED_BY(conns_mu_);
+  std::map<wire::ClientId, uint32_t> clients_ GUARDED_BY(conns_mu_);
 };
 
 }  // namespace farmem::daemon

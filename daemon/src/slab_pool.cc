@@ -99,10 +99,13 @@ Result<std::unique_ptr<SlabPool>> SlabPool::Create(const PoolOptions& options) {
     for (uint64_t off = 0; off < pool->mapped_; off += 4096) pool->base_[off] = 0;
   }
   pool->slabs_ = std::make_unique<Slab[]>(slabs);
-  pool->free_list_.reserve(slabs);
-  for (uint32_t i = pool->total_; i > 0; --i) pool->free_list_.push_back(i - 1);
-  std::random_device rd;
-  pool->next_epoch_ = std::uniform_int_distribution<uint32_t>(1, UINT32_MAX / 2)(rd);
+  {
+    MutexLock lock(&pool->mu_);  // not shared yet: uncontended, taken for the analysis
+    pool->free_list_.reserve(slabs);
+    for (uint32_t i = pool->total_; i > 0; --i) pool->free_list_.push_back(i - 1);
+    std::random_device rd;
+    pool->next_epoch_ = std::uniform_int_distribution<uint32_t>(1, UINT32_MAX / 2)(rd);
+  }
   spdlog::info(
       "slab pool: {} in {} slabs of {}{}; each client may hold {} slab(s) ({}, "
       "--max-client-share {})",
@@ -116,7 +119,7 @@ SlabPool::~SlabPool() {
 }
 
 Result<std::vector<wire::LeaseGrant>> SlabPool::Grant(uint32_t count, const wire::ClientId& owner) {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   ReclaimDrained();
   // (A share of the whole pool is no limit: then "not enough free" is the whole story.)
   if (max_client_slabs_ < total_ &&
@@ -194,7 +197,7 @@ void SlabPool::ReclaimDrained() {
 }
 
 Status SlabPool::Release(std::span<const uint64_t> lease_ids, const wire::ClientId& owner) {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   for (uint64_t id : lease_ids) {
     const uint32_t index = wire::LeaseSlab(id);
     // Epoch 0 is never granted: lease id 0 must not match a free slab (whose id is 0).
@@ -214,7 +217,7 @@ Status SlabPool::Release(std::span<const uint64_t> lease_ids, const wire::Client
 }
 
 uint32_t SlabPool::Renew(const wire::ClientId& owner) {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   const auto expiry = std::chrono::steady_clock::now() + options_.lease_ttl;
   uint32_t held = 0;
   for (uint32_t i = 0; i < total_; ++i) {
@@ -228,7 +231,7 @@ uint32_t SlabPool::Renew(const wire::ClientId& owner) {
 }
 
 uint32_t SlabPool::ReclaimExpired() {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   ReclaimDrained();
   const auto now = std::chrono::steady_clock::now();
   uint32_t reclaimed = 0;
@@ -275,12 +278,12 @@ Result<Pin> SlabPool::Acquire(uint64_t lease_id, const wire::ClientId& owner, ui
 }
 
 void SlabPool::SetRegistrar(LeaseRegistrar* registrar) {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   registrar_ = registrar;
 }
 
 PoolStats SlabPool::stats() const {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   return {mapped_, options_.slab_size, total_, static_cast<uint32_t>(free_list_.size())};
 }
 

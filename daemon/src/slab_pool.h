@@ -15,11 +15,11 @@
 #include <chrono>
 #include <cstdint>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <string_view>
 #include <vector>
 
+#include "farmem/common/mutex.h"
 #include "farmem/common/status.h"
 #include "farmem/common/wire.h"
 
@@ -133,11 +133,10 @@ class SlabPool {
   // Clears the lease at once (no new data operation can start on it, its RDMA region is gone);
   // the slab is zeroed and freed by ReclaimDrained once no data operation still uses it, so
   // ending a lease never waits, under mu_, for a peer that is slow to send or receive.
-  // Caller holds mu_.
-  void EndLease(uint32_t index);
-  void ReclaimDrained();
-  // Slabs `owner` holds a lease on. Caller holds mu_.
-  uint32_t HeldBy(const wire::ClientId& owner) const;
+  void EndLease(uint32_t index) REQUIRES(mu_);
+  void ReclaimDrained() REQUIRES(mu_);
+  // Slabs `owner` holds a lease on.
+  uint32_t HeldBy(const wire::ClientId& owner) const REQUIRES(mu_);
 
   PoolOptions options_;
   uint8_t* base_ = nullptr;
@@ -145,11 +144,11 @@ class SlabPool {
   std::unique_ptr<Slab[]> slabs_;
   uint32_t total_ = 0;
   uint32_t max_client_slabs_ = 0;  // per client, from options_.max_client_share
-  mutable std::mutex mu_;
-  std::vector<uint32_t> free_list_;      // GUARDED_BY(mu_)
-  std::vector<uint32_t> draining_;       // GUARDED_BY(mu_): ended, still pinned by a data operation
-  uint32_t next_epoch_ = 1;              // GUARDED_BY(mu_)
-  LeaseRegistrar* registrar_ = nullptr;  // GUARDED_BY(mu_)
+  mutable Mutex mu_;
+  std::vector<uint32_t> free_list_ GUARDED_BY(mu_);
+  std::vector<uint32_t> draining_ GUARDED_BY(mu_);  // ended, still pinned by a data operation
+  uint32_t next_epoch_ GUARDED_BY(mu_) = 1;
+  LeaseRegistrar* registrar_ GUARDED_BY(mu_) = nullptr;
 };
 
 }  // namespace farmem::daemon

@@ -39,15 +39,17 @@ bool Heap::ShouldLog() {
 void Heap::EvictorLoop() {
   auto last_compact = Clock::now();
   int zero_rounds = 0;
-  std::unique_lock lock(evict_mu_);
+  MutexLock lock(&evict_mu_);
   for (;;) {
-    evict_cv_.wait_for(lock, std::chrono::milliseconds(50),
-                       [&] { return stopping_ || evict_wanted_; });
+    evict_cv_.WaitFor(&evict_mu_, std::chrono::milliseconds(50), [&] {
+      evict_mu_.AssertHeld();
+      return stopping_ || evict_wanted_;
+    });
     if (stopping_) return;
     evict_wanted_ = false;
-    lock.unlock();
+    lock.Unlock();
     if (frames_in_use_.load() > high_frames_) {
-      std::lock_guard round(evict_round_mu_);
+      MutexLock round(&evict_round_mu_);
       // Keep going while the mutators keep allocating.
       size_t progress = 0;
       for (int i = 0; i < 64 && frames_in_use_.load() > low_frames_; ++i) {
@@ -82,7 +84,7 @@ void Heap::EvictorLoop() {
     if (options_.auto_compact && Clock::now() - last_compact > std::chrono::milliseconds(100)) {
       last_compact = Clock::now();
       if (CompactionWanted()) {
-        std::lock_guard round(evict_round_mu_);
+        MutexLock round(&evict_round_mu_);
         size_t moved = 0;
         DropCopiesInHoledSets();
         for (int i = 0; i < 8 && CompactionWanted(); ++i) {
@@ -91,13 +93,13 @@ void Heap::EvictorLoop() {
         }
       }
     }
-    lock.lock();
+    lock.Lock();
   }
 }
 
 bool Heap::TryReclaim() {
-  std::unique_lock round(evict_round_mu_, std::try_to_lock);
-  if (!round.owns_lock()) return false;
+  if (!evict_round_mu_.TryLock()) return false;
+  MutexLock round(&evict_round_mu_, kAdoptLock);
   size_t progress = 0;
   for (int i = 0; i < 16 && frames_in_use_.load() > low_frames_; ++i) {
     const size_t n = EvictRound(low_frames_, false, std::chrono::milliseconds(2));
@@ -112,7 +114,7 @@ Status Heap::EvictUntil(uint64_t target_bytes) {
     return InvalidArgument("EvictUntil inside a DerefScope would wait for its own scope");
   }
   const size_t target = static_cast<size_t>(target_bytes / span_size_);
-  std::lock_guard round(evict_round_mu_);
+  MutexLock round(&evict_round_mu_);
   for (int i = 0; i < 1000 && frames_in_use_.load() > target; ++i) {
     if (EvictRound(target, target == 0) == 0) break;
   }
@@ -125,23 +127,25 @@ Status Heap::EvictUntil(uint64_t target_bytes) {
   return Status::Ok();
 }
 
+// NO_THREAD_SAFETY_ANALYSIS: try-locks each span the clock hand reaches (SpanLock, skipped when
+// busy); the analysis cannot follow span locks held that way.
 size_t Heap::PickVictims(size_t need, bool force, std::vector<Span*>* victims,
-                         std::vector<Relocation>* relocations) {
+                         std::vector<Relocation>* relocations) NO_THREAD_SAFETY_ANALYSIS {
   size_t total = 0;
   {
-    std::lock_guard lock(resident_mu_);
+    MutexLock lock(&resident_mu_);
     total = resident_.size();
   }
   // Two passes of the hand at most: the first clears hot bits that the second then sees clear.
   for (size_t scanned = 0; scanned < 2 * total && victims->size() < need; ++scanned) {
     Span* s = nullptr;
     {
-      std::lock_guard lock(resident_mu_);
+      MutexLock lock(&resident_mu_);
       if (resident_.empty()) break;
       if (clock_hand_ >= resident_.size()) clock_hand_ = 0;
       s = resident_[clock_hand_++];
     }
-    std::unique_lock sl(s->mu, std::try_to_lock);
+    SpanLock sl(&s->mu, std::try_to_lock);
     if (!sl.owns_lock() || s->state != SpanState::kLocal) continue;
     uint32_t hot = 0;
     uint32_t live = 0;
@@ -178,19 +182,21 @@ size_t Heap::PickVictims(size_t need, bool force, std::vector<Span*>* victims,
   return victims->size();
 }
 
-void Heap::Relocate(const std::vector<Relocation>& relocations) {
+// NO_THREAD_SAFETY_ANALYSIS: locks two spans in address order (which is first is decided at run
+// time); the analysis cannot follow span locks held that way.
+void Heap::Relocate(const std::vector<Relocation>& relocations) NO_THREAD_SAFETY_ANALYSIS {
   for (const Relocation& r : relocations) {
     SizeClass* c = r.span->cls;
-    std::lock_guard cl(c->mu);
+    MutexLock cl(&c->mu);
     Span* dst = c->hot_span;
     if (dst != nullptr) {
-      std::lock_guard dl(dst->mu);
+      MutexLock dl(&dst->mu);
       if (dst->state != SpanState::kLocal || dst->free_slots.empty()) dst = nullptr;
     }
     if (dst == r.span) dst = nullptr;  // the hot span itself went cold: start a new one
     if (dst == nullptr) {
       dst = NewSpan(c, SpanState::kLocal);
-      std::lock_guard dl(dst->mu);
+      MutexLock dl(&dst->mu);
       dst->frame = GetFrame();
       AddResident(dst);
       c->hot_span = dst;
@@ -200,8 +206,8 @@ void Heap::Relocate(const std::vector<Relocation>& relocations) {
     // cleared, and perhaps reused — even as the new hot span just taken above). Its object is
     // gone in every such case.
     if (src == dst) continue;
-    std::unique_lock l1(src < dst ? src->mu : dst->mu);
-    std::unique_lock l2(src < dst ? dst->mu : src->mu);
+    SpanLock l1(src < dst ? &src->mu : &dst->mu);
+    SpanLock l2(src < dst ? &dst->mu : &src->mu);
     // The sweep's second pass may have made src a victim after all: then kEvacuating belongs
     // to the eviction and must stay.
     if (src->state != SpanState::kLocal) continue;
@@ -247,7 +253,7 @@ size_t Heap::EvictRound(size_t target_frames, bool force, std::chrono::nanosecon
   if (!WaitForScopesToDrainFor(drain_limit)) {
     // Give the round up: every mark goes, as if derefs had cancelled them.
     for (Span* s : victims) {
-      std::lock_guard sl(s->mu);
+      MutexLock sl(&s->mu);
       if (s->state != SpanState::kEvicting) continue;
       for (ObjectEntry* o : s->owner) {
         if (o != nullptr) o->word.fetch_and(~kEvacuating, std::memory_order_seq_cst);
@@ -255,7 +261,7 @@ size_t Heap::EvictRound(size_t target_frames, bool force, std::chrono::nanosecon
       s->state = SpanState::kLocal;
     }
     for (const Relocation& r : relocations) {
-      std::lock_guard sl(r.span->mu);
+      MutexLock sl(&r.span->mu);
       if (r.span->state == SpanState::kLocal && r.slot < r.span->owner.size() &&
           r.span->owner[r.slot] == r.entry) {
         r.entry->word.fetch_and(~kEvacuating, std::memory_order_seq_cst);
@@ -269,7 +275,7 @@ size_t Heap::EvictRound(size_t target_frames, bool force, std::chrono::nanosecon
   std::vector<Span*> committed;
   size_t clean = 0;
   for (Span* s : victims) {
-    std::lock_guard sl(s->mu);
+    MutexLock sl(&s->mu);
     if (s->state != SpanState::kEvicting) continue;  // a deref took it back
     if (s->live.load(std::memory_order_relaxed) == 0) {
       ReleaseLocalLocked(s);
@@ -307,13 +313,13 @@ void Heap::EvictCleanLocked(Span* s) {
   remote_spans_.fetch_add(1, std::memory_order_relaxed);
   spans_evicted_.fetch_add(1, std::memory_order_relaxed);
   clean_evictions_.fetch_add(1, std::memory_order_relaxed);
-  s->cv.notify_all();
+  s->cv.SignalAll();
 }
 
 void Heap::DropCopiesInHoledSets() {
   // Snapshot, then lock each span on its own (no other span lock is held here).
   for (Span* s : store_->CompactionCandidates(256)) {
-    std::lock_guard sl(s->mu);
+    MutexLock sl(&s->mu);
     if (s->state == SpanState::kLocal || s->state == SpanState::kEvicting) DropCopyLocked(s);
   }
 }
@@ -330,7 +336,7 @@ size_t Heap::WriteOut(std::vector<Span*>& spans) {
     for (size_t j = 0; j < n; ++j) {
       members[j] = spans[i + j];
       // The span is kWriting: nobody writes its frame (derefs wait), frees only touch metadata.
-      std::lock_guard sl(members[j]->mu);
+      MutexLock sl(&members[j]->mu);
       data[j] = members[j]->frame;
     }
     Result<SpanSet*> set = store_->WriteSet(*io, {data, n}, {members, n});
@@ -351,7 +357,7 @@ size_t Heap::WriteOut(std::vector<Span*>& spans) {
     sets_written_.fetch_add(1, std::memory_order_relaxed);
     for (size_t j = 0; j < n; ++j) {
       Span* s = members[j];
-      std::lock_guard sl(s->mu);
+      MutexLock sl(&s->mu);
       for (ObjectEntry* o : s->owner) {
         if (o != nullptr) o->word.store(0, std::memory_order_release);
       }
@@ -372,19 +378,19 @@ size_t Heap::WriteOut(std::vector<Span*>& spans) {
         remote_object_bytes_.fetch_add(static_cast<uint64_t>(live) * s->cls->size,
                                        std::memory_order_relaxed);
       }
-      s->cv.notify_all();
+      s->cv.SignalAll();
       ++written;
     }
   }
   // Whatever could not be written stays local.
   for (; i < spans.size(); ++i) {
     Span* s = spans[i];
-    std::lock_guard sl(s->mu);
+    MutexLock sl(&s->mu);
     for (ObjectEntry* o : s->owner) {
       if (o != nullptr) o->word.fetch_and(~kEvacuating, std::memory_order_seq_cst);
     }
     s->state = SpanState::kLocal;
-    s->cv.notify_all();
+    s->cv.SignalAll();
   }
   ReturnIo(io);
   return written;

@@ -30,16 +30,16 @@
 #pragma once
 
 #include <atomic>
-#include <condition_variable>
 #include <cstdint>
 #include <deque>
 #include <memory>
-#include <mutex>
+#include <mutex>  // std::try_to_lock
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "farmem/client/cluster.h"
-#include "farmem/common/thread_annotations.h"
+#include "farmem/common/mutex.h"
 #include "farmem/internal/object.h"
 #include "farmem/runtime.h"
 #include "remote_store.h"
@@ -55,8 +55,8 @@ struct Span {
   Heap* heap = nullptr;
   SizeClass* cls = nullptr;
   uint64_t id = 0;
-  std::mutex mu;
-  std::condition_variable cv;  // state left kWriting
+  Mutex mu;
+  CondVar cv;  // state left kWriting
   SpanState state GUARDED_BY(mu) = SpanState::kFree;
   uint8_t* frame GUARDED_BY(mu) = nullptr;
   std::vector<ObjectEntry*> owner GUARDED_BY(mu);  // slot -> entry; null = free slot
@@ -73,11 +73,41 @@ struct SizeClass {
   uint32_t index = 0;
   uint32_t size = 0;   // slot bytes
   uint32_t slots = 0;  // per span
-  std::mutex mu;
+  Mutex mu;
   std::vector<Span*> partial GUARDED_BY(mu);  // spans that may have free slots (checked on use)
   Span* hot_span GUARDED_BY(mu) = nullptr;    // where relocated hot objects go
-  std::mutex free_mu;                         // a leaf
+  Mutex free_mu;                              // a leaf
   std::vector<Span*> free_spans GUARDED_BY(free_mu);  // kFree spans of this class, for reuse
+};
+
+// A span lock that can be moved (into a batch of spans locked together, or out of a loop that
+// re-checks which span it locked): std::unique_lock for a farmem::Mutex. The analysis cannot
+// follow a lock held this way, so every function that uses one is NO_THREAD_SAFETY_ANALYSIS and
+// says why; prefer MutexLock wherever the lock stays in one scope.
+class SpanLock {
+ public:
+  SpanLock() = default;
+  explicit SpanLock(Mutex* mu) NO_THREAD_SAFETY_ANALYSIS : mu_(mu) { mu_->Lock(); }
+  SpanLock(Mutex* mu, std::try_to_lock_t) NO_THREAD_SAFETY_ANALYSIS
+      : mu_(mu->TryLock() ? mu : nullptr) {}
+  SpanLock(SpanLock&& o) noexcept : mu_(std::exchange(o.mu_, nullptr)) {}
+  SpanLock& operator=(SpanLock&& o) noexcept {
+    if (this != &o) {
+      unlock();
+      mu_ = std::exchange(o.mu_, nullptr);
+    }
+    return *this;
+  }
+  ~SpanLock() { unlock(); }
+  bool owns_lock() const { return mu_ != nullptr; }
+  void unlock() NO_THREAD_SAFETY_ANALYSIS {
+    if (mu_ != nullptr) std::exchange(mu_, nullptr)->Unlock();
+  }
+  // Keeps the mutex locked and forgets it (the caller unlocks it).
+  void release() { mu_ = nullptr; }
+
+ private:
+  Mutex* mu_ = nullptr;
 };
 
 class Heap {
@@ -121,27 +151,27 @@ class Heap {
   ObjectEntry* NewEntry();
   void DeleteEntry(ObjectEntry* e);
   void AddPartial(Span* s);
-  // Swaps `s` in (s->mu held, state kRemote). On success the span is kLocal.
-  Status SwapInLocked(Span* s, std::unique_lock<std::mutex>& lock, bool prefetch);
-  // The second half of a swap-in, once `frame` holds the span's bytes (s->mu held).
-  void FinishSwapInLocked(Span* s, uint8_t* frame, bool prefetch);
-  // A swap-in that failed: says which span, marks it lost on DataLoss (s->mu held).
-  Status SwapInFailedLocked(Span* s, Status st);
-  // Frees a local span that has no live object (s->mu held).
-  void ReleaseLocalLocked(Span* s);
+  // Swaps `s` in (state kRemote). On success the span is kLocal.
+  Status SwapInLocked(Span* s, bool prefetch) REQUIRES(s->mu);
+  // The second half of a swap-in, once `frame` holds the span's bytes.
+  void FinishSwapInLocked(Span* s, uint8_t* frame, bool prefetch) REQUIRES(s->mu);
+  // A swap-in that failed: says which span, marks it lost on DataLoss.
+  Status SwapInFailedLocked(Span* s, Status st) REQUIRES(s->mu);
+  // Frees a local span that has no live object.
+  void ReleaseLocalLocked(Span* s) REQUIRES(s->mu);
   // A local span is about to be written (or its row is wanted): its remote copy becomes a hole
-  // (s->mu held; no-op without a copy).
-  void DropCopyLocked(Span* s);
+  // (no-op without a copy).
+  void DropCopyLocked(Span* s) REQUIRES(s->mu);
   // Clean local spans whose copies sit in span sets with holes give the copies up, so the
   // compactor can move those sets (takes span locks; not with other span locks held).
   void DropCopiesInHoledSets();
-  // A remote span whose data cannot be produced (s->mu held).
-  void MarkLostLocked(Span* s, const Status& why);
-  // Marks a span with no live object kFree and offers it for reuse (s->mu held, no frame).
-  void RetireLocked(Span* s);
+  // A remote span whose data cannot be produced.
+  void MarkLostLocked(Span* s, const Status& why) REQUIRES(s->mu);
+  // Marks a span with no live object kFree and offers it for reuse (no frame).
+  void RetireLocked(Span* s) REQUIRES(s->mu);
   void AddResident(Span* s);
   void RemoveResident(Span* s);
-  std::string Describe(Span* s);  // s->mu held
+  std::string Describe(Span* s) REQUIRES(s->mu);
   void PrefetchLoop();
 
   // Frames: span_size bytes of local memory each, counted against the budget.
@@ -168,8 +198,8 @@ class Heap {
   void Relocate(const std::vector<Relocation>& relocations);
   // Writes committed spans (state kWriting) in sets of k.
   size_t WriteOut(std::vector<Span*>& spans);
-  // Evicts a clean span that still has its remote copy: no I/O (s->mu held, state kEvicting).
-  void EvictCleanLocked(Span* s);
+  // Evicts a clean span that still has its remote copy: no I/O (state kEvicting).
+  void EvictCleanLocked(Span* s) REQUIRES(s->mu);
 
   std::vector<uint32_t> hot_slots_;  // PickVictims scratch (evictor thread)
   // Rate limit for warnings that a struggling evictor would repeat: one per 5 s.
@@ -190,39 +220,39 @@ class Heap {
   std::vector<std::unique_ptr<SizeClass>> classes_;
   std::vector<uint16_t> class_of_;  // (size + 15) / 16 -> class index
 
-  mutable std::mutex spans_mu_;
+  mutable Mutex spans_mu_;
   std::vector<std::unique_ptr<Span>> spans_ GUARDED_BY(spans_mu_);  // every span ever made
   std::atomic<uint64_t> next_span_id_{1};
 
-  std::mutex resident_mu_;
+  Mutex resident_mu_;
   std::vector<Span*> resident_ GUARDED_BY(resident_mu_);
   size_t clock_hand_ GUARDED_BY(resident_mu_) = 0;
 
-  std::mutex frames_mu_;
+  Mutex frames_mu_;
   std::vector<uint8_t*> free_frames_ GUARDED_BY(frames_mu_);
   std::atomic<size_t> frames_in_use_{0};
   std::atomic<bool> over_budget_{false};
   std::atomic<bool> eviction_stalled_{false};  // the last eviction attempt moved nothing
 
-  std::mutex entries_mu_;
+  Mutex entries_mu_;
   std::vector<std::unique_ptr<ObjectEntry[]>> entry_chunks_ GUARDED_BY(entries_mu_);
   std::vector<ObjectEntry*> free_entries_ GUARDED_BY(entries_mu_);
 
-  std::mutex io_mu_;
+  Mutex io_mu_;
   std::vector<std::unique_ptr<IoContext>> io_all_ GUARDED_BY(io_mu_);
   std::vector<IoContext*> io_free_ GUARDED_BY(io_mu_);
 
   // Evictor thread.
-  std::mutex evict_mu_;
-  std::condition_variable evict_cv_;
+  Mutex evict_mu_;
+  CondVar evict_cv_;
   bool stopping_ GUARDED_BY(evict_mu_) = false;
   bool evict_wanted_ GUARDED_BY(evict_mu_) = false;
-  std::mutex evict_round_mu_;  // one eviction or compaction at a time
+  Mutex evict_round_mu_;  // one eviction or compaction at a time
   std::thread evictor_;
 
   // Prefetchers.
-  std::mutex prefetch_mu_;
-  std::condition_variable prefetch_cv_;
+  Mutex prefetch_mu_ ACQUIRED_BEFORE(evict_mu_);
+  CondVar prefetch_cv_;
   std::deque<ObjectEntry*> prefetch_queue_ GUARDED_BY(prefetch_mu_);
   std::vector<std::thread> prefetchers_;
 

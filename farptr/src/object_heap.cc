@@ -55,7 +55,7 @@ Runtime* RuntimeOf(const ObjectEntry* e) {
 uint8_t* Heap::GetFrame() {
   uint8_t* f = nullptr;
   {
-    std::lock_guard lock(frames_mu_);
+    MutexLock lock(&frames_mu_);
     if (!free_frames_.empty()) {
       f = free_frames_.back();
       free_frames_.pop_back();
@@ -73,10 +73,10 @@ uint8_t* Heap::GetFrame() {
     SetOverBudget(this, over_budget_, true);
   }
   if (used > high_frames_) {
-    std::lock_guard lock(evict_mu_);
+    MutexLock lock(&evict_mu_);
     if (!evict_wanted_) {
       evict_wanted_ = true;
-      evict_cv_.notify_one();
+      evict_cv_.Signal();
     }
   }
   return f;
@@ -84,7 +84,7 @@ uint8_t* Heap::GetFrame() {
 
 void Heap::PutFrame(uint8_t* f) {
   {
-    std::lock_guard lock(frames_mu_);
+    MutexLock lock(&frames_mu_);
     if (free_frames_.size() < kMaxFreeFrames) {
       free_frames_.push_back(f);
       f = nullptr;
@@ -98,7 +98,7 @@ void Heap::PutFrame(uint8_t* f) {
 }
 
 ObjectEntry* Heap::NewEntry() {
-  std::lock_guard lock(entries_mu_);
+  MutexLock lock(&entries_mu_);
   if (free_entries_.empty()) {
     entry_chunks_.push_back(std::make_unique<ObjectEntry[]>(kEntriesPerChunk));
     ObjectEntry* chunk = entry_chunks_.back().get();
@@ -110,12 +110,12 @@ ObjectEntry* Heap::NewEntry() {
 }
 
 void Heap::DeleteEntry(ObjectEntry* e) {
-  std::lock_guard lock(entries_mu_);
+  MutexLock lock(&entries_mu_);
   free_entries_.push_back(e);
 }
 
 IoContext* Heap::CheckoutIo() {
-  std::lock_guard lock(io_mu_);
+  MutexLock lock(&io_mu_);
   if (io_free_.empty()) {
     io_all_.push_back(std::make_unique<IoContext>());
     return io_all_.back().get();
@@ -128,7 +128,7 @@ IoContext* Heap::CheckoutIo() {
 void Heap::ReturnIo(IoContext* io) {
   bytes_read_.fetch_add(std::exchange(io->bytes_read, 0), std::memory_order_relaxed);
   bytes_written_.fetch_add(std::exchange(io->bytes_written, 0), std::memory_order_relaxed);
-  std::lock_guard lock(io_mu_);
+  MutexLock lock(&io_mu_);
   io_free_.push_back(io);
 }
 
@@ -143,7 +143,7 @@ SizeClass* Heap::ClassFor(size_t size) {
 Span* Heap::NewSpan(SizeClass* cls, SpanState state) {
   Span* s = nullptr;
   {
-    std::lock_guard lock(cls->free_mu);
+    MutexLock lock(&cls->free_mu);
     if (!cls->free_spans.empty()) {
       s = cls->free_spans.back();
       cls->free_spans.pop_back();
@@ -153,11 +153,11 @@ Span* Heap::NewSpan(SizeClass* cls, SpanState state) {
     auto fresh = std::make_unique<Span>();
     fresh->heap = this;
     fresh->cls = cls;
-    std::lock_guard lock(spans_mu_);
+    MutexLock lock(&spans_mu_);
     spans_.push_back(std::move(fresh));
     s = spans_.back().get();
   }
-  std::lock_guard sl(s->mu);
+  MutexLock sl(&s->mu);
   s->id = next_span_id_.fetch_add(1, std::memory_order_relaxed);
   s->state = state;
   s->frame = nullptr;
@@ -193,20 +193,20 @@ void Heap::RetireLocked(Span* s) {
   s->owner.shrink_to_fit();
   s->free_slots.clear();
   s->free_slots.shrink_to_fit();
-  s->cv.notify_all();
-  std::lock_guard lock(s->cls->free_mu);
+  s->cv.SignalAll();
+  MutexLock lock(&s->cls->free_mu);
   s->cls->free_spans.push_back(s);
 }
 
 void Heap::AddResident(Span* s) {
-  std::lock_guard lock(resident_mu_);
+  MutexLock lock(&resident_mu_);
   s->resident_index = static_cast<int64_t>(resident_.size());
   resident_.push_back(s);
   resident_spans_.fetch_add(1, std::memory_order_relaxed);
 }
 
 void Heap::RemoveResident(Span* s) {
-  std::lock_guard lock(resident_mu_);
+  MutexLock lock(&resident_mu_);
   if (s->resident_index < 0) return;
   const size_t i = static_cast<size_t>(s->resident_index);
   resident_[i] = resident_.back();
@@ -218,7 +218,7 @@ void Heap::RemoveResident(Span* s) {
 
 void Heap::AddPartial(Span* s) {
   SizeClass* c = s->cls;
-  std::lock_guard lock(c->mu);
+  MutexLock lock(&c->mu);
   if (!s->in_partial) {
     s->in_partial = true;
     c->partial.push_back(s);
@@ -253,7 +253,9 @@ std::string Heap::Describe(Span* s) {
 // ---------------------------------------------------------------------------------------------
 // Allocate / free
 
-ObjectEntry* Heap::Allocate(size_t size, void** addr) {
+// NO_THREAD_SAFETY_ANALYSIS: keeps the span it picked locked out of the search loop
+// (SpanLock::release) and unlocks it by hand; the analysis cannot follow span locks held that way.
+ObjectEntry* Heap::Allocate(size_t size, void** addr) NO_THREAD_SAFETY_ANALYSIS {
   SizeClass* cls = ClassFor(size);
   if (cls == nullptr) {
     std::fprintf(stderr, "far memory: object of %zu bytes exceeds the span size %u\n", size,
@@ -262,11 +264,11 @@ ObjectEntry* Heap::Allocate(size_t size, void** addr) {
   }
   ObjectEntry* e = NewEntry();
   e->size = static_cast<uint32_t>(size);
-  std::unique_lock clock(cls->mu);
+  MutexLock clock(&cls->mu);
   Span* s = nullptr;
   while (!cls->partial.empty()) {
     Span* cand = cls->partial.back();
-    std::unique_lock sl(cand->mu);
+    SpanLock sl(&cand->mu);
     if (cand->state == SpanState::kLocal && !cand->free_slots.empty()) {
       s = cand;
       sl.release();
@@ -278,7 +280,7 @@ ObjectEntry* Heap::Allocate(size_t size, void** addr) {
   }
   if (s == nullptr) {
     s = NewSpan(cls, SpanState::kLocal);
-    s->mu.lock();
+    s->mu.Lock();
     s->frame = GetFrame();
     AddResident(s);
     s->in_partial = true;
@@ -298,20 +300,22 @@ ObjectEntry* Heap::Allocate(size_t size, void** addr) {
     cls->partial.pop_back();
     s->in_partial = false;
   }
-  s->mu.unlock();
-  clock.unlock();
+  s->mu.Unlock();
+  clock.Unlock();
   objects_.fetch_add(1, std::memory_order_relaxed);
   object_bytes_.fetch_add(cls->size, std::memory_order_relaxed);
   *addr = p;
   return e;
 }
 
-void Heap::Free(ObjectEntry* e) {
+// NO_THREAD_SAFETY_ANALYSIS: locks the entry's span through a pointer re-checked after locking (the
+// span may change); the analysis cannot follow span locks held that way.
+void Heap::Free(ObjectEntry* e) NO_THREAD_SAFETY_ANALYSIS {
   Span* s = nullptr;
-  std::unique_lock<std::mutex> lock;
+  SpanLock lock;
   for (;;) {
     s = e->span.load(std::memory_order_acquire);
-    lock = std::unique_lock(s->mu);
+    lock = SpanLock(&s->mu);
     if (e->span.load(std::memory_order_acquire) == s) break;
     lock.unlock();
   }
@@ -374,7 +378,7 @@ Result<void*> Heap::Deref(ObjectEntry* e, bool mut) {
       continue;
     }
     Span* s = e->span.load(std::memory_order_acquire);
-    std::unique_lock lock(s->mu);
+    MutexLock lock(&s->mu);
     if (e->span.load(std::memory_order_acquire) != s) continue;
     bool add_partial = false;
     switch (s->state) {
@@ -393,10 +397,13 @@ Result<void*> Heap::Deref(ObjectEntry* e, bool mut) {
         e->word.fetch_and(~kEvacuating, std::memory_order_seq_cst);
         break;
       case SpanState::kWriting:
-        s->cv.wait(lock, [&] { return s->state != SpanState::kWriting; });
+        s->cv.Wait(&s->mu, [&] {
+          s->mu.AssertHeld();
+          return s->state != SpanState::kWriting;
+        });
         continue;
       case SpanState::kRemote: {
-        FARMEM_RETURN_IF_ERROR(SwapInLocked(s, lock, false));
+        FARMEM_RETURN_IF_ERROR(SwapInLocked(s, false));
         add_partial = !s->free_slots.empty();
         break;
       }
@@ -407,14 +414,13 @@ Result<void*> Heap::Deref(ObjectEntry* e, bool mut) {
     }
     if (mut) DropCopyLocked(s);
     const uint64_t now = e->word.fetch_or(bits, std::memory_order_seq_cst);
-    lock.unlock();
+    lock.Unlock();
     if (add_partial) AddPartial(s);
     return reinterpret_cast<void*>(now & kAddrMask);
   }
 }
 
-Status Heap::SwapInLocked(Span* s, std::unique_lock<std::mutex>& lock, bool prefetch) {
-  (void)lock;
+Status Heap::SwapInLocked(Span* s, bool prefetch) {
   uint8_t* frame = GetFrame();
   IoContext* io = CheckoutIo();
   Status st = store_->ReadSpan(*io, s->set, s->member, frame);
@@ -465,14 +471,16 @@ void Heap::FinishSwapInLocked(Span* s, uint8_t* frame, bool prefetch) {
 void Heap::Prefetch(ObjectEntry* e) {
   if (prefetchers_.empty()) return;
   {
-    std::lock_guard lock(prefetch_mu_);
+    MutexLock lock(&prefetch_mu_);
     if (prefetch_queue_.size() >= 256) return;  // behind: drop hints rather than queue forever
     prefetch_queue_.push_back(e);
   }
-  prefetch_cv_.notify_one();
+  prefetch_cv_.Signal();
 }
 
-void Heap::PrefetchLoop() {
+// NO_THREAD_SAFETY_ANALYSIS: holds a batch of span locks in an array across the batched read; the
+// analysis cannot follow span locks held that way.
+void Heap::PrefetchLoop() NO_THREAD_SAFETY_ANALYSIS {
   // Hints are taken in batches; the spans they name are read together (one doorbell per daemon,
   // round trips overlapping), so a scan's prefetch keeps several reads in flight.
   constexpr size_t kBatch = 8;
@@ -480,13 +488,14 @@ void Heap::PrefetchLoop() {
   for (;;) {
     hints.clear();
     {
-      std::unique_lock lock(prefetch_mu_);
-      prefetch_cv_.wait(lock, [&] {
-        std::lock_guard el(evict_mu_);
+      MutexLock lock(&prefetch_mu_);
+      prefetch_cv_.Wait(&prefetch_mu_, [&] {
+        prefetch_mu_.AssertHeld();
+        MutexLock el(&evict_mu_);
         return stopping_ || !prefetch_queue_.empty();
       });
       {
-        std::lock_guard el(evict_mu_);
+        MutexLock el(&evict_mu_);
         if (stopping_) return;
       }
       while (!prefetch_queue_.empty() && hints.size() < 4 * kBatch) {
@@ -499,7 +508,7 @@ void Heap::PrefetchLoop() {
       // The entries may have been freed (and even reused) since the hint: every step re-checks
       // under the span lock, and a stale hint at worst swaps in a span someone else wanted.
       Span* spans[kBatch];
-      std::unique_lock<std::mutex> locks[kBatch];
+      SpanLock locks[kBatch];
       uint8_t* frames[kBatch];
       SpanSet* sets[kBatch];
       int members[kBatch];
@@ -511,7 +520,7 @@ void Heap::PrefetchLoop() {
         Span* s = e->span.load(std::memory_order_acquire);
         if (s == nullptr || std::find(spans, spans + n, s) != spans + n) continue;
         // try_lock: this thread holds other span locks; whoever holds this one is using it.
-        std::unique_lock lock(s->mu, std::try_to_lock);
+        SpanLock lock(&s->mu, std::try_to_lock);
         if (!lock.owns_lock() || s->state != SpanState::kRemote) continue;
         if (frames_in_use_.load(std::memory_order_relaxed) + 1 >= high_frames_) break;  // no room
         spans[n] = s;

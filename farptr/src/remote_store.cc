@@ -66,14 +66,14 @@ void RemoteStore::Shutdown() {
     subscription_ = 0;
   }
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     stopping_ = true;
   }
-  recovery_cv_.notify_all();
+  recovery_cv_.SignalAll();
   if (recovery_thread_.joinable()) recovery_thread_.join();
   std::vector<client::Lease> leases;
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     for (auto& g : groups_) {
       for (auto* set : g->rows) delete set;
       for (const auto& l : g->members) {
@@ -124,7 +124,7 @@ Result<SpanSet*> RemoteStore::ReserveRow(bool allow_degraded, std::vector<client
   *absent = 0;
   for (int attempt = 0; attempt < 3; ++attempt) {
     {
-      std::lock_guard lock(mu_);
+      MutexLock lock(&mu_);
       if (SpanSet* set = TakeRowLocked(false, members, epoch, absent)) return set;
       // While complete groups cannot be had, degraded ones with room take rows before another
       // attempt at a complete group (re-protection completes them as daemons appear).
@@ -133,24 +133,24 @@ Result<SpanSet*> RemoteStore::ReserveRow(bool allow_degraded, std::vector<client
       }
     }
     // No room: one thread allocates a group while the others wait and then look again.
-    std::unique_lock alloc(alloc_mu_, std::try_to_lock);
-    if (!alloc.owns_lock()) {
-      alloc.lock();
+    if (!alloc_mu_.TryLock()) {
+      MutexLock wait(&alloc_mu_);
       continue;
     }
+    MutexLock alloc(&alloc_mu_, kAdoptLock);
     Result<std::vector<client::Lease>> leases =
         cluster_->AllocateGroup(static_cast<size_t>(res_.width()));
     if (!leases) {
       if (!allow_degraded) return Err(leases.error());
       {
-        std::lock_guard lock(mu_);
+        MutexLock lock(&mu_);
         full_alloc_failed_ = true;
         if (SpanSet* set = TakeRowLocked(true, members, epoch, absent)) return set;
       }
       leases = AllocateDegraded(leases.error());
       if (!leases) return Err(leases.error());
     } else {
-      std::lock_guard lock(mu_);
+      MutexLock lock(&mu_);
       full_alloc_failed_ = false;
     }
     AddGroup(std::move(*leases));
@@ -194,7 +194,7 @@ void RemoteStore::AddGroup(std::vector<client::Lease> leases) {
     if (!Vacant(leases[m])) daemon_ids[m] = cluster_->node(leases[m].node).daemon_id;
   }
   const Clock::time_point now = Clock::now();
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   auto g = std::make_unique<Group>();
   g->id = next_group_id_++;
   g->members = std::move(leases);
@@ -210,7 +210,7 @@ void RemoteStore::AddGroup(std::vector<client::Lease> leases) {
   }
   if (g->failed_mask != 0) QueueLocked(g.get());
   groups_.push_back(std::move(g));
-  recovery_cv_.notify_all();
+  recovery_cv_.SignalAll();
 }
 
 std::vector<client::Lease> RemoteStore::RemoveGroupLocked(Group* g) {
@@ -252,7 +252,7 @@ void RemoteStore::FreeRowLocked(SpanSet* set) {
 void RemoteStore::Release(SpanSet* set, int member) {
   std::vector<client::Lease> to_free;
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     set->live_mask &= ~(1u << member);
     set->spans[static_cast<size_t>(member)] = nullptr;
     if (set->live_mask != 0) return;
@@ -271,13 +271,13 @@ void RemoteStore::Release(SpanSet* set, int member) {
 }
 
 bool RemoteStore::Healthy(const SpanSet* set) const {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   const Group* g = set->group;
   return g->failed_mask == 0 && g->lost_mask == 0 && !g->rebuilding;
 }
 
 std::vector<Span*> RemoteStore::CompactionCandidates(size_t max_spans) {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   std::vector<SpanSet*> holed;
   uint64_t used_rows = 0;
   for (auto& g : groups_) {
@@ -322,7 +322,7 @@ std::vector<Span*> RemoteStore::CompactionCandidates(size_t max_spans) {
 std::vector<std::vector<Endpoint>> RemoteStore::GroupLayout() const {
   std::vector<std::vector<client::Lease>> members;
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     for (auto& g : groups_) members.push_back(g->members);
   }
   std::vector<std::vector<Endpoint>> out;
@@ -336,7 +336,7 @@ std::vector<std::vector<Endpoint>> RemoteStore::GroupLayout() const {
 }
 
 RemoteStoreStats RemoteStore::stats() const {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   RemoteStoreStats s;
   s.sets = sets_;
   s.set_bytes = sets_ * static_cast<uint64_t>(res_.width()) * span_size_;
@@ -362,7 +362,7 @@ RemoteStoreStats RemoteStore::stats() const {
 
 void RemoteStore::MarkFailed(Group* g, int m, uint64_t lease_id, const Status& why) {
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     auto it = by_lease_.find(lease_id);
     if (it == by_lease_.end() || it->second.first != g || it->second.second != m) return;
     const uint32_t bit = 1u << m;
@@ -373,7 +373,7 @@ void RemoteStore::MarkFailed(Group* g, int m, uint64_t lease_id, const Status& w
     spdlog::warn("far memory: slab group {} member {} ({}, lease {}) failed: {}", g->id, m,
                  MemberName(g->members[static_cast<size_t>(m)]), lease_id, why.ToString());
   }
-  recovery_cv_.notify_all();
+  recovery_cv_.SignalAll();
 }
 
 void RemoteStore::QueueLocked(Group* g) {
@@ -387,11 +387,11 @@ void RemoteStore::OnClusterEvent(const client::Event& ev) {
     // A daemon answers (again, or for the first time, or restarted empty): it may take the
     // members that degraded groups lack, and complete groups may be possible again.
     {
-      std::lock_guard lock(mu_);
+      MutexLock lock(&mu_);
       retry_all_ = true;
       full_alloc_failed_ = false;
     }
-    recovery_cv_.notify_all();
+    recovery_cv_.SignalAll();
   }
   if (ev.lease_ids.empty()) return;
   if (ev.type != client::EventType::kNodeDown && ev.type != client::EventType::kLeasesLost &&
@@ -406,7 +406,7 @@ void RemoteStore::OnClusterEvent(const client::Event& ev) {
   };
   std::vector<Hit> hits;
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     for (uint64_t id : ev.lease_ids) {
       auto it = by_lease_.find(id);
       if (it == by_lease_.end()) continue;
@@ -421,8 +421,9 @@ void RemoteStore::OnClusterEvent(const client::Event& ev) {
 }
 
 bool RemoteStore::WaitForRecovery(std::chrono::milliseconds timeout) {
-  std::unique_lock lock(mu_);
-  return recovery_cv_.wait_for(lock, timeout, [&]() REQUIRES(mu_) {
+  MutexLock lock(&mu_);
+  return recovery_cv_.WaitFor(&mu_, timeout, [&] {
+    mu_.AssertHeld();
     if (stopping_) return true;
     if (recovering_) return false;
     return std::none_of(groups_.begin(), groups_.end(),
@@ -440,7 +441,7 @@ void RemoteStore::ReconcileMembers() {
   };
   std::vector<Hit> hits;
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     for (auto& g : groups_) {
       for (size_t m = 0; m < g->members.size(); ++m) {
         const client::Lease& l = g->members[m];
@@ -468,10 +469,11 @@ void RemoteStore::ReconcileMembers() {
 
 void RemoteStore::RecoveryLoop() {
   IoContext io;
-  std::unique_lock lock(mu_);
+  MutexLock lock(&mu_);
   Clock::time_point next_reconcile = Clock::now() + reconcile_interval_;
   for (;;) {
-    recovery_cv_.wait_until(lock, next_reconcile, [&]() REQUIRES(mu_) {
+    recovery_cv_.WaitUntil(&mu_, next_reconcile, [&] {
+      mu_.AssertHeld();
       return stopping_ || !recovery_queue_.empty() || retry_all_;
     });
     if (stopping_) return;
@@ -481,9 +483,9 @@ void RemoteStore::RecoveryLoop() {
       // member whose daemon went down or restarted without its event reaching us.
       next_reconcile = Clock::now() + reconcile_interval_;
       full_alloc_failed_ = false;
-      lock.unlock();
+      lock.Unlock();
       ReconcileMembers();
-      lock.lock();
+      lock.Lock();
       if (stopping_) return;
     }
     if (tick || retry_all_) {
@@ -493,21 +495,21 @@ void RemoteStore::RecoveryLoop() {
       }
     }
     if (recovery_queue_.empty()) {
-      recovery_cv_.notify_all();
+      recovery_cv_.SignalAll();
       continue;
     }
     Group* g = recovery_queue_.front();
     recovery_queue_.pop_front();
     g->queued = false;
     if (g->failed_mask == 0) {
-      recovery_cv_.notify_all();
+      recovery_cv_.SignalAll();
       continue;
     }
     g->in_recovery = true;
     recovering_ = true;
-    lock.unlock();
+    lock.Unlock();
     Reprotect(io, g);
-    lock.lock();
+    lock.Lock();
     g->in_recovery = false;
     recovering_ = false;
     // A group still missing members (no eligible daemon yet) is not retried in a loop: the next
@@ -516,11 +518,11 @@ void RemoteStore::RecoveryLoop() {
     // just made for a writer that is about to take one.
     if (g->used_rows == 0 && g->release_wanted) {
       std::vector<client::Lease> to_free = RemoveGroupLocked(g);
-      lock.unlock();
+      lock.Unlock();
       if (!to_free.empty()) (void)cluster_->Free(to_free);
-      lock.lock();
+      lock.Lock();
     }
-    recovery_cv_.notify_all();
+    recovery_cv_.SignalAll();
   }
 }
 
@@ -539,7 +541,7 @@ void RemoteStore::Reprotect(IoContext& io, Group* g) {
   uint32_t evicted = 0;
   size_t used_rows = 0;
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     members = g->members;
     failed = g->failed_mask;
     lost = g->lost_mask;
@@ -552,7 +554,7 @@ void RemoteStore::Reprotect(IoContext& io, Group* g) {
                                ? std::popcount(live) >= res_.k
                                : (res_.mode == SpanResilience::Mode::kReplicate && live != 0);
   if (!recoverable) {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     g->lost_mask |= failed;
     g->failed_mask = 0;
     spdlog::error(
@@ -647,7 +649,7 @@ void RemoteStore::Reprotect(IoContext& io, Group* g) {
     const Clock::time_point rebuild_start = Clock::now();
     std::vector<uint32_t> rows;
     {
-      std::lock_guard lock(mu_);
+      MutexLock lock(&mu_);
       g->rebuilding = true;  // from here, rows committed in g are the ones below
       for (uint32_t r = 0; r < rows_per_group_; ++r) {
         if (g->rows[r] != nullptr && !g->rows[r]->writing) rows.push_back(r);
@@ -662,7 +664,7 @@ void RemoteStore::Reprotect(IoContext& io, Group* g) {
     }
     if (!s.ok()) {
       {
-        std::lock_guard lock(mu_);
+        MutexLock lock(&mu_);
         g->rebuilding = false;
         if (stale) QueueLocked(g);  // try again at once rather than at the next tick
       }
@@ -677,7 +679,7 @@ void RemoteStore::Reprotect(IoContext& io, Group* g) {
     client::Lease old;
     uint64_t degraded_ms = 0;
     {
-      std::lock_guard lock(mu_);
+      MutexLock lock(&mu_);
       old = g->members[static_cast<size_t>(j)];
       if (!Vacant(old)) by_lease_.erase(old.id());
       g->members[static_cast<size_t>(j)] = *fresh;

@@ -36,19 +36,17 @@
 #pragma once
 
 #include <array>
-#include <condition_variable>
 #include <cstdint>
 #include <deque>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <span>
 #include <thread>
 #include <unordered_map>
 #include <vector>
 
 #include "farmem/client/cluster.h"
-#include "farmem/common/thread_annotations.h"
+#include "farmem/common/mutex.h"
 #include "farmem/ec/reed_solomon.h"
 #include "farmem/runtime.h"
 
@@ -271,8 +269,8 @@ class RemoteStore {
   std::vector<uint8_t> zeros_;
   client::SubscriptionId subscription_ = 0;
 
-  mutable std::mutex mu_;
-  std::condition_variable recovery_cv_;
+  mutable Mutex mu_;
+  CondVar recovery_cv_;
   std::vector<std::unique_ptr<Group>> groups_ GUARDED_BY(mu_);
   std::unordered_map<uint64_t, std::pair<Group*, int>> by_lease_ GUARDED_BY(mu_);
   std::deque<Group*> recovery_queue_ GUARDED_BY(mu_);
@@ -291,7 +289,7 @@ class RemoteStore {
   uint64_t degraded_sets_written_ GUARDED_BY(mu_) = 0;
   uint64_t reprotect_last_ms_ GUARDED_BY(mu_) = 0;
   uint64_t reprotect_max_ms_ GUARDED_BY(mu_) = 0;
-  std::mutex alloc_mu_;  // one group allocation at a time
+  Mutex alloc_mu_ ACQUIRED_BEFORE(mu_);  // one group allocation at a time
   std::thread recovery_thread_;
 };
 

@@ -201,7 +201,7 @@ Result<SpanSet*> RemoteStore::WriteSet(IoContext& io, std::span<const uint8_t* c
       }
     }
     if (ok) {
-      std::lock_guard lock(mu_);
+      MutexLock lock(&mu_);
       Group* g = set->group;
       if (g->rebuilding || g->epoch != epoch || g->lost_mask != 0) {
         // A member is being (or was) replaced while we wrote: re-protection did not see this
@@ -220,7 +220,7 @@ Result<SpanSet*> RemoteStore::WriteSet(IoContext& io, std::span<const uint8_t* c
       return set;
     }
     {
-      std::lock_guard lock(mu_);
+      MutexLock lock(&mu_);
       FreeRowLocked(set);
     }
   }
@@ -237,7 +237,7 @@ void RemoteStore::ReadSpans(IoContext& io, std::span<SpanSet* const> sets,
   Status got[kMaxSetWidth];
   size_t posted = 0;
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     for (size_t i = 0; i < n; ++i) {
       const Group* g = sets[i]->group;
       const int m = members[i];
@@ -306,7 +306,7 @@ Status RemoteStore::ReadSpan(IoContext& io, SpanSet* set, int member, uint8_t* d
     uint32_t set_id = 0;
     uint32_t group_id = 0;
     {
-      std::lock_guard lock(mu_);
+      MutexLock lock(&mu_);
       members = set->group->members;
       bad = set->group->failed_mask | set->group->lost_mask;
       row = set->row;
@@ -392,7 +392,7 @@ Status RemoteStore::ReadSpan(IoContext& io, SpanSet* set, int member, uint8_t* d
       FARMEM_RETURN_IF_ERROR(codec_->ReconstructData({frags, static_cast<size_t>(n)},
                                                      {readers.data(), readers.size()}, span));
     }
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     ++degraded_reads_;
     return Status::Ok();
   }

@@ -46,7 +46,7 @@ Result<SpanSet*> RemoteStore::WriteSetOffloaded(IoContext& io, std::span<const u
   }
   auto fall_back = [&](SpanSet* set, Status why) -> Result<SpanSet*> {
     if (set != nullptr) {
-      std::lock_guard lock(mu_);
+      MutexLock lock(&mu_);
       FreeRowLocked(set);
     }
     spdlog::debug("far memory: parity offload failed, writing the set with client parity: {}",
@@ -91,7 +91,7 @@ Result<SpanSet*> RemoteStore::WriteSetOffloaded(IoContext& io, std::span<const u
 
   // 3. Commit, exactly as WriteSet does.
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     Group* g = set->group;
     if (g->failed_mask == 0 && g->lost_mask == 0 && !g->rebuilding && g->epoch == epoch) {
       set->writing = false;
@@ -192,7 +192,7 @@ Result<SpanSet*> RemoteStore::WriteSetGathered(IoContext& io,
   // Where the pieces live now. Their spans are locked by the caller, so their sets stay.
   std::vector<wire::GatherCellRequest> reqs(static_cast<size_t>(k));
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     for (size_t c = 0; c < cells.size(); ++c) {
       wire::GatherCellRequest& req = reqs[c];
       std::map<std::pair<const SpanSet*, int>, uint16_t> index;
@@ -225,7 +225,7 @@ Result<SpanSet*> RemoteStore::WriteSetGathered(IoContext& io,
   uint32_t absent = 0;
   FARMEM_ASSIGN_OR_RETURN(SpanSet * set, ReserveRow(false, &members, &epoch, &absent));
   auto give_up = [&](Status why) -> Result<SpanSet*> {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     FreeRowLocked(set);
     return Err(std::move(why));
   };
@@ -257,7 +257,7 @@ Result<SpanSet*> RemoteStore::WriteSetGathered(IoContext& io,
   if (Status s = EncodeParityRemotely(io, members, off, timeout_ms); !s.ok()) return give_up(s);
 
   // 3. Commit, as WriteSet does.
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   Group* g = set->group;
   if (g->failed_mask != 0 || g->lost_mask != 0 || g->rebuilding || g->epoch != epoch) {
     FreeRowLocked(set);

@@ -69,8 +69,8 @@ std::string SpanResilience::ToString() const {
 // Runtime
 
 namespace {
-std::mutex g_default_mu;
-Runtime* g_default = nullptr;
+Mutex g_default_mu;
+Runtime* g_default GUARDED_BY(g_default_mu) = nullptr;
 }  // namespace
 
 Runtime::Runtime(RuntimeOptions options)
@@ -81,20 +81,20 @@ Result<std::unique_ptr<Runtime>> Runtime::Create(RuntimeOptions options) {
   std::unique_ptr<Runtime> rt(new Runtime(std::move(options)));
   FARMEM_RETURN_IF_ERROR(rt->heap_->Start());
   if (make_default) {
-    std::lock_guard lock(g_default_mu);
+    MutexLock lock(&g_default_mu);
     g_default = rt.get();
   }
   return rt;
 }
 
 Runtime* Runtime::Default() {
-  std::lock_guard lock(g_default_mu);
+  MutexLock lock(&g_default_mu);
   return g_default;
 }
 
 Runtime::~Runtime() {
   {
-    std::lock_guard lock(g_default_mu);
+    MutexLock lock(&g_default_mu);
     if (g_default == this) g_default = nullptr;
   }
   heap_->Stop();
@@ -190,16 +190,16 @@ Status Heap::Start() {
 
 void Heap::Stop() {
   {
-    std::lock_guard lock(evict_mu_);
+    MutexLock lock(&evict_mu_);
     if (stopping_ && !evictor_.joinable()) return;
     stopping_ = true;
   }
-  evict_cv_.notify_all();
+  evict_cv_.SignalAll();
   {
-    std::lock_guard lock(prefetch_mu_);
+    MutexLock lock(&prefetch_mu_);
     prefetch_queue_.clear();
   }
-  prefetch_cv_.notify_all();
+  prefetch_cv_.SignalAll();
   if (evictor_.joinable()) evictor_.join();
   for (auto& t : prefetchers_) t.join();
   prefetchers_.clear();
@@ -208,17 +208,17 @@ void Heap::Stop() {
   SetOverBudget(this, over_budget_, false);
   std::vector<Span*> all;
   {
-    std::lock_guard lock(spans_mu_);
+    MutexLock lock(&spans_mu_);
     for (auto& s : spans_) all.push_back(s.get());
   }
   for (Span* s : all) {
-    std::lock_guard sl(s->mu);
+    MutexLock sl(&s->mu);
     if (s->frame != nullptr) {
       std::free(s->frame);
       s->frame = nullptr;
     }
   }
-  std::lock_guard flock(frames_mu_);
+  MutexLock flock(&frames_mu_);
   for (uint8_t* f : free_frames_) std::free(f);
   free_frames_.clear();
 }

@@ -11,9 +11,7 @@
 // loads acquire, so the mutator's writes to the object happen-before the evictor copies it.
 #include <atomic>
 #include <chrono>
-#include <condition_variable>
 #include <memory>
-#include <mutex>
 #include <thread>
 #include <vector>
 
@@ -32,8 +30,8 @@ struct ThreadRecord {
 };
 
 struct Registry {
-  std::mutex mu;
-  std::vector<std::shared_ptr<ThreadRecord>> threads;
+  Mutex mu;
+  std::vector<std::shared_ptr<ThreadRecord>> threads GUARDED_BY(mu);
 };
 Registry& registry() {
   static Registry* r = new Registry;  // never destroyed: threads may exit after main
@@ -49,7 +47,7 @@ struct ThreadSlot {
     if (!rec) {
       rec = std::make_shared<ThreadRecord>();
       Registry& r = registry();
-      std::lock_guard lock(r.mu);
+      MutexLock lock(&r.mu);
       std::erase_if(r.threads, [](const std::shared_ptr<ThreadRecord>& t) {
         return t->exited.load(std::memory_order_acquire);
       });
@@ -62,9 +60,9 @@ thread_local ThreadSlot tls_slot;
 
 // The budget gate.
 std::atomic<int> g_heaps_over_budget{0};
-std::mutex g_gate_mu;
-std::condition_variable g_gate_cv;
-std::vector<Heap*> g_over_budget;  // guarded by g_gate_mu
+Mutex g_gate_mu;
+CondVar g_gate_cv;
+std::vector<Heap*> g_over_budget GUARDED_BY(g_gate_mu);
 constexpr auto kMaxGateWait = std::chrono::milliseconds(1000);
 
 void WaitAtGate() {
@@ -74,15 +72,15 @@ void WaitAtGate() {
   // evicting, wait for it.
   std::vector<Heap*> heaps;
   {
-    std::lock_guard lock(g_gate_mu);
+    MutexLock lock(&g_gate_mu);
     heaps = g_over_budget;
   }
   bool reclaimed = false;
   for (Heap* h : heaps) reclaimed = h->TryReclaim() || reclaimed;
   if (reclaimed) return;
-  std::unique_lock lock(g_gate_mu);
-  g_gate_cv.wait_for(lock, kMaxGateWait,
-                     [] { return g_heaps_over_budget.load(std::memory_order_acquire) == 0; });
+  MutexLock lock(&g_gate_mu);
+  g_gate_cv.WaitFor(&g_gate_mu, kMaxGateWait,
+                    [] { return g_heaps_over_budget.load(std::memory_order_acquire) == 0; });
 }
 
 }  // namespace
@@ -112,7 +110,7 @@ bool WaitForScopesToDrainFor(std::chrono::nanoseconds limit) {
   std::vector<std::pair<std::shared_ptr<ThreadRecord>, uint64_t>> pending;
   {
     Registry& r = registry();
-    std::lock_guard lock(r.mu);
+    MutexLock lock(&r.mu);
     for (auto& t : r.threads) {
       const uint64_t s = t->state.load(std::memory_order_seq_cst);
       if ((s & 1) != 0 && t.get() != tls_slot.rec.get()) pending.emplace_back(t, s);
@@ -136,16 +134,16 @@ bool WaitForScopesToDrainFor(std::chrono::nanoseconds limit) {
 void SetOverBudget(Heap* heap, std::atomic<bool>& flag, bool over) {
   if (flag.exchange(over, std::memory_order_acq_rel) == over) return;
   if (over) {
-    std::lock_guard lock(g_gate_mu);
+    MutexLock lock(&g_gate_mu);
     g_over_budget.push_back(heap);
     g_heaps_over_budget.fetch_add(1, std::memory_order_acq_rel);
   } else {
     {
-      std::lock_guard lock(g_gate_mu);
+      MutexLock lock(&g_gate_mu);
       std::erase(g_over_budget, heap);
       g_heaps_over_budget.fetch_sub(1, std::memory_order_acq_rel);
     }
-    g_gate_cv.notify_all();
+    g_gate_cv.SignalAll();
   }
 }
 

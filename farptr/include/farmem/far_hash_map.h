@@ -21,12 +21,11 @@
 #include <cstring>
 #include <functional>
 #include <memory>
-#include <mutex>
 #include <optional>
-#include <shared_mutex>
 #include <type_traits>
 #include <vector>
 
+#include "farmem/common/mutex.h"
 #include "farmem/far_ptr.h"
 
 namespace farmem {
@@ -41,7 +40,7 @@ class far_hash_map {
   static constexpr size_t kStripes = 256;
 
   explicit far_hash_map(Runtime& rt, size_t expected_size = 0)
-      : rt_(&rt), stripes_(std::make_unique<std::shared_mutex[]>(kStripes)) {
+      : rt_(&rt), stripes_(std::make_unique<SharedMutex[]>(kStripes)) {
     size_t n = 64;
     while (n * kMaxLoad / 2 < expected_size) n *= 2;
     buckets_.resize(n);
@@ -51,15 +50,15 @@ class far_hash_map {
 
   size_t size() const { return size_.load(std::memory_order_relaxed); }
   size_t bucket_count() const {
-    std::shared_lock r(resize_mu_);
+    ReaderLock r(&resize_mu_);
     return buckets_.size();
   }
 
   std::optional<V> find(const K& key) const {
     const size_t h = Hash{}(key);
-    std::shared_lock r(resize_mu_);
+    ReaderLock r(&resize_mu_);
     const size_t b = h & (buckets_.size() - 1);
-    std::shared_lock l(stripes_[b % kStripes]);
+    ReaderLock l(&stripes_[b % kStripes]);
     if (!buckets_[b]) return std::nullopt;
     DerefScope s;
     std::span<const std::byte> bytes = buckets_[b].deref(s);
@@ -78,9 +77,9 @@ class far_hash_map {
     bool added = false;
     {
       const size_t h = Hash{}(key);
-      std::shared_lock r(resize_mu_);
+      ReaderLock r(&resize_mu_);
       const size_t b = h & (buckets_.size() - 1);
-      std::unique_lock l(stripes_[b % kStripes]);
+      WriterLock l(&stripes_[b % kStripes]);
       added = InsertInto(buckets_[b], key, value, /*overwrite=*/true);
     }
     if (added && size_.fetch_add(1, std::memory_order_relaxed) + 1 > kMaxLoad * BucketCount()) {
@@ -92,9 +91,9 @@ class far_hash_map {
   // Removes the key; true if it was there.
   bool erase(const K& key) {
     const size_t h = Hash{}(key);
-    std::shared_lock r(resize_mu_);
+    ReaderLock r(&resize_mu_);
     const size_t b = h & (buckets_.size() - 1);
-    std::unique_lock l(stripes_[b % kStripes]);
+    WriterLock l(&stripes_[b % kStripes]);
     if (!buckets_[b]) return false;
     bool removed = false;
     bool now_empty = false;
@@ -147,7 +146,7 @@ class far_hash_map {
   static size_t BytesFor(uint32_t capacity) { return sizeof(Header) + capacity * sizeof(Item); }
 
   size_t BucketCount() const {
-    std::shared_lock r(resize_mu_);
+    ReaderLock r(&resize_mu_);
     return buckets_.size();
   }
 
@@ -187,7 +186,7 @@ class far_hash_map {
   }
 
   void Grow() {
-    std::unique_lock r(resize_mu_);
+    WriterLock r(&resize_mu_);
     if (size_.load(std::memory_order_relaxed) <= kMaxLoad * buckets_.size()) return;
     std::vector<far_bytes> next(buckets_.size() * 2);
     const size_t mask = next.size() - 1;
@@ -210,9 +209,11 @@ class far_hash_map {
   }
 
   Runtime* rt_;
-  mutable std::shared_mutex resize_mu_;
-  std::unique_ptr<std::shared_mutex[]> stripes_;
-  std::vector<far_bytes> buckets_;  // size is a power of two
+  mutable SharedMutex resize_mu_;
+  // Bucket b's contents are guarded by stripes_[b % kStripes] (with resize_mu_ shared), which
+  // the analysis cannot express per element: it checks the directory against resize_mu_ only.
+  std::unique_ptr<SharedMutex[]> stripes_;
+  std::vector<far_bytes> buckets_ GUARDED_BY(resize_mu_);  // size is a power of two
   std::atomic<size_t> size_{0};
 };
 

@@ -26,10 +26,10 @@
 
 #include <cstdint>
 #include <memory>
-#include <shared_mutex>
 #include <span>
 #include <vector>
 
+#include "farmem/common/mutex.h"
 #include "farmem/common/status.h"
 
 namespace farmem::blockdev {
@@ -132,9 +132,7 @@ class MemoryBackend final : public BlockBackend {
 
   MemoryBackend(uint8_t* base, uint64_t size) : base_(base), size_(size) {}
   Status CheckRange(uint64_t offset, uint64_t length, const char* what) const;
-  std::shared_mutex& StripeFor(uint64_t offset) {
-    return stripes_[(offset >> kRegionShift) % kStripes];
-  }
+  SharedMutex& StripeFor(uint64_t offset) { return stripes_[(offset >> kRegionShift) % kStripes]; }
   // Calls fn(offset, length) for each piece of [offset, offset+length) inside one region, holding
   // that region's lock (shared for reads, exclusive for writes).
   template <bool kExclusive, typename Fn>
@@ -142,7 +140,7 @@ class MemoryBackend final : public BlockBackend {
 
   uint8_t* const base_;  // mmap'ed, size_ bytes, owned
   const uint64_t size_;
-  std::shared_mutex stripes_[kStripes];
+  SharedMutex stripes_[kStripes];  // guard the bytes of base_, not members
 };
 
 }  // namespace farmem::blockdev

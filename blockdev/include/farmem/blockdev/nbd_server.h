@@ -28,13 +28,13 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <vector>
 
 #include "farmem/blockdev/block_backend.h"
 #include "farmem/blockdev/nbd_protocol.h"
 #include "farmem/common/config.h"
+#include "farmem/common/mutex.h"
 #include "farmem/common/socket.h"
 #include "farmem/common/status.h"
 
@@ -73,19 +73,19 @@ class NbdServer {
   NbdServer& operator=(const NbdServer&) = delete;
 
   // Binds every listener in the options, adopts the inherited ones, starts accepting.
-  [[nodiscard]] Status Start();
+  [[nodiscard]] Status Start() EXCLUDES(mu_);
   // Serves an already-connected stream socket (takes ownership of fd), e.g. one end of a
   // socketpair. Works with or without Start().
-  [[nodiscard]] Status Serve(int fd);
+  [[nodiscard]] Status Serve(int fd) EXCLUDES(mu_);
   // Stops accepting; lets connections finish the requests they already received (up to
   // drain_timeout), then cuts them off; joins every thread; removes Unix socket files.
-  void Stop();
+  void Stop() EXCLUDES(mu_);
 
   // Where the server listens: "unix:/run/x.sock", "tcp:127.0.0.1:10809", "fd:3".
   std::vector<std::string> listening_on() const;
   // TCP port actually bound for options.tcp[i] (useful with port 0).
   uint16_t tcp_port(size_t i) const;
-  size_t active_connections() const;
+  size_t active_connections() const EXCLUDES(mu_);
   uint64_t connections_served() const { return connections_served_.load(); }
   const nbd::ExportInfo& export_info() const { return info_; }
 
@@ -111,8 +111,8 @@ class NbdServer {
   Status AddListenerTcp(const Endpoint& ep);
   Status AdoptListener(int fd);
   void AcceptLoop();
-  Status AddConnection(int fd, std::string peer);
-  void ReapFinished();  // joins and closes finished connections
+  Status AddConnection(int fd, std::string peer) EXCLUDES(mu_);
+  void ReapFinished() EXCLUDES(mu_);  // joins and closes finished connections
   void Wake();
 
   BlockBackend* const backend_;
@@ -125,10 +125,10 @@ class NbdServer {
   bool accept_started_ = false;
   std::atomic<uint64_t> connections_served_{0};
 
-  mutable std::mutex mu_;
-  std::vector<std::unique_ptr<ConnectionSlot>> slots_;  // guarded by mu_
-  bool stopping_ = false;                               // guarded by mu_
-  bool stopped_ = false;                                // guarded by mu_
+  mutable Mutex mu_;
+  std::vector<std::unique_ptr<ConnectionSlot>> slots_ GUARDED_BY(mu_);
+  bool stopping_ GUARDED_BY(mu_) = false;
+  bool stopped_ GUARDED_BY(mu_) = false;
 };
 
 }  // namespace farmem::blockdev

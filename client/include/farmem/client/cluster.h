@@ -28,12 +28,10 @@
 #pragma once
 
 #include <chrono>
-#include <condition_variable>
 #include <cstdint>
 #include <functional>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <optional>
 #include <random>
 #include <span>
@@ -42,8 +40,8 @@
 #include <vector>
 
 #include "farmem/client/placement.h"
-#include "farmem/common/thread_annotations.h"
 #include "farmem/common/config.h"
+#include "farmem/common/mutex.h"
 #include "farmem/common/socket.h"
 #include "farmem/common/status.h"
 #include "farmem/common/wire.h"
@@ -250,8 +248,8 @@ class Cluster {
   std::chrono::milliseconds reconnect_interval_;
 
   // Lock order: Node::call_mu, then mu_. dispatch_mu_, then subs_mu_ (never with the others).
-  mutable std::mutex mu_;
-  std::condition_variable wake_;  // on mu_: events, probes, stop
+  mutable Mutex mu_;
+  CondVar wake_;  // on mu_: events, probes, stop
   std::vector<std::unique_ptr<Node>> nodes_ GUARDED_BY(mu_);
   // Addresses from DNS that turned out to be another node's daemon (don't dial them again).
   std::vector<Endpoint> aliases_ GUARDED_BY(mu_);
@@ -261,13 +259,14 @@ class Cluster {
   bool closed_ GUARDED_BY(mu_) = false;
   std::mt19937_64 rng_ GUARDED_BY(mu_);
 
-  std::mutex subs_mu_;
+  Mutex subs_mu_;
   std::map<SubscriptionId, std::shared_ptr<EventCallback>> subscribers_ GUARDED_BY(subs_mu_);
   SubscriptionId next_subscription_ GUARDED_BY(subs_mu_) = 1;
-  std::mutex dispatch_mu_;  // held while callbacks run, so Unsubscribe can wait them out
+  Mutex dispatch_mu_
+      ACQUIRED_BEFORE(subs_mu_);  // held while callbacks run, so Unsubscribe can wait them out
 
   std::thread monitor_;
-  std::mutex close_mu_;  // serializes Close()
+  Mutex close_mu_ ACQUIRED_BEFORE(mu_);  // serializes Close()
 };
 
 }  // namespace farmem::client

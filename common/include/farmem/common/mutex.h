@@ -55,10 +55,16 @@ class CAPABILITY("shared mutex") SharedMutex {
   std::shared_mutex mu_;
 };
 
+// Tag for MutexLock: the caller already holds the mutex (e.g. a TryLock succeeded); the MutexLock
+// takes it over and releases it at the end of its scope.
+struct AdoptLockTag {};
+inline constexpr AdoptLockTag kAdoptLock{};
+
 // Holds a Mutex for its scope; Unlock/Lock in between for a section that must run unlocked.
 class SCOPED_CAPABILITY MutexLock {
  public:
   explicit MutexLock(Mutex* mu) ACQUIRE(mu) : mu_(mu) { mu_->Lock(); }
+  MutexLock(Mutex* mu, AdoptLockTag) REQUIRES(mu) : mu_(mu) {}
   ~MutexLock() RELEASE() {
     if (held_) mu_->Unlock();
   }
