@@ -353,6 +353,7 @@ void Cluster::RefreshDns() {
 void Cluster::Emit(Event event) {
   if (stopping_) return;
   pending_events_.push_back(std::move(event));
+  ++events_emitted_;
   wake_.notify_all();
 }
 
@@ -372,6 +373,8 @@ void Cluster::DispatchEvents() {
     }
     for (const auto& cb : subs) (*cb)(ev);
   }
+  std::lock_guard lock(mu_);
+  events_dispatched_ += events.size();
 }
 
 }  // namespace farmem::client
