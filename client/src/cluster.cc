@@ -290,6 +290,35 @@ NodeInfo Cluster::node(NodeId id) const {
   return info;
 }
 
+Status Cluster::WaitForNode(NodeId id, NodeState state, std::chrono::milliseconds timeout) const {
+  const bool want_alive = state == NodeState::kUp;
+  const Clock::time_point deadline = Clock::now() + timeout;
+  // The state is polled (a short interval, against a deadline) rather than signalled: node
+  // liveness changes on the background thread under mu_, and no caller is on a hot path.
+  std::optional<uint64_t> seen_emitted;  // events to see dispatched once the state holds
+  for (;;) {
+    {
+      MutexLock lock(&mu_);
+      if (id >= nodes_.size()) {
+        return NotFound(fmt::format("no node {}: the cluster has {}", id, nodes_.size()));
+      }
+      const Node& n = *nodes_[id];
+      if (n.alive == want_alive && !seen_emitted) seen_emitted = events_emitted_;
+      if (n.alive != want_alive) seen_emitted.reset();
+      if (seen_emitted && events_dispatched_ >= *seen_emitted) return Status::Ok();
+      if (Clock::now() >= deadline) {
+        return Status(
+            StatusCode::kDeadlineExceeded,
+            fmt::format("{} is {} after {} ms, waiting for {}{} (last error: {})", n.name(),
+                        n.alive ? "up" : "down", timeout.count(), want_alive ? "up" : "down",
+                        seen_emitted ? ": its events are not dispatched yet" : "",
+                        n.last_error.ToString()));
+      }
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  }
+}
+
 std::vector<NodeInfo> Cluster::nodes() const {
   const size_t count = node_count();
   std::vector<NodeInfo> out;

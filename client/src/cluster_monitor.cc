@@ -366,6 +366,7 @@ void Cluster::RefreshDns() {
 void Cluster::Emit(Event event) {
   if (stopping_) return;
   pending_events_.push_back(std::move(event));
+  ++events_emitted_;
   wake_.SignalAll();
 }
 
@@ -385,6 +386,8 @@ void Cluster::DispatchEvents() {
     }
     for (const auto& cb : subs) (*cb)(ev);
   }
+  MutexLock lock(&mu_);
+  events_dispatched_ += events.size();
 }
 
 }  // namespace farmem::client

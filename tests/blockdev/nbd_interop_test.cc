@@ -13,6 +13,7 @@
 
 #include "farmem/blockdev/nbd_server.h"
 #include "nbd_test_client.h"
+#include "support/wait.h"
 #include "test_backends.h"
 #include "test_process.h"
 
@@ -51,6 +52,14 @@ long LockedKb(pid_t pid) {
   const size_t p = status.find("VmLck:");
   if (p == std::string::npos) return -1;
   return std::strtol(status.c_str() + p + 6, nullptr, 10);
+}
+
+// "Threads:  5" from /proc/PID/status; -1 if absent.
+long ThreadCount(pid_t pid) {
+  const std::string status = testing::ReadFile("/proc/" + std::to_string(pid) + "/status");
+  const size_t p = status.find("Threads:");
+  if (p == std::string::npos) return -1;
+  return std::strtol(status.c_str() + p + 8, nullptr, 10);
 }
 
 std::string Describe(const CommandResult& r) {
@@ -236,12 +245,15 @@ TEST(NbdInterop, TcpListenerAndSystemdSocketActivation) {
                                            "127.0.0.1:" + std::to_string(port), "--no-swap-safe"},
                                           so);
   ASSERT_TRUE(tcp.has_value());
-  CommandResult r;
-  for (int i = 0; i < 100; ++i) {
-    r = RunCommand({"nbdinfo", "--size", "nbd://127.0.0.1:" + std::to_string(port)});
-    if (r.exit_code == 0) break;
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
-  }
+  // Wait until it listens (a TCP connect succeeds), then ask once.
+  ASSERT_TRUE(farmem::testing::WaitUntil(
+      [&] {
+        return ConnectTcp(Endpoint{"127.0.0.1", port}, DeadlineIn(std::chrono::seconds(1)))
+            .has_value();
+      },
+      std::chrono::seconds(20)))
+      << testing::ReadFile(dir.File("tcp.log"));
+  CommandResult r = RunCommand({"nbdinfo", "--size", "nbd://127.0.0.1:" + std::to_string(port)});
   EXPECT_EQ(r.exit_code, 0) << Describe(r) << testing::ReadFile(dir.File("tcp.log"));
   EXPECT_EQ(r.out, std::to_string(8u << 20) + "\n");
 
@@ -301,8 +313,12 @@ TEST(NbdInterop, SwapSafeModeLocksMemoryOrSaysWhyNot) {
     // Everything a new thread maps is locked and populated under MCL_FUTURE: connection threads
     // must not bring glibc's 8 MiB default stacks (regression: 8.3 MB locked per connection).
     std::vector<Socket> idle;
+    const long threads_before = ThreadCount(p->pid());
     for (int i = 0; i < 4; ++i) idle.push_back(std::move(*testing::ConnectUnix(sock)));
-    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    // Measure once the four connection threads exist (their stacks are mapped by then).
+    EXPECT_TRUE(farmem::testing::WaitUntil(
+        [&] { return ThreadCount(p->pid()) >= threads_before + 4; }, std::chrono::seconds(10)))
+        << "threads: " << threads_before << " -> " << ThreadCount(p->pid());
     EXPECT_LT(LockedKb(p->pid()) - locked_kb, 4 * 2048) << "4 idle connections lock too much";
   } else {
     EXPECT_EQ(locked_kb, 0);

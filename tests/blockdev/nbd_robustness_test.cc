@@ -4,6 +4,7 @@
 // and that the server process is still alive.
 #include <gtest/gtest.h>
 #include <poll.h>
+#include <sys/ioctl.h>
 #include <sys/socket.h>
 
 #include <atomic>
@@ -12,12 +13,14 @@
 #include <thread>
 
 #include "nbd_test_client.h"
+#include "support/wait.h"
 #include "test_process.h"
 
 namespace farmem::blockdev {
 namespace {
 
 using namespace farmem::blockdev::nbd;  // NOLINT(build/namespaces)
+using farmem::testing::WaitUntil;
 using testing::NbdTestClient;
 using testing::OptionBytes;
 using testing::Pattern;
@@ -25,6 +28,8 @@ using testing::Pattern;
 constexpr uint64_t kSize = 64u << 20;
 constexpr uint64_t kGoodRegion = 32u << 20;  // the good client's private 16 MiB
 constexpr auto kTimeout = std::chrono::seconds(10);
+// farmem-nbd's threads when no client is connected: main and accept.
+constexpr size_t kIdleThreads = 2;
 
 // Writes, reads back and checks, in a loop, until stopped.
 class GoodClient {
@@ -80,8 +85,15 @@ class NbdRobustnessTest : public ::testing::Test {
     auto s = testing::FarmemNbd::Start("64M", {"--handshake-timeout", "5"});
     ASSERT_TRUE(s.has_value()) << s.error().ToString();
     server_ = s->release();
-    // The readiness probe's connection may still be open for a moment.
-    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    // One whole session proves the accept thread runs; then wait until the connection threads
+    // (the readiness probe's, this one's) have ended and only the idle threads are left. A
+    // sanitizer may keep a thread of its own: then this waits out its deadline and takes that.
+    {
+      auto c = NbdTestClient::Connect(server_->socket_path());
+      ASSERT_TRUE(c.has_value()) << c.error().ToString();
+      ASSERT_TRUE(c->Disconnect().ok());
+    }
+    WaitUntil([] { return CountEntries("task") == kIdleThreads; }, std::chrono::seconds(2));
     baseline_fds_ = CountEntries("fd");
     baseline_threads_ = CountEntries("task");  // main + accept (+ a sanitizer's own thread)
   }
@@ -112,11 +124,11 @@ class NbdRobustnessTest : public ::testing::Test {
     }
     // Nothing is left behind: every connection thread has ended and its socket is closed, so
     // the server is back to the threads and descriptors it had when idle.
-    const auto deadline = std::chrono::steady_clock::now() + kTimeout;
-    while ((CountEntries("task") > baseline_threads_ || CountEntries("fd") > baseline_fds_) &&
-           std::chrono::steady_clock::now() < deadline) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(5));
-    }
+    WaitUntil(
+        [] {
+          return CountEntries("task") <= baseline_threads_ && CountEntries("fd") <= baseline_fds_;
+        },
+        kTimeout);
     EXPECT_EQ(CountEntries("task"), baseline_threads_) << "connection threads still running";
     EXPECT_LE(CountEntries("fd"), baseline_fds_) << "sockets leaked";
   }
@@ -135,10 +147,7 @@ class NbdRobustnessTest : public ::testing::Test {
   }
 
   void WaitForGoodRounds(uint64_t n) {
-    const auto deadline = std::chrono::steady_clock::now() + kTimeout;
-    while (good_->rounds() < n && std::chrono::steady_clock::now() < deadline) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(2));
-    }
+    WaitUntil([&] { return good_->rounds() >= n; }, kTimeout, std::chrono::milliseconds(2));
     EXPECT_GE(good_->rounds(), n) << "good client stalled";
   }
 
@@ -390,7 +399,10 @@ TEST_F(NbdRobustnessTest, ClientThatNeverReadsItsRepliesThenVanishes) {
     stream.insert(stream.end(), req.begin(), req.end());
   }
   ASSERT_TRUE(c->SendRaw(stream).ok());
-  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  // Vanish once the replies are flowing (the server then blocks in send() with 64 MiB to go).
+  int queued = 0;
+  EXPECT_TRUE(
+      WaitUntil([&] { return ::ioctl(c->fd(), FIONREAD, &queued) == 0 && queued > 0; }, kTimeout));
 }  // closed without reading
 
 TEST_F(NbdRobustnessTest, RandomBytesAtEveryPhase) {

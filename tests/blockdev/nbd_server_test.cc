@@ -13,6 +13,7 @@
 #include <thread>
 
 #include "nbd_test_client.h"
+#include "support/wait.h"
 #include "test_backends.h"
 #include "test_process.h"
 
@@ -20,6 +21,7 @@ namespace farmem::blockdev {
 namespace {
 
 using namespace farmem::blockdev::nbd;  // NOLINT(build/namespaces)
+using farmem::testing::WaitUntil;
 using testing::ClientOptions;
 using testing::NbdReply;
 using testing::NbdTestClient;
@@ -344,9 +346,8 @@ TEST_F(NbdServerTest, ConnectionsBeyondTheLimitAreRefused) {
   ASSERT_TRUE(first.Write(0, Pattern(512, 33)).ok());
   // Once the first leaves, there is room again.
   ASSERT_TRUE(first.Disconnect().ok());
-  for (int i = 0; i < 200 && server_->active_connections() > 0; ++i) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  }
+  ASSERT_TRUE(
+      WaitUntil([&] { return server_->active_connections() == 0; }, std::chrono::seconds(2)));
   NbdTestClient second = Connect();
   EXPECT_EQ(*second.Read(0, 512), Pattern(512, 33));
 }
@@ -376,10 +377,7 @@ TEST_F(NbdServerTest, EarlyRepliesNeverHoldUpTheBatchOfAClientThatDoesNotRead) {
     stream.insert(stream.end(), req.begin(), req.end());
   }
   ASSERT_TRUE(c.SendRaw(stream).ok());
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
-  while (backend_->batches_finished() == 0 && std::chrono::steady_clock::now() < deadline) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(5));
-  }
+  WaitUntil([&] { return backend_->batches_finished() > 0; }, std::chrono::seconds(10));
   EXPECT_EQ(backend_->batches_finished(), 1u) << "the batch waited for the client to read";
 }
 
@@ -395,9 +393,7 @@ TEST_F(NbdServerTest, ClientThatDoesNotReadIsDroppedAfterTheReplyTimeout) {
   }
   ASSERT_TRUE(c.SendRaw(stream).ok());
   // Once dropped, the socket holds what was sent before the drop, then EOF.
-  for (int i = 0; i < 1000 && server_->active_connections() > 0; ++i) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  }
+  WaitUntil([&] { return server_->active_connections() == 0; }, std::chrono::seconds(10));
   EXPECT_EQ(server_->active_connections(), 0u) << "still connected after the reply timeout";
   EXPECT_TRUE(c.WaitForClose(std::chrono::seconds(5)));
 }

@@ -19,6 +19,7 @@
 
 #include "nbd_test_client.h"
 #include "support/daemon_fixture.h"
+#include "support/wait.h"
 #include "test_process.h"
 
 namespace farmem::blockdev {
@@ -34,12 +35,7 @@ constexpr uint32_t kChunk = 1u << 20;
 
 // Polls `done` until it holds or `timeout` passes.
 bool WaitFor(const std::function<bool()>& done, std::chrono::milliseconds timeout) {
-  const auto deadline = Clock::now() + timeout;
-  while (!done()) {
-    if (Clock::now() >= deadline) return false;
-    std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  }
-  return true;
+  return farmem::testing::WaitUntil(done, timeout, std::chrono::milliseconds(10));
 }
 
 size_t Count(const std::string& text, const std::string& needle) {

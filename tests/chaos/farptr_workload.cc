@@ -23,6 +23,7 @@
 #include <cstdio>
 #include <cstring>
 #include <fstream>
+#include <latch>
 #include <random>
 #include <sstream>
 #include <string>
@@ -125,7 +126,7 @@ int main(int argc, char** argv) {
   }
   std::vector<Worker> workers(static_cast<size_t>(threads));
   std::atomic<bool> stop{false};
-  std::atomic<int> ready{0};
+  std::latch ready(threads);  // every thread has made its objects
   auto id_of = [&](int t, size_t i) { return (static_cast<uint64_t>(t) << 32) | i; };
   std::vector<std::thread> pool;
   for (int t = 0; t < threads; ++t) {
@@ -144,8 +145,7 @@ int main(int argc, char** argv) {
         farmem::DerefScope s;
         Fill(w.objs[i].deref_mut(s), id_of(t, i), 0);
       }
-      ready.fetch_add(1);
-      while (ready.load() < threads) std::this_thread::yield();
+      ready.arrive_and_wait();
       while (!stop.load(std::memory_order_relaxed)) {
         const size_t i = rng() % objects;
         if (w.lost[i]) continue;
@@ -186,7 +186,7 @@ int main(int argc, char** argv) {
       }
     });
   }
-  while (ready.load() < threads) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  ready.wait();
   (void)(*rt)->EvictUntil(0);
   std::printf("ready\n");
   std::fflush(stdout);

@@ -15,6 +15,7 @@
 #include "faults.h"
 #include "nbd_verifier.h"
 #include "support/daemon_fixture.h"
+#include "support/wait.h"
 #include "test_process.h"
 
 namespace farmem::chaos {
@@ -274,13 +275,16 @@ class FarptrWorkload : public Workload {
     so.stderr_path = log_path();
     FARMEM_ASSIGN_OR_RETURN(ChildProcess p, ChildProcess::Spawn(argv, so));
     proc_.emplace(std::move(p));
-    const auto deadline = SteadyClock::now() + std::chrono::seconds(120);
-    while (Slurp(dir_ + "/farptr.out").find("ready") == std::string::npos) {
-      if (!proc_->Alive()) return Internal("the far_ptr workload exited: " + Slurp(log_path()));
-      if (SteadyClock::now() > deadline)
-        return DeadlineExceeded("the far_ptr workload never got ready");
-      std::this_thread::sleep_for(std::chrono::milliseconds(20));
-    }
+    bool exited = false;
+    const bool ready = testing::WaitUntil(
+        [&] {
+          if (Slurp(dir_ + "/farptr.out").find("ready") != std::string::npos) return true;
+          exited = !proc_->Alive();
+          return exited;
+        },
+        std::chrono::seconds(120), std::chrono::milliseconds(20));
+    if (exited) return Internal("the far_ptr workload exited: " + Slurp(log_path()));
+    if (!ready) return DeadlineExceeded("the far_ptr workload never got ready");
     return Status::Ok();
   }
 
@@ -290,13 +294,10 @@ class FarptrWorkload : public Workload {
   Status Finish(ScenarioResult* r, std::vector<uint64_t>*) override {
     if (!alive()) return Internal("the far_ptr workload died: " + Slurp(log_path()));
     ::kill(proc_->pid(), SIGUSR1);
-    const auto deadline = SteadyClock::now() + std::chrono::seconds(180);
-    while (proc_->Alive()) {
-      if (SteadyClock::now() > deadline) {
-        (void)proc_->Stop(SIGKILL, std::chrono::seconds(5));
-        return DeadlineExceeded("the far_ptr workload did not finish its verification in 180 s");
-      }
-      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    if (!testing::WaitUntil([&] { return !proc_->Alive(); }, std::chrono::seconds(180),
+                            std::chrono::milliseconds(20))) {
+      (void)proc_->Stop(SIGKILL, std::chrono::seconds(5));
+      return DeadlineExceeded("the far_ptr workload did not finish its verification in 180 s");
     }
     const std::string out = Slurp(dir_ + "/farptr.out");
     const size_t at = out.find("result ");
@@ -331,15 +332,17 @@ class FarptrWorkload : public Workload {
     if (!alive()) return std::nullopt;
     const std::string tag = fmt::format("recovery {} ", ++questions_);
     ::kill(proc_->pid(), SIGUSR2);
-    const auto deadline = SteadyClock::now() + std::chrono::seconds(10);
-    while (SteadyClock::now() < deadline) {
-      const std::string out = Slurp(dir_ + "/farptr.out");
-      if (const size_t at = out.find(tag); at != std::string::npos) {
-        return out.compare(at + tag.size(), 4, "done") == 0;
-      }
-      std::this_thread::sleep_for(std::chrono::milliseconds(10));
-    }
-    return std::nullopt;
+    std::optional<bool> answer;
+    testing::WaitUntil(
+        [&] {
+          const std::string out = Slurp(dir_ + "/farptr.out");
+          if (const size_t at = out.find(tag); at != std::string::npos) {
+            answer = out.compare(at + tag.size(), 4, "done") == 0;
+          }
+          return answer.has_value();
+        },
+        std::chrono::seconds(10), std::chrono::milliseconds(10));
+    return answer;
   }
 
  private:
@@ -434,37 +437,37 @@ ScenarioResult RunScenario(const Scenario& sc, const RunConfig& cfg) {
   bool started = false;
 
   auto wait_reprotected = [&]() {
-    const auto deadline = SteadyClock::now() + cfg.reprotect_deadline;
-    for (;;) {
-      const auto times = Analyze(faults, ReadLog(workload->log_path()), runtime_recovered);
-      bool all = true;
-      std::string missing;
-      for (size_t f = 0; f < faults.size(); ++f) {
-        if (!times[f].reprotect) {
-          all = false;
-          missing += fmt::format(" [{}: {} of {} members]", faults[f].what, times[f].done,
-                                 times[f].needed);
-        }
-      }
-      // The far_ptr runtime knows which members still wait, better than counting log lines.
-      const std::optional<bool> recovered = workload->Recovered();
-      if (recovered.has_value() && all != *recovered) {
-        all = *recovered;
-        if (all) runtime_recovered = faults.size();
-        if (!all) missing += " [the far_ptr runtime still has members waiting]";
-      }
-      if (all) return;
-      if (SteadyClock::now() > deadline) {
-        const std::string why = fmt::format("re-protection not finished after {} s:{}",
-                                            cfg.reprotect_deadline.count() / 1000, missing);
-        note(why);
-        // Re-protection starts as soon as an eligible daemon is reachable (design.md, fault
-        // model); every `reprotect` step in scenarios.txt has one.
-        if (sc.tolerate) fail(why);
-        return;
-      }
-      std::this_thread::sleep_for(std::chrono::milliseconds(50));
-    }
+    std::string missing;
+    const bool whole = testing::WaitUntil(
+        [&] {
+          const auto times = Analyze(faults, ReadLog(workload->log_path()), runtime_recovered);
+          bool all = true;
+          missing.clear();
+          for (size_t f = 0; f < faults.size(); ++f) {
+            if (!times[f].reprotect) {
+              all = false;
+              missing += fmt::format(" [{}: {} of {} members]", faults[f].what, times[f].done,
+                                     times[f].needed);
+            }
+          }
+          // The far_ptr runtime knows which members still wait, better than counting log lines.
+          const std::optional<bool> recovered = workload->Recovered();
+          if (recovered.has_value() && all != *recovered) {
+            all = *recovered;
+            if (all) runtime_recovered = faults.size();
+            if (!all) missing += " [the far_ptr runtime still has members waiting]";
+          }
+          return all;
+        },
+        std::chrono::duration_cast<std::chrono::milliseconds>(cfg.reprotect_deadline),
+        std::chrono::milliseconds(50));
+    if (whole) return;
+    const std::string why = fmt::format("re-protection not finished after {} s:{}",
+                                        cfg.reprotect_deadline.count() / 1000, missing);
+    note(why);
+    // Re-protection starts as soon as an eligible daemon is reachable (design.md, fault
+    // model); every `reprotect` step in scenarios.txt has one.
+    if (sc.tolerate) fail(why);
   };
 
   auto start_workload = [&]() -> bool {

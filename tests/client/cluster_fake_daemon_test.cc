@@ -14,6 +14,7 @@
 #include "farmem/client/cluster.h"
 #include "farmem/common/socket.h"
 #include "farmem/common/wire.h"
+#include "support/wait.h"
 
 namespace farmem::client {
 namespace {
@@ -200,15 +201,13 @@ TEST(ClusterWithFakeDaemon, AllocReplyWithExtraLeasesKeepsOneAndFreesTheExtras) 
   // One lease is used, the unasked-for extra goes back (on the next heartbeat at the latest).
   ASSERT_TRUE(l.has_value()) << l.error().ToString();
   EXPECT_EQ(l->front().id(), FakeDaemon::Grant(1).lease_id);
-  const auto deadline = Clock::now() + milliseconds(3000);
-  for (;;) {
-    {
-      std::lock_guard lock(daemon.mu);
-      if (daemon.freed == std::vector<uint64_t>{FakeDaemon::Grant(2).lease_id}) break;
-    }
-    ASSERT_LT(Clock::now(), deadline) << "the extra lease was never freed";
-    std::this_thread::sleep_for(milliseconds(10));
-  }
+  ASSERT_TRUE(farmem::testing::WaitUntil(
+      [&] {
+        std::lock_guard lock(daemon.mu);
+        return daemon.freed == std::vector<uint64_t>{FakeDaemon::Grant(2).lease_id};
+      },
+      milliseconds(3000)))
+      << "the extra lease was never freed";
 }
 
 TEST(ClusterWithFakeDaemon, EmptyAllocReplyIsAProtocolErrorNotACrash) {

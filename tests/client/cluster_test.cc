@@ -19,6 +19,7 @@ namespace {
 using std::chrono::milliseconds;
 using testing::DaemonConfig;
 using testing::DaemonSet;
+using testing::WaitUntil;
 
 // Short timers so failures show up quickly; generous enough for a loaded 2-vCPU CI machine.
 // Sanitizer builds of farmemd answer several times slower: stretch the timers there, or a
@@ -416,17 +417,17 @@ TEST(Cluster, QuickRestartReportsEveryLeaseThereAsLost) {
   // Depending on timing the client sees a restart (kLeasesLost) or a death then a return
   // (kNodeDown, kNodeUp); either way every lease on daemon 0 is reported lost, exactly once.
   std::set<uint64_t> lost;
-  const auto deadline = Clock::now() + kFailureTimeout + kSlack * 2;
-  while (Clock::now() < deadline) {
-    lost.clear();
-    for (const Event& e : log->events()) {
-      if (e.node == 0 && (e.type == EventType::kLeasesLost || e.type == EventType::kNodeDown)) {
-        lost.insert(e.lease_ids.begin(), e.lease_ids.end());
-      }
-    }
-    if (lost == on_0 && c->node(0).alive && c->node(0).daemon_id != old_daemon_id) break;
-    std::this_thread::sleep_for(milliseconds(20));
-  }
+  WaitUntil(
+      [&] {
+        lost.clear();
+        for (const Event& e : log->events()) {
+          if (e.node == 0 && (e.type == EventType::kLeasesLost || e.type == EventType::kNodeDown)) {
+            lost.insert(e.lease_ids.begin(), e.lease_ids.end());
+          }
+        }
+        return lost == on_0 && c->node(0).alive && c->node(0).daemon_id != old_daemon_id;
+      },
+      kFailureTimeout + kSlack * 2);
   EXPECT_EQ(lost, on_0);
   EXPECT_TRUE(c->node(0).alive);
   EXPECT_NE(c->node(0).daemon_id, old_daemon_id);
@@ -454,10 +455,7 @@ TEST(Cluster, HungDaemonIsDeclaredDownAndItsLeasesAreReturnedWhenItWakes) {
   // Same daemon (same node id) comes back: the client gives back the leases it dropped.
   auto up = log->WaitFor(EventType::kNodeUp, 1, kSlack * 2);
   ASSERT_TRUE(up.has_value()) << "no kNodeUp after SIGCONT";
-  const auto deadline = Clock::now() + kSlack;
-  while (Clock::now() < deadline && FreeSlabs(*c, 1) != 16u) {
-    std::this_thread::sleep_for(milliseconds(20));
-  }
+  WaitUntil([&] { return FreeSlabs(*c, 1) == 16u; }, kSlack);
   EXPECT_EQ(FreeSlabs(*c, 1), 16u);
 }
 
@@ -506,7 +504,8 @@ TEST(Cluster, ReportFailureProbesAtOnce) {
   auto c = MustConnect(o, daemons);
   ASSERT_TRUE(c);
   auto log = Record(*c);
-  std::this_thread::sleep_for(milliseconds(100));  // let the first heartbeat round pass
+  // The first heartbeat round has passed once a reply told the client the lease TTL.
+  ASSERT_TRUE(WaitUntil([&] { return c->node(0).lease_ttl_ms != 0; }, kSlack));
   daemons[0].Kill();
   const auto reported_at = Clock::now();
   c->ReportFailure(0, Unavailable("read on lease 1 failed: connection reset"));
@@ -649,10 +648,8 @@ TEST(Cluster, EnsureChannelReplacesAChannelToARestartedDaemon) {
 
   ASSERT_TRUE(daemons[1].Restart().ok()) << daemons.Logs();
   // Wait (on state, with a deadline) until the client knows the new incarnation and has it up.
-  const auto deadline = Clock::now() + kFailureTimeout + 2 * kSlack;
-  while (!(c->node(1).alive && c->node(1).daemon_id != opened_to) && Clock::now() < deadline) {
-    std::this_thread::sleep_for(milliseconds(10));
-  }
+  WaitUntil([&] { return c->node(1).alive && c->node(1).daemon_id != opened_to; },
+            kFailureTimeout + 2 * kSlack);
   ASSERT_TRUE(c->node(1).alive) << daemons.Logs();
   ASSERT_NE(c->node(1).daemon_id, opened_to);
   auto fresh = c->AllocateExcluding(other);
@@ -666,6 +663,32 @@ TEST(Cluster, EnsureChannelReplacesAChannelToARestartedDaemon) {
   EXPECT_EQ(opened_to, c->node(1).daemon_id);
 }
 
+// WaitForNode returns once the node is in the state asked for and subscribers have been handed
+// the event that says so; it times out (saying what the node is) otherwise.
+TEST(Cluster, WaitForNodeWaitsForTheStateAndItsEvent) {
+  DaemonSet daemons;
+  ASSERT_TRUE(daemons.Start(2).ok());
+  auto c = MustConnect(OptionsFor(daemons), daemons);
+  ASSERT_TRUE(c);
+  auto log = Record(*c);
+  auto leases = c->AllocateGroup(2);
+  ASSERT_TRUE(leases.has_value()) << leases.error().ToString();
+  EXPECT_TRUE(c->WaitForNode(1, NodeState::kUp, kSlack).ok());
+  Status early = c->WaitForNode(0, NodeState::kDown, milliseconds(50));
+  EXPECT_EQ(early.code(), StatusCode::kDeadlineExceeded) << early.ToString();
+  EXPECT_EQ(c->WaitForNode(7, NodeState::kUp, milliseconds(0)).code(), StatusCode::kNotFound);
+
+  daemons[1].Kill();
+  Status down = c->WaitForNode(1, NodeState::kDown, kFailureTimeout + kSlack);
+  ASSERT_TRUE(down.ok()) << down.ToString();
+  // Already delivered: no waiting here.
+  EXPECT_TRUE(log->WaitFor(EventType::kNodeDown, 1, milliseconds(0)).has_value());
+
+  ASSERT_TRUE(daemons[1].Restart().ok()) << daemons.Logs();
+  Status up = c->WaitForNode(1, NodeState::kUp, kFailureTimeout + kSlack * 2);
+  EXPECT_TRUE(up.ok()) << up.ToString();
+}
+
 TEST(Cluster, HeartbeatsKeepLeasesAlivePastTheLeaseTtl) {
   DaemonSet daemons(DaemonConfig{.lease_ttl_ms = 1000 * kTimeScale});
   ASSERT_TRUE(daemons.Start(1).ok());
@@ -673,7 +696,8 @@ TEST(Cluster, HeartbeatsKeepLeasesAlivePastTheLeaseTtl) {
   ASSERT_TRUE(c);
   auto l = c->Allocate(3);
   ASSERT_TRUE(l.has_value()) << l.error().ToString();
-  std::this_thread::sleep_for(milliseconds(2500 * kTimeScale));  // 2.5 lease TTLs
+  // Time is the subject: the leases must outlive 2.5 TTLs on heartbeats alone.
+  std::this_thread::sleep_for(milliseconds(2500 * kTimeScale));
   EXPECT_EQ(FreeSlabs(*c, 0), 13u);
   EXPECT_EQ(c->node(0).lease_ttl_ms, 1000u * kTimeScale);
   auto ch = c->OpenChannel(0);

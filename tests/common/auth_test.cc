@@ -14,6 +14,8 @@
 #include <fstream>
 #include <string>
 
+#include "support/process.h"
+
 namespace farmem::auth {
 namespace {
 
@@ -120,13 +122,9 @@ TEST(AuthRandomBytes, FillsWithFreshBytes) {
 class SecretFileTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    const char* tmp = std::getenv("TMPDIR");
-    std::string tmpl =
-        std::string(tmp != nullptr && *tmp != '\0' ? tmp : "/tmp") + "/farmem-auth-test-XXXXXX";
-    ASSERT_NE(::mkdtemp(tmpl.data()), nullptr);
-    dir_ = tmpl;
+    ASSERT_TRUE(tmp_.ok()) << tmp_.status().ToString();
+    dir_ = tmp_.path();
   }
-  void TearDown() override { std::filesystem::remove_all(dir_); }
 
   std::string Write(const std::string& name, const std::string& content, mode_t mode = 0600) {
     const std::string path = dir_ + "/" + name;
@@ -135,6 +133,7 @@ class SecretFileTest : public ::testing::Test {
     return path;
   }
 
+  farmem::testing::TempDir tmp_{"farmem-auth-test"};  // removed with its files
   std::string dir_;
 };
 

@@ -13,6 +13,8 @@
 #include <string>
 #include <vector>
 
+#include "support/process.h"
+
 namespace farmem::cli {
 namespace {
 
@@ -33,10 +35,9 @@ class CommandLineTest : public ::testing::Test {
     app_.add_option("--log-level", o_.log_level)->check(OneOf(kLogLevels));
     app_.add_option("--rdma", o_.rdma)->check(OneOf({"auto", "on", "off"}));
     app_.add_flag("--no-mlock", o_.no_mlock);
-    path_ = std::filesystem::temp_directory_path() /
-            ("farmem-command-line-test-" + std::to_string(::getpid()) + ".conf");
+    ASSERT_TRUE(dir_.ok()) << dir_.status().ToString();
+    path_ = dir_.File("test.conf");
   }
-  void TearDown() override { std::filesystem::remove(path_); }
 
   // Parses `args` with a config file holding `config`; the error's text, or "" on success.
   std::string Parse(const std::string& config, std::vector<std::string> args = {}) {
@@ -56,6 +57,7 @@ class CommandLineTest : public ::testing::Test {
 
   CLI::App app_{"test"};
   Options o_;
+  farmem::testing::TempDir dir_{"farmem-command-line-test"};  // removed with the file
   std::filesystem::path path_;
 };
 

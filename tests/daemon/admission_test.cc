@@ -67,15 +67,17 @@ bool ClosedByPeer(int fd) {
 size_t WaitAllClosed(const std::vector<Socket>& sockets, Deadline deadline) {
   std::vector<bool> closed(sockets.size(), false);
   size_t open = sockets.size();
-  while (open > 0 && Clock::now() < deadline) {
-    for (size_t i = 0; i < sockets.size(); ++i) {
-      if (!closed[i] && ClosedByPeer(sockets[i].fd())) {
-        closed[i] = true;
-        --open;
-      }
-    }
-    if (open > 0) std::this_thread::sleep_for(milliseconds(20));  // polling state, not timing
-  }
+  WaitUntil(
+      [&] {
+        for (size_t i = 0; i < sockets.size(); ++i) {
+          if (!closed[i] && ClosedByPeer(sockets[i].fd())) {
+            closed[i] = true;
+            --open;
+          }
+        }
+        return open == 0;
+      },
+      std::chrono::duration_cast<milliseconds>(deadline - Clock::now()), milliseconds(20));
   return open;
 }
 
@@ -89,7 +91,7 @@ class Trickler {
             for (Socket& s : *sockets) {
               (void)::send(s.fd(), &frame[at], 1, MSG_NOSIGNAL | MSG_DONTWAIT);
             }
-            std::this_thread::sleep_for(period);  // the subject: bytes that arrive slowly
+            std::this_thread::sleep_for(period);  // time is the subject: bytes that arrive slowly
           }
         }) {}
   ~Trickler() {
@@ -252,15 +254,13 @@ TEST(DaemonAdmission, ClientBeyondMaxConnectionsIsToldWhy) {
   // A place frees up when a client leaves.
   a.reset();
   std::optional<DaemonClient> d;
-  const Deadline deadline = DeadlineIn(milliseconds(5000));
-  while (!d && Clock::now() < deadline) {  // the daemon notices the close asynchronously
-    auto r = DaemonClient::Connect(daemons[0].endpoint(), daemons.secret());
-    if (r.has_value()) {
-      d.emplace(std::move(*r));
-    } else {
-      std::this_thread::sleep_for(milliseconds(10));  // polling state
-    }
-  }
+  WaitUntil(  // the daemon notices the close asynchronously
+      [&] {
+        auto r = DaemonClient::Connect(daemons[0].endpoint(), daemons.secret());
+        if (r.has_value()) d.emplace(std::move(*r));
+        return d.has_value();
+      },
+      milliseconds(5000), milliseconds(10));
   ASSERT_TRUE(d.has_value()) << "no connection admitted after a client left";
   EXPECT_TRUE(d->Stat().has_value());
 }

@@ -171,11 +171,8 @@ class BadInputTest : public ::testing::Test {
   // After every case: the daemon runs, and the good client kept working through it.
   void TearDown() override {
     if (good_ == nullptr) return;
-    const auto deadline = std::chrono::steady_clock::now() + milliseconds(5000);
-    while (good_->ops() < ops_before_ + 20 && good_->error().empty() &&
-           std::chrono::steady_clock::now() < deadline) {
-      std::this_thread::sleep_for(milliseconds(1));
-    }
+    WaitUntil([&] { return good_->ops() >= ops_before_ + 20 || !good_->error().empty(); },
+              milliseconds(5000), milliseconds(1));
     EXPECT_EQ(good_->error(), "");
     EXPECT_GE(good_->ops(), ops_before_ + 20) << "the good client stalled";
     EXPECT_TRUE(ProcessAlive((*daemons_)[0].pid())) << "farmemd died\n" << daemons_->Logs();

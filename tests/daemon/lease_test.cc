@@ -35,12 +35,7 @@ DaemonConfig SmallDaemon(std::optional<uint32_t> ttl_ms = std::nullopt) {
 // Waits until `pred` holds (polling every 20 ms) or the timeout passes.
 template <typename Pred>
 bool WaitFor(Pred pred, milliseconds timeout) {
-  const auto deadline = std::chrono::steady_clock::now() + timeout;
-  while (std::chrono::steady_clock::now() < deadline) {
-    if (pred()) return true;
-    std::this_thread::sleep_for(milliseconds(20));
-  }
-  return pred();
+  return WaitUntil(pred, timeout, milliseconds(20));
 }
 
 uint8_t PatternByte(uint64_t lease_id, uint64_t offset) {
@@ -79,7 +74,7 @@ struct ChildReport {
   ::close(fd);
   for (;;) {
     if (ok) (void)c->Heartbeat();
-    std::this_thread::sleep_for(milliseconds(50));
+    std::this_thread::sleep_for(milliseconds(50));  // time is the subject: the heartbeat period
   }
 }
 
@@ -111,7 +106,8 @@ TEST(LeaseReclaim, KilledClientsSlabsReturnZeroedAndItsLeaseIdsStayExpired) {
 
   auto observer = DaemonClient::Connect(ep, daemons.secret());
   ASSERT_TRUE(observer.has_value()) << observer.error().ToString();
-  // While the child heartbeats, its leases outlive the TTL several times over.
+  // While the child heartbeats, its leases outlive the TTL several times over (time is the
+  // subject: the TTL must pass).
   std::this_thread::sleep_for(milliseconds(3 * kTtlMs));
   auto st = observer->Stat();
   ASSERT_TRUE(st.has_value()) << st.error().ToString();
@@ -187,7 +183,7 @@ TEST(LeaseReclaim, HeartbeatsKeepLeasesAndDataAlive) {
     ASSERT_TRUE(hb.has_value()) << hb.error().ToString();
     EXPECT_EQ(hb->leases_held, 2u);
     EXPECT_EQ(hb->lease_ttl_ms, kTtlMs);
-    std::this_thread::sleep_for(milliseconds(kTtlMs / 5));
+    std::this_thread::sleep_for(milliseconds(kTtlMs / 5));  // time is the subject: heartbeat period
   }
   std::vector<uint8_t> back(4096);
   ASSERT_TRUE((*ch)->Read(slab, kSlabSize - 4096, back).ok());

@@ -7,7 +7,6 @@
 
 #include <cerrno>
 #include <chrono>
-#include <future>
 #include <thread>
 
 #include "daemon_client.h"
@@ -126,8 +125,18 @@ TEST(DaemonRegression, FreeingAStalledWritesLeaseDoesNotBlockOtherClients) {
   auto freer = RawClient::Connect(ep);
   ASSERT_TRUE(freer.has_value());
   ASSERT_TRUE(freer->Hello(id, daemons.secret()).ok());
-  auto free_done = std::async(std::launch::async, [&] { return freer->Free({lease_id}); });
-  std::this_thread::sleep_for(milliseconds(100));
+  std::vector<uint8_t> free_body;
+  wire::EncodeFree({{lease_id}}, &free_body);
+  auto free_id = freer->SendFrame(Opcode::kFree, free_body);
+  ASSERT_TRUE(free_id.has_value()) << free_id.error().ToString();
+  // Wait until the daemon has the FREE in hand: its reply has come (the slab is reclaimed once
+  // the write lets go), or, where ending the lease waits for the slab, none comes for 100 ms.
+  std::optional<RawFrame> freed;
+  if (!freer->Silent(milliseconds(100))) {
+    auto r = freer->Receive(milliseconds(5000));
+    ASSERT_TRUE(r.has_value()) << r.error().ToString();
+    freed = std::move(*r);
+  }
 
   // Someone else entirely: STAT and ALLOC must answer promptly.
   auto bystander = RawClient::Connect(ep);
@@ -142,8 +151,13 @@ TEST(DaemonRegression, FreeingAStalledWritesLeaseDoesNotBlockOtherClients) {
                              << " ms behind the stalled write's lease";
 
   stalled->Close();  // unpins the slab; everything must now complete
-  EXPECT_EQ(free_done.wait_for(std::chrono::seconds(5)), std::future_status::ready);
-  EXPECT_TRUE(free_done.get().ok());
+  if (!freed) {
+    auto r = freer->Receive(milliseconds(5000));
+    ASSERT_TRUE(r.has_value()) << "FREE never answered: " << r.error().ToString();
+    freed = std::move(*r);
+  }
+  EXPECT_EQ(freed->header.request_id, *free_id);
+  EXPECT_TRUE(freed->status().ok()) << freed->status().ToString();
 }
 
 // "One error reply, then close" (docs/wire-protocol.md): the peer must see the close right after
@@ -183,10 +197,17 @@ TEST(DaemonRegression, StatStopsCountingAClientThatLeft) {
     ASSERT_TRUE(st.has_value());
     EXPECT_EQ(st->clients, 2u);
   }
-  std::this_thread::sleep_for(milliseconds(300));
-  auto st = observer->Stat();
-  ASSERT_TRUE(st.has_value());
-  EXPECT_EQ(st->clients, 1u);
+  // The daemon notices the close on the connection's thread: wait for the count to drop, but not
+  // as long as housekeeping's reaping (every 2.5 s), which would hide the bug.
+  uint32_t clients = 0;
+  EXPECT_TRUE(WaitUntil(
+      [&] {
+        auto st = observer->Stat();
+        clients = st.has_value() ? st->clients : 0;
+        return st.has_value() && st->clients == 1;
+      },
+      milliseconds(1500)))
+      << "STAT still counts " << clients << " clients";
 }
 
 // "A frame that stops arriving midway: closed after 10 s" (docs/wire-protocol.md). That held for

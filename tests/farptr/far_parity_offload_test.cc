@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "farptr_fixture.h"
+#include "support/wait.h"
 
 namespace farmem::farptr_test {
 namespace {
@@ -29,12 +30,12 @@ void Settle(testing::DaemonSet& daemons, Runtime& rt) {
       ASSERT_TRUE(daemons[d].Restart().ok()) << daemons.Logs();
     }
   }
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
-  while (std::chrono::steady_clock::now() < deadline) {
-    const RuntimeStats st = rt.stats();
-    if (st.local_bytes <= st.local_budget * 3 / 4) return;
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
-  }
+  farmem::testing::WaitUntil(
+      [&] {
+        const RuntimeStats st = rt.stats();
+        return st.local_bytes <= st.local_budget * 3 / 4;
+      },
+      std::chrono::seconds(20), std::chrono::milliseconds(20));
 }
 
 TEST_F(FarptrTest, CompactionWithParityOffloadSurvivesTwoKilledDaemons) {

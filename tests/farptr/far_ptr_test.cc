@@ -4,12 +4,14 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <optional>
 #include <random>
 #include <thread>
 #include <vector>
 
 #include "farmem/client/cluster.h"
 #include "farptr_fixture.h"
+#include "support/wait.h"
 
 namespace farmem::farptr_test {
 namespace {
@@ -140,10 +142,8 @@ TEST_F(FarptrTest, ScopePinsAgainstTheEvictor) {
   stop = true;
   pressure.join();
   // The evictor waited for the scope above; once it ended, eviction goes on.
-  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
-  while (rt_->stats().spans_evicted == evicted_before && std::chrono::steady_clock::now() < until) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  }
+  farmem::testing::WaitUntil([&] { return rt_->stats().spans_evicted > evicted_before; },
+                             std::chrono::seconds(10));
   EXPECT_GT(rt_->stats().spans_evicted, evicted_before) << "the evictor never ran";
 }
 
@@ -197,10 +197,8 @@ TEST_F(FarptrTest, EcSurvivesTwoKilledDaemonsTwice) {
   KillMembers(0, 1);
   // Let the failures be noticed and re-protected while the data is still remote (reading it
   // back first would swap every span in and leave nothing to rebuild).
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
-  while (rt_->stats().members_reprotected < 2 && std::chrono::steady_clock::now() < deadline) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
-  }
+  farmem::testing::WaitUntil([&] { return rt_->stats().members_reprotected >= 2; },
+                             std::chrono::seconds(60));
   ASSERT_GE(rt_->stats().members_reprotected, 2u) << "the two lost members were not rebuilt";
   ASSERT_TRUE(rt_->WaitForRecovery().ok());
   ASSERT_NO_FATAL_FAILURE(ExpectAllRight(objs, "after the first two kills"));
@@ -290,18 +288,15 @@ TEST_F(FarptrTest, NoneKeepsLocalObjectsWhoseCopyDied) {
   const size_t victim = DaemonHoldingLeases(*daemons_, *rt_);
   ASSERT_LT(victim, daemons_->size());
   (*daemons_)[victim].Kill();
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
-  auto down = [&] {
-    for (const client::NodeInfo& n : rt_->cluster().nodes()) {
-      if (n.endpoint == (*daemons_)[victim].endpoint()) return !n.alive;
-    }
-    return false;
-  };
-  while (!down() && std::chrono::steady_clock::now() < deadline) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  std::optional<client::NodeId> node;
+  for (const client::NodeInfo& n : rt_->cluster().nodes()) {
+    if (n.endpoint == (*daemons_)[victim].endpoint()) node = n.id;
   }
-  ASSERT_TRUE(down()) << "the killed daemon was not noticed";
-  std::this_thread::sleep_for(std::chrono::milliseconds(300));  // the store hears of it
+  ASSERT_TRUE(node.has_value());
+  // Down, and the store has been handed the kNodeDown event.
+  Status noticed =
+      rt_->cluster().WaitForNode(*node, client::NodeState::kDown, std::chrono::seconds(20));
+  ASSERT_TRUE(noticed.ok()) << "the killed daemon was not noticed: " << noticed.ToString();
   ASSERT_TRUE(rt_->EvictUntil(0).ok());
   ASSERT_NO_FATAL_FAILURE(ExpectAllRight(objs, "after the daemon holding the copies died"));
   EXPECT_EQ(rt_->stats().spans_lost, 0u);

@@ -16,6 +16,7 @@
 
 #include "farmem/client/cluster.h"
 #include "farptr_fixture.h"
+#include "support/wait.h"
 
 namespace farmem::farptr_test {
 namespace {
@@ -60,12 +61,7 @@ class FarReprotectTest : public FarptrTest {
   // Polls `done` (state, not time) until it holds or `limit` passes; true if it held.
   template <class Pred>
   bool WaitFor(Pred done, std::chrono::seconds limit) {
-    const auto deadline = steady_clock::now() + limit;
-    while (!done()) {
-      if (steady_clock::now() >= deadline) return false;
-      std::this_thread::sleep_for(milliseconds(10));
-    }
-    return true;
+    return farmem::testing::WaitUntil(done, limit, milliseconds(10));
   }
 
   // Leases the runtime holds on daemon d (by the client's own bookkeeping).

@@ -13,6 +13,7 @@
 #include "farmem/far_hash_map.h"
 #include "farmem/far_vector.h"
 #include "farptr_fixture.h"
+#include "support/wait.h"
 
 namespace farmem::farptr_test {
 namespace {
@@ -142,9 +143,9 @@ class StressTest : public FarptrTest {
     for (int t = 0; t < kThreads; ++t) threads.emplace_back(body, t);
     if (!kill.empty()) {
       // Kill r daemons a third of the way in, while every thread is busy.
-      while (progress.load() < kThreads * kOpsPerThread / 3 && !failed) {
-        std::this_thread::sleep_for(std::chrono::milliseconds(5));
-      }
+      farmem::testing::WaitUntil(
+          [&] { return progress.load() >= kThreads * kOpsPerThread / 3 || failed; },
+          std::chrono::minutes(5));
       // r daemons that hold members of a slab group right now (data members 0 and 1 of the
       // first group), so the kills hit live span sets.
       const auto layout = rt_->span_set_layout();

@@ -11,12 +11,15 @@
 #include <random>
 
 #include "support/daemon_fixture.h"
+#include "support/wait.h"
 
 namespace farmem::blockdev {
 namespace {
 
 using farmem::testing::DaemonConfig;
 using farmem::testing::DaemonSet;
+using farmem::testing::ProcessState;
+using farmem::testing::WaitUntil;
 
 constexpr uint64_t kExport = 32 << 20;
 
@@ -174,24 +177,11 @@ class PageStoreTest : public ::testing::Test {
     return early;
   }
 
-  // Polls `done` until it holds or `limit` passes (waiting on state, with a deadline).
-  template <typename Pred>
-  static bool WaitFor(Pred done, std::chrono::milliseconds limit) {
-    const auto deadline = std::chrono::steady_clock::now() + limit;
-    while (!done()) {
-      if (std::chrono::steady_clock::now() > deadline) return false;
-      std::this_thread::sleep_for(std::chrono::milliseconds(10));
-    }
-    return true;
-  }
-
-  // The state letter of /proc/<pid>/stat ('T' once stopped), or '?'.
-  static char ProcessState(pid_t pid) {
-    std::ifstream in("/proc/" + std::to_string(pid) + "/stat");
-    std::string line;
-    std::getline(in, line);
-    const size_t paren = line.rfind(')');  // the command name may hold spaces
-    return paren != std::string::npos && paren + 2 < line.size() ? line[paren + 2] : '?';
+  // Waits until the client core has declared daemon `i` down and the page store has been told
+  // (its reaction is then queued: WaitForRebuilds waits for it).
+  void WaitUntilNoticedDown(client::NodeId i) {
+    Status s = cluster_->WaitForNode(i, client::NodeState::kDown, std::chrono::seconds(10));
+    ASSERT_TRUE(s.ok()) << s.ToString();
   }
 
   std::string Describe() {
@@ -210,12 +200,12 @@ class PageStoreTest : public ::testing::Test {
   // every extent is whole again (re-protected).
   void WaitUntilDegraded() {
     ASSERT_TRUE(
-        WaitFor([&] { return store_->stats().degraded_extents > 0; }, std::chrono::seconds(10)))
+        WaitUntil([&] { return store_->stats().degraded_extents > 0; }, std::chrono::seconds(10)))
         << "the killed daemon's members were never reported lost: " << Describe();
   }
   void WaitUntilWhole() {
     ASSERT_TRUE(
-        WaitFor([&] { return store_->stats().degraded_extents == 0; }, std::chrono::seconds(20)))
+        WaitUntil([&] { return store_->stats().degraded_extents == 0; }, std::chrono::seconds(20)))
         << "degraded extents were not re-protected: " << Describe();
   }
 
@@ -287,7 +277,7 @@ TEST_F(PageStoreTest, ErasureRebuildsOnASpareDaemon) {
   RandomWrites(200, 6);
   (*daemons_)[0].Kill();
   // The client core notices, the page store rebuilds every lost member on the spare daemon.
-  std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+  WaitUntilNoticedDown(0);
   store_->WaitForRebuilds();
   VerifyAll();
   // Whole again: two more losses are still survivable.
@@ -362,7 +352,7 @@ TEST_F(PageStoreTest, OpsOnAnsweringDaemonsAreReportedWhileAnotherIsStopped) {
     ASSERT_EQ(0, ::kill(stopped, SIGSTOP));
     // kill() returns before the daemon has stopped: on a loaded machine it may not get a CPU to
     // act on SIGSTOP for a while, and meanwhile it may still answer. Wait until it is stopped.
-    ASSERT_TRUE(WaitFor([&] { return ProcessState(stopped) == 'T'; }, std::chrono::seconds(10)))
+    ASSERT_TRUE(WaitUntil([&] { return ProcessState(stopped) == 'T'; }, std::chrono::seconds(10)))
         << "the daemon did not stop: state " << ProcessState(stopped);
     store_->ExecuteBatch(ops, &l);
     ::kill(stopped, SIGCONT);  // also when nothing was reported
@@ -427,7 +417,7 @@ TEST_F(PageStoreTest, NoneWithoutBackupReportsLostPages) {
   for (uint64_t off = 0; off < (8 << 20); off += 4096)
     ASSERT_TRUE(store_->Write(off, page, false).ok());
   (*daemons_)[0].Kill();
-  std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+  WaitUntilNoticedDown(0);
   store_->WaitForRebuilds();
   int errors = 0;
   std::vector<uint8_t> buf(4096);
@@ -526,7 +516,7 @@ TEST_F(PageStoreTest, ErasureRefusesToMapOnFewerThanKDaemons) {
   StartDaemons(6, "24M", /*reconnect_ms=*/100, /*down_at_connect=*/2);
   Open("ec:4+2");
   (*daemons_)[0].Kill();
-  ASSERT_TRUE(WaitFor([&] { return cluster_->alive_count() == 3; }, std::chrono::seconds(10)));
+  ASSERT_TRUE(WaitUntil([&] { return cluster_->alive_count() == 3; }, std::chrono::seconds(10)));
   std::vector<uint8_t> page(4096, 1);
   Status s = store_->Write(0, page, false);
   EXPECT_FALSE(s.ok());
@@ -570,13 +560,14 @@ TEST_F(PageStoreTest, TrimReturnsLeasesToTheDaemons) {
 TEST_F(PageStoreTest, CapacityCheckSeesAClusterShortOfRoom) {
   StartDaemons(3, "8M");  // 3 x 8 slabs; ec:2+1 over 32 MiB needs 16 extents x 3 slabs
   Open("ec:2+1", "", std::chrono::milliseconds(50));
-  ASSERT_TRUE(WaitFor([&] { return store_->stats().slabs_needed > 0; }, std::chrono::seconds(10)));
+  ASSERT_TRUE(
+      WaitUntil([&] { return store_->stats().slabs_needed > 0; }, std::chrono::seconds(10)));
   EXPECT_EQ(store_->stats().slabs_needed, 48u);
   EXPECT_EQ(store_->stats().cluster_free_slabs, 24u);
   std::vector<uint8_t> data(2 * store_->extent_bytes(), 0x11);
   ASSERT_TRUE(store_->Write(0, data, false).ok());  // two extents mapped: 6 slabs fewer on both
   ASSERT_TRUE(
-      WaitFor([&] { return store_->stats().slabs_needed == 42; }, std::chrono::seconds(10)));
+      WaitUntil([&] { return store_->stats().slabs_needed == 42; }, std::chrono::seconds(10)));
   EXPECT_EQ(store_->stats().cluster_free_slabs, 18u);
 }
 

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "support/daemon_fixture.h"
+#include "support/wait.h"
 #include "test_process.h"
 
 namespace farmem::testing {
@@ -201,10 +202,7 @@ TEST_F(StartupOptionsTest, FarmemdStartsFromAGoodConfigFile) {
   auto p = ChildProcess::Spawn(
       {BinPath("farmemd"), "--config", conf, "--no-prefault", "--port-file", dir_.File("port")}, o);
   ASSERT_TRUE(p.has_value()) << p.error().ToString();
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
-  while (!Listened() && p->Alive() && std::chrono::steady_clock::now() < deadline) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(10));  // polling for the port file
-  }
+  farmem::testing::WaitUntil([&] { return Listened() || !p->Alive(); }, std::chrono::seconds(20));
   ASSERT_TRUE(Listened()) << blockdev::testing::ReadFile(dir_.File("farmemd.log"));
   const int status = p->Stop(SIGTERM, std::chrono::seconds(10));
   EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0)

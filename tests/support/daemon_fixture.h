@@ -1,8 +1,9 @@
 // Real farmemd processes for integration tests: start N daemons on 127.0.0.1, kill one (SIGKILL,
 // or SIGSTOP to make it hang), restart it on the same port, stop them all at teardown.
 //
-// Header-only so any test folder can use it: link farmem::test_support (tests/support/) and
+// Any test folder can use it: link farmem::test_support (tests/support/) and
 //   #include "support/daemon_fixture.h"
+// Processes and the work dir are support/process.h's ChildProcess and TempDir.
 //
 //   farmem::testing::DaemonSet daemons({.capacity = "8M", .slab_size = "1M"});
 //   ASSERT_TRUE(daemons.Start(3).ok());
@@ -18,30 +19,23 @@
 // the thread that started the daemon exits).
 #pragma once
 
-#include <fcntl.h>
 #include <signal.h>
-#include <stdlib.h>
-#include <sys/prctl.h>
-#include <sys/stat.h>
 #include <sys/types.h>
 #include <sys/wait.h>
-#include <unistd.h>
 
-#include <cerrno>
 #include <chrono>
 #include <cstdint>
-#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <memory>
 #include <optional>
-#include <sstream>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "farmem/common/config.h"
 #include "farmem/common/status.h"
+#include "support/process.h"
+#include "support/wait.h"
 
 namespace farmem::testing {
 
@@ -61,36 +55,6 @@ struct DaemonConfig {
   std::string max_client_share = "1";
 };
 
-// $FARMEM_BIN_DIR/<name>, or ./<name> when the variable is unset.
-inline std::string BinPath(const std::string& name) {
-  const char* dir = std::getenv("FARMEM_BIN_DIR");
-  return (dir != nullptr && *dir != '\0') ? std::string(dir) + "/" + name : "./" + name;
-}
-
-// A fresh private directory under $TMPDIR (or /tmp).
-inline Result<std::string> MakeTempDir(const std::string& prefix = "farmem-test") {
-  const char* tmp = std::getenv("TMPDIR");
-  std::string tmpl =
-      std::string(tmp != nullptr && *tmp != '\0' ? tmp : "/tmp") + "/" + prefix + "-XXXXXX";
-  if (::mkdtemp(tmpl.data()) == nullptr) {
-    return Err(ErrnoStatus(StatusCode::kIoError, "mkdtemp " + tmpl, errno));
-  }
-  return tmpl;
-}
-
-// Writes a file readable by its owner only (farmemd warns about looser secret files).
-inline Status WritePrivateFile(const std::string& path, const std::string& content) {
-  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
-  if (fd < 0) return ErrnoStatus(StatusCode::kIoError, "open " + path, errno);
-  const ssize_t n = ::write(fd, content.data(), content.size());
-  const int err = errno;
-  ::close(fd);
-  if (n != static_cast<ssize_t>(content.size())) {
-    return ErrnoStatus(StatusCode::kIoError, "write " + path, err);
-  }
-  return Status::Ok();
-}
-
 // One farmemd on 127.0.0.1. The first Start() lets the daemon pick a free port (--listen :0,
 // --port-file); later starts reuse that port, so clients that knew it find the restarted daemon.
 class DaemonProcess {
@@ -104,7 +68,7 @@ class DaemonProcess {
   // Starts the daemon and waits until it listens. Fails (with the daemon's log) if it exits or
   // does not come up within config.start_timeout.
   Status Start() {
-    if (pid_ > 0) return Status(StatusCode::kInvalidArgument, name_ + " is already running");
+    if (process_) return Status(StatusCode::kInvalidArgument, name_ + " is already running");
     const std::string port_file = work_dir_ + "/" + name_ + ".port";
     std::filesystem::remove(port_file);
     std::vector<std::string> args = {
@@ -132,25 +96,32 @@ class DaemonProcess {
       args.insert(args.end(), {"--lease-ttl-ms", std::to_string(*config_.lease_ttl_ms)});
     }
     args.insert(args.end(), config_.extra_args.begin(), config_.extra_args.end());
-    FARMEM_RETURN_IF_ERROR(Spawn(args));
+    FARMEM_ASSIGN_OR_RETURN(ChildProcess p, ChildProcess::Spawn(args, {.stdout_path = log_path(),
+                                                                       .stderr_path = log_path(),
+                                                                       .append_output = true,
+                                                                       .kill_with_parent = true}));
+    process_.emplace(std::move(p));
 
-    const auto deadline = std::chrono::steady_clock::now() + config_.start_timeout;
-    while (std::chrono::steady_clock::now() < deadline) {
-      int status = 0;
-      if (::waitpid(pid_, &status, WNOHANG) == pid_) {
-        pid_ = -1;
-        return Status(StatusCode::kUnavailable, name_ + " (farmemd) exited at start (" +
-                                                    DescribeExit(status) + "); its log ends:\n" +
-                                                    LogTail());
-      }
-      std::ifstream in(port_file);
-      unsigned port = 0;
-      if (in >> port && port > 0 && port <= 65535) {
-        port_ = static_cast<uint16_t>(port);
-        return Status::Ok();
-      }
-      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    std::optional<int> exit_status;
+    const bool listening = WaitUntil(
+        [&] {
+          if ((exit_status = process_->TryWait())) return true;
+          std::ifstream in(port_file);
+          unsigned port = 0;
+          if (in >> port && port > 0 && port <= 65535) {
+            port_ = static_cast<uint16_t>(port);
+            return true;
+          }
+          return false;
+        },
+        config_.start_timeout);
+    if (exit_status) {
+      process_.reset();
+      return Status(StatusCode::kUnavailable, name_ + " (farmemd) exited at start (" +
+                                                  DescribeExit(*exit_status) +
+                                                  "); its log ends:\n" + LogTail());
     }
+    if (listening) return Status::Ok();
     Kill();
     return Status(StatusCode::kDeadlineExceeded, name_ + " (farmemd) did not listen within " +
                                                      std::to_string(config_.start_timeout.count()) +
@@ -158,40 +129,33 @@ class DaemonProcess {
   }
 
   // SIGKILL (no goodbye to anyone) and reap.
-  void Kill() {
-    if (pid_ <= 0) return;
-    ::kill(pid_, SIGKILL);
-    ::waitpid(pid_, nullptr, 0);
-    pid_ = -1;
-  }
+  void Kill() { process_.reset(); }
 
-  // SIGSTOP / SIGCONT: the daemon keeps its sockets but answers nothing (a hung node).
+  // SIGSTOP / SIGCONT: the daemon keeps its sockets but answers nothing (a hung node). Pause
+  // returns once the daemon is stopped ('T' in /proc/PID/stat), so it is hung from then on.
   void Pause() {
-    if (pid_ > 0) ::kill(pid_, SIGSTOP);
+    if (!process_) return;
+    process_->Signal(SIGSTOP);
+    (void)WaitForProcessState(process_->pid(), 'T', std::chrono::seconds(10));
   }
   void Resume() {
-    if (pid_ > 0) ::kill(pid_, SIGCONT);
+    if (process_) process_->Signal(SIGCONT);
   }
 
   // SIGTERM, then SIGKILL if it has not exited within `grace`. Ok if it exited cleanly.
   Status Stop(std::chrono::milliseconds grace = std::chrono::milliseconds(5000)) {
-    if (pid_ <= 0) return Status::Ok();
-    ::kill(pid_, SIGTERM);
-    ::kill(pid_, SIGCONT);  // a paused daemon must run to handle SIGTERM
-    const auto deadline = std::chrono::steady_clock::now() + grace;
-    int status = 0;
-    while (std::chrono::steady_clock::now() < deadline) {
-      if (::waitpid(pid_, &status, WNOHANG) == pid_) {
-        pid_ = -1;
-        if (WIFEXITED(status) && WEXITSTATUS(status) == 0) return Status::Ok();
-        return Status(StatusCode::kInternal,
-                      name_ + " exited badly on SIGTERM (" + DescribeExit(status) + ")");
-      }
-      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    if (!process_) return Status::Ok();
+    process_->Signal(SIGTERM);
+    process_->Signal(SIGCONT);  // a paused daemon must run to handle SIGTERM
+    const std::optional<int> status = process_->WaitExit(grace);
+    process_.reset();  // kills it if it is still running
+    if (!status) {
+      return Status(StatusCode::kDeadlineExceeded,
+                    name_ + " ignored SIGTERM for " + std::to_string(grace.count()) + " ms");
     }
-    Kill();
-    return Status(StatusCode::kDeadlineExceeded,
-                  name_ + " ignored SIGTERM for " + std::to_string(grace.count()) + " ms");
+    if (WIFEXITED(*status) && WEXITSTATUS(*status) == 0) return Status::Ok();
+    return Status(StatusCode::kInternal,
+                  name_ + " exited badly on SIGTERM (" + DescribeExit(*status) + ")");
   }
 
   // Kill, then start again on the same port: a new daemon incarnation (new node id, no leases).
@@ -200,8 +164,8 @@ class DaemonProcess {
     return Start();
   }
 
-  bool running() const { return pid_ > 0; }
-  pid_t pid() const { return pid_; }
+  bool running() const { return process_.has_value() && process_->running(); }
+  pid_t pid() const { return process_ ? process_->pid() : -1; }
   uint16_t port() const { return port_; }
   // Where clients reach it (127.0.0.1 when it listens on a wildcard).
   Endpoint endpoint() const {
@@ -212,51 +176,15 @@ class DaemonProcess {
   std::string log_path() const { return work_dir_ + "/" + name_ + ".log"; }
 
   std::string LogTail(size_t max_bytes = 4000) const {
-    std::ifstream in(log_path(), std::ios::binary);
-    std::stringstream ss;
-    ss << in.rdbuf();
-    std::string s = ss.str();
+    const std::string s = ReadFile(log_path());
     return s.size() > max_bytes ? s.substr(s.size() - max_bytes) : s;
   }
 
  private:
-  Status Spawn(const std::vector<std::string>& args) {
-    // Everything the child needs is prepared before fork: after it, only async-signal-safe calls.
-    std::vector<char*> argv;
-    for (const std::string& a : args) argv.push_back(const_cast<char*>(a.c_str()));
-    argv.push_back(nullptr);
-    const std::string log = log_path();
-    const pid_t parent = ::getpid();
-    const pid_t pid = ::fork();
-    if (pid < 0) return ErrnoStatus(StatusCode::kInternal, "fork", errno);
-    if (pid == 0) {
-      ::prctl(PR_SET_PDEATHSIG, SIGKILL);
-      if (::getppid() != parent) ::_exit(127);
-      const int fd = ::open(log.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0644);
-      if (fd >= 0) {
-        ::dup2(fd, STDOUT_FILENO);
-        ::dup2(fd, STDERR_FILENO);
-        if (fd > STDERR_FILENO) ::close(fd);
-      }
-      ::execv(argv[0], argv.data());
-      const char msg[] = "daemon_fixture: execv farmemd failed\n";
-      (void)!::write(STDERR_FILENO, msg, sizeof(msg) - 1);
-      ::_exit(127);
-    }
-    pid_ = pid;
-    return Status::Ok();
-  }
-
-  static std::string DescribeExit(int status) {
-    if (WIFEXITED(status)) return "exit code " + std::to_string(WEXITSTATUS(status));
-    if (WIFSIGNALED(status)) return std::string("signal ") + ::strsignal(WTERMSIG(status));
-    return "status " + std::to_string(status);
-  }
-
   DaemonConfig config_;
   std::string work_dir_;
   std::string name_;
-  pid_t pid_ = -1;
+  std::optional<ChildProcess> process_;  // set while the daemon runs
   uint16_t port_ = 0;
 };
 
@@ -266,23 +194,21 @@ class DaemonSet {
   explicit DaemonSet(DaemonConfig config = {}) : config_(std::move(config)) {}
   ~DaemonSet() {
     StopAll();
-    if (!work_dir_.empty() && std::getenv("FARMEM_KEEP_TEST_DIRS") == nullptr) {
-      std::error_code ec;
-      std::filesystem::remove_all(work_dir_, ec);
-    }
+    daemons_.clear();  // before work_dir_ (declared first) removes their logs
   }
   DaemonSet(const DaemonSet&) = delete;
   DaemonSet& operator=(const DaemonSet&) = delete;
 
   // Starts n more daemons, one after the other (each waits until it listens).
   Status Start(size_t n) {
-    if (work_dir_.empty()) {
-      FARMEM_ASSIGN_OR_RETURN(work_dir_, MakeTempDir());
+    if (!work_dir_) {
+      work_dir_ = std::make_unique<TempDir>();
+      if (!work_dir_->ok()) return work_dir_->status();
     }
     for (size_t i = 0; i < n; ++i) {
       const size_t index = daemons_.size();
       daemons_.push_back(
-          std::make_unique<DaemonProcess>(config_, work_dir_, "farmemd-" + std::to_string(index)));
+          std::make_unique<DaemonProcess>(config_, work_dir(), "farmemd-" + std::to_string(index)));
       FARMEM_RETURN_IF_ERROR(daemons_.back()->Start());
     }
     return Status::Ok();
@@ -291,7 +217,11 @@ class DaemonSet {
   DaemonProcess& operator[](size_t i) { return *daemons_.at(i); }
   size_t size() const { return daemons_.size(); }
   const std::string& secret() const { return config_.secret; }
-  const std::string& work_dir() const { return work_dir_; }
+  // Empty until the first Start().
+  const std::string& work_dir() const {
+    static const std::string kNone;
+    return work_dir_ ? work_dir_->path() : kNone;
+  }
 
   std::vector<Endpoint> endpoints() const {
     std::vector<Endpoint> out;
@@ -315,7 +245,7 @@ class DaemonSet {
 
  private:
   DaemonConfig config_;
-  std::string work_dir_;
+  std::unique_ptr<TempDir> work_dir_;  // secret, port files, logs; removed at teardown
   std::vector<std::unique_ptr<DaemonProcess>> daemons_;
 };
 

@@ -48,9 +48,8 @@ class ClientTransportTest : public ::testing::Test {
     if (auto t = transport::MakeVerbsTransport(); !t.has_value()) {
       GTEST_SKIP() << "no RDMA device here: " << t.error().ToString();
     }
-    auto dir = testing::MakeTempDir("farmem-client-transport");
-    ASSERT_TRUE(dir.has_value());
-    work_dir_ = *dir;
+    work_dir_ = std::make_unique<testing::TempDir>("farmem-client-transport");
+    ASSERT_TRUE(work_dir_->ok()) << work_dir_->status().ToString();
     // The client logs which transport each channel took; keep those lines to check them.
     log_ = std::make_shared<spdlog::sinks::ringbuffer_sink_mt>(256);
     auto logger = std::make_shared<spdlog::logger>(
@@ -64,10 +63,7 @@ class ClientTransportTest : public ::testing::Test {
     if (previous_logger_) spdlog::set_default_logger(previous_logger_);
     for (auto& d : daemons_) (void)d->Stop();
     daemons_.clear();
-    if (!work_dir_.empty() && std::getenv("FARMEM_KEEP_TEST_DIRS") == nullptr) {
-      std::error_code ec;
-      std::filesystem::remove_all(work_dir_, ec);
-    }
+    work_dir_.reset();  // after the daemons that log into it
   }
 
   // A farmemd on guest address `addr_index` with --rdma on or --rdma off.
@@ -80,7 +76,7 @@ class ClientTransportTest : public ::testing::Test {
     config.start_timeout = milliseconds(60000);  // an emulated guest on a busy host is slow
     config.extra_args = {"--rdma", rdma ? "on" : "off"};
     daemons_.push_back(std::make_unique<testing::DaemonProcess>(
-        config, work_dir_, "farmemd-" + std::to_string(daemons_.size())));
+        config, work_dir_->path(), "farmemd-" + std::to_string(daemons_.size())));
     Status s = daemons_.back()->Start();
     EXPECT_TRUE(s.ok()) << s.ToString();
     return *daemons_.back();
@@ -119,7 +115,7 @@ class ClientTransportTest : public ::testing::Test {
   }
 
   std::vector<std::string> addrs_;
-  std::string work_dir_;
+  std::unique_ptr<testing::TempDir> work_dir_;
   std::vector<std::unique_ptr<testing::DaemonProcess>> daemons_;
   std::shared_ptr<spdlog::sinks::ringbuffer_sink_mt> log_;
   std::shared_ptr<spdlog::logger> previous_logger_;

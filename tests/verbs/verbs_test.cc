@@ -99,18 +99,14 @@ class VerbsTest : public ::testing::Test {
     auto t = transport::MakeVerbsTransport();
     if (!t.has_value()) GTEST_SKIP() << "no verbs transport here: " << t.error().ToString();
     transport_ = std::move(*t);
-    auto dir = testing::MakeTempDir("farmem-verbs");
-    ASSERT_TRUE(dir.has_value());
-    work_dir_ = *dir;
+    work_dir_ = std::make_unique<testing::TempDir>("farmem-verbs");
+    ASSERT_TRUE(work_dir_->ok()) << work_dir_->status().ToString();
   }
 
   void TearDown() override {
     for (auto& d : daemons_) (void)d->Stop();
     daemons_.clear();
-    if (!work_dir_.empty() && std::getenv("FARMEM_KEEP_TEST_DIRS") == nullptr) {
-      std::error_code ec;
-      std::filesystem::remove_all(work_dir_, ec);
-    }
+    work_dir_.reset();  // after the daemons that log into it
   }
 
   // A farmemd with RDMA required (--rdma on), on the guest address `addr_index`.
@@ -120,7 +116,7 @@ class VerbsTest : public ::testing::Test {
     config.start_timeout = milliseconds(60000);  // an emulated guest on a busy host is slow
     if (config.extra_args.empty()) config.extra_args = {"--rdma", "on"};
     daemons_.push_back(std::make_unique<testing::DaemonProcess>(
-        config, work_dir_, "farmemd-" + std::to_string(daemons_.size())));
+        config, work_dir_->path(), "farmemd-" + std::to_string(daemons_.size())));
     Status s = daemons_.back()->Start();
     EXPECT_TRUE(s.ok()) << s.ToString();
     return *daemons_.back();
@@ -146,7 +142,7 @@ class VerbsTest : public ::testing::Test {
 
   std::vector<std::string> addrs_;
   std::unique_ptr<transport::Transport> transport_;
-  std::string work_dir_;
+  std::unique_ptr<testing::TempDir> work_dir_;
   std::vector<std::unique_ptr<testing::DaemonProcess>> daemons_;
 };
 
@@ -435,10 +431,8 @@ TEST_F(VerbsTest, ExpiredLeaseRkeyFailsWithRemoteAccessError) {
   std::vector<uint8_t> buf(4096, 3);
   // No heartbeat is sent: the daemon reclaims the lease within ttl + a housekeeping period.
   Status s;
-  const auto deadline = Clock::now() + std::chrono::seconds(5);
-  while ((s = (*ch)->Write(slab, 0, buf)).ok() && Clock::now() < deadline) {
-    std::this_thread::sleep_for(milliseconds(100));
-  }
+  testing::WaitUntil([&] { return !(s = (*ch)->Write(slab, 0, buf)).ok(); },
+                     std::chrono::seconds(5), milliseconds(100));
   EXPECT_EQ(s.code(), StatusCode::kRemoteAccessError) << s.ToString();
   EXPECT_NE(d.LogTail().find("expired"), std::string::npos) << d.LogTail();
 }

@@ -98,6 +98,9 @@ struct NodeInfo {
   Clock::time_point last_contact{};     // last successful exchange
 };
 
+// What a client can wait for a node to be (Cluster::WaitForNode): answering, or declared down.
+enum class NodeState { kUp, kDown };
+
 enum class EventType {
   kNodeDown,     // the node is unreachable; lease_ids (held there) are gone for this client
   kNodeUp,       // a node answered again, or a new one joined (DNS refresh)
@@ -142,6 +145,12 @@ class Cluster {
   // Snapshot; an id >= node_count() gives a default NodeInfo with a NotFound last_error.
   NodeInfo node(NodeId id) const;
   std::vector<NodeInfo> nodes() const;
+
+  // Waits until node(id) is in `state` (kUp: alive; kDown: declared down) and every subscriber
+  // has been handed the events emitted up to then, so a borrower reacting to kNodeDown has seen
+  // it. For tests and tools that must wait for the client to notice a failure or a return.
+  // DeadlineExceeded after `timeout` (saying what the node is), NotFound for an unknown id.
+  Status WaitForNode(NodeId id, NodeState state, std::chrono::milliseconds timeout) const;
 
   // Asks the daemon now (also refreshes node(id).stat).
   Result<wire::StatReply> Stat(NodeId id);
@@ -254,6 +263,9 @@ class Cluster {
   // Addresses from DNS that turned out to be another node's daemon (don't dial them again).
   std::vector<Endpoint> aliases_ GUARDED_BY(mu_);
   std::vector<Event> pending_events_ GUARDED_BY(mu_);
+  // Events emitted, and events whose callbacks have all returned (for WaitForNode).
+  uint64_t events_emitted_ GUARDED_BY(mu_) = 0;
+  uint64_t events_dispatched_ GUARDED_BY(mu_) = 0;
   bool probe_requested_ GUARDED_BY(mu_) = false;
   bool stopping_ GUARDED_BY(mu_) = false;
   bool closed_ GUARDED_BY(mu_) = false;
