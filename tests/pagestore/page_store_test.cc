@@ -392,7 +392,7 @@ TEST_F(PageStoreTest, WritesToAStoppedDaemonEndWhenItIsDeclaredDownNotAtOpTimeou
   }
   const pid_t stopped = (*daemons_)[1].pid();
   ASSERT_EQ(0, ::kill(stopped, SIGSTOP));
-  ASSERT_TRUE(WaitFor([&] { return ProcessState(stopped) == 'T'; }, std::chrono::seconds(10)))
+  ASSERT_TRUE(WaitUntil([&] { return ProcessState(stopped) == 'T'; }, std::chrono::seconds(10)))
       << "the daemon did not stop: state " << ProcessState(stopped);
   std::fill(page.begin(), page.end(), 0xc3);
   const auto t0 = Clock::now();
