@@ -33,21 +33,14 @@
 #include "farmem/common/config.h"
 #include "farmem/far_ptr.h"
 #include "farmem/runtime.h"
+#include "support/object_pattern.h"
 
 namespace {
 
 using SteadyClock = std::chrono::steady_clock;
 
 void Fill(std::span<std::byte> out, uint64_t id, uint64_t version) {
-  uint64_t x = id * 0x9E3779B97F4A7C15ull + version * 0xBF58476D1CE4E5B9ull + 1;
-  for (size_t i = 0; i < out.size(); ++i) {
-    if (i % 8 == 0) {
-      x ^= x >> 31;
-      x *= 0x94D049BB133111EBull;
-      x ^= x >> 29;
-    }
-    out[i] = static_cast<std::byte>(x >> ((i % 8) * 8));
-  }
+  farmem::testing::FillObject(out, id, version);
 }
 
 bool Matches(std::span<const std::byte> got, uint64_t id, uint64_t version) {
