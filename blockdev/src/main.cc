@@ -4,7 +4,6 @@
 #include <fmt/format.h>
 #include <malloc.h>
 #include <signal.h>
-#include <spdlog/sinks/stdout_color_sinks.h>
 #include <spdlog/spdlog.h>
 
 #include <CLI/CLI.hpp>
@@ -231,13 +230,9 @@ int main(int argc, char** argv) {
                "Make the process fit to serve swap: mlockall(MCL_CURRENT|MCL_FUTURE), "
                "PR_SET_IO_FLUSHER, oom_score_adj -1000; each failure is a warning. On by "
                "default; --no-swap-safe (or --swap-safe=false) turns it off.");
-  app.add_option("--log-level", log_level, "trace, debug, info, warn or error.")
-      ->check(farmem::cli::OneOf(farmem::kLogLevels))
-      ->capture_default_str();
+  farmem::cli::AddLogLevelOption(app, log_level);
   CLI11_PARSE(app, argc, argv);
-
-  spdlog::set_default_logger(spdlog::stderr_color_mt("farmem-nbd"));
-  spdlog::set_level(spdlog::level::from_str(log_level));
+  farmem::cli::SetUpLogging("farmem-nbd", log_level);
   if (Status s = CheckFlagsApply(app, backend_cfg); !s.ok()) return Fail(s);
 
   // Signals: SIGINT/SIGTERM are taken synchronously by the main thread (blocked in every thread,

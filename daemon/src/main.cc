@@ -1,7 +1,6 @@
 // farmemd: the per-node daemon that lends slabs of this machine's idle DRAM.
 #include <fmt/format.h>
 #include <signal.h>
-#include <spdlog/sinks/stdout_color_sinks.h>
 #include <spdlog/spdlog.h>
 
 #include <CLI/CLI.hpp>
@@ -85,15 +84,9 @@ int main(int argc, char** argv) {
   app.add_flag("--no-mlock", no_mlock, "Do not try to mlock the pool");
   app.add_flag("--no-prefault", no_prefault, "Do not touch the pool's pages at start");
   app.add_option("--port-file", port_file, "Write the port actually bound to this file");
-  app.add_option("--log-level", log_level, "trace, debug, info, warn, error")
-      ->capture_default_str()
-      ->check(cli::OneOf(kLogLevels));
+  cli::AddLogLevelOption(app, log_level);
   CLI11_PARSE(app, argc, argv);
-
-  auto logger = spdlog::stderr_color_mt("farmemd");
-  logger->set_pattern("%Y-%m-%d %H:%M:%S.%e farmemd[%P] %l: %v");
-  spdlog::set_default_logger(logger);
-  spdlog::set_level(spdlog::level::from_str(log_level));
+  cli::SetUpLogging("farmemd", log_level);
 
   auto fail = [](const Status& s) {
     spdlog::critical("{}", s.ToString());

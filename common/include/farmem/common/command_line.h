@@ -49,4 +49,13 @@ std::vector<std::string> GivenOptions(const CLI::App& app,
 Status RejectGiven(const CLI::App& app, std::initializer_list<std::string_view> options,
                    std::string_view why);
 
+// Adds `--log-level` (trace, debug, info, warn, error; the default is `level`'s value) to `app`.
+CLI::Option* AddLogLevelOption(CLI::App& app, std::string& level);
+
+// The one log format of every farmem program, on stderr:
+//   2026-12-01 15:20:53.134 farmemd[4711] info: <message>
+// Makes `program`'s logger the default one (the libraries log through it) at `level`, which
+// AddLogLevelOption has checked.
+void SetUpLogging(const std::string& program, const std::string& level);
+
 }  // namespace farmem::cli
