@@ -4,12 +4,15 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <functional>
 #include <iterator>
 #include <map>
 #include <numeric>
 #include <random>
 #include <ranges>
+#include <thread>
 #include <unordered_map>
 #include <utility>
 #include <vector>
@@ -17,6 +20,7 @@
 #include "farmem/far_hash_map.h"
 #include "farmem/far_vector.h"
 #include "farptr_fixture.h"
+#include "support/wait.h"
 
 namespace farmem::farptr_test {
 namespace {
@@ -286,6 +290,55 @@ TEST_F(FarptrTest, FarHashMapIterationAcrossGrowth) {
   for (; it != m.end(); ++it) ++seen[it->first];
   for (uint64_t k = 0; k < kOld; ++k) EXPECT_EQ(seen[k], 1) << "key " << k;
   for (auto& [k, n] : seen) EXPECT_EQ(n, 1) << "key " << k;
+}
+
+// Iteration while another thread inserts and erases other keys (growing the directory): every
+// key that is there throughout is seen exactly once by each pass.
+TEST_F(FarptrTest, FarHashMapIterationUnderConcurrentWriters) {
+  ASSERT_NO_FATAL_FAILURE(StartDaemons(3));
+  ASSERT_NO_FATAL_FAILURE(Open(Options("ec:2+1", 1 << 20, 4096)));
+  Map m(*rt_);
+  constexpr uint64_t kStable = 2000 / kTsanScale;
+  for (uint64_t k = 0; k < kStable; ++k) m.insert(2 * k, k);  // even keys stay
+  std::atomic<bool> stop{false};
+  std::atomic<uint64_t> writes{0};
+  std::thread writer([&] {
+    std::mt19937_64 rng(23);
+    uint64_t next = 1;
+    while (!stop.load()) {
+      if (rng() % 3 == 0) {
+        m.erase(2 * (rng() % next) + 1);
+      } else {
+        m[2 * next++ + 1] = 1;  // odd keys come and go
+      }
+      writes.fetch_add(1);
+    }
+  });
+  // Stops and joins the writer however the test ends (an ASSERT returns early).
+  struct Joiner {
+    std::atomic<bool>* stop;
+    std::thread* t;
+    ~Joiner() {
+      stop->store(true);
+      t->join();
+    }
+  } joiner{&stop, &writer};
+  for (int pass = 0; pass < 3; ++pass) {
+    const uint64_t writes_before = writes.load();
+    std::vector<int> seen(kStable, 0);
+    for (auto [k, v] : m) {
+      if (k % 2 == 0) {
+        ASSERT_LT(k / 2, kStable);
+        ASSERT_EQ(v, k / 2);
+        ++seen[k / 2];
+      }
+    }
+    for (uint64_t k = 0; k < kStable; ++k) ASSERT_EQ(seen[k], 1) << "key " << 2 * k;
+    // Wait (on state) until the writer has made progress, so that passes overlap writes.
+    ASSERT_TRUE(testing::WaitUntil([&] { return writes.load() > writes_before + 100; },
+                                   std::chrono::seconds(60)));
+  }
+  EXPECT_GT(m.bucket_count(), 64u);
 }
 
 }  // namespace
