@@ -12,6 +12,7 @@
 #include <numeric>
 #include <random>
 #include <ranges>
+#include <span>
 #include <thread>
 #include <unordered_map>
 #include <utility>
@@ -99,6 +100,23 @@ TEST_F(FarptrTest, FarVectorRunsStandardAlgorithms) {
   for (uint64_t& x : model) ++x;
   EXPECT_TRUE(std::ranges::equal(v, model));
   EXPECT_TRUE(std::equal(v.rbegin(), v.rend(), model.rbegin()));
+
+  // Block access: algorithms on one chunk's std::span at a time.
+  uint64_t span_sum = 0;
+  v.for_each_span([&](std::span<const uint64_t> s) {
+    span_sum = std::accumulate(s.begin(), s.end(), span_sum);
+  });
+  EXPECT_EQ(span_sum, std::accumulate(model.begin(), model.end(), uint64_t{0}));
+  v.for_each_span_mut(kN / 3, kN / 2, [](std::span<uint64_t> s) {
+    std::ranges::transform(s, s.begin(), [](uint64_t x) { return x + 1; });
+  });
+  std::transform(model.begin() + kN / 3, model.begin() + kN / 2, model.begin() + kN / 3,
+                 [](uint64_t x) { return x + 1; });
+  uint64_t subrange_sum = 0;
+  v.for_each_span(10, kN - 10, [&](std::span<const uint64_t> s) {
+    subrange_sum = std::accumulate(s.begin(), s.end(), subrange_sum);
+  });
+  EXPECT_EQ(subrange_sum, std::accumulate(model.begin() + 10, model.end() - 10, uint64_t{0}));
 
   // std::sort (classic) and std::ranges::sort on proxy iterators.
   std::sort(v.begin(), v.end());

@@ -22,7 +22,8 @@
 //     by copy, each access under a DerefScope of its own; on a const vector they hand out T by
 //     value. No reference into far memory ever outlives a scope.
 //   - The scoped shape: at(i, scope) / at_mut(i, scope) return a real `const T&` / `T&` that stays
-//     valid until `scope` ends; the fast way through a block of elements.
+//     valid until `scope` ends, and for_each_span(f) hands f a std::span of one chunk at a time:
+//     the fast ways through a block of elements.
 //
 // Threads: like std::vector. Concurrent reads and writes of different elements from many threads
 // are safe; push_back/resize/reserve/clear/erase/insert need exclusive access.
@@ -36,6 +37,7 @@
 #include <cstdint>
 #include <initializer_list>
 #include <iterator>
+#include <span>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -310,6 +312,46 @@ class far_vector {
     std::move(begin() + to, end(), begin() + from);
     size_ -= to - from;
     return begin() + from;
+  }
+
+  // --- Block access: the fast way to run an algorithm over many elements. ---
+  // Calls f(std::span<const T>) (or f(std::span<T>), which marks the chunks written) on
+  // consecutive pieces of elements [first, last), one chunk per piece, each under a scope of its
+  // own; `f` must not keep the span past its call. Prefetches like a sequential scan.
+  //   v.for_each_span([&](std::span<const uint64_t> s) {
+  //     sum = std::accumulate(s.begin(), s.end(), sum);
+  //   });
+  template <typename F>
+  void for_each_span(size_t first, size_t last, F&& f) const {
+    while (first < last) {
+      const size_t c = first / kPerChunk;
+      const size_t end = std::min(last, (c + 1) * kPerChunk);
+      DerefScope s;
+      Touch(c);
+      const Chunk& chunk = chunks_[c].deref(s);
+      f(std::span<const T>(chunk.items + first % kPerChunk, end - first));
+      first = end;
+    }
+  }
+  template <typename F>
+  void for_each_span(F&& f) const {
+    for_each_span(0, size_, std::forward<F>(f));
+  }
+  template <typename F>
+  void for_each_span_mut(size_t first, size_t last, F&& f) {
+    while (first < last) {
+      const size_t c = first / kPerChunk;
+      const size_t end = std::min(last, (c + 1) * kPerChunk);
+      DerefScope s;
+      Touch(c);
+      Chunk& chunk = chunks_[c].deref_mut(s);
+      f(std::span<T>(chunk.items + first % kPerChunk, end - first));
+      first = end;
+    }
+  }
+  template <typename F>
+  void for_each_span_mut(F&& f) {
+    for_each_span_mut(0, size_, std::forward<F>(f));
   }
 
   // Tuning: how many chunks ahead a sequential scan is prefetched (0: never).
