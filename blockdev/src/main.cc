@@ -20,6 +20,7 @@
 #include "farmem/common/auth.h"
 #include "farmem/common/command_line.h"
 #include "farmem/common/config.h"
+#include "farmem/common/service_notify.h"
 #include "farmem/common/status.h"
 #include "page_store.h"
 
@@ -231,6 +232,7 @@ int main(int argc, char** argv) {
                "PR_SET_IO_FLUSHER, oom_score_adj -1000; each failure is a warning. On by "
                "default; --no-swap-safe (or --swap-safe=false) turns it off.");
   farmem::cli::AddLogLevelOption(app, log_level);
+  farmem::cli::AddVersionOption(app, "farmem-nbd");
   CLI11_PARSE(app, argc, argv);
   farmem::cli::SetUpLogging("farmem-nbd", log_level);
   if (Status s = CheckFlagsApply(app, backend_cfg); !s.ok()) return Fail(s);
@@ -274,10 +276,20 @@ int main(int argc, char** argv) {
   if (Status s = (*server)->Start(); !s.ok()) return Fail(s);
   spdlog::info("farmem-nbd: serving {} bytes from the {} backend", (*backend)->size(),
                backend_cfg.kind);
+  // systemd (Type=notify): serving now. The monitor's probe takes the server's lock, so a server
+  // stuck on it stops the watchdog pings (when the unit sets WatchdogSec=).
+  farmem::systemd::NotifyReady(
+      fmt::format("serving {} bytes from the {} backend", (*backend)->size(), backend_cfg.kind));
+  auto monitor = farmem::systemd::ServiceMonitor::Start([&]() -> Result<std::string> {
+    return fmt::format("{} NBD connections", (*server)->active_connections());
+  });
 
   int sig = 0;
   sigwait(&stop_signals, &sig);
   spdlog::info("farmem-nbd: {} received, shutting down", sig == SIGINT ? "SIGINT" : "SIGTERM");
+  farmem::systemd::NotifyStopping(sig == SIGINT ? "SIGINT: shutting down"
+                                                : "SIGTERM: shutting down");
+  monitor.reset();
   (*server)->Stop();
   return 0;
 }

@@ -207,6 +207,7 @@ int main(int argc, char** argv) {
         ->check(cli::OneOf(kTransports));
   };
   cli::AddLogLevelOption(app, log_level);
+  cli::AddVersionOption(app, "farmemctl");
   CLI::App* stat = app.add_subcommand("stat", "Show every daemon's capacity and usage");
   add_common(stat);
   CLI::App* demo = app.add_subcommand(

@@ -6,6 +6,8 @@
 
 #include <iterator>
 
+#include "farmem/common/version.h"
+
 namespace farmem::cli {
 namespace {
 
@@ -107,6 +109,11 @@ void SetUpLogging(const std::string& program, const std::string& level) {
   logger->set_pattern(fmt::format("%Y-%m-%d %H:%M:%S.%e {}[%P] %l: %v", program));
   spdlog::set_default_logger(std::move(logger));
   spdlog::set_level(spdlog::level::from_str(level));
+}
+
+CLI::Option* AddVersionOption(CLI::App& app, std::string_view program) {
+  return app.set_version_flag("--version", fmt::format("{} {}", program, kVersionString),
+                              "Print the version and exit");
 }
 
 }  // namespace farmem::cli

@@ -58,4 +58,8 @@ CLI::Option* AddLogLevelOption(CLI::App& app, std::string& level);
 // AddLogLevelOption has checked.
 void SetUpLogging(const std::string& program, const std::string& level);
 
+// Adds `--version` to `app`: prints "<program> 0.1.0 (git v0.1.0-3-gd35b8ff)" (the generated
+// farmem/common/version.h) on stdout and exits 0, before any other option is checked.
+CLI::Option* AddVersionOption(CLI::App& app, std::string_view program);
+
 }  // namespace farmem::cli
