@@ -18,6 +18,9 @@ const std::regex kDownPatterns[] = {
     std::regex(R"(farmem client: the daemon at (\S+) restarted .*leases lost: \[(.*)\])"),
 };
 
+// "farmem client: node 2 (127.0.0.1:4711) is up" (client/src/cluster_monitor.cc, MarkUp).
+const std::regex kUpPattern(R"(farmem client: node \d+ \(([^)]+)\) is up)");
+
 // One line per member re-protected: the page store's rebuild (blockdev/src/page_store.cc,
 // RebuildExtent: "page store: extent 3 member 1 rebuilt on 127.0.0.1:4711 (1 MiB)"), far_ptr's
 // re-protection (farptr/src/remote_store.cc: "far memory: slab group 6 member 1 re-protected on
@@ -99,6 +102,15 @@ std::vector<DownEvent> DownEvents(const std::vector<LogLine>& log) {
         break;
       }
     }
+  }
+  return out;
+}
+
+std::vector<UpEvent> UpEvents(const std::vector<LogLine>& log) {
+  std::vector<UpEvent> out;
+  for (const LogLine& l : log) {
+    std::smatch m;
+    if (std::regex_search(l.text, m, kUpPattern)) out.push_back(UpEvent{l.ms, m[1].str()});
   }
   return out;
 }

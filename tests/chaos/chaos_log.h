@@ -36,6 +36,13 @@ struct DownEvent {
 };
 std::vector<DownEvent> DownEvents(const std::vector<LogLine>& log);
 
+// The client (re)connected to the daemon at `endpoint` at `ms` ("node N (endpoint) is up").
+struct UpEvent {
+  int64_t ms = 0;
+  std::string endpoint;
+};
+std::vector<UpEvent> UpEvents(const std::vector<LogLine>& log);
+
 // far_ptr names each span-set member that failed, with its daemon; a daemon's leases may include
 // some no member uses. Returns how many distinct (group, member) pairs on `endpoint` failed in
 // [from, until).
