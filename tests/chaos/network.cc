@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -29,18 +30,41 @@ std::string Tool(const std::string& name) {
   return name;
 }
 
+std::string Join(const std::vector<std::string>& words) {
+  std::string out;
+  for (const std::string& w : words) out += (out.empty() ? "" : " ") + w;
+  return out;
+}
+
 Status Run(const std::vector<std::string>& argv) {
-  const testing::CommandResult r = testing::RunCommand(argv, std::chrono::seconds(10));
+  const testing::CommandResult r = testing::RunCommand(argv, std::chrono::seconds(20));
   if (r.exit_code == 0) return Status::Ok();
-  std::string cmd;
-  for (const std::string& a : argv) cmd += (cmd.empty() ? "" : " ") + a;
-  return Status(StatusCode::kUnavailable, fmt::format("'{}' failed (exit {}): {}", cmd, r.exit_code,
-                                                      r.err.empty() ? r.out : r.err));
+  return Status(StatusCode::kUnavailable, fmt::format("'{}' failed (exit {}): {}", Join(argv),
+                                                      r.exit_code, r.err.empty() ? r.out : r.err));
 }
 
 Status Tc(std::vector<std::string> args) {
   args.insert(args.begin(), Tool("tc"));
   return Run(args);
+}
+
+// Several tc commands in one process (tc -batch): both directions of a path change together, and
+// under emulation (the qemu guest) each tc process costs most of a second.
+Status TcBatch(const std::vector<std::vector<std::string>>& commands) {
+  const char* tmp = std::getenv("TMPDIR");
+  std::string path =
+      std::string(tmp != nullptr && *tmp != '\0' ? tmp : "/tmp") + "/farmem-chaos-tc.XXXXXX";
+  const int fd = ::mkstemp(path.data());
+  if (fd < 0) return ErrnoStatus(StatusCode::kIoError, "mkstemp " + path, errno);
+  std::string text;
+  for (const auto& c : commands) text += Join(c) + "\n";
+  const bool written = ::write(fd, text.data(), text.size()) == static_cast<ssize_t>(text.size());
+  ::close(fd);
+  Status s = written ? Run({Tool("tc"), "-batch", path})
+                     : ErrnoStatus(StatusCode::kIoError, "write " + path, errno);
+  ::unlink(path.c_str());
+  if (!s.ok()) return Status(s.code(), s.message() + " (commands: " + text + ")");
+  return s;
 }
 
 Status WriteProcFile(const std::string& path, const std::string& text) {
@@ -102,15 +126,16 @@ NetworkFaults::~NetworkFaults() { (void)HealAll(); }
 Status NetworkFaults::Partition(int index, uint16_t port) {
   if (index < 0 || index >= kMaxDaemons) return InvalidArgument("network faults: daemon index");
   const std::string pref = std::to_string(index + 1);
+  std::vector<std::vector<std::string>> batch;
   for (const auto& match : PortMatches(port)) {
     std::vector<std::string> args = {
         "filter", "add", "dev", "lo", "parent", "ffff:", "protocol", "ip", "prio", pref, "u32"};
     args.insert(args.end(), match.begin(), match.end());
     args.insert(args.end(), {"action", "mirred", "egress", "redirect", "dev", kBlackhole});
-    FARMEM_RETURN_IF_ERROR(Tc(args));
+    batch.push_back(std::move(args));
   }
   partitioned_.insert(index);
-  return Status::Ok();
+  return TcBatch(batch);
 }
 
 Status NetworkFaults::Delay(int index, uint16_t port, int ms, int jitter_ms) {
@@ -128,22 +153,20 @@ Status NetworkFaults::Loss(int index, uint16_t port, double percent) {
 
 Status NetworkFaults::Impair(int index, uint16_t port, const Impairment& what) {
   if (index < 0 || index >= kMaxDaemons) return InvalidArgument("network faults: daemon index");
-  const bool new_path = !filtered_.contains(index);
   impaired_[index] = what;
   const std::string band = fmt::format("1:{:x}", index + 2);
-  std::vector<std::string> q = {"qdisc",  "replace", "dev",    "lo",
-                                "parent", band,      "handle", fmt::format("{:x}:", index + 16),
-                                "netem"};
   // A deep queue: at a few thousand requests/s, 50 ms of delay holds more than netem's default
   // 1000 packets, and overflowing it would add loss nobody asked for.
-  q.insert(q.end(), {"limit", "100000"});
+  std::vector<std::string> q = {"qdisc",  "replace", "dev",    "lo",
+                                "parent", band,      "handle", fmt::format("{:x}:", index + 16),
+                                "netem",  "limit",   "100000"};
   if (what.delay_ms > 0) {
     q.insert(q.end(), {"delay", fmt::format("{}ms", what.delay_ms)});
     if (what.jitter_ms > 0) q.push_back(fmt::format("{}ms", what.jitter_ms));
   }
   if (what.loss_percent > 0) q.insert(q.end(), {"loss", fmt::format("{}%", what.loss_percent)});
-  FARMEM_RETURN_IF_ERROR(Tc(q));
-  if (new_path) {
+  std::vector<std::vector<std::string>> batch = {q};
+  if (filtered_.insert(index).second) {
     for (const auto& match : PortMatches(port)) {
       std::vector<std::string> args = {
           "filter", "add",      "dev", "lo",   "parent",
@@ -151,29 +174,26 @@ Status NetworkFaults::Impair(int index, uint16_t port, const Impairment& what) {
           "u32"};
       args.insert(args.end(), match.begin(), match.end());
       args.insert(args.end(), {"flowid", band});
-      FARMEM_RETURN_IF_ERROR(Tc(args));
+      batch.push_back(std::move(args));
     }
-    filtered_.insert(index);
   }
-  return Status::Ok();
+  return TcBatch(batch);
 }
 
 Status NetworkFaults::HealAll() {
-  Status out = Status::Ok();
+  std::vector<std::vector<std::string>> batch;
   for (int index : partitioned_) {
-    Status s =
-        Tc({"filter", "del", "dev", "lo", "parent", "ffff:", "prio", std::to_string(index + 1)});
-    if (!s.ok() && out.ok()) out = s;
+    batch.push_back(
+        {"filter", "del", "dev", "lo", "parent", "ffff:", "prio", std::to_string(index + 1)});
   }
   for (int index : filtered_) {
-    Status s =
-        Tc({"filter", "del", "dev", "lo", "parent", "1:", "prio", std::to_string(index + 1)});
-    if (!s.ok() && out.ok()) out = s;
+    batch.push_back(
+        {"filter", "del", "dev", "lo", "parent", "1:", "prio", std::to_string(index + 1)});
   }
   partitioned_.clear();
   impaired_.clear();
   filtered_.clear();
-  return out;
+  return batch.empty() ? Status::Ok() : TcBatch(batch);
 }
 
 }  // namespace farmem::chaos

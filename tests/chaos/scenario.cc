@@ -487,6 +487,22 @@ ScenarioResult RunScenario(const Scenario& sc, const RunConfig& cfg) {
     return res;
   }
   const std::string secret_file = daemons.work_dir() + "/secret";
+  // Listening is not serving yet (under emulation a daemon can take seconds more to answer its
+  // first client): every daemon answers a STAT before the workload starts.
+  for (size_t i = 0; i < daemons.size(); ++i) {
+    ProbeResult p;
+    const bool ready = testing::WaitUntil(
+        [&] {
+          p = ProbeDaemon(cfg.farmemctl, daemons[i].endpoint(), secret_file,
+                          std::chrono::seconds(10));
+          return p.ok;
+        },
+        std::chrono::seconds(60), std::chrono::milliseconds(100));
+    if (!ready) {
+      fail(fmt::format("daemon {} did not answer farmemctl stat in 60 s: {}", i, p.error));
+      return res;
+    }
+  }
   std::unique_ptr<Workload> workload;
   if (sc.workload == "nbd") {
     workload = std::make_unique<NbdWorkload>(sc, cfg, daemons);
@@ -675,8 +691,9 @@ ScenarioResult RunScenario(const Scenario& sc, const RunConfig& cfg) {
       note(fmt::format("{} ({}): {}% of packets dropped each way until heal", what,
                        d.endpoint().ToString(), percent));
     } else if (step.op == "heal") {
-      Status s = network.HealAll();
+      // Timed from the start: no daemon can be back before the first filter goes.
       const int64_t now = WallMs();
+      Status s = network.HealAll();
       for (Fault& f : faults) {
         if (f.network && f.healed_ms == INT64_MAX) f.healed_ms = now;
       }
@@ -704,8 +721,8 @@ ScenarioResult RunScenario(const Scenario& sc, const RunConfig& cfg) {
   flood.Release();
   filler.Release();
   if (network.any()) {
-    if (Status s = network.HealAll(); !s.ok()) fail("heal at the end: " + s.ToString());
     const int64_t now = WallMs();
+    if (Status s = network.HealAll(); !s.ok()) fail("heal at the end: " + s.ToString());
     for (Fault& f : faults) {
       if (f.network && f.healed_ms == INT64_MAX) f.healed_ms = now;
     }
