@@ -3,10 +3,10 @@
 // which export ranges were reported LOST.
 //
 // Every line farmem logs through spdlog starts with a wall-clock timestamp
-// "YYYY-mm-dd HH:MM:SS.mmm" (in brackets in spdlog's default format); the chaos driver records the wall-clock time of each fault and
-// compares. What the programs say is matched by the patterns in chaos_log.cc (kDownPatterns,
-// kReprotectPatterns, kWholePattern, kLostPattern): when a log line changes, adapt it there, in
-// one place.
+// "YYYY-mm-dd HH:MM:SS.mmm" (in brackets in spdlog's default format); the chaos driver records the
+// wall-clock time of each fault and compares. What the programs say is matched by the patterns in
+// chaos_log.cc (kDownPatterns, kReprotectPatterns, kWholePattern, kLostPattern): when a log line
+// changes, adapt it there, in one place.
 //
 // Used by the driver's main thread only.
 #pragma once
