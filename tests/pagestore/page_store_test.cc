@@ -47,7 +47,7 @@ class PageStoreTest : public ::testing::Test {
     o.failure_timeout = std::chrono::milliseconds(600);
     o.reconnect_interval = std::chrono::milliseconds(reconnect_ms);
     o.op_timeout = std::chrono::milliseconds(2000);
-    o.fault_injector = faults_;  // the data channels take the faults a test injects (or none)
+    o.fault_injector = faults_;  // set by the fault tests: the data channels take their faults
     auto c = client::Cluster::Connect(o);
     ASSERT_TRUE(c.has_value()) << c.error().ToString();
     cluster_ = std::move(*c);
@@ -583,6 +583,7 @@ TEST_F(PageStoreTest, CapacityCheckSeesAClusterShortOfRoom) {
 // member lost), and that member's now stale copy is never served — not even after the other
 // member's daemon is killed once the store says it is whole again.
 TEST_F(PageStoreTest, ReplicaWriteFailedOnOneMemberNeverServesItsStaleCopy) {
+  faults_ = std::make_shared<transport::FaultInjector>();
   StartDaemons(3, "24M", /*reconnect_ms=*/100);
   Open("replicate:2");
   RandomWrites(200, 31);
@@ -599,6 +600,7 @@ TEST_F(PageStoreTest, ReplicaWriteFailedOnOneMemberNeverServesItsStaleCopy) {
 // Reads whose member refuses them are served from the other replica, without an error (the
 // store takes the refusing member for lost and rebuilds it elsewhere).
 TEST_F(PageStoreTest, ReplicaReadRefusedByOneMemberIsServedByTheOther) {
+  faults_ = std::make_shared<transport::FaultInjector>();
   StartDaemons(3);
   Open("replicate:2");
   RandomWrites(200, 33);
@@ -615,6 +617,7 @@ TEST_F(PageStoreTest, ReplicaReadRefusedByOneMemberIsServedByTheOther) {
 // connection, so the client core never declares it down). The writes complete without it, the
 // extents are re-protected, and after the stall ends a second failure loses nothing.
 TEST_F(PageStoreTest, ErasureWritesStalledOnOneMemberCompleteAndLoseNothing) {
+  faults_ = std::make_shared<transport::FaultInjector>();
   StartDaemons(4, "24M", /*reconnect_ms=*/100);
   Open("ec:2+1");
   RandomWrites(100, 35);

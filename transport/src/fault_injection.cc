@@ -171,7 +171,9 @@ class FaultyChannel final : public Channel {
   std::string peer() const override { return inner_->peer(); }
   bool broken() const override { return inner_->broken(); }
   ChannelStats stats() const override { return inner_->stats(); }
-  int wait_fd() const override { return -1; }
+  // The real channel's: readable when its replies arrive. Failed and released ops are reaped by
+  // the zero-timeout Poll that callers give every channel that is not "tcp" before they wait.
+  int wait_fd() const override { return inner_->wait_fd(); }
 
  private:
   struct Held {

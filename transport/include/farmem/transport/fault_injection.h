@@ -17,9 +17,9 @@
 //   cluster_options.fault_injector = faults;        // client::Cluster wraps every data channel
 //   faults->Fail(daemon1, RemoteAccessError("injected"), /*count=*/1, /*after=*/2);
 //
-// A wrapped channel has no pollable fd (wait_fd() is -1): callers reap it with zero-timeout
-// Polls, as they do verbs channels. Threading: FaultInjector is thread-safe; a wrapped channel
-// belongs to one thread, like any Channel.
+// A wrapped channel's kind() is "fault-injected": callers reap it with a zero-timeout Poll before
+// they wait on its wait_fd() (the real channel's), as they do verbs channels. Threading:
+// FaultInjector is thread-safe; a wrapped channel belongs to one thread, like any Channel.
 #pragma once
 
 #include <chrono>
