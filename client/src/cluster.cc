@@ -35,6 +35,9 @@ std::string FormatLeaseIds(std::span<const uint64_t> ids) {
 
 namespace {
 
+// The longest a node stays out of placement after data-path errors (ReportFailure).
+constexpr std::chrono::milliseconds kMaxSuspectWindow{60000};
+
 Status ValidateOptions(const ClusterOptions& o) {
   if (o.peers.empty() && o.peers_dns.empty()) {
     return InvalidArgument("no peers: set ClusterOptions.peers or peers_dns");
@@ -469,14 +472,23 @@ Result<wire::StatReply> Cluster::Stat(NodeId id) {
 
 Result<Lease> Cluster::PlaceOne(const std::vector<bool>& exclude) {
   auto excluded = [&](NodeId id) { return id < exclude.size() && exclude[id]; };
-  std::vector<NodeId> candidates;
+  std::vector<NodeId> candidates;  // healthy ones first, then suspect ones
+  size_t n_healthy = 0;
   std::vector<NodeId> picks;
   {
     MutexLock lock(&mu_);
+    // Nodes whose data path failed lately come last (ReportFailure): the two choices are among
+    // the others, and a suspect node is tried only when no other can take the slab.
+    const Clock::time_point now = Clock::now();
+    std::vector<NodeId> suspect;
     for (const auto& n : nodes_) {
-      if (n->alive && !excluded(n->id)) candidates.push_back(n->id);
+      if (!n->alive || excluded(n->id)) continue;
+      (now < n->suspect_until ? suspect : candidates).push_back(n->id);
     }
     picks = SampleDistinct(candidates, 2, rng_);
+    n_healthy = candidates.size();
+    std::shuffle(suspect.begin(), suspect.end(), rng_);
+    candidates.insert(candidates.end(), suspect.begin(), suspect.end());
   }
 
   std::map<NodeId, std::string> seen;  // per node: what STAT / ALLOC said, for the error message
@@ -508,17 +520,25 @@ Result<Lease> Cluster::PlaceOne(const std::vector<bool>& exclude) {
     return std::nullopt;
   };
 
-  // Two choices first; if both are full or fail, every other live node, most free first.
+  // Two choices first; if both are full or fail, every other live node, most free first, the
+  // suspect ones last.
   if (auto lease = try_in_order(picks)) return *lease;
   std::vector<NodeId> rest;
-  for (NodeId id : candidates) {
+  for (size_t i = 0; i < n_healthy; ++i) {
+    const NodeId id = candidates[i];
     if (id >= tried.size() || !tried[id]) rest.push_back(id);
+  }
+  std::vector<NodeId> rest_suspect;
+  for (size_t i = n_healthy; i < candidates.size(); ++i) {
+    const NodeId id = candidates[i];
+    if (id >= tried.size() || !tried[id]) rest_suspect.push_back(id);
   }
   {
     MutexLock lock(&mu_);
     std::shuffle(rest.begin(), rest.end(), rng_);  // ties among the rest broken at random
   }
   if (auto lease = try_in_order(rest)) return *lease;
+  if (auto lease = try_in_order(rest_suspect)) return *lease;
 
   std::string counts;
   bool any_alive = false;
@@ -729,7 +749,8 @@ Result<std::unique_ptr<transport::Channel>> Cluster::OpenChannel(NodeId id) {
     auto ch = verbs_->OpenChannel(o);
     if (ch) {
       spdlog::info("farmem client: data channel to {} uses verbs", node->name());
-      return ch;
+      return transport::WithFaults(std::move(*ch), o.endpoint, options_.fault_injector,
+                                   o.op_timeout);
     }
     if (options_.transport == "verbs") {
       if (ch.error().code() == StatusCode::kUnavailable ||
@@ -758,7 +779,8 @@ Result<std::unique_ptr<transport::Channel>> Cluster::OpenChannel(NodeId id) {
                     : !(features & wire::kFeatureVerbs) ? "the daemon serves no RDMA"
                                                         : "verbs failed";
   spdlog::info("farmem client: data channel to {} uses tcp ({})", node->name(), why);
-  return channel;
+  return transport::WithFaults(std::move(*channel), o.endpoint, options_.fault_injector,
+                               o.op_timeout);
 }
 
 void Cluster::ReportFailure(NodeId id, const Status& error) {
@@ -767,8 +789,23 @@ void Cluster::ReportFailure(NodeId id, const Status& error) {
   {
     MutexLock lock(&mu_);
     if (closed_ || stopping_ || !node->alive) return;
-    spdlog::info("farmem client: data path error on {}: {}; probing it", node->name(),
-                 error.ToString());
+    // Suspect for a window of twice the failure timeout. A node that fails again soon after its
+    // window ended (within one more window) gets twice the window, up to kMaxSuspectWindow;
+    // errors while it is suspect change nothing (a dead node reports many at once).
+    const Clock::time_point now = Clock::now();
+    if (now >= node->suspect_until) {
+      const bool again = now < node->suspect_until + node->suspect_window;
+      node->suspect_window = again ? std::min(2 * node->suspect_window, kMaxSuspectWindow)
+                                   : std::chrono::milliseconds(2 * options_.failure_timeout);
+      node->suspect_until = now + node->suspect_window;
+      spdlog::info(
+          "farmem client: data path error on {}: {}; probing it, and no new slabs there for {} "
+          "ms while other daemons can take them",
+          node->name(), error.ToString(), node->suspect_window.count());
+    } else {
+      spdlog::info("farmem client: data path error on {}: {}; probing it", node->name(),
+                   error.ToString());
+    }
     node->probe = true;
     probe_requested_ = true;
   }
