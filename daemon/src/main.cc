@@ -30,7 +30,9 @@ int main(int argc, char** argv) {
                            "dashes; an unknown name or a [section] is an error");
   app.add_option("--listen", listen, "Address and port to serve on, host:port; port 0 picks one")
       ->capture_default_str();
-  app.add_option("--capacity", capacity, "Memory to lend, e.g. 4G; rounded down to whole slabs")
+  app.add_option("--capacity", capacity,
+                 "Most memory to lend, e.g. 4G; rounded down to whole slabs. A ceiling: a slab's "
+                 "memory is taken when it is leased and given back when the lease ends")
       ->capture_default_str();
   app.add_option("--slab-size", slab_size, "Unit of lending, a multiple of 4K (Infiniswap used 1G)")
       ->capture_default_str();
@@ -82,8 +84,10 @@ int main(int argc, char** argv) {
                  "preempts the lending machine's own work or the client that sent it) or normal")
       ->capture_default_str()
       ->check(cli::OneOf({"batch", "normal"}));
-  app.add_flag("--no-mlock", no_mlock, "Do not try to mlock the pool");
-  app.add_flag("--no-prefault", no_prefault, "Do not touch the pool's pages at start");
+  app.add_flag("--no-mlock", no_mlock, "Do not try to mlock leased slabs");
+  app.add_flag("--no-prefault", no_prefault,
+               "Do not populate a slab's pages when it is leased (unlocked slabs then fault on "
+               "first access)");
   app.add_option("--port-file", port_file, "Write the port actually bound to this file");
   app.add_option("--log-level", log_level, "trace, debug, info, warn, error")
       ->capture_default_str()
