@@ -250,7 +250,7 @@ bool Cluster::Adopt(Node& node, TcpConnection conn) {
     if (was_alive && !lost.empty()) {
       spdlog::warn("farmem client: {}; leases lost: [{}]", reason.message(),
                    internal::FormatLeaseIds(lost));
-      Emit(Event{EventType::kLeasesLost, node.id, node.endpoint, std::move(lost), 0, reason});
+      Emit(Event{EventType::kLeasesLost, node.id, node.endpoint, std::move(lost), 0, reason, {}});
     }
   }
   node.daemon_id = daemon_id;
@@ -262,7 +262,7 @@ bool Cluster::Adopt(Node& node, TcpConnection conn) {
   node.conn.emplace(std::move(conn));
   if (!was_alive) {
     spdlog::info("farmem client: {} is up", node.name());
-    Emit(Event{EventType::kNodeUp, node.id, node.endpoint, {}, 0, Status::Ok()});
+    Emit(Event{EventType::kNodeUp, node.id, node.endpoint, {}, 0, Status::Ok(), {}});
   }
   return true;
 }
@@ -285,7 +285,8 @@ void Cluster::MarkDown(Node& node, Status reason) {
   node.leases.clear();
   spdlog::warn("farmem client: {} is down ({}); leases lost: [{}]", node.name(), reason.ToString(),
                internal::FormatLeaseIds(lost));
-  Emit(Event{EventType::kNodeDown, node.id, node.endpoint, std::move(lost), 0, std::move(reason)});
+  Emit(Event{
+      EventType::kNodeDown, node.id, node.endpoint, std::move(lost), 0, std::move(reason), {}});
 }
 
 void Cluster::RetryPendingFreesLocked(Node& node) {
@@ -364,8 +365,8 @@ void Cluster::ExpireNoticed(Node& node) {
       fmt::format("{} evicted leases [{}]: they were not freed by the EVICT_NOTICE deadline",
                   node.name(), internal::FormatLeaseIds(ended)));
   spdlog::warn("farmem client: {}", reason.message());
-  Emit(Event{EventType::kLeasesLost, node.id, node.endpoint, std::move(ended), 0,
-             std::move(reason)});
+  Emit(Event{
+      EventType::kLeasesLost, node.id, node.endpoint, std::move(ended), 0, std::move(reason), {}});
 }
 
 void Cluster::RefreshDns() {

@@ -349,7 +349,7 @@ Result<DrainRequest> DecodeDrain(std::span<const uint8_t> body) {
 void EncodeDrainReply(const DrainReply& m, std::vector<uint8_t>* out) {
   Writer w(out);
   w.U32(m.leases_noticed);
-  w.U32(0);
+  w.U32(m.leases_held);
 }
 
 Result<DrainReply> DecodeDrainReply(std::span<const uint8_t> body) {
@@ -357,6 +357,7 @@ Result<DrainReply> DecodeDrainReply(std::span<const uint8_t> body) {
   Reader r(body);
   DrainReply m;
   m.leases_noticed = r.U32();
+  m.leases_held = r.U32();
   return m;
 }
 

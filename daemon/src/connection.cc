@@ -296,6 +296,7 @@ Connection::Next Connection::HandleControl(const wire::FrameHeader& h,
       } else {
         server_->Undrain();
       }
+      r.leases_held = pool.stats().leased_slabs;
       wire::EncodeDrainReply(r, &body_);
       break;
     }

@@ -231,7 +231,8 @@ struct DrainRequest {
   uint32_t grace_ms = 0;
 };
 struct DrainReply {
-  uint32_t leases_noticed = 0;
+  uint32_t leases_noticed = 0;  // by this request (a repeated DRAIN notices nothing new)
+  uint32_t leases_held = 0;     // leases the daemon still holds
 };
 
 // RDMA_TOKEN reply: the token a client puts in its rdma_cm connect request (docs/rdma.md).
