@@ -8,6 +8,7 @@
 //   lender_bench [--farmemd PATH]... [--capacity 1G,4G] [--slab 64M] [--rounds 30] [--mlock]
 //                [--listen 127.0.0.1] [--daemon-arg=--rdma=off]...
 #include <fmt/format.h>
+#include <signal.h>
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
