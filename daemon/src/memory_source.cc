@@ -85,7 +85,9 @@ class Host final : public MemorySource {
     }
     if (Result<std::string> psi = ReadText(proc_ / "pressure" / "memory"); psi) {
       s.psi_full_avg10 = ParsePsiFullAvg10(*psi);
+      s.psi_full_total_us = ParsePsiFullTotal(*psi);
     }
+    s.taken = std::chrono::steady_clock::now();
     return s;
   }
   std::string name() const override { return "host (" + (proc_ / "meminfo").string() + ")"; }
@@ -115,7 +117,9 @@ class CgroupV2 final : public MemorySource {
     }
     if (Result<std::string> psi = ReadText(dir_ / "memory.pressure"); psi) {
       s.psi_full_avg10 = ParsePsiFullAvg10(*psi);
+      s.psi_full_total_us = ParsePsiFullTotal(*psi);
     }
+    s.taken = std::chrono::steady_clock::now();
     return s;
   }
   std::string name() const override { return "cgroup v2 " + dir_.string(); }
@@ -141,7 +145,9 @@ class CgroupV1 final : public MemorySource {
     if (Result<uint64_t> f = ReadU64(dir_ / "memory.failcnt"); f) s.limit_hits = *f;
     if (Result<std::string> psi = ReadText(proc_ / "pressure" / "memory"); psi) {
       s.psi_full_avg10 = ParsePsiFullAvg10(*psi);
+      s.psi_full_total_us = ParsePsiFullTotal(*psi);
     }
+    s.taken = std::chrono::steady_clock::now();
     return s;
   }
   std::string name() const override { return "cgroup v1 " + dir_.string(); }
@@ -191,6 +197,18 @@ bool HasLimit(const fs::path& dir, const fs::path& proc) {
 }
 
 }  // namespace
+
+std::optional<uint64_t> ParsePsiFullTotal(const std::string& text) {
+  std::istringstream in(text);
+  std::string line;
+  while (std::getline(in, line)) {
+    if (!line.starts_with("full ")) continue;
+    const size_t at = line.find("total=");
+    if (at == std::string::npos) return std::nullopt;
+    return ParseU64(std::string_view(line).substr(at + 6));
+  }
+  return std::nullopt;
+}
 
 std::optional<double> ParsePsiFullAvg10(const std::string& text) {
   std::istringstream in(text);

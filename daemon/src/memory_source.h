@@ -15,6 +15,7 @@
 // state between reads but the paths.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <filesystem>
 #include <memory>
@@ -32,6 +33,11 @@ struct MemorySnapshot {
   // PSI "full avg10" (percent of the last 10 s in which every task stalled on memory); nullopt
   // when the kernel does not say.
   std::optional<double> psi_full_avg10;
+  // PSI "full total" (microseconds of full stall since boot) and when it was read: the policy
+  // takes the stall share of the last interval from two readings, which follows the present;
+  // avg10 lags by seconds and would keep a past stall looking current.
+  std::optional<uint64_t> psi_full_total_us;
+  std::chrono::steady_clock::time_point taken{};
   // How often the limit was hit (v2 memory.events max + oom, v1 memory.failcnt): a rising count
   // is pressure even when usage looks fine. 0 where unknown.
   uint64_t limit_hits = 0;
@@ -84,5 +90,6 @@ class FakeMemorySource final : public MemorySource {
 
 // Parses "some avg10=0.00 avg60=... \nfull avg10=1.25 ..." (PSI); nullopt if there is no full line.
 std::optional<double> ParsePsiFullAvg10(const std::string& text);
+std::optional<uint64_t> ParsePsiFullTotal(const std::string& text);
 
 }  // namespace farmem::daemon

@@ -40,14 +40,27 @@ PressureDecision PressurePolicy::Update(const MemorySnapshot& m, uint64_t slab_s
   const uint64_t reserve = config_.reserve.Of(m.limit);
   const uint64_t hysteresis = std::max(slab_size, reserve / 4);
   const bool deficit = m.available < reserve;
-  const bool psi = config_.psi_full_threshold > 0 && m.psi_full_avg10.has_value() &&
-                   *m.psi_full_avg10 >= config_.psi_full_threshold;
+  // The stall share since the previous reading, from PSI totals; avg10 where there are none.
+  std::optional<double> stall;
+  if (m.psi_full_total_us.has_value()) {
+    if (last_psi_total_us_.has_value() && m.taken > last_taken_ &&
+        *m.psi_full_total_us >= *last_psi_total_us_) {
+      const double us = std::chrono::duration<double, std::micro>(m.taken - last_taken_).count();
+      stall = 100.0 * static_cast<double>(*m.psi_full_total_us - *last_psi_total_us_) / us;
+    }
+    last_psi_total_us_ = m.psi_full_total_us;
+    last_taken_ = m.taken;
+  } else {
+    stall = m.psi_full_avg10;
+  }
+  const bool psi =
+      config_.psi_full_threshold > 0 && stall.has_value() && *stall >= config_.psi_full_threshold;
   const bool hit = last_limit_hits_.has_value() && m.limit_hits > *last_limit_hits_;
   last_limit_hits_ = m.limit_hits;
   const bool pressure = deficit || psi || hit;
   d.why = fmt::format("{} available of {}, reserve {} (--reserve {}){}{}", FormatSize(m.available),
                       FormatSize(m.limit), FormatSize(reserve), config_.reserve.text,
-                      psi ? fmt::format(", PSI full avg10 {:.1f}%", *m.psi_full_avg10) : "",
+                      psi ? fmt::format(", memory stall (PSI full) {:.1f}%", *stall) : "",
                       hit ? ", memory limit hit" : "");
   const bool was = holding_;
   if (!holding_ && pressure) {
@@ -65,8 +78,8 @@ PressureDecision PressurePolicy::Update(const MemorySnapshot& m, uint64_t slab_s
     return d;
   }
   d.grant_budget = 0;
-  if (!pressure) {
-    polls_under_ = 0;  // between the reserve and the hysteresis mark: hold, evict nothing
+  if (!deficit && !psi) {
+    polls_under_ = 0;  // below the hysteresis mark or limit hits only: hold, evict nothing
     return d;
   }
   if (++polls_under_ < config_.confirm_polls) return d;
@@ -74,7 +87,7 @@ PressureDecision PressurePolicy::Update(const MemorySnapshot& m, uint64_t slab_s
   if (deficit) {
     want = (reserve - m.available + slab_size - 1) / slab_size;
   } else {
-    want = 1;  // stalls or limit hits without a visible deficit: give back one slab a poll
+    want = 1;  // a stall without a visible deficit: one slab at a time
   }
   d.evict =
       want > noticed ? static_cast<uint32_t>(std::min<uint64_t>(want - noticed, UINT32_MAX)) : 0;

@@ -4,11 +4,14 @@
 // --reserve free on its host or cgroup:
 //   - granting: a slab is granted only while the memory left after it stays above the reserve
 //     (grant budget = (available - reserve) / slab size);
-//   - holding (pressure: available below the reserve, the limit was hit, or PSI "full avg10" at or
-//     above its threshold): no grants at all;
-//   - revoking: when pressure is still there at the next poll (one poll of grace absorbs a spike),
-//     enough leases to cover the deficit are evicted, with notice, minus those already noticed;
-//     PSI or limit hits without a deficit evict one slab per poll;
+//   - holding (pressure: available below the reserve, the limit was hit since the last reading, or
+//     the PSI "full" stall share at or above its threshold): no grants at all;
+//   - revoking: when a deficit or the stall is still there at the next poll (one poll of grace
+//     absorbs a spike), enough leases to cover the deficit are evicted, with notice, minus those
+//     already noticed; a stall without a deficit evicts one slab while none is under notice.
+//     Limit hits alone only hold: a cgroup at its limit reclaims cache, which is not our deficit.
+//     The stall share is that of the interval between two readings (PSI "total"), so a stall
+//     that ended stops counting at once; without totals (a fake source) avg10 is used;
 //   - back to granting only once available >= reserve + hysteresis (max(one slab, reserve / 4)),
 //     so the daemon does not flap around the reserve.
 // Victims: of a random sample of E + extra leases, the E with the fewest data operations since
@@ -17,6 +20,7 @@
 // Pure logic, no clock and no I/O: driven by the Reclaimer's thread, tested with fake snapshots.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <optional>
 #include <span>
@@ -68,6 +72,8 @@ class PressurePolicy {
   bool holding_ = false;
   uint32_t polls_under_ = 0;
   std::optional<uint64_t> last_limit_hits_;
+  std::optional<uint64_t> last_psi_total_us_;
+  std::chrono::steady_clock::time_point last_taken_{};
 };
 
 // The `e` least active of `sample` (fewest accesses; ties keep sample order), as lease ids.

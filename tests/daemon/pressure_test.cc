@@ -113,6 +113,31 @@ TEST(PressurePolicyTest, PsiAndLimitHitsArePressureToo) {
   d = q.Update(s, kSlab, 0);
   EXPECT_TRUE(d.holding);
   EXPECT_THAT(d.why, HasSubstr("limit hit"));
+  EXPECT_EQ(d.evict, 0u) << "a cgroup at its limit reclaims cache: that alone evicts nothing";
+}
+
+// Regression (cgroup v2 in the guest evicted every lease): PSI avg10 stays high for seconds after
+// a stall has ended; with PSI totals only the stall of the last interval counts.
+TEST(PressurePolicyTest, AStallThatEndedEvictsNoMore) {
+  PressurePolicy p({.reserve = *ParseReserve("0"), .psi_full_threshold = 10, .confirm_polls = 1});
+  const auto t0 = std::chrono::steady_clock::now();
+  MemorySnapshot s = Snap(8192, 4096);
+  s.psi_full_avg10 = 0;
+  s.psi_full_total_us = 1'000'000;
+  s.taken = t0;
+  EXPECT_FALSE(p.Update(s, kSlab, 0).holding) << "the first reading is the baseline";
+  s.psi_full_total_us = 1'500'000;  // stalled half of the last second
+  s.psi_full_avg10 = 45;
+  s.taken = t0 + std::chrono::seconds(1);
+  PressureDecision d = p.Update(s, kSlab, 0);
+  EXPECT_TRUE(d.holding);
+  EXPECT_EQ(d.evict, 1u);
+  for (int i = 2; i < 10; ++i) {  // the stall is over; avg10 decays slowly
+    s.psi_full_avg10 = 45 - i;
+    s.taken = t0 + std::chrono::seconds(i);
+    d = p.Update(s, kSlab, 0);
+    EXPECT_EQ(d.evict, 0u) << "second " << i << ": evicting for a stall that has ended";
+  }
 }
 
 TEST(VictimTest, TheLeastActiveOfTheSampleGo) {
@@ -232,7 +257,8 @@ TEST_F(ReclaimerTest, PressureStopsGrantsNoticesTheLeastActiveAndEvictsAtTheDead
   auto idle = pool_->Grant(2, Client(2));
   ASSERT_TRUE(busy.has_value() && idle.has_value());
   for (const wire::LeaseGrant& g : *busy) {
-    for (int i = 0; i < 10; ++i) ASSERT_TRUE(pool_->Acquire(g.lease_id, Client(1), 0, 1).has_value());
+    for (int i = 0; i < 10; ++i)
+      ASSERT_TRUE(pool_->Acquire(g.lease_id, Client(1), 0, 1).has_value());
   }
   EXPECT_EQ(r->Poll(), 0u);
   EXPECT_TRUE(pool_->Grant(1, Client(3)).has_value()) << "no pressure yet";
