@@ -101,7 +101,8 @@ int main(int argc, char** argv) {
                  "else the host), host (MemAvailable + PSI), cgroup, cgroup:DIR, or off")
       ->capture_default_str();
   app.add_option("--psi-threshold", psi_threshold,
-                 "Memory PSI 'full avg10' percentage that counts as pressure even above --reserve "
+                 "Share of time (percent) in which every task stalled on memory (PSI 'full', "
+                 "measured between two readings) that counts as pressure even above --reserve "
                  "(0: ignore PSI)")
       ->capture_default_str()
       ->check(CLI::Range(0.0, 100.0));

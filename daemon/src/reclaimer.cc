@@ -23,7 +23,7 @@ void Reclaimer::Start() {
         "leases get {} ms of notice",
         options_.source->name(), options_.pressure.reserve.text,
         options_.pressure.psi_full_threshold > 0
-            ? fmt::format(", and not while PSI full avg10 >= {}%",
+            ? fmt::format(", and not while memory stalls (PSI full) reach {}%",
                           options_.pressure.psi_full_threshold)
             : "",
         options_.evict_grace.count());
