@@ -73,6 +73,16 @@ void Cluster::MonitorLoop() {
       }
     }
 
+    {
+      std::vector<Node*> all;
+      {
+        MutexLock lock(&mu_);
+        for (const auto& n : nodes_) {
+          if (!n->noticed.empty()) all.push_back(n.get());
+        }
+      }
+      for (Node* n : all) ExpireNoticed(*n);
+    }
     now = Clock::now();
     if (dns_endpoint_ && now >= next_dns) {
       RefreshDns();
@@ -243,7 +253,7 @@ bool Cluster::Adopt(Node& node, TcpConnection conn) {
     if (was_alive && !lost.empty()) {
       spdlog::warn("farmem client: {}; leases lost: [{}]", reason.message(),
                    internal::FormatLeaseIds(lost));
-      Emit(Event{EventType::kLeasesLost, node.id, node.endpoint, std::move(lost), 0, reason});
+      Emit(Event{EventType::kLeasesLost, node.id, node.endpoint, std::move(lost), 0, reason, {}});
     }
   }
   node.daemon_id = daemon_id;
@@ -255,7 +265,7 @@ bool Cluster::Adopt(Node& node, TcpConnection conn) {
   node.conn.emplace(std::move(conn));
   if (!was_alive) {
     spdlog::info("farmem client: {} is up", node.name());
-    Emit(Event{EventType::kNodeUp, node.id, node.endpoint, {}, 0, Status::Ok()});
+    Emit(Event{EventType::kNodeUp, node.id, node.endpoint, {}, 0, Status::Ok(), {}});
   }
   return true;
 }
@@ -278,7 +288,8 @@ void Cluster::MarkDown(Node& node, Status reason) {
   node.leases.clear();
   spdlog::warn("farmem client: {} is down ({}); leases lost: [{}]", node.name(), reason.ToString(),
                internal::FormatLeaseIds(lost));
-  Emit(Event{EventType::kNodeDown, node.id, node.endpoint, std::move(lost), 0, std::move(reason)});
+  Emit(Event{
+      EventType::kNodeDown, node.id, node.endpoint, std::move(lost), 0, std::move(reason), {}});
 }
 
 void Cluster::RetryPendingFreesLocked(Node& node) {
@@ -314,12 +325,51 @@ void Cluster::CollectPushes(Node& node) {
                    notice.error().ToString());
       continue;
     }
-    spdlog::info("farmem client: {} will evict leases [{}] in {} ms", node.name(),
-                 internal::FormatLeaseIds(notice->lease_ids), notice->grace_ms);
+    const Clock::time_point deadline = Clock::now() + std::chrono::milliseconds(notice->grace_ms);
     MutexLock lock(&mu_);
-    Emit(Event{EventType::kEvictNotice, node.id, node.endpoint, std::move(notice->lease_ids),
-               notice->grace_ms, Status::Ok()});
+    std::vector<uint64_t> held;  // a lease freed meanwhile needs no move
+    for (uint64_t id : notice->lease_ids) {
+      if (node.leases.contains(id)) {
+        held.push_back(id);
+        node.noticed.emplace(id, deadline);
+      }
+    }
+    if (held.empty()) continue;
+    spdlog::info("farmem client: {} will evict leases [{}] in {} ms", node.name(),
+                 internal::FormatLeaseIds(held), notice->grace_ms);
+    Event ev{EventType::kEvictNotice, node.id,          node.endpoint,
+             std::move(held),         notice->grace_ms, Status::Ok()};
+    ev.deadline = deadline;
+    Emit(std::move(ev));
   }
+}
+
+void Cluster::ExpireNoticed(Node& node) {
+  // Leases move to `lost` only with call_mu held (node.h); a busy node waits for the next round.
+  if (!internal::LockWithin(&node.call_mu, options_.heartbeat_interval)) return;
+  MutexLock call(&node.call_mu, kAdoptLock);
+  const Clock::time_point now = Clock::now();
+  MutexLock lock(&mu_);
+  std::vector<uint64_t> ended;
+  for (auto it = node.noticed.begin(); it != node.noticed.end();) {
+    if (!node.leases.contains(it->first)) {  // freed (moved) in time, or lost otherwise
+      it = node.noticed.erase(it);
+    } else if (it->second <= now) {
+      ended.push_back(it->first);
+      node.leases.erase(it->first);
+      node.lost.insert(it->first);
+      it = node.noticed.erase(it);
+    } else {
+      ++it;
+    }
+  }
+  if (ended.empty()) return;
+  Status reason = Expired(
+      fmt::format("{} evicted leases [{}]: they were not freed by the EVICT_NOTICE deadline",
+                  node.name(), internal::FormatLeaseIds(ended)));
+  spdlog::warn("farmem client: {}", reason.message());
+  Emit(Event{
+      EventType::kLeasesLost, node.id, node.endpoint, std::move(ended), 0, std::move(reason), {}});
 }
 
 void Cluster::RefreshDns() {

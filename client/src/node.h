@@ -3,6 +3,7 @@
 #pragma once
 
 #include <chrono>
+#include <map>
 #include <optional>
 #include <set>
 #include <span>
@@ -42,6 +43,8 @@ struct Cluster::Node {
   std::set<uint64_t> leases;  // granted to this client there and not freed
   // Reported lost (kNodeDown / kLeasesLost) and not yet passed to Free(): Free accepts them.
   std::set<uint64_t> lost;
+  // Under an EVICT_NOTICE: lease id -> when the daemon ends it (if still held then).
+  std::map<uint64_t, Clock::time_point> noticed;
   // The daemon may still hold these although nobody wants them (a FREE that could not be sent,
   // leases dropped while the node was unreachable): FREE them once it answers.
   std::vector<uint64_t> to_free;

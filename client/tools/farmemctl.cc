@@ -1,6 +1,10 @@
 // farmemctl: look at a farmem cluster and exercise it from the command line.
 //
 //   farmemctl stat --peers h:p,h:p [--secret-file F]     per-daemon capacity and usage
+//   farmemctl drain HOST:PORT [--secret-file F] [--grace-ms 30000] [--wait]
+//       the daemon grants nothing more and gives every client notice to move its data
+//       (docs/operations.md "Drain"); --wait returns once it holds no lease
+//   farmemctl undrain HOST:PORT [--secret-file F]     grant again, lift pending notices
 //   farmemctl demo --peers h:p,h:p [--secret-file F] [--size 384M]
 //       borrows slabs by power-of-two-choices, writes patterned data across the daemons,
 //       reads it all back verified, shows per-daemon usage, frees everything.
@@ -10,6 +14,7 @@
 #include <CLI/CLI.hpp>
 #include <chrono>
 #include <map>
+#include <thread>
 
 #include "farmem/client/cluster.h"
 #include "farmem/common/auth.h"
@@ -50,11 +55,18 @@ void PrintNodes(client::Cluster& cluster, const std::map<client::NodeId, uint64_
       fmt::print("  {:<22} {:>6}   {}\n", info.endpoint.ToString(), "DOWN", st.error().ToString());
       continue;
     }
+    // A draining daemon, or one whose host is short of memory, grants nothing: its free_slabs
+    // says what it would grant, not what is unleased, so "lent" is unknown then.
+    const bool granting = (st->features & (wire::kStateDraining | wire::kStateUnderPressure)) == 0;
+    const char* state = (st->features & wire::kStateDraining)        ? "drain"
+                        : (st->features & wire::kStateUnderPressure) ? "press"
+                                                                     : "up";
     const uint64_t lent = uint64_t{st->total_slabs - st->free_slabs} * st->slab_size;
     auto it = written.find(id);
-    fmt::print("  {:<22} {:>6} {:>10} {:>10} {:>8} {:>12} {:>12}\n", info.endpoint.ToString(), "up",
-               FormatSize(st->capacity), FormatSize(lent),
-               fmt::format("{}/{}", st->total_slabs - st->free_slabs, st->total_slabs),
+    fmt::print("  {:<22} {:>6} {:>10} {:>10} {:>8} {:>12} {:>12}\n", info.endpoint.ToString(),
+               state, FormatSize(st->capacity), granting ? FormatSize(lent) : "?",
+               granting ? fmt::format("{}/{}", st->total_slabs - st->free_slabs, st->total_slabs)
+                        : fmt::format("?/{}", st->total_slabs),
                FormatSize(st->bytes_written), it == written.end() ? "-" : FormatSize(it->second));
   }
 }
@@ -191,6 +203,60 @@ int StatCmd(const Common& c) {
   return 0;
 }
 
+// DRAIN (or undrain) one daemon over a control connection of its own; with `wait`, repeats the
+// (idempotent) DRAIN until the daemon holds no lease or the grace period and 5 s more have passed.
+int DrainCmd(const Common& c, const std::string& target, bool drain, uint32_t grace_ms, bool wait) {
+  Common one = c;
+  one.peers = target;
+  one.peers_dns.clear();
+  auto cluster = ConnectCluster(one, drain ? "farmemctl-drain" : "farmemctl-undrain");
+  if (!cluster) {
+    fmt::print(stderr, "farmemctl: {}\n", cluster.error().ToString());
+    return 1;
+  }
+  auto conn = (*cluster)->ControlConnection(0);
+  if (!conn) {
+    fmt::print(stderr, "farmemctl: {}: {}\n", target, conn.error().ToString());
+    return 1;
+  }
+  std::vector<uint8_t> req;
+  wire::EncodeDrain({drain, grace_ms}, &req);
+  auto call = [&]() -> Result<wire::DrainReply> {
+    FARMEM_ASSIGN_OR_RETURN(auto body,
+                            conn->Call(wire::Opcode::kDrain, req, std::chrono::seconds(10)));
+    return wire::DecodeDrainReply(body);
+  };
+  auto r = call();
+  if (!r) {
+    fmt::print(stderr, "farmemctl: {} {}: {}\n", drain ? "drain" : "undrain", target,
+               r.error().ToString());
+    return 1;
+  }
+  if (!drain) {
+    fmt::print("{}: undrained; granting again ({} lease(s) held)\n", target, r->leases_held);
+    return 0;
+  }
+  fmt::print("{}: draining; {} lease(s) noticed to move within {} ms, {} held\n", target,
+             r->leases_noticed, grace_ms, r->leases_held);
+  if (!wait) return 0;
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(grace_ms) +
+                        std::chrono::seconds(5);
+  while (r->leases_held > 0 && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));  // polling the daemon's state
+    r = call();
+    if (!r) {
+      fmt::print(stderr, "farmemctl: drain {}: {}\n", target, r.error().ToString());
+      return 1;
+    }
+  }
+  if (r->leases_held > 0) {
+    fmt::print(stderr, "farmemctl: {} still holds {} lease(s)\n", target, r->leases_held);
+    return 1;
+  }
+  fmt::print("{}: drained, no lease held\n", target);
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -210,6 +276,21 @@ int main(int argc, char** argv) {
   cli::AddVersionOption(app, "farmemctl");
   CLI::App* stat = app.add_subcommand("stat", "Show every daemon's capacity and usage");
   add_common(stat);
+  std::string target;
+  uint32_t grace_ms = 30000;
+  bool wait = false;
+  CLI::App* drain = app.add_subcommand(
+      "drain", "Make one daemon grant nothing and give its clients notice to move their data");
+  drain->add_option("target", target, "The daemon, host:port")->required();
+  drain->add_option("--secret-file", c.secret_file, "Shared secret the daemon requires");
+  drain->add_option("--grace-ms", grace_ms, "How long clients have to move their data")
+      ->capture_default_str();
+  drain->add_flag("--wait", wait,
+                  "Return once the daemon holds no lease (exit 1 if it still does)");
+  CLI::App* undrain =
+      app.add_subcommand("undrain", "Let a drained daemon grant again and lift pending notices");
+  undrain->add_option("target", target, "The daemon, host:port")->required();
+  undrain->add_option("--secret-file", c.secret_file, "Shared secret the daemon requires");
   CLI::App* demo = app.add_subcommand(
       "demo", "Borrow slabs, write patterned data, read it back verified, free it");
   add_common(demo);
@@ -217,5 +298,7 @@ int main(int argc, char** argv) {
   CLI11_PARSE(app, argc, argv);
   cli::SetUpLogging("farmemctl", log_level);
   if (*stat) return StatCmd(c);
+  if (*drain) return DrainCmd(c, target, true, grace_ms, wait);
+  if (*undrain) return DrainCmd(c, target, false, 0, false);
   return Demo(c, size);
 }

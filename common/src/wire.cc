@@ -36,6 +36,8 @@ const char* OpcodeName(uint8_t op) {
       return "PARITY_ENCODE";
     case Opcode::kGatherCell:
       return "GATHER_CELL";
+    case Opcode::kDrain:
+      return "DRAIN";
   }
   return "UNKNOWN";
 }
@@ -327,6 +329,39 @@ Result<EvictNotice> DecodeEvictNotice(std::span<const uint8_t> body) {
   EvictNotice m;
   m.grace_ms = r.U32();
   FARMEM_ASSIGN_OR_RETURN(m.lease_ids, DecodeIdList("EVICT_NOTICE", body.subspan(8)));
+  return m;
+}
+
+void EncodeDrain(const DrainRequest& m, std::vector<uint8_t>* out) {
+  Writer w(out);
+  w.U32(m.drain ? 1 : 0);
+  w.U32(m.grace_ms);
+}
+
+Result<DrainRequest> DecodeDrain(std::span<const uint8_t> body) {
+  if (body.size() != 8) return Err(Malformed("DRAIN", body));
+  Reader r(body);
+  const uint32_t mode = r.U32();
+  DrainRequest m;
+  m.grace_ms = r.U32();
+  if (mode > 1)
+    return Err(InvalidArgument(fmt::format("DRAIN mode {} (0 undrain, 1 drain)", mode)));
+  m.drain = mode == 1;
+  return m;
+}
+
+void EncodeDrainReply(const DrainReply& m, std::vector<uint8_t>* out) {
+  Writer w(out);
+  w.U32(m.leases_noticed);
+  w.U32(m.leases_held);
+}
+
+Result<DrainReply> DecodeDrainReply(std::span<const uint8_t> body) {
+  if (body.size() < 8) return Err(Malformed("DRAIN reply", body));
+  Reader r(body);
+  DrainReply m;
+  m.leases_noticed = r.U32();
+  m.leases_held = r.U32();
   return m;
 }
 

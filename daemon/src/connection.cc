@@ -157,7 +157,7 @@ Connection::Next Connection::HandleFrame() {
   const bool known = op == wire::Opcode::kStat || op == wire::Opcode::kAlloc ||
                      op == wire::Opcode::kFree || op == wire::Opcode::kHeartbeat ||
                      op == wire::Opcode::kRdmaToken || op == wire::Opcode::kParityEncode ||
-                     op == wire::Opcode::kGatherCell || data_op;
+                     op == wire::Opcode::kGatherCell || op == wire::Opcode::kDrain || data_op;
   if (!known) {
     server_->counters().protocol_errors++;
     Consume(wire::kHeaderSize);
@@ -210,6 +210,8 @@ Connection::Next Connection::HandleControl(const wire::FrameHeader& h,
       r.free_slabs = ps.free_slabs;
       r.clients = server_->client_count();
       r.features = server_->options().secret.empty() ? 0u : uint32_t{wire::kFeatureAuthRequired};
+      if (ps.draining) r.features |= wire::kStateDraining;
+      if (ps.holding) r.features |= wire::kStateUnderPressure;
       if (server_->rdma() != nullptr) {
         r.features |= wire::kFeatureVerbs;
         r.rdma_port = server_->rdma()->port();
@@ -226,6 +228,7 @@ Connection::Next Connection::HandleControl(const wire::FrameHeader& h,
         ReplyError(h, req.error());
         return Next::kContinue;
       }
+      control_.store(true, std::memory_order_relaxed);
       Result<std::vector<wire::LeaseGrant>> leases = pool.Grant(req->count, client_id_);
       if (!leases.has_value()) {
         ReplyError(h, leases.error());
@@ -255,6 +258,7 @@ Connection::Next Connection::HandleControl(const wire::FrameHeader& h,
         ReplyError(h, InvalidArgument("HEARTBEAT carries no body"));
         return Next::kContinue;
       }
+      control_.store(true, std::memory_order_relaxed);
       wire::HeartbeatReply r;
       r.leases_held = pool.Renew(client_id_);
       r.lease_ttl_ms = static_cast<uint64_t>(pool.lease_ttl().count());
@@ -277,6 +281,23 @@ Connection::Next Connection::HandleControl(const wire::FrameHeader& h,
         return Next::kContinue;
       }
       wire::EncodeRdmaTokenReply(*token, &body_);
+      break;
+    }
+    case wire::Opcode::kDrain: {  // docs/operations.md "Drain"
+      Result<wire::DrainRequest> req = wire::DecodeDrain(body);
+      if (!req.has_value()) {
+        ReplyError(h, req.error());
+        return Next::kContinue;
+      }
+      spdlog::warn("{} ({}) asks to {}", client_name_, peer_, req->drain ? "drain" : "undrain");
+      wire::DrainReply r;
+      if (req->drain) {
+        r.leases_noticed = server_->Drain(std::chrono::milliseconds(req->grace_ms));
+      } else {
+        server_->Undrain();
+      }
+      r.leases_held = pool.stats().leased_slabs;
+      wire::EncodeDrainReply(r, &body_);
       break;
     }
     default:
@@ -555,7 +576,22 @@ void Connection::AddExternal(const uint8_t* data, size_t len, Pin pin) {
   pins_.push_back(std::move(pin));
 }
 
+void Connection::QueuePush(std::vector<uint8_t> frame) {
+  MutexLock lock(&push_mu_);
+  pushes_.push_back(std::move(frame));
+}
+
 bool Connection::FlushReplies() {
+  {
+    // Eviction notices go ahead of the replies: a client waiting for a reply reads them first.
+    MutexLock lock(&push_mu_);
+    for (std::vector<uint8_t>& f : pushes_) {
+      const size_t at = wbuf_.size();
+      wbuf_.insert(wbuf_.end(), f.begin(), f.end());
+      pieces_.insert(pieces_.begin(), {at, nullptr, f.size()});
+    }
+    pushes_.clear();
+  }
   if (pieces_.empty()) return true;
   iov_.clear();
   for (const Piece& p : pieces_) {

@@ -14,11 +14,13 @@
 
 #include <sys/uio.h>
 
+#include <atomic>
 #include <map>
 #include <memory>
 #include <utility>
 #include <vector>
 
+#include "farmem/common/mutex.h"
 #include "farmem/common/socket.h"
 #include "farmem/common/wire.h"
 #include "farmem/ec/reed_solomon.h"
@@ -38,6 +40,12 @@ class Connection {
   ~Connection();
   void Serve();     // runs until the peer leaves, the framing breaks, or Shutdown()
   void Shutdown();  // from another thread: unblocks Serve()
+
+  // Eviction notices (reclaimer.h). From any thread: `frame` (a whole PUSH frame) goes out
+  // ahead of the next replies this connection sends.
+  const wire::ClientId& client_id() const { return client_id_; }
+  bool is_control() const { return control_.load(std::memory_order_relaxed); }
+  void QueuePush(std::vector<uint8_t> frame) EXCLUDES(push_mu_);
 
  private:
   enum class Next { kContinue, kNeedMore, kClose };
@@ -97,6 +105,11 @@ class Connection {
   std::vector<iovec> iov_;
   std::vector<uint8_t> scratch_;
   std::vector<uint8_t> body_;
+
+  // The client heartbeats or allocates here: eviction notices for it come on this connection.
+  std::atomic<bool> control_{false};
+  Mutex push_mu_;
+  std::vector<std::vector<uint8_t>> pushes_ GUARDED_BY(push_mu_);
 
   // Parity offload state, created on first use.
   std::unique_ptr<PeerReader> peers_;

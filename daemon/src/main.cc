@@ -10,6 +10,8 @@
 #include "farmem/common/command_line.h"
 #include "farmem/common/config.h"
 #include "farmem/common/service_notify.h"
+#include "memory_source.h"
+#include "pressure.h"
 #include "server.h"
 #include "slab_pool.h"
 
@@ -25,12 +27,18 @@ int main(int argc, char** argv) {
   uint32_t max_pending_handshakes = 1024, handshake_timeout_ms = 5000, frame_timeout_ms = 10000;
   bool no_mlock = false, no_prefault = false;
   std::string rdma = "auto", rdma_listen, sched = "batch", max_client_share = "0.75";
+  std::string reserve = "10%", memory_source = "auto";
+  uint32_t pressure_interval_ms = 250, evict_grace_ms = 5000, evict_sample_extra = 2;
+  uint32_t drain_timeout_ms = 0;
+  double psi_threshold = 10;
   cli::AddConfigFileOption(app,
                            "Read options from this file: `name = value` per line, names without "
                            "dashes; an unknown name or a [section] is an error");
   app.add_option("--listen", listen, "Address and port to serve on, host:port; port 0 picks one")
       ->capture_default_str();
-  app.add_option("--capacity", capacity, "Memory to lend, e.g. 4G; rounded down to whole slabs")
+  app.add_option("--capacity", capacity,
+                 "Most memory to lend, e.g. 4G; rounded down to whole slabs. A ceiling: a slab's "
+                 "memory is taken when it is leased and given back when the lease ends")
       ->capture_default_str();
   app.add_option("--slab-size", slab_size, "Unit of lending, a multiple of 4K (Infiniswap used 1G)")
       ->capture_default_str();
@@ -82,8 +90,44 @@ int main(int argc, char** argv) {
                  "preempts the lending machine's own work or the client that sent it) or normal")
       ->capture_default_str()
       ->check(cli::OneOf({"batch", "normal"}));
-  app.add_flag("--no-mlock", no_mlock, "Do not try to mlock the pool");
-  app.add_flag("--no-prefault", no_prefault, "Do not touch the pool's pages at start");
+  app.add_option(
+         "--reserve", reserve,
+         "Memory this host (or the daemon's cgroup) keeps for its own programs: a size (2G) "
+         "or a percentage of its memory (10%). Below it the daemon grants nothing and "
+         "takes leases back with notice; 0 lends regardless")
+      ->capture_default_str();
+  app.add_option("--memory-source", memory_source,
+                 "Where free memory is read: auto (the daemon's cgroup when it has a memory limit, "
+                 "else the host), host (MemAvailable + PSI), cgroup, cgroup:DIR, or off")
+      ->capture_default_str();
+  app.add_option("--psi-threshold", psi_threshold,
+                 "Share of time (percent) in which every task stalled on memory (PSI 'full', "
+                 "measured between two readings) that counts as pressure even above --reserve "
+                 "(0: ignore PSI)")
+      ->capture_default_str()
+      ->check(CLI::Range(0.0, 100.0));
+  app.add_option("--pressure-interval-ms", pressure_interval_ms,
+                 "How often free memory is read and evictions that are due are carried out")
+      ->capture_default_str()
+      ->check(CLI::Range(10u, 60u * 1000u));
+  app.add_option("--evict-grace-ms", evict_grace_ms,
+                 "Under memory pressure: how long a client has after EVICT_NOTICE to move its data "
+                 "and free the lease before it is ended")
+      ->capture_default_str()
+      ->check(CLI::Range(0u, 3600u * 1000u));
+  app.add_option("--evict-sample-extra", evict_sample_extra,
+                 "Victims are the E least active of E + this many randomly sampled leases")
+      ->capture_default_str()
+      ->check(CLI::Range(0u, 1024u));
+  app.add_option("--drain-timeout", drain_timeout_ms,
+                 "On SIGTERM, drain first: notice every lease, grant nothing, and exit once all "
+                 "are freed or after this many ms (0: exit at once). SIGINT always exits at once")
+      ->capture_default_str()
+      ->check(CLI::Range(0u, 3600u * 1000u));
+  app.add_flag("--no-mlock", no_mlock, "Do not try to mlock leased slabs");
+  app.add_flag("--no-prefault", no_prefault,
+               "Do not populate a slab's pages when it is leased (unlocked slabs then fault on "
+               "first access)");
   app.add_option("--port-file", port_file, "Write the port actually bound to this file");
   cli::AddLogLevelOption(app, log_level);
   cli::AddVersionOption(app, "farmemd");
@@ -122,6 +166,18 @@ int main(int argc, char** argv) {
   server_opts.handshake_timeout = std::chrono::milliseconds(handshake_timeout_ms);
   server_opts.frame_timeout = std::chrono::milliseconds(frame_timeout_ms);
   server_opts.batch_scheduling = sched == "batch";
+  auto reserve_parsed = daemon::ParseReserve(reserve);
+  if (!reserve_parsed) return fail(reserve_parsed.error());
+  server_opts.reclaim.pressure.reserve = *reserve_parsed;
+  server_opts.reclaim.pressure.psi_full_threshold = psi_threshold;
+  server_opts.reclaim.interval = std::chrono::milliseconds(pressure_interval_ms);
+  server_opts.reclaim.evict_grace = std::chrono::milliseconds(evict_grace_ms);
+  server_opts.reclaim.sample_extra = evict_sample_extra;
+  if (memory_source != "off") {
+    auto src = daemon::OpenMemorySource(memory_source);
+    if (!src) return fail(src.error());
+    server_opts.reclaim.source = std::move(*src);
+  }
   auto rdma_mode = daemon::ParseRdmaMode(rdma);
   if (!rdma_mode) return fail(rdma_mode.error());
   server_opts.rdma = *rdma_mode;
@@ -164,8 +220,28 @@ int main(int argc, char** argv) {
   });
   int sig = 0;
   sigwait(&sigs, &sig);
+  systemd::NotifyStopping(fmt::format(
+      "{}: {}", strsignal(sig),
+      sig == SIGTERM && drain_timeout_ms > 0 ? "draining, then shutting down" : "shutting down"));
+  if (sig == SIGTERM && drain_timeout_ms > 0) {
+    // Drain: clients get notice and time to move their data; exit when they are done.
+    const auto timeout = std::chrono::milliseconds(drain_timeout_ms);
+    const auto deadline = std::chrono::steady_clock::now() + timeout;
+    const uint32_t noticed = server.Drain(timeout);
+    spdlog::info("SIGTERM: draining {} lease(s) for up to {} ms before exiting (--drain-timeout)",
+                 noticed, drain_timeout_ms);
+    const timespec tick{0, 100'000'000};
+    while ((*pool)->stats().leased_slabs > 0 && std::chrono::steady_clock::now() < deadline) {
+      if (sigtimedwait(&sigs, nullptr, &tick) > 0) break;  // a second signal: stop now
+    }
+    const uint32_t left = (*pool)->stats().leased_slabs;
+    if (left > 0) {
+      spdlog::warn("drain: {} lease(s) still held at exit", left);
+    } else {
+      spdlog::info("drain: every lease was freed");
+    }
+  }
   spdlog::info("{}: shutting down", strsignal(sig));
-  systemd::NotifyStopping(fmt::format("{}: shutting down", strsignal(sig)));
   monitor.reset();
   server.Stop();
   spdlog::info("stopped");

@@ -135,6 +135,8 @@ Status Server::Start() {
   }
   admission_thread_ = std::thread([this] { AdmissionLoop(); });
   housekeeping_thread_ = std::thread([this] { HousekeepingLoop(); });
+  reclaimer_ = std::make_unique<Reclaimer>(options_.reclaim, pool_, this);
+  reclaimer_->Start();
   spdlog::info("listening on {}:{} (node id {:#018x})", options_.listen.host, port_, node_id_);
   return Status::Ok();
 }
@@ -146,6 +148,7 @@ void Server::Stop() {
     (void)!::write(wake_.fd(), &one, sizeof(one));
   }
   if (admission_thread_.joinable()) admission_thread_.join();
+  if (reclaimer_ != nullptr) reclaimer_->Stop();
   {
     MutexLock lock(&stop_mu_);
     stop_cv_.SignalAll();
@@ -479,6 +482,51 @@ void Server::ClientDisconnected(const wire::ClientId& id) {
   MutexLock lock(&conns_mu_);
   auto it = clients_.find(id);
   if (it != clients_.end() && --it->second == 0) clients_.erase(it);
+}
+
+uint32_t Server::Drain(std::chrono::milliseconds grace) {
+  return reclaimer_ != nullptr ? reclaimer_->Drain(grace) : 0;
+}
+
+void Server::Undrain() {
+  if (reclaimer_ != nullptr) reclaimer_->Undrain();
+}
+
+void Server::DeliverNotice(const EvictionNotice& notice) {
+  std::vector<uint8_t> body;
+  wire::EncodeEvictNotice({notice.lease_ids, notice.grace_ms}, &body);
+  std::vector<uint8_t> frame(wire::kHeaderSize);
+  wire::FrameHeader h;
+  h.opcode = static_cast<uint8_t>(wire::Opcode::kEvictNotice);
+  h.flags = wire::kFlagPush;
+  h.request_id = 0;
+  h.body_len = static_cast<uint32_t>(body.size());
+  wire::EncodeHeader(h, frame.data());
+  frame.insert(frame.end(), body.begin(), body.end());
+  size_t queued = 0;
+  {
+    MutexLock lock(&conns_mu_);
+    std::vector<Connection*> mine, control;
+    for (const Live& l : conns_) {
+      if (l.finished->load() || l.conn->client_id() != notice.owner) continue;
+      mine.push_back(l.conn.get());
+      if (l.conn->is_control()) control.push_back(l.conn.get());
+    }
+    for (Connection* c : control.empty() ? mine : control) {
+      c->QueuePush(frame);
+      ++queued;
+    }
+  }
+  if (queued == 0) {
+    spdlog::warn(
+        "EVICT_NOTICE for {} lease(s) not sent: their client is not connected; they end at the "
+        "deadline ({} ms)",
+        notice.lease_ids.size(), notice.grace_ms);
+  } else {
+    spdlog::info(
+        "EVICT_NOTICE for {} lease(s) queued on {} connection(s) of their client; grace {} ms",
+        notice.lease_ids.size(), queued, notice.grace_ms);
+  }
 }
 
 uint32_t Server::client_count() {

@@ -10,7 +10,11 @@
 // to completion (read the frame, touch slab memory, answer) and batches the replies of all frames
 // that arrived together into one sendmsg. There is no hand-off between threads on the data path:
 // on these machines a cross-core wake-up costs more than the operation (docs/architecture.md).
-// A housekeeping thread reclaims leases whose clients stopped heartbeating. With RDMA, an
+// A housekeeping thread reclaims leases whose clients stopped heartbeating. A Reclaimer
+// (reclaimer.h) takes memory back under host memory pressure and on drain: it sends EVICT_NOTICE
+// through DeliverNotice, which queues the frame on the owner's connections; each connection's
+// thread sends it ahead of its next replies (a client's heartbeat brings one at least every
+// heartbeat interval), so no two threads ever write one socket. With RDMA, an
 // RdmaListener (rdma_listener.h) admits queue pairs and registers leases; it has no data path.
 //
 // Threading: Start/Stop from the main thread; everything else is internal.
@@ -32,6 +36,7 @@
 #include "farmem/common/socket.h"
 #include "handshake.h"
 #include "rdma_listener.h"
+#include "reclaimer.h"
 #include "refusal_log.h"
 #include "slab_pool.h"
 
@@ -57,6 +62,8 @@ struct ServerOptions {
   // the lending machine (its own programs, or the client that just sent the request and has more
   // to send); the thread runs at the next scheduling point instead. Same CPU share as before.
   bool batch_scheduling = true;
+  // Memory pressure and drain (reclaimer.h). Without a memory source only drains take memory back.
+  ReclaimOptions reclaim;
 };
 
 struct ServerCounters {
@@ -68,10 +75,10 @@ struct ServerCounters {
 
 class Connection;
 
-class Server {
+class Server final : public NoticeSink {
  public:
   Server(ServerOptions options, SlabPool* pool);
-  ~Server();
+  ~Server() override;
 
   Status Start();  // binds and starts the threads
   void Stop()
@@ -87,6 +94,14 @@ class Server {
   void ClientConnected(const wire::ClientId& id) EXCLUDES(conns_mu_);
   void ClientDisconnected(const wire::ClientId& id) EXCLUDES(conns_mu_);
   uint32_t client_count() EXCLUDES(conns_mu_);
+
+  // Drain (farmemctl drain, SIGTERM): grant nothing and notice every lease with `grace`; returns
+  // how many. Undrain: grant again, lift pending notices.
+  uint32_t Drain(std::chrono::milliseconds grace);
+  void Undrain();
+  // NoticeSink: queues one EVICT_NOTICE on the owner's control connections (those that sent
+  // HEARTBEAT or ALLOC; all its connections if none did).
+  void DeliverNotice(const EvictionNotice& notice) override EXCLUDES(conns_mu_);
 
  private:
   // A connection in HELLO/AUTH, owned by the admission thread.
@@ -120,6 +135,7 @@ class Server {
   uint16_t port_ = 0;
   Socket listener_;
   std::unique_ptr<RdmaListener> rdma_;
+  std::unique_ptr<Reclaimer> reclaimer_;
   std::atomic<bool> stopping_{false};
   std::thread admission_thread_;
   std::thread housekeeping_thread_;

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <charconv>
 #include <cstring>
+#include <map>
 #include <random>
 #include <thread>
 
@@ -73,30 +74,18 @@ Result<std::unique_ptr<SlabPool>> SlabPool::Create(const PoolOptions& options) {
   pool->total_ = static_cast<uint32_t>(slabs);
   pool->max_client_slabs_ = static_cast<uint32_t>(share_slabs);
   pool->mapped_ = slabs * options.slab_size;
-  void* p =
-      ::mmap(nullptr, pool->mapped_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  // Address space only: no page is touched (or charged) before a slab is leased.
+  void* p = ::mmap(nullptr, pool->mapped_, PROT_READ | PROT_WRITE,
+                   MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
   if (p == MAP_FAILED) {
-    return Err(ErrnoStatus(StatusCode::kResourceExhausted,
-                           fmt::format("mmap of {} for the slab pool", FormatSize(pool->mapped_)),
-                           errno));
+    return Err(ErrnoStatus(
+        StatusCode::kResourceExhausted,
+        fmt::format("reserving {} of address space for the slab pool", FormatSize(pool->mapped_)),
+        errno));
   }
   pool->base_ = static_cast<uint8_t*>(p);
   if (::madvise(p, pool->mapped_, MADV_HUGEPAGE) != 0) {
     spdlog::info("transparent huge pages not available for the slab pool ({})", strerror(errno));
-  }
-  bool locked = false;
-  if (options.mlock) {
-    if (::mlock(p, pool->mapped_) == 0) {
-      locked = true;
-    } else {
-      spdlog::warn(
-          "could not mlock the {} slab pool ({}): lent memory may be swapped out; raise "
-          "RLIMIT_MEMLOCK (LimitMEMLOCK=infinity in systemd) or run as root",
-          FormatSize(pool->mapped_), strerror(errno));
-    }
-  }
-  if (!locked && options.prefault) {
-    for (uint64_t off = 0; off < pool->mapped_; off += 4096) pool->base_[off] = 0;
   }
   pool->slabs_ = std::make_unique<Slab[]>(slabs);
   {
@@ -107,10 +96,11 @@ Result<std::unique_ptr<SlabPool>> SlabPool::Create(const PoolOptions& options) {
     pool->next_epoch_ = std::uniform_int_distribution<uint32_t>(1, UINT32_MAX / 2)(rd);
   }
   spdlog::info(
-      "slab pool: {} in {} slabs of {}{}; each client may hold {} slab(s) ({}, "
-      "--max-client-share {})",
-      FormatSize(pool->mapped_), slabs, FormatSize(options.slab_size), locked ? " (mlocked)" : "",
-      share_slabs, FormatSize(share_slabs * options.slab_size), share.text);
+      "slab pool: up to {} in {} slabs of {}, mapped{} when leased and returned when freed; each "
+      "client may hold {} slab(s) ({}, --max-client-share {})",
+      FormatSize(pool->mapped_), slabs, FormatSize(options.slab_size),
+      options.mlock ? " and mlocked" : "", share_slabs, FormatSize(share_slabs * options.slab_size),
+      share.text);
   return pool;
 }
 
@@ -133,7 +123,18 @@ Result<std::vector<wire::LeaseGrant>> SlabPool::Grant(uint32_t count, const wire
         FormatSize(uint64_t{max_client_slabs_} * options_.slab_size), total_,
         options_.max_client_share.text)));
   }
-  if (count > free_list_.size()) {
+  if (draining_mode_) {
+    return Err(Unavailable(
+        "this daemon is draining (farmemctl drain, or shutting down): it grants no slabs; use "
+        "other daemons"));
+  }
+  if (count > Grantable()) {
+    if (count <= free_list_.size()) {
+      return Err(ResourceExhausted(fmt::format(
+          "asked for {} slabs but this daemon grants only {} now: its host is short of memory "
+          "(--reserve), {} of {} slabs are free",
+          count, Grantable(), free_list_.size(), total_)));
+    }
     return Err(ResourceExhausted(fmt::format("asked for {} slabs but only {} of {} are free", count,
                                              free_list_.size(), total_)));
   }
@@ -143,10 +144,12 @@ Result<std::vector<wire::LeaseGrant>> SlabPool::Grant(uint32_t count, const wire
   for (uint32_t i = 0; i < count; ++i) {
     const uint32_t index = free_list_.back();
     uint8_t* addr = base_ + uint64_t{index} * options_.slab_size;
+    Populate(index);
     uint32_t rkey = 0;
     if (registrar_ != nullptr) {
       Result<uint32_t> r = registrar_->RegisterLease(index, owner, addr, options_.slab_size);
       if (!r.has_value()) {  // all or nothing: undo this grant
+        ReturnMemory(index);
         for (const wire::LeaseGrant& g : out) EndLease(wire::LeaseSlab(g.lease_id));
         return Err(r.error());
       }
@@ -157,11 +160,62 @@ Result<std::vector<wire::LeaseGrant>> SlabPool::Grant(uint32_t count, const wire
     Slab& s = slabs_[index];
     s.owner = owner;
     s.expiry = expiry;
+    s.accesses.store(0, std::memory_order_relaxed);
+    s.accesses_seen = 0;
+    s.evict_at = {};
     const uint64_t id = wire::MakeLeaseId(next_epoch_, index);
     s.lease_id.store(id, std::memory_order_seq_cst);
     out.push_back({id, options_.slab_size, reinterpret_cast<uint64_t>(addr), rkey});
   }
+  if (grant_budget_.has_value()) *grant_budget_ -= count;
   return out;
+}
+
+uint32_t SlabPool::Grantable() const {
+  const uint32_t free = static_cast<uint32_t>(free_list_.size());
+  return grant_budget_.has_value() ? std::min(free, *grant_budget_) : free;
+}
+
+void SlabPool::Populate(uint32_t index) {
+  Slab& s = slabs_[index];
+  if (s.populated) return;
+  uint8_t* addr = base_ + uint64_t{index} * options_.slab_size;
+  if (options_.mlock) {
+    if (::mlock(addr, options_.slab_size) == 0) {  // also faults every page in
+      s.locked = true;
+    } else if (!warned_mlock_) {
+      warned_mlock_ = true;
+      spdlog::warn(
+          "could not mlock a leased slab ({}): lent memory may be swapped out; raise "
+          "RLIMIT_MEMLOCK (LimitMEMLOCK=infinity in systemd), run as root, or pass --no-mlock",
+          strerror(errno));
+    }
+  }
+  if (!s.locked && options_.prefault) {
+#ifdef MADV_POPULATE_WRITE
+    if (::madvise(addr, options_.slab_size, MADV_POPULATE_WRITE) != 0)
+#endif
+    {
+      for (uint64_t off = 0; off < options_.slab_size; off += 4096) addr[off] = 0;
+    }
+  }
+  s.populated = true;
+}
+
+void SlabPool::ReturnMemory(uint32_t index) {
+  Slab& s = slabs_[index];
+  uint8_t* addr = base_ + uint64_t{index} * options_.slab_size;
+  if (s.locked) {
+    (void)::munlock(addr, options_.slab_size);
+    s.locked = false;
+  }
+  // Private anonymous memory reads as zeros after MADV_DONTNEED: this is the zeroing too.
+  if (::madvise(addr, options_.slab_size, MADV_DONTNEED) != 0) {
+    spdlog::warn("MADV_DONTNEED on slab {}: {}; zeroing it instead (its memory stays in use)",
+                 index, strerror(errno));
+    std::memset(addr, 0, options_.slab_size);
+  }
+  s.populated = false;
 }
 
 uint32_t SlabPool::HeldBy(const wire::ClientId& owner) const {
@@ -188,7 +242,7 @@ void SlabPool::ReclaimDrained() {
       ++i;
       continue;
     }
-    std::memset(base_ + uint64_t{index} * options_.slab_size, 0, options_.slab_size);
+    ReturnMemory(index);
     slabs_[index].owner = {};  // only now: an Acquire that raced the end may still read it
     free_list_.push_back(index);
     draining_[i] = draining_.back();
@@ -274,6 +328,7 @@ Result<Pin> SlabPool::Acquire(uint64_t lease_id, const wire::ClientId& owner, ui
     return Err(OutOfRange(fmt::format("{} bytes at offset {} fall outside lease {:#x} of {} bytes",
                                       length, offset, lease_id, options_.slab_size)));
   }
+  s.accesses.fetch_add(1, std::memory_order_relaxed);
   return Pin(std::move(pin));
 }
 
@@ -284,7 +339,116 @@ void SlabPool::SetRegistrar(LeaseRegistrar* registrar) {
 
 PoolStats SlabPool::stats() const {
   MutexLock lock(&mu_);
-  return {mapped_, options_.slab_size, total_, static_cast<uint32_t>(free_list_.size())};
+  PoolStats st{mapped_, options_.slab_size, total_, draining_mode_ ? 0u : Grantable()};
+  for (uint32_t i = 0; i < total_; ++i) {
+    if (slabs_[i].lease_id.load(std::memory_order_relaxed) == 0) continue;
+    ++st.leased_slabs;
+    if (slabs_[i].evict_at != std::chrono::steady_clock::time_point{}) ++st.noticed_slabs;
+  }
+  st.draining = draining_mode_;
+  st.holding = grant_budget_.has_value() && *grant_budget_ < free_list_.size();
+  return st;
+}
+
+void SlabPool::SetGrantBudget(std::optional<uint32_t> slabs) {
+  MutexLock lock(&mu_);
+  grant_budget_ = slabs;
+}
+
+void SlabPool::SetDraining(bool draining) {
+  MutexLock lock(&mu_);
+  draining_mode_ = draining;
+}
+
+bool SlabPool::draining() const {
+  MutexLock lock(&mu_);
+  return draining_mode_;
+}
+
+std::vector<LeaseActivity> SlabPool::SampleLeases(uint32_t n, uint64_t seed) {
+  MutexLock lock(&mu_);
+  std::vector<uint32_t> candidates;
+  for (uint32_t i = 0; i < total_; ++i) {
+    const Slab& s = slabs_[i];
+    if (s.lease_id.load(std::memory_order_relaxed) != 0 &&
+        s.evict_at == std::chrono::steady_clock::time_point{}) {
+      candidates.push_back(i);
+    }
+  }
+  std::mt19937_64 rng(seed);
+  const size_t take = std::min<size_t>(n, candidates.size());
+  // Partial Fisher-Yates: the first `take` entries become a uniform random sample.
+  for (size_t i = 0; i < take; ++i) {
+    std::swap(candidates[i],
+              candidates[std::uniform_int_distribution<size_t>(i, candidates.size() - 1)(rng)]);
+  }
+  std::vector<LeaseActivity> out;
+  out.reserve(take);
+  for (size_t i = 0; i < take; ++i) {
+    Slab& s = slabs_[candidates[i]];
+    const uint64_t now = s.accesses.load(std::memory_order_relaxed);
+    out.push_back(
+        {candidates[i], s.lease_id.load(std::memory_order_relaxed), now - s.accesses_seen});
+    s.accesses_seen = now;
+  }
+  return out;
+}
+
+std::vector<EvictionNotice> SlabPool::NoticeEviction(
+    std::optional<std::span<const uint64_t>> lease_ids,
+    std::chrono::steady_clock::time_point deadline) {
+  MutexLock lock(&mu_);
+  const auto grace =
+      std::chrono::ceil<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+  const uint32_t grace_ms =
+      static_cast<uint32_t>(std::clamp<int64_t>(grace.count(), 0, UINT32_MAX));
+  std::map<wire::ClientId, std::vector<uint64_t>> by_owner;
+  auto mark = [&](uint32_t index) {
+    Slab& s = slabs_[index];
+    const uint64_t id = s.lease_id.load(std::memory_order_relaxed);
+    if (id == 0 || s.evict_at != std::chrono::steady_clock::time_point{}) return;
+    s.evict_at = deadline;
+    by_owner[s.owner].push_back(id);
+  };
+  if (lease_ids.has_value()) {
+    for (uint64_t id : *lease_ids) {
+      const uint32_t index = wire::LeaseSlab(id);
+      if (index < total_ && slabs_[index].lease_id.load(std::memory_order_relaxed) == id) {
+        mark(index);
+      }
+    }
+  } else {
+    for (uint32_t i = 0; i < total_; ++i) mark(i);
+  }
+  std::vector<EvictionNotice> out;
+  for (auto& [owner, ids] : by_owner) out.push_back({owner, std::move(ids), grace_ms});
+  return out;
+}
+
+uint32_t SlabPool::EvictDue() {
+  MutexLock lock(&mu_);
+  ReclaimDrained();
+  const auto now = std::chrono::steady_clock::now();
+  uint32_t evicted = 0;
+  for (uint32_t i = 0; i < total_; ++i) {
+    Slab& s = slabs_[i];
+    const uint64_t id = s.lease_id.load(std::memory_order_relaxed);
+    if (id == 0 || s.evict_at == std::chrono::steady_clock::time_point{} || s.evict_at > now) {
+      continue;
+    }
+    spdlog::info(
+        "lease {:#x} (slab {}) evicted: its client did not free it by the EVICT_NOTICE deadline; "
+        "its memory is returned to the host",
+        id, i);
+    EndLease(i);
+    ++evicted;
+  }
+  return evicted;
+}
+
+void SlabPool::CancelNotices() {
+  MutexLock lock(&mu_);
+  for (uint32_t i = 0; i < total_; ++i) slabs_[i].evict_at = {};
 }
 
 }  // namespace farmem::daemon

@@ -1,9 +1,20 @@
 // SlabPool: the memory a farmemd lends, cut into equal slabs, and the leases on them.
 //
-// The pool maps `capacity` bytes once at start (mlocked when permitted, transparent huge pages
-// when available) and never returns them to the OS while running. Each slab is free or held by
-// exactly one lease; a lease is owned by one client id. Lease ids are (epoch << 32 | slab): the
-// epoch changes on every grant, so an id from an ended lease never matches again.
+// Memory on demand: the pool reserves `capacity` bytes of address space at start (no memory:
+// MAP_NORESERVE, nothing touched), so start-up is immediate and --capacity is a ceiling. A slab's
+// pages are populated (and mlocked where permitted) when it is leased, and returned to the kernel
+// with MADV_DONTNEED when the lease ends, which also makes the next lease of it read zeros: no
+// client ever sees another's data (docs/benchmarks.md compares this with munmap and MADV_FREE).
+// The address range stays mapped throughout, so an RDMA registration or a racing data operation
+// never meets a hole. Each slab is free or held by exactly one lease; a lease is owned by one
+// client id. Lease ids are (epoch << 32 | slab): the epoch changes on every grant, so an id from an
+// ended lease never matches again.
+//
+// Taking memory back (pressure.h decides when): the pool can be told to grant no more than a
+// budget of slabs, or nothing while it drains; it samples leases with their access counts (TCP
+// operations counted in Acquire; one-sided RDMA is invisible to the daemon and counts 0), marks
+// chosen leases with an eviction deadline (NoticeEviction) and ends them once it passes
+// (EvictDue) unless their owner freed them first.
 //
 // Threading: control operations (Grant/Release/Renew/ReclaimExpired) take mu_ and may be called
 // from any thread. The data path (Pin) is lock-free: it raises the slab's user count and then
@@ -15,6 +26,8 @@
 #include <chrono>
 #include <cstdint>
 #include <memory>
+#include <optional>
+#include <span>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -39,8 +52,8 @@ struct PoolOptions {
   uint64_t capacity = 1ull << 30;
   uint64_t slab_size = 64ull << 20;
   std::chrono::milliseconds lease_ttl{10000};
-  bool mlock = true;     // try to mlock; warn and continue when not permitted
-  bool prefault = true;  // touch every page at start so lending never waits on the kernel
+  bool mlock = true;     // mlock each slab when leased; warn once and continue when not permitted
+  bool prefault = true;  // populate a slab's pages when it is leased, not at first access
   // The default leaves a quarter of every daemon to other clients, while a lone client still
   // reaches three quarters of the cluster.
   ClientShare max_client_share{};
@@ -90,7 +103,25 @@ struct PoolStats {
   uint64_t capacity = 0;
   uint64_t slab_size = 0;
   uint32_t total_slabs = 0;
-  uint32_t free_slabs = 0;
+  uint32_t free_slabs = 0;  // slabs that may be granted now (pressure and draining count)
+  uint32_t leased_slabs = 0;
+  uint32_t noticed_slabs = 0;  // leased and under an eviction notice
+  bool draining = false;
+  bool holding = false;  // memory pressure: granting less than what is free, or nothing
+};
+
+// A leased slab as victim selection sees it (SlabPool::SampleLeases).
+struct LeaseActivity {
+  uint32_t slab = 0;
+  uint64_t lease_id = 0;
+  uint64_t accesses = 0;  // data operations since the previous sample of this lease
+};
+
+// The leases of one owner that are to be evicted, for one EVICT_NOTICE.
+struct EvictionNotice {
+  wire::ClientId owner{};
+  std::vector<uint64_t> lease_ids;
+  uint32_t grace_ms = 0;
 };
 
 class SlabPool {
@@ -113,6 +144,24 @@ class SlabPool {
                       uint64_t length);
 
   PoolStats stats() const;
+
+  // ---- taking memory back (driven by the Reclaimer, reclaimer.h) ----
+  // At most `slabs` more grants until the next call; nullopt: no limit but the free slabs.
+  void SetGrantBudget(std::optional<uint32_t> slabs);
+  // While draining, ALLOC is refused with Unavailable.
+  void SetDraining(bool draining);
+  bool draining() const;
+  // Up to `n` distinct leased slabs not yet under notice, chosen at random, each with its access
+  // count since it was last sampled (the count restarts from here).
+  std::vector<LeaseActivity> SampleLeases(uint32_t n, uint64_t seed);
+  // Marks the named leases (those still held and not yet noticed) to end at `deadline`, and
+  // returns one notice per owner. nullopt ids: every held lease (drain).
+  std::vector<EvictionNotice> NoticeEviction(std::optional<std::span<const uint64_t>> lease_ids,
+                                             std::chrono::steady_clock::time_point deadline);
+  // Ends noticed leases whose deadline has passed; returns how many.
+  uint32_t EvictDue();
+  // Lifts every pending notice (undrain): the leases stay.
+  void CancelNotices();
   // Every lease granted from now on is registered with `registrar` (nullptr: none). Set before
   // serving; detach (nullptr) only when no lease is registered any more or the registrar has
   // dropped its regions itself (RdmaListener::Stop does).
@@ -127,6 +176,11 @@ class SlabPool {
     std::atomic<uint32_t> users{0};
     wire::ClientId owner{};
     std::chrono::steady_clock::time_point expiry{};
+    std::atomic<uint64_t> accesses{0};  // data operations on the current lease (Acquire)
+    uint64_t accesses_seen = 0;         // accesses at the last sample
+    std::chrono::steady_clock::time_point evict_at{};  // {}: no notice
+    bool populated = false;  // pages mapped in (and maybe locked) for a lease
+    bool locked = false;
   };
 
   explicit SlabPool(const PoolOptions& options) : options_(options) {}
@@ -135,6 +189,11 @@ class SlabPool {
   // ending a lease never waits, under mu_, for a peer that is slow to send or receive.
   void EndLease(uint32_t index) REQUIRES(mu_);
   void ReclaimDrained() REQUIRES(mu_);
+  // Maps a slab's pages in (and locks them) for a grant; gives them back to the kernel, zeroed
+  // for the next lease, when the lease has ended.
+  void Populate(uint32_t index) REQUIRES(mu_);
+  void ReturnMemory(uint32_t index) REQUIRES(mu_);
+  uint32_t Grantable() const REQUIRES(mu_);
   // Slabs `owner` holds a lease on.
   uint32_t HeldBy(const wire::ClientId& owner) const REQUIRES(mu_);
 
@@ -149,6 +208,9 @@ class SlabPool {
   std::vector<uint32_t> draining_ GUARDED_BY(mu_);  // ended, still pinned by a data operation
   uint32_t next_epoch_ GUARDED_BY(mu_) = 1;
   LeaseRegistrar* registrar_ GUARDED_BY(mu_) = nullptr;
+  std::optional<uint32_t> grant_budget_ GUARDED_BY(mu_);
+  bool draining_mode_ GUARDED_BY(mu_) = false;
+  bool warned_mlock_ GUARDED_BY(mu_) = false;
 };
 
 }  // namespace farmem::daemon

@@ -560,7 +560,7 @@ TEST_F(BadInputTest, MalformedHelloOrAuthGetsAnErrorAndClose) {
 
 TEST_F(BadInputTest, UnknownOpcodeIsSkippedAndTheConnectionContinues) {
   RawClient c = Authed();
-  for (uint8_t opcode : {uint8_t{0}, uint8_t{14}, uint8_t{200}, uint8_t{255},
+  for (uint8_t opcode : {uint8_t{0}, uint8_t{15}, uint8_t{200}, uint8_t{255},
                          Op(Opcode::kEvictNotice) /* daemon-to-client only */}) {
     for (size_t body_size : {size_t{0}, size_t{100}, size_t{300000}}) {
       ASSERT_TRUE(SendOp(c, opcode, std::vector<uint8_t>(body_size, 0x46), 1234).ok());

@@ -26,6 +26,11 @@ units=(farmemd@main.service farmemd.service farmem-nbd.socket farmem-nbd.service
 if ! out=$(systemd-analyze verify "${units[@]/#/./}" 2>&1) || [[ -n "$out" ]]; then
   fail "systemd-analyze verify: ${out:-non-zero exit}"
 fi
+# Stopping a lender drains it (clients move their data first), within systemd's stop timeout.
+for u in farmemd@main.service farmemd.service; do
+  grep -q -- '--drain-timeout 25000' "$u" || fail "$u: stopping must drain (--drain-timeout)"
+  grep -q '^TimeoutStopSec=30s$' "$u" || fail "$u: TimeoutStopSec must exceed --drain-timeout"
+done
 # The sandbox must leave RDMA and mlock possible.
 for u in farmemd@main.service farmemd.service farmem-nbd.service; do
   grep -q '^LimitMEMLOCK=infinity$' "$u" || fail "$u: no LimitMEMLOCK=infinity (mlock, RDMA registration)"

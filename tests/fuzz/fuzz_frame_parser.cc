@@ -170,6 +170,25 @@ void Evict(Bytes body) {
   FUZZ_CHECK(e.has_value() && e->grace_ms == d->grace_ms && e->lease_ids == d->lease_ids);
 }
 
+void Drain(Bytes body, bool reply) {
+  std::vector<uint8_t> out;
+  if (reply) {
+    auto d = DecodeDrainReply(body);
+    if (!d.has_value()) return;
+    EncodeDrainReply(*d, &out);
+    auto e = DecodeDrainReply(out);
+    FUZZ_CHECK(e.has_value() && e->leases_noticed == d->leases_noticed &&
+               e->leases_held == d->leases_held);
+    return;
+  }
+  auto d = DecodeDrain(body);
+  if (!d.has_value()) return;
+  FUZZ_CHECK(body.size() == 8);
+  EncodeDrain(*d, &out);
+  auto e = DecodeDrain(out);
+  FUZZ_CHECK(e.has_value() && e->drain == d->drain && e->grace_ms == d->grace_ms);
+}
+
 // The overflow-free range check agrees with exact 128-bit arithmetic.
 void Range(uint64_t offset, uint64_t length, uint64_t limit) {
   const unsigned __int128 end = static_cast<unsigned __int128>(offset) + length;
@@ -355,6 +374,8 @@ void Body(const FrameHeader& h, Bytes body) {
       return reply ? void() : ParityEncodeBody(body);
     case Opcode::kGatherCell:
       return reply ? void() : GatherCellBody(body);
+    case Opcode::kDrain:
+      return Drain(body, reply);
   }
   (void)OpcodeName(h.opcode);
 }

@@ -106,10 +106,15 @@ struct NodeInfo {
 enum class NodeState { kUp, kDown };
 
 enum class EventType {
-  kNodeDown,     // the node is unreachable; lease_ids (held there) are gone for this client
-  kNodeUp,       // a node answered again, or a new one joined (DNS refresh)
-  kLeasesLost,   // the node is up but lost lease_ids (it restarted)
-  kEvictNotice,  // the node will evict lease_ids after grace_ms (memory pressure): move the data
+  kNodeDown,    // the node is unreachable; lease_ids (held there) are gone for this client
+  kNodeUp,      // a node answered again, or a new one joined (DNS refresh)
+  kLeasesLost,  // the node is up but lost lease_ids (it restarted)
+  // The node needs its memory back (host memory pressure, or a drain) and will end lease_ids at
+  // `deadline` (grace_ms after the notice arrived). Move the data elsewhere, then Free() the
+  // leases: freeing is the acknowledgement, and a lease freed in time costs nothing. A lease still
+  // held at the deadline is ended by the daemon (reads and writes on it fail with Expired, never
+  // other data) and reported here once more as kLeasesLost, within a heartbeat interval.
+  kEvictNotice,
 };
 const char* EventTypeName(EventType type);
 
@@ -118,8 +123,9 @@ struct Event {
   NodeId node = 0;
   Endpoint endpoint;
   std::vector<uint64_t> lease_ids;
-  uint32_t grace_ms = 0;  // kEvictNotice only
-  Status reason;          // why (kNodeDown, kLeasesLost); OK otherwise
+  uint32_t grace_ms = 0;         // kEvictNotice only
+  Status reason;                 // why (kNodeDown, kLeasesLost); OK otherwise
+  Clock::time_point deadline{};  // kEvictNotice: when the daemon ends the leases
 };
 
 using SubscriptionId = uint64_t;
@@ -248,6 +254,8 @@ class Cluster {
   bool Adopt(Node& node, transport::TcpConnection conn);
   void RetryPendingFreesLocked(Node& node);
   void CollectPushes(Node& node);  // EVICT_NOTICE pushes read during a call become events
+  // Noticed leases still held after their deadline: the daemon ended them (kLeasesLost).
+  void ExpireNoticed(Node& node);
   void Emit(Event event) REQUIRES(mu_);
   void DispatchEvents() EXCLUDES(mu_);
 

@@ -53,6 +53,7 @@ enum class Opcode : uint8_t {
   kRdmaToken = 11,     // a one-time token that admits one RDMA connection of this client
   kParityEncode = 12,  // parity offload: compute one parity cell from k data cells on peers
   kGatherCell = 13,    // compaction offload: build one cell from pieces of cells on peers
+  kDrain = 14,         // operator: stop granting and notice every lease (or undo it)
 };
 const char* OpcodeName(uint8_t op);
 
@@ -65,6 +66,9 @@ inline constexpr uint16_t kKnownFlags = kFlagReply | kFlagPush;
 enum Features : uint32_t {
   kFeatureAuthRequired = 1u << 0,
   kFeatureVerbs = 1u << 1,
+  // STAT only, the daemon's state rather than a feature: it grants nothing now.
+  kStateDraining = 1u << 16,       // drained (farmemctl drain, or shutting down)
+  kStateUnderPressure = 1u << 17,  // its host is short of memory (--reserve)
 };
 
 struct FrameHeader {
@@ -221,6 +225,15 @@ struct EvictNotice {
   std::vector<uint64_t> lease_ids;
   uint32_t grace_ms = 0;
 };
+// DRAIN request: drain (notice every lease with grace_ms, grant nothing) or undrain.
+struct DrainRequest {
+  bool drain = true;
+  uint32_t grace_ms = 0;
+};
+struct DrainReply {
+  uint32_t leases_noticed = 0;  // by this request (a repeated DRAIN notices nothing new)
+  uint32_t leases_held = 0;     // leases the daemon still holds
+};
 
 // RDMA_TOKEN reply: the token a client puts in its rdma_cm connect request (docs/rdma.md).
 inline constexpr size_t kRdmaTokenSize = 32;
@@ -274,6 +287,10 @@ void EncodeHeartbeatReply(const HeartbeatReply& m, std::vector<uint8_t>* out);
 Result<HeartbeatReply> DecodeHeartbeatReply(std::span<const uint8_t> body);
 void EncodeEvictNotice(const EvictNotice& m, std::vector<uint8_t>* out);
 Result<EvictNotice> DecodeEvictNotice(std::span<const uint8_t> body);
+void EncodeDrain(const DrainRequest& m, std::vector<uint8_t>* out);
+Result<DrainRequest> DecodeDrain(std::span<const uint8_t> body);
+void EncodeDrainReply(const DrainReply& m, std::vector<uint8_t>* out);
+Result<DrainReply> DecodeDrainReply(std::span<const uint8_t> body);
 
 void EncodeRdmaTokenReply(const RdmaTokenReply& m, std::vector<uint8_t>* out);
 Result<RdmaTokenReply> DecodeRdmaTokenReply(std::span<const uint8_t> body);

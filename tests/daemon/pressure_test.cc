@@ -1,0 +1,348 @@
+// Local memory pressure (issue 12), without a daemon process: the memory sources' parsing of
+// cgroup v1/v2 and /proc files, the PressurePolicy's grant budget, revocation and hysteresis, the
+// choice of victims by access counts, and the Reclaimer driving a real SlabPool from a fake
+// memory source.
+#include "pressure.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <set>
+
+#include "farmem/common/mutex.h"
+#include "memory_source.h"
+#include "reclaimer.h"
+#include "slab_pool.h"
+#include "support/process.h"
+
+namespace farmem::daemon {
+namespace {
+
+using std::chrono::milliseconds;
+using ::testing::HasSubstr;
+
+constexpr uint64_t kMiB = 1 << 20;
+constexpr uint64_t kSlab = 64 * kMiB;
+
+MemorySnapshot Snap(uint64_t limit_mib, uint64_t available_mib) {
+  MemorySnapshot s;
+  s.limit = limit_mib * kMiB;
+  s.available = available_mib * kMiB;
+  return s;
+}
+
+void WriteFile(const std::filesystem::path& p, const std::string& text) {
+  std::filesystem::create_directories(p.parent_path());
+  std::ofstream(p) << text;
+}
+
+TEST(ReserveTest, ParsesSizesAndPercentages) {
+  auto a = ParseReserve("2G");
+  ASSERT_TRUE(a.has_value());
+  EXPECT_EQ(a->Of(100 * kMiB), 2ull << 30);
+  auto b = ParseReserve("10%");
+  ASSERT_TRUE(b.has_value());
+  EXPECT_EQ(b->Of(1000 * kMiB), 100 * kMiB);
+  EXPECT_FALSE(ParseReserve("150%").has_value());
+  EXPECT_FALSE(ParseReserve("lots").has_value());
+}
+
+TEST(PressurePolicyTest, GrantsOnlyWhatLeavesTheReserveFree) {
+  PressurePolicy p({.reserve = *ParseReserve("1G")});
+  PressureDecision d = p.Update(Snap(8192, 1024 + 3 * 64 + 10), kSlab, 0);
+  EXPECT_FALSE(d.holding);
+  ASSERT_TRUE(d.grant_budget.has_value());
+  EXPECT_EQ(*d.grant_budget, 3u);
+  EXPECT_EQ(d.evict, 0u);
+}
+
+TEST(PressurePolicyTest, StopsGrantingAtOnceAndRevokesTheDeficitIfItPersists) {
+  PressurePolicy p({.reserve = *ParseReserve("1G"), .confirm_polls = 2});
+  // 150 MiB short of the reserve: 3 slabs of 64 MiB cover it.
+  PressureDecision d = p.Update(Snap(8192, 1024 - 150), kSlab, 0);
+  EXPECT_TRUE(d.holding);
+  EXPECT_TRUE(d.changed);
+  EXPECT_EQ(d.grant_budget, std::optional<uint32_t>(0));
+  EXPECT_EQ(d.evict, 0u) << "a single reading below the reserve must not evict yet";
+  d = p.Update(Snap(8192, 1024 - 150), kSlab, 0);
+  EXPECT_EQ(d.evict, 3u);
+  // Those three are under notice: nothing more until their memory comes back.
+  d = p.Update(Snap(8192, 1024 - 150), kSlab, 3);
+  EXPECT_EQ(d.evict, 0u);
+  // A bigger deficit asks only for the difference.
+  d = p.Update(Snap(8192, 1024 - 300), kSlab, 3);
+  EXPECT_EQ(d.evict, 2u);
+}
+
+TEST(PressurePolicyTest, HysteresisKeepsItFromFlapping) {
+  PressurePolicy p({.reserve = *ParseReserve("1G"), .confirm_polls = 2});
+  // hysteresis = max(slab, reserve / 4) = 256 MiB
+  (void)p.Update(Snap(8192, 1000), kSlab, 0);
+  ASSERT_TRUE(p.holding());
+  int flips = 0;
+  for (int i = 0; i < 20; ++i) {  // memory wobbles around the reserve
+    PressureDecision d = p.Update(Snap(8192, i % 2 == 0 ? 1030 : 1200), kSlab, 0);
+    flips += d.changed ? 1 : 0;
+    EXPECT_EQ(d.grant_budget, std::optional<uint32_t>(0));
+    EXPECT_EQ(d.evict, 0u) << "above the reserve nothing is evicted";
+  }
+  EXPECT_EQ(flips, 0);
+  PressureDecision d = p.Update(Snap(8192, 1024 + 256), kSlab, 0);
+  EXPECT_TRUE(d.changed);
+  EXPECT_FALSE(d.holding);
+  EXPECT_EQ(d.grant_budget, std::optional<uint32_t>(4));
+}
+
+TEST(PressurePolicyTest, PsiAndLimitHitsArePressureToo) {
+  PressurePolicy p({.reserve = *ParseReserve("0"), .psi_full_threshold = 10, .confirm_polls = 1});
+  MemorySnapshot s = Snap(8192, 4096);
+  s.psi_full_avg10 = 25.0;
+  PressureDecision d = p.Update(s, kSlab, 0);
+  EXPECT_TRUE(d.holding);
+  EXPECT_EQ(d.evict, 1u);
+  EXPECT_THAT(d.why, HasSubstr("PSI"));
+
+  PressurePolicy q({.reserve = *ParseReserve("0"), .confirm_polls = 1});
+  s = Snap(8192, 4096);
+  s.limit_hits = 5;
+  EXPECT_FALSE(q.Update(s, kSlab, 0).holding) << "the first reading is the baseline";
+  s.limit_hits = 6;
+  d = q.Update(s, kSlab, 0);
+  EXPECT_TRUE(d.holding);
+  EXPECT_THAT(d.why, HasSubstr("limit hit"));
+  EXPECT_EQ(d.evict, 0u) << "a cgroup at its limit reclaims cache: that alone evicts nothing";
+}
+
+// Regression (cgroup v2 in the guest evicted every lease): PSI avg10 stays high for seconds after
+// a stall has ended; with PSI totals only the stall of the last interval counts.
+TEST(PressurePolicyTest, AStallThatEndedEvictsNoMore) {
+  PressurePolicy p({.reserve = *ParseReserve("0"), .psi_full_threshold = 10, .confirm_polls = 1});
+  const auto t0 = std::chrono::steady_clock::now();
+  MemorySnapshot s = Snap(8192, 4096);
+  s.psi_full_avg10 = 0;
+  s.psi_full_total_us = 1'000'000;
+  s.taken = t0;
+  EXPECT_FALSE(p.Update(s, kSlab, 0).holding) << "the first reading is the baseline";
+  s.psi_full_total_us = 1'500'000;  // stalled half of the last second
+  s.psi_full_avg10 = 45;
+  s.taken = t0 + std::chrono::seconds(1);
+  PressureDecision d = p.Update(s, kSlab, 0);
+  EXPECT_TRUE(d.holding);
+  EXPECT_EQ(d.evict, 1u);
+  for (int i = 2; i < 10; ++i) {  // the stall is over; avg10 decays slowly
+    s.psi_full_avg10 = 45 - i;
+    s.taken = t0 + std::chrono::seconds(i);
+    d = p.Update(s, kSlab, 0);
+    EXPECT_EQ(d.evict, 0u) << "second " << i << ": evicting for a stall that has ended";
+  }
+}
+
+TEST(VictimTest, TheLeastActiveOfTheSampleGo) {
+  std::vector<LeaseActivity> sample = {
+      {0, 100, 50}, {1, 101, 3}, {2, 102, 900}, {3, 103, 0}, {4, 104, 7}};
+  EXPECT_THAT(ChooseVictims(sample, 2), ::testing::ElementsAre(103u, 101u));
+  EXPECT_THAT(ChooseVictims(sample, 9), ::testing::SizeIs(5));
+}
+
+TEST(MemorySourceTest, ReadsCgroupV2) {
+  testing::TempDir dir;
+  const std::filesystem::path cg = std::filesystem::path(dir.path()) / "cg";
+  WriteFile(cg / "memory.max", "1073741824\n");
+  WriteFile(cg / "memory.current", "805306368\n");                     // 768 MiB
+  WriteFile(cg / "memory.stat", "anon 1\ninactive_file 134217728\n");  // 128 MiB reclaimable
+  WriteFile(cg / "memory.events", "low 0\nhigh 0\nmax 4\noom 1\noom_kill 1\n");
+  WriteFile(cg / "memory.pressure",
+            "some avg10=1.00 avg60=0 avg300=0 total=1\n"
+            "full avg10=0.50 avg60=0 avg300=0 total=1\n");
+  auto src = OpenMemorySource("cgroup:" + cg.string(), dir.path());
+  ASSERT_TRUE(src.has_value()) << src.error().ToString();
+  auto s = (*src)->Read();
+  ASSERT_TRUE(s.has_value()) << s.error().ToString();
+  EXPECT_EQ(s->limit, 1024 * kMiB);
+  EXPECT_EQ(s->available, (1024 - 768 + 128) * kMiB);
+  EXPECT_EQ(s->limit_hits, 5u);
+  EXPECT_EQ(s->psi_full_avg10, std::optional<double>(0.5));
+  EXPECT_THAT((*src)->name(), HasSubstr("v2"));
+}
+
+TEST(MemorySourceTest, ReadsCgroupV1AndFindsItsOwnCgroup) {
+  testing::TempDir dir;
+  const std::filesystem::path root = std::filesystem::path(dir.path()) / "sys";
+  const std::filesystem::path proc = std::filesystem::path(dir.path()) / "proc";
+  const std::filesystem::path cg = root / "memory" / "farmem";
+  WriteFile(cg / "memory.limit_in_bytes", "536870912\n");
+  WriteFile(cg / "memory.usage_in_bytes", "268435456\n");
+  WriteFile(cg / "memory.stat", "cache 0\ntotal_inactive_file 67108864\n");
+  WriteFile(cg / "memory.failcnt", "2\n");
+  WriteFile(proc / "self" / "cgroup", "5:devices:/\n4:memory:/farmem\n0::/\n");
+  WriteFile(proc / "meminfo", "MemTotal:       24000000 kB\nMemAvailable:   20000000 kB\n");
+  WriteFile(proc / "pressure" / "memory", "some avg10=0.00\nfull avg10=3.25 avg60=0.00\n");
+  auto src = OpenMemorySource("auto", proc, root);
+  ASSERT_TRUE(src.has_value()) << src.error().ToString();
+  EXPECT_THAT((*src)->name(), HasSubstr("v1"));
+  auto s = (*src)->Read();
+  ASSERT_TRUE(s.has_value()) << s.error().ToString();
+  EXPECT_EQ(s->limit, 512 * kMiB);
+  EXPECT_EQ(s->available, (512 - 256 + 64) * kMiB);
+  EXPECT_EQ(s->limit_hits, 2u);
+  EXPECT_EQ(s->psi_full_avg10, std::optional<double>(3.25));
+
+  // Without a limit (v1's default is about 2^63) the host is the source.
+  WriteFile(cg / "memory.limit_in_bytes", "9223372036854771712\n");
+  auto host = OpenMemorySource("auto", proc, root);
+  ASSERT_TRUE(host.has_value());
+  EXPECT_THAT((*host)->name(), HasSubstr("host"));
+  auto h = (*host)->Read();
+  ASSERT_TRUE(h.has_value());
+  EXPECT_EQ(h->available, 20000000ull * 1024);
+  EXPECT_FALSE(OpenMemorySource("cgroup", proc, root).has_value())
+      << "cgroup was asked for explicitly, and it has no limit";
+}
+
+// Records what the Reclaimer sends, in place of the Server's connections.
+class RecordingSink final : public NoticeSink {
+ public:
+  void DeliverNotice(const EvictionNotice& n) override {
+    MutexLock lock(&mu_);
+    notices_.push_back(n);
+  }
+  std::vector<EvictionNotice> notices() {
+    MutexLock lock(&mu_);
+    return notices_;
+  }
+
+ private:
+  Mutex mu_;
+  std::vector<EvictionNotice> notices_ GUARDED_BY(mu_);
+};
+
+wire::ClientId Client(uint8_t b) {
+  wire::ClientId id{};
+  id.fill(b);
+  return id;
+}
+
+class ReclaimerTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    auto p = SlabPool::Create({.capacity = 8 * kMiB,
+                               .slab_size = kMiB,
+                               .lease_ttl = milliseconds(60000),
+                               .mlock = false,
+                               .max_client_share = *ParseClientShare("1")});
+    ASSERT_TRUE(p.has_value()) << p.error().ToString();
+    pool_ = std::move(*p);
+    source_ = std::make_shared<FakeMemorySource>();
+    source_->Set(Snap(1024, 900));
+  }
+  std::unique_ptr<Reclaimer> Make(milliseconds grace) {
+    return std::make_unique<Reclaimer>(
+        ReclaimOptions{.source = source_,
+                       .pressure = {.reserve = *ParseReserve("100M"), .confirm_polls = 2},
+                       .evict_grace = grace,
+                       .sample_extra = 2},
+        pool_.get(), &sink_);
+  }
+  std::unique_ptr<SlabPool> pool_;
+  std::shared_ptr<FakeMemorySource> source_;
+  RecordingSink sink_;
+};
+
+TEST_F(ReclaimerTest, PressureStopsGrantsNoticesTheLeastActiveAndEvictsAtTheDeadline) {
+  auto r = Make(milliseconds(0));  // deadline at once: this test is not about waiting
+  auto busy = pool_->Grant(4, Client(1));
+  auto idle = pool_->Grant(2, Client(2));
+  ASSERT_TRUE(busy.has_value() && idle.has_value());
+  for (const wire::LeaseGrant& g : *busy) {
+    for (int i = 0; i < 10; ++i)
+      ASSERT_TRUE(pool_->Acquire(g.lease_id, Client(1), 0, 1).has_value());
+  }
+  EXPECT_EQ(r->Poll(), 0u);
+  EXPECT_TRUE(pool_->Grant(1, Client(3)).has_value()) << "no pressure yet";
+
+  source_->Set(Snap(1024, 100 - 2));  // 2 MiB below the reserve: two 1 MiB slabs
+  EXPECT_EQ(r->Poll(), 0u) << "the first reading below the reserve only stops grants";
+  auto refused = pool_->Grant(1, Client(3));
+  ASSERT_FALSE(refused.has_value());
+  EXPECT_EQ(refused.error().code(), StatusCode::kResourceExhausted);
+  EXPECT_THAT(refused.error().message(), HasSubstr("short of memory"));
+  EXPECT_EQ(pool_->stats().free_slabs, 0u) << "STAT must not advertise slabs it will not grant";
+
+  // Still below at the next reading: E = 2 leases are noticed (chosen from a sample of 4).
+  EXPECT_EQ(r->Poll(), 2u);
+  std::vector<EvictionNotice> notices = sink_.notices();
+  std::set<uint64_t> noticed;
+  for (const EvictionNotice& n : notices) {
+    for (uint64_t id : n.lease_ids) noticed.insert(id);
+  }
+  ASSERT_EQ(noticed.size(), 2u);
+  // Grouped by owner: one notice per client.
+  std::set<wire::ClientId> owners;
+  for (const EvictionNotice& n : notices) EXPECT_TRUE(owners.insert(n.owner).second);
+
+  // The next round ends them (deadline passed): their data operations fail cleanly.
+  (void)r->Poll();
+  for (uint64_t id : noticed) {
+    for (const wire::ClientId& c : {Client(1), Client(2), Client(3)}) {
+      auto pin = pool_->Acquire(id, c, 0, 1);
+      ASSERT_FALSE(pin.has_value());
+      EXPECT_EQ(pin.error().code(), StatusCode::kExpired);
+    }
+  }
+  EXPECT_EQ(pool_->stats().leased_slabs, 5u);
+
+  // Memory is back above reserve + hysteresis (max(1 MiB, 25 MiB)): grants resume.
+  source_->Set(Snap(1024, 100 + 30));
+  (void)r->Poll();
+  EXPECT_TRUE(pool_->Grant(1, Client(3)).has_value());
+}
+
+TEST_F(ReclaimerTest, VictimsAreTheLeastActiveOfTheSample) {
+  auto r = Make(milliseconds(60000));
+  // 8 leases; the sample is all of them when E + extra >= 8: E = 6 of 8 here.
+  auto leases = pool_->Grant(8, Client(1));
+  ASSERT_TRUE(leases.has_value());
+  for (size_t i = 0; i < leases->size(); ++i) {
+    for (size_t k = 0; k < i * 3; ++k) {
+      ASSERT_TRUE(pool_->Acquire((*leases)[i].lease_id, Client(1), 0, 1).has_value());
+    }
+  }
+  source_->Set(Snap(1024, 100 - 6));
+  (void)r->Poll();
+  EXPECT_EQ(r->Poll(), 6u);
+  std::vector<EvictionNotice> n = sink_.notices();
+  ASSERT_EQ(n.size(), 1u);
+  std::set<uint64_t> got(n[0].lease_ids.begin(), n[0].lease_ids.end());
+  std::set<uint64_t> want;
+  for (size_t i = 0; i < 6; ++i) want.insert((*leases)[i].lease_id);  // the 6 least used
+  EXPECT_EQ(got, want);
+  EXPECT_GT(n[0].grace_ms, 59000u);
+}
+
+TEST_F(ReclaimerTest, FreedInTimeIsNoEvictionAndDrainNoticesEverything) {
+  auto r = Make(milliseconds(60000));
+  auto a = pool_->Grant(3, Client(1));
+  auto b = pool_->Grant(2, Client(2));
+  ASSERT_TRUE(a.has_value() && b.has_value());
+  EXPECT_EQ(r->Drain(milliseconds(60000)), 5u);
+  EXPECT_EQ(sink_.notices().size(), 2u);
+  auto refused = pool_->Grant(1, Client(3));
+  ASSERT_FALSE(refused.has_value());
+  EXPECT_EQ(refused.error().code(), StatusCode::kUnavailable);
+  EXPECT_TRUE(pool_->stats().draining);
+  // Client 1 moves its data and frees: fine, no error.
+  std::vector<uint64_t> ids;
+  for (const wire::LeaseGrant& g : *a) ids.push_back(g.lease_id);
+  EXPECT_TRUE(pool_->Release(ids, Client(1)).ok());
+  (void)r->Poll();
+  EXPECT_EQ(pool_->stats().leased_slabs, 2u) << "client 2's deadline has not passed";
+  r->Undrain();
+  EXPECT_EQ(pool_->stats().noticed_slabs, 0u);
+  EXPECT_TRUE(pool_->Grant(1, Client(3)).has_value());
+}
+
+}  // namespace
+}  // namespace farmem::daemon
