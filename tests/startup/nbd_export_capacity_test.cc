@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "support/daemon_fixture.h"
+#include "support/wait.h"
 #include "test_process.h"
 
 namespace farmem::testing {
@@ -135,6 +136,45 @@ TEST_F(NbdExportCapacityTest, WaitsForAPeerThatComesUpDuringTheWait) {
   EXPECT_THAT(log, HasSubstr("3 of 3 daemons answered")) << log;
   EXPECT_THAT(log, HasSubstr("it fits")) << log;
   p->Stop(SIGTERM, std::chrono::seconds(10));
+}
+
+// Started before any daemon (systemd bringing farmem-nbd up before the lenders): it used to exit
+// at once ("no farmem daemon reachable"). It waits up to --peer-wait-ms for the first daemon,
+// saying what it waits for, and serves once the daemons are up.
+TEST_F(NbdExportCapacityTest, WaitsForTheFirstDaemonWhenNoneIsUpYet) {
+  for (size_t d = 0; d < 3; ++d) daemons_[d].Kill();
+  SpawnOptions o;
+  o.stderr_path = dir_.File("nbd.log");
+  auto p = ChildProcess::Spawn(Args("16M", "ec:2+1", {"--peer-wait-ms", "60000"}), o);
+  ASSERT_TRUE(p.has_value());
+  ASSERT_TRUE(WaitUntil(
+      [&] {
+        return ReadFile(dir_.File("nbd.log")).find("no farmem daemon answers yet") !=
+               std::string::npos;
+      },
+      std::chrono::seconds(30)))
+      << "it did not say it waits for a daemon:\n"
+      << ReadFile(dir_.File("nbd.log"));
+  EXPECT_THAT(ReadFile(dir_.File("nbd.log")), HasSubstr("waiting up to 60000 ms"));
+  EXPECT_THAT(ReadFile(dir_.File("nbd.log")), HasSubstr(daemons_[0].endpoint().ToString()));
+  for (size_t d = 0; d < 3; ++d) ASSERT_TRUE(daemons_[d].Start().ok()) << daemons_.Logs();
+  ASSERT_TRUE(WaitForUnixSocket(dir_.File("nbd.sock"), std::chrono::seconds(30)))
+      << ReadFile(dir_.File("nbd.log"));
+  EXPECT_THAT(ReadFile(dir_.File("nbd.log")), HasSubstr("it fits"));
+  p->Stop(SIGTERM, std::chrono::seconds(10));
+}
+
+// ... and when none comes within --peer-wait-ms it fails with a message that says so.
+TEST_F(NbdExportCapacityTest, NoDaemonWithinThePeerWaitIsAClearError) {
+  for (size_t d = 0; d < 3; ++d) daemons_[d].Kill();
+  const auto start = std::chrono::steady_clock::now();
+  const CommandResult r =
+      RunCommand(Args("16M", "ec:2+1", {"--peer-wait-ms", "700"}), std::chrono::seconds(60));
+  const auto took = std::chrono::steady_clock::now() - start;
+  EXPECT_NE(r.exit_code, 0) << Describe(r);
+  EXPECT_THAT(r.err, HasSubstr("answered within --peer-wait-ms 700 ms")) << Describe(r);
+  EXPECT_THAT(r.err, HasSubstr(daemons_[1].endpoint().ToString())) << Describe(r);
+  EXPECT_GE(took, std::chrono::milliseconds(700)) << "it did not wait";
 }
 
 }  // namespace
