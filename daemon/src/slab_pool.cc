@@ -282,6 +282,13 @@ void SlabPool::SetRegistrar(LeaseRegistrar* registrar) {
   registrar_ = registrar;
 }
 
+SlabPool::ClientRoom SlabPool::RoomFor(const wire::ClientId& owner) const {
+  MutexLock lock(&mu_);
+  const uint32_t held = HeldBy(owner);
+  const uint32_t left = held >= max_client_slabs_ ? 0 : max_client_slabs_ - held;
+  return {std::min(left, static_cast<uint32_t>(free_list_.size())), max_client_slabs_};
+}
+
 PoolStats SlabPool::stats() const {
   MutexLock lock(&mu_);
   return {mapped_, options_.slab_size, total_, static_cast<uint32_t>(free_list_.size())};

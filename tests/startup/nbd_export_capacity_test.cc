@@ -41,8 +41,13 @@ class NbdExportCapacityTest : public ::testing::Test {
 
   std::vector<std::string> Args(const std::string& size, const std::string& resilience,
                                 std::vector<std::string> extra = {}) {
+    return ArgsFor(daemons_, size, resilience, std::move(extra));
+  }
+  std::vector<std::string> ArgsFor(const DaemonSet& daemons, const std::string& size,
+                                   const std::string& resilience,
+                                   std::vector<std::string> extra = {}) {
     std::string peers;
-    for (const Endpoint& ep : daemons_.endpoints()) {
+    for (const Endpoint& ep : daemons.endpoints()) {
       peers += (peers.empty() ? "" : ",") + ep.ToString();
     }
     std::vector<std::string> argv = {
@@ -175,6 +180,25 @@ TEST_F(NbdExportCapacityTest, NoDaemonWithinThePeerWaitIsAClearError) {
   EXPECT_THAT(r.err, HasSubstr("answered within --peer-wait-ms 700 ms")) << Describe(r);
   EXPECT_THAT(r.err, HasSubstr(daemons_[1].endpoint().ToString())) << Describe(r);
   EXPECT_GE(took, std::chrono::milliseconds(700)) << "it did not wait";
+}
+
+// The check counted every free slab, though each daemon's --max-client-share keeps part of them
+// for other clients (issue 11 gap 3): three daemons of 16 MiB at --max-client-share 0.5 give this
+// client 24 MiB, not 48, so a 24 MiB export at ec:2+1 (36 MiB) does not fit.
+TEST_F(NbdExportCapacityTest, CountsOnlyWhatTheClientShareLetsThisClientTake) {
+  DaemonSet shared{DaemonConfig{.capacity = "16M",
+                                .slab_size = "1M",
+                                .log_level = "warn",
+                                .extra_args = {"--no-mlock", "--no-prefault"},
+                                .max_client_share = "0.5"}};
+  ASSERT_TRUE(shared.Start(3).ok()) << shared.Logs();
+  ASSERT_TRUE(WritePrivateFile(dir_.File("secret"), shared.secret()).ok());
+  const CommandResult r = RunCommand(ArgsFor(shared, "24M", "ec:2+1"), std::chrono::seconds(60));
+  EXPECT_NE(r.exit_code, 0) << Describe(r);
+  EXPECT_THAT(r.err, HasSubstr("does not fit")) << Describe(r);
+  EXPECT_THAT(r.err, HasSubstr("3 of 3 daemons answered, with 24 MiB free")) << Describe(r);
+  EXPECT_THAT(r.err, HasSubstr("--max-client-share: at most 8 MiB for this client")) << Describe(r);
+  EXPECT_THAT(r.err, HasSubstr("--size 16M or less")) << Describe(r);
 }
 
 }  // namespace
