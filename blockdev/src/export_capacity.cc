@@ -46,7 +46,8 @@ ExportCapacity CheckExportCapacity(uint64_t size, const Resilience& resilience, 
     }
     ++c.daemons_up;
     c.free_bytes += d.free_bytes;
-    up_capacity += d.capacity;
+    // A returning daemon is assumed to give this client as much as an up one would in all.
+    up_capacity += d.client_limit != 0 ? std::min(d.capacity, d.client_limit) : d.capacity;
     up_free.push_back(d.free_bytes / slab_size);
   }
   const uint64_t fit_groups = MaxGroups(up_free, g);
@@ -76,6 +77,10 @@ std::string ExportCapacity::Describe() const {
     if (d.up) {
       s += fmt::format("{}{} {} free of {}", sep, d.endpoint.ToString(), FormatSize(d.free_bytes),
                        FormatSize(d.capacity));
+      if (d.client_limit != 0 && d.client_limit < d.capacity) {
+        s += fmt::format(" (--max-client-share: at most {} for this client)",
+                         FormatSize(d.client_limit));
+      }
     } else {
       s += fmt::format("{}{} down", sep, d.endpoint.ToString());
     }
@@ -108,8 +113,13 @@ Result<ExportCapacity> SurveyExportCapacity(client::Cluster& cluster, uint64_t s
     d.endpoint = cluster.node(id).endpoint;
     if (auto st = cluster.Stat(id)) {
       d.up = true;
-      d.free_bytes = uint64_t{st->free_slabs} * st->slab_size;
+      // What this client may still take: a daemon's --max-client-share keeps the rest of its
+      // free memory for other clients.
+      d.free_bytes = uint64_t{wire::FreeForClient(*st)} * st->slab_size;
       d.capacity = uint64_t{st->total_slabs} * st->slab_size;
+      if ((st->features & wire::kFeatureClientShare) != 0) {
+        d.client_limit = uint64_t{st->client_max_slabs} * st->slab_size;
+      }
       if (slab_size == 0) slab_size = st->slab_size;
     }
     daemons.push_back(std::move(d));

@@ -28,8 +28,11 @@ namespace farmem::blockdev {
 struct DaemonSpace {
   Endpoint endpoint;
   bool up = false;          // answered STAT
-  uint64_t free_bytes = 0;  // free slabs * its slab size (0 when down)
+  uint64_t free_bytes = 0;  // slabs this client may still take * slab size (0 when down)
   uint64_t capacity = 0;    // what it lends in all (0 when down)
+  // What this client may hold there at most (the daemon's --max-client-share); 0: no cap said.
+  // free_bytes is already capped by it.
+  uint64_t client_limit = 0;
 };
 
 struct ExportCapacity {

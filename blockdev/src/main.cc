@@ -7,9 +7,12 @@
 #include <spdlog/spdlog.h>
 
 #include <CLI/CLI.hpp>
+#include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "export_capacity.h"
@@ -86,8 +89,8 @@ void AddBackendFlags(CLI::App& app, BackendConfig* cfg) {
                "daemons have free (writes beyond it then fail with ENOSPC); without it such an "
                "export is refused at start");
   app.add_option("--peer-wait-ms", cfg->peer_wait_ms,
-                 "farmem: at start, wait up to this long for every peer to answer before "
-                 "checking that the export fits")
+                 "farmem: at start, wait up to this long for the first daemon to answer (then "
+                 "fail), and for every peer to answer before checking that the export fits")
       ->capture_default_str()
       ->check(CLI::Range(0u, 600u * 1000u));
 }
@@ -108,14 +111,14 @@ Status CheckFlagsApply(const CLI::App& app, const BackendConfig& cfg) {
 // Refuses an export the cluster cannot hold at its resilience, unless --overcommit; warns when
 // it fits only once down daemons return.
 Status CheckExportFits(farmem::client::Cluster& cluster, const BackendConfig& cfg, uint64_t size,
-                       const farmem::blockdev::Resilience& resilience) {
+                       const farmem::blockdev::Resilience& resilience,
+                       std::chrono::milliseconds peer_wait) {
   using Verdict = farmem::blockdev::ExportCapacity::Verdict;
   if (static_cast<size_t>(resilience.group_size()) > cluster.node_count()) {
     return Status::Ok();  // PageStore::Create says why this cannot work at all
   }
   FARMEM_ASSIGN_OR_RETURN(
-      auto c, farmem::blockdev::SurveyExportCapacity(cluster, size, resilience,
-                                                     std::chrono::milliseconds(cfg.peer_wait_ms)));
+      auto c, farmem::blockdev::SurveyExportCapacity(cluster, size, resilience, peer_wait));
   switch (c.verdict) {
     case Verdict::kFits:
       spdlog::info("farmem-nbd: {}: it fits", c.Describe());
@@ -147,6 +150,49 @@ Status CheckExportFits(farmem::client::Cluster& cluster, const BackendConfig& cf
   return Status::Ok();
 }
 
+// Connects to the cluster, waiting up to --peer-wait-ms for the first daemon to answer: started
+// at boot (systemd) farmem-nbd may come up before the lenders. Only "nobody answers yet" is
+// waited out; a wrong secret or bad options fail at once.
+Result<std::unique_ptr<farmem::client::Cluster>> ConnectCluster(
+    const farmem::client::ClusterOptions& co, const BackendConfig& cfg, farmem::Deadline deadline) {
+  // Between attempts: as often as the cluster retries a down daemon.
+  const auto retry = std::max(std::chrono::milliseconds(100), co.heartbeat_interval * 2);
+  const std::string what =
+      co.peers_dns.empty()
+          ? "--peers " + cfg.peers
+          : (cfg.peers.empty() ? "--peers-dns " + co.peers_dns
+                               : "--peers " + cfg.peers + " or --peers-dns " + co.peers_dns);
+  bool logged = false;
+  for (;;) {
+    auto cluster = farmem::client::Cluster::Connect(co);
+    if (cluster) {
+      if (logged) spdlog::info("farmem-nbd: a daemon answered; going on");
+      return cluster;
+    }
+    const farmem::StatusCode code = cluster.error().code();
+    if (code != farmem::StatusCode::kUnavailable && code != farmem::StatusCode::kDeadlineExceeded) {
+      return cluster;
+    }
+    const auto left =
+        std::chrono::duration_cast<std::chrono::milliseconds>(deadline - farmem::Clock::now());
+    if (left.count() <= 0) {
+      return farmem::Err(farmem::Unavailable(fmt::format(
+          "no farmem daemon of {} answered within --peer-wait-ms {} ms (last attempt: {}). Start "
+          "the daemons (farmemd) first, check the addresses, or give a longer --peer-wait-ms",
+          what, cfg.peer_wait_ms, cluster.error().ToString())));
+    }
+    if (!logged) {
+      logged = true;
+      spdlog::warn(
+          "farmem-nbd: no farmem daemon answers yet ({}); waiting up to {} ms (--peer-wait-ms) "
+          "for the first of {}",
+          cluster.error().ToString(), cfg.peer_wait_ms, what);
+    }
+    // Pacing between connection attempts (nothing to wait on: the daemons are not there yet).
+    std::this_thread::sleep_for(std::min<std::chrono::milliseconds>(retry, left));
+  }
+}
+
 Result<std::unique_ptr<BlockBackend>> OpenBackend(BackendConfig& cfg) {
   if (cfg.kind == "farmem") {
     farmem::client::ClusterOptions co;
@@ -162,11 +208,18 @@ Result<std::unique_ptr<BlockBackend>> OpenBackend(BackendConfig& cfg) {
     if (co.peers.empty() && co.peers_dns.empty()) {
       return farmem::Err(farmem::InvalidArgument("--backend farmem needs --peers or --peers-dns"));
     }
-    FARMEM_ASSIGN_OR_RETURN(cfg.cluster, farmem::client::Cluster::Connect(std::move(co)));
+    // One --peer-wait-ms for the whole start: the first daemon, then every peer.
+    const farmem::Deadline peer_deadline =
+        farmem::DeadlineIn(std::chrono::milliseconds(cfg.peer_wait_ms));
+    FARMEM_ASSIGN_OR_RETURN(cfg.cluster, ConnectCluster(co, cfg, peer_deadline));
     farmem::blockdev::PageStoreOptions po;
     FARMEM_ASSIGN_OR_RETURN(po.size, farmem::ParseSize(cfg.size));
     FARMEM_ASSIGN_OR_RETURN(po.resilience, farmem::blockdev::Resilience::Parse(cfg.resilience));
-    FARMEM_RETURN_IF_ERROR(CheckExportFits(*cfg.cluster, cfg, po.size, po.resilience));
+    FARMEM_RETURN_IF_ERROR(CheckExportFits(
+        *cfg.cluster, cfg, po.size, po.resilience,
+        std::max(std::chrono::milliseconds(0),
+                 std::chrono::duration_cast<std::chrono::milliseconds>(peer_deadline -
+                                                                       farmem::Clock::now()))));
     po.backup_path = cfg.backup;
     FARMEM_ASSIGN_OR_RETURN(auto store,
                             farmem::blockdev::PageStore::Create(cfg.cluster.get(), std::move(po)));

@@ -1504,7 +1504,7 @@ void PageStore::CheckCapacity() {
     for (const client::NodeInfo& n : cluster_->nodes()) {
       if (!n.alive) continue;
       if (auto st = cluster_->Stat(n.id)) {
-        free_slabs += st->free_slabs;
+        free_slabs += wire::FreeForClient(*st);  // what this client may take (its share)
         ++live;
       }
     }

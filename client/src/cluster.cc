@@ -412,6 +412,7 @@ Result<Lease> Cluster::AllocOn(Node& node) {
   const wire::LeaseGrant& grant = reply->leases[0];
   node.leases.insert(grant.lease_id);
   if (node.stat && node.stat->free_slabs > 0) --node.stat->free_slabs;
+  if (node.stat && node.stat->client_free_slabs > 0) --node.stat->client_free_slabs;
   return Lease{node.id, grant};
 }
 
@@ -501,8 +502,13 @@ Result<Lease> Cluster::PlaceOne(const std::vector<bool>& exclude) {
       if (node == nullptr) continue;
       auto stat = StatNode(*node);
       if (stat) {
-        choices.push_back({id, stat->free_slabs, true});
-        seen[id] = fmt::format("free={}", stat->free_slabs);
+        // What this client may still take there (its --max-client-share), not the pool's free.
+        const uint32_t free = wire::FreeForClient(*stat);
+        choices.push_back({id, free, true});
+        seen[id] =
+            free == stat->free_slabs
+                ? fmt::format("free={}", free)
+                : fmt::format("free={} for this client ({} in the pool)", free, stat->free_slabs);
       } else {
         choices.push_back({id, 0, false});
         seen[id] = fmt::format("unreachable ({})", stat.error().ToString());

@@ -46,8 +46,8 @@ Result<std::unique_ptr<client::Cluster>> ConnectCluster(const Common& c, const c
 }
 
 void PrintNodes(client::Cluster& cluster, const std::map<client::NodeId, uint64_t>& written) {
-  fmt::print("  {:<22} {:>6} {:>10} {:>10} {:>8} {:>12} {:>12}\n", "daemon", "state", "capacity",
-             "lent", "slabs", "written", "this client");
+  fmt::print("  {:<22} {:>6} {:>10} {:>10} {:>8} {:>12} {:>12} {:>12}\n", "daemon", "state",
+             "capacity", "lent", "slabs", "free to me", "written", "this client");
   for (client::NodeId id = 0; id < cluster.node_count(); ++id) {
     client::NodeInfo info = cluster.node(id);
     auto st = info.alive ? cluster.Stat(id) : Result<wire::StatReply>(Err(info.last_error));
@@ -63,11 +63,21 @@ void PrintNodes(client::Cluster& cluster, const std::map<client::NodeId, uint64_
                                                                      : "up";
     const uint64_t lent = uint64_t{st->total_slabs - st->free_slabs} * st->slab_size;
     auto it = written.find(id);
-    fmt::print("  {:<22} {:>6} {:>10} {:>10} {:>8} {:>12} {:>12}\n", info.endpoint.ToString(),
-               state, FormatSize(st->capacity), granting ? FormatSize(lent) : "?",
+    // "free to me": what this client may still lease there (its --max-client-share), with the
+    // pool's free slabs after it when the share keeps some of them for other clients.
+    const uint32_t mine = wire::FreeForClient(*st);
+    const std::string free_to_me =
+        mine == st->free_slabs
+            ? FormatSize(uint64_t{mine} * st->slab_size)
+            : fmt::format("{} ({} free)", FormatSize(uint64_t{mine} * st->slab_size),
+                          FormatSize(uint64_t{st->free_slabs} * st->slab_size));
+    fmt::print("  {:<22} {:>6} {:>10} {:>10} {:>8} {:>12} {:>12} {:>12}\n",
+               info.endpoint.ToString(), state, FormatSize(st->capacity),
+               granting ? FormatSize(lent) : "?",
                granting ? fmt::format("{}/{}", st->total_slabs - st->free_slabs, st->total_slabs)
                         : fmt::format("?/{}", st->total_slabs),
-               FormatSize(st->bytes_written), it == written.end() ? "-" : FormatSize(it->second));
+               free_to_me, FormatSize(st->bytes_written),
+               it == written.end() ? "-" : FormatSize(it->second));
   }
 }
 

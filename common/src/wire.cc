@@ -198,6 +198,10 @@ void EncodeStatReply(const StatReply& m, std::vector<uint8_t>* out) {
   w.U64(m.bytes_written);
   w.U16(m.rdma_port);
   w.Zeros(6);
+  if ((m.features & kFeatureClientShare) != 0) {
+    w.U32(m.client_free_slabs);
+    w.U32(m.client_max_slabs);
+  }
 }
 
 // Newer daemons may append fields: anything past what this build knows is ignored.
@@ -217,6 +221,12 @@ Result<StatReply> DecodeStatReply(std::span<const uint8_t> body) {
   m.rdma_port = r.U16();
   r.Skip(6);
   if (!r.ok()) return Err(Malformed("STAT reply", body));
+  // Appended later: a daemon that predates them sends none (and no kFeatureClientShare).
+  if ((m.features & kFeatureClientShare) != 0) {
+    m.client_free_slabs = r.U32();
+    m.client_max_slabs = r.U32();
+    if (!r.ok()) return Err(Malformed("STAT reply", body));
+  }
   return m;
 }
 

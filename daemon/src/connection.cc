@@ -208,8 +208,12 @@ Connection::Next Connection::HandleControl(const wire::FrameHeader& h,
       r.slab_size = ps.slab_size;
       r.total_slabs = ps.total_slabs;
       r.free_slabs = ps.free_slabs;
+      const SlabPool::ClientRoom room = pool.RoomFor(client_id_);
+      r.client_free_slabs = room.may_take;
+      r.client_max_slabs = room.limit;
       r.clients = server_->client_count();
-      r.features = server_->options().secret.empty() ? 0u : uint32_t{wire::kFeatureAuthRequired};
+      r.features = wire::kFeatureClientShare;
+      if (!server_->options().secret.empty()) r.features |= wire::kFeatureAuthRequired;
       if (ps.draining) r.features |= wire::kStateDraining;
       if (ps.holding) r.features |= wire::kStateUnderPressure;
       if (server_->rdma() != nullptr) {

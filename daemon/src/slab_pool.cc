@@ -337,6 +337,15 @@ void SlabPool::SetRegistrar(LeaseRegistrar* registrar) {
   registrar_ = registrar;
 }
 
+SlabPool::ClientRoom SlabPool::RoomFor(const wire::ClientId& owner) const {
+  MutexLock lock(&mu_);
+  const uint32_t held = HeldBy(owner);
+  const uint32_t left = held >= max_client_slabs_ ? 0 : max_client_slabs_ - held;
+  // What the pool would grant now: nothing while draining, less under pressure (grant budget).
+  const uint32_t grantable = draining_mode_ ? 0u : Grantable();
+  return {std::min(left, grantable), max_client_slabs_};
+}
+
 PoolStats SlabPool::stats() const {
   MutexLock lock(&mu_);
   PoolStats st{mapped_, options_.slab_size, total_, draining_mode_ ? 0u : Grantable()};

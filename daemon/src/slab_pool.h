@@ -162,6 +162,12 @@ class SlabPool {
   uint32_t EvictDue();
   // Lifts every pending notice (undrain): the leases stay.
   void CancelNotices();
+  // What `owner` may still lease here: the free slabs, capped by what max_client_share leaves it.
+  struct ClientRoom {
+    uint32_t may_take = 0;
+    uint32_t limit = 0;  // max_client_share in slabs
+  };
+  ClientRoom RoomFor(const wire::ClientId& owner) const;
   // Every lease granted from now on is registered with `registrar` (nullptr: none). Set before
   // serving; detach (nullptr) only when no lease is registered any more or the registrar has
   // dropped its regions itself (RdmaListener::Stop does).

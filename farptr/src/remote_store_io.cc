@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <bit>
 #include <cstring>
+#include <string_view>
 
 #include "remote_store.h"
 
@@ -97,47 +98,80 @@ void RemoteStore::RunOps(IoContext& io, std::span<transport::Op> ops,
         io.bytes_written += ops[i].length;
     }
   };
+  // A gray failure (a daemon paused or cut off with its sockets open) breaks nothing: once the
+  // cluster has declared such a daemon down, the ops still waiting on it end here (Unavailable),
+  // so the caller reads degraded from the other members instead of waiting out op_timeout. The
+  // channel goes with them: nothing may land in the caller's buffers after we return.
+  auto fail_ops_on_down_nodes = [&] {
+    for (size_t u = 0; u < nused; ++u) {
+      auto& ch = io.channels[used[u]];
+      if (!ch || ch->outstanding() == 0) continue;
+      const client::NodeInfo info = cluster_->node(used[u]);
+      if (info.alive) continue;
+      for (size_t i = 0; i < ops.size(); ++i) {
+        if (done[i] || nodes[i] != used[u]) continue;
+        done[i] = true;
+        --left;
+        results[i] =
+            Unavailable(fmt::format("daemon {} was declared down while the op was in "
+                                    "flight ({})",
+                                    info.endpoint.ToString(), info.last_error.ToString()));
+      }
+      ch.reset();
+    }
+  };
+  Deadline next_down_check = DeadlineIn(client::kDownCheckInterval);
   while (left > 0) {
     npfds = 0;
     bool any = false;
     for (size_t u = 0; u < nused; ++u) {
       auto& ch = io.channels[used[u]];
       if (!ch || ch->outstanding() == 0) continue;
-      auto got = ch->Poll(io.comps, std::chrono::milliseconds(0));
-      if (got && *got > 0) {
-        for (size_t j = 0; j < *got; ++j) complete(io.comps[j]);
-        any = true;
-        continue;
+      // A TCP channel's socket turning readable is exactly "a reply is there": leave it to the
+      // poll(2) below rather than probe it first. Others (verbs) are reaped first.
+      if (ch->wait_fd() < 0 || std::string_view(ch->kind()) != "tcp") {
+        auto got = ch->Poll(io.comps, std::chrono::milliseconds(0));
+        if (got && *got > 0) {
+          for (size_t j = 0; j < *got; ++j) complete(io.comps[j]);
+          any = true;
+          continue;
+        }
       }
       pfds[npfds] = {ch->wait_fd(), POLLIN, 0};
       pnodes[npfds++] = used[u];
     }
     if (any || left == 0) continue;
-    const auto wait =
-        std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
-    if (wait.count() <= 0 || npfds == 0) break;
-    if (npfds == 1) {
-      // One daemon to hear from (a swap-in, or a set on one node): block in its Poll rather
-      // than poll(2) first and then read (one syscall and one readiness round less per miss).
-      // (A stable timeout value spares the channel a setsockopt per call.)
-      auto got =
-          io.channels[pnodes[0]]->Poll(io.comps, wait * 2 > op_timeout_ ? op_timeout_ : wait);
-      if (got) {
-        for (size_t c = 0; c < *got; ++c) complete(io.comps[c]);
-      }
-      if (!got || *got == 0) break;
+    if (npfds == 0) break;
+    // Wait in slices of kDownCheckInterval (never passed to Channel::Poll: a TCP channel whose
+    // receive times out is broken, and a slow but healthy daemon must not be failed that way).
+    const Clock::time_point now = Clock::now();
+    if (now >= next_down_check) {
+      fail_ops_on_down_nodes();
+      next_down_check = DeadlineIn(client::kDownCheckInterval);
+      if (left == 0) break;
       continue;
     }
+    const auto wait = std::chrono::duration_cast<std::chrono::milliseconds>(
+        std::min(deadline, next_down_check) - now);
     const bool pollable =
         std::all_of(pfds, pfds + npfds, [](const pollfd& p) { return p.fd >= 0; });
     if (pollable) {
-      if (::poll(pfds, npfds, static_cast<int>(wait.count())) == 0) break;
+      // Past the deadline, still look (without waiting) before giving up: replies that waited
+      // while this thread was held up must not be blamed on the daemon.
+      if (::poll(pfds, npfds, static_cast<int>(std::max<int64_t>(0, wait.count()))) == 0) {
+        if (Clock::now() >= deadline) break;
+        continue;
+      }
+    } else if (now >= deadline) {
+      break;
     }
     for (size_t j = 0; j < npfds; ++j) {
       if (pollable && pfds[j].revents == 0) continue;
       auto& ch = io.channels[pnodes[j]];
-      auto got = ch->Poll(io.comps,
-                          pollable ? std::chrono::milliseconds(0) : std::chrono::milliseconds(1));
+      if (!ch) continue;
+      // The reply has begun to arrive: receiving the rest may take up to op_timeout. (One fixed
+      // value: a channel sets its socket's receive timeout only when it changes.)
+      auto got = ch->Poll(io.comps, pollable ? op_timeout_ : std::chrono::milliseconds(1));
       if (got) {
         for (size_t c = 0; c < *got; ++c) complete(io.comps[c]);
       }

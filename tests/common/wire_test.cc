@@ -432,6 +432,37 @@ TEST(WireStat, IgnoresAppendedFieldsAndRejectsTruncation) {
   }
 }
 
+// A client must see what it may still take, not free slabs its --max-client-share keeps from it
+// (issue 11 gap 3): appended fields, announced by kFeatureClientShare; a daemon without them is
+// read as before (FreeForClient falls back to free_slabs).
+TEST(WireStat, CarriesWhatThisClientMayTakeBesideThePoolsFree) {
+  StatReply m;
+  m.free_slabs = 16;
+  m.features = kFeatureClientShare | kFeatureAuthRequired;
+  m.client_free_slabs = 5;
+  m.client_max_slabs = 8;
+  std::vector<uint8_t> body;
+  EncodeStatReply(m, &body);
+  EXPECT_EQ(body.size(), 80u);
+  auto d = DecodeStatReply(body);
+  ASSERT_TRUE(d.has_value());
+  EXPECT_EQ(d->free_slabs, 16u);
+  EXPECT_EQ(d->client_free_slabs, 5u);
+  EXPECT_EQ(d->client_max_slabs, 8u);
+  EXPECT_EQ(FreeForClient(*d), 5u);
+  // Announced but cut off: malformed, not zeros.
+  EXPECT_EQ(CodeOf(DecodeStatReply(std::span(body).first(76))), StatusCode::kProtocolError);
+
+  StatReply old;  // a daemon that predates the fields
+  old.free_slabs = 16;
+  std::vector<uint8_t> old_body;
+  EncodeStatReply(old, &old_body);
+  EXPECT_EQ(old_body.size(), 72u);
+  auto od = DecodeStatReply(old_body);
+  ASSERT_TRUE(od.has_value());
+  EXPECT_EQ(FreeForClient(*od), 16u);
+}
+
 // ---------------------------------------------------------------- ALLOC / FREE / HEARTBEAT
 
 TEST(WireAlloc, RoundTripsCountsAtTheLimits) {

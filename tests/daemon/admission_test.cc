@@ -304,6 +304,45 @@ TEST(DaemonShare, ClientBeyondItsShareIsRefusedNamingTheLimitWhileOthersStillGet
   }
 }
 
+// STAT reported the pool's free slabs only: a client saw slabs its --max-client-share keeps from
+// it (issue 11 gap 3). It now also says what the asking client may still take, and the cap.
+TEST(DaemonShare, StatSaysWhatThisClientMayStillTakeAndThePoolsFree) {
+  DaemonConfig cfg = SmallDaemon();  // 8 slabs of 1 MiB
+  cfg.max_client_share = "0.5";      // 4 per client
+  DaemonSet daemons(cfg);
+  ASSERT_TRUE(daemons.Start(1).ok()) << daemons.Logs();
+  auto greedy = DaemonClient::Connect(daemons[0].endpoint(), daemons.secret());
+  ASSERT_TRUE(greedy.has_value());
+  auto st = greedy->Stat();
+  ASSERT_TRUE(st.has_value()) << st.error().ToString();
+  EXPECT_NE(st->features & wire::kFeatureClientShare, 0u);
+  EXPECT_EQ(st->free_slabs, 8u);
+  EXPECT_EQ(st->client_max_slabs, 4u);
+  EXPECT_EQ(wire::FreeForClient(*st), 4u) << "reports slabs this client cannot take";
+
+  ASSERT_TRUE(greedy->Alloc(3).has_value());
+  st = greedy->Stat();
+  ASSERT_TRUE(st.has_value());
+  EXPECT_EQ(st->free_slabs, 5u);
+  EXPECT_EQ(wire::FreeForClient(*st), 1u);
+  // Another client's view: its own share, and the pool has 5 free.
+  auto other = DaemonClient::Connect(daemons[0].endpoint(), daemons.secret());
+  ASSERT_TRUE(other.has_value());
+  auto ost = other->Stat();
+  ASSERT_TRUE(ost.has_value());
+  EXPECT_EQ(wire::FreeForClient(*ost), 4u);
+  ASSERT_TRUE(other->Alloc(4).has_value());
+  // Only one slab is left in the pool: the first client may take just that.
+  st = greedy->Stat();
+  ASSERT_TRUE(st.has_value());
+  EXPECT_EQ(st->free_slabs, 1u);
+  EXPECT_EQ(wire::FreeForClient(*st), 1u);
+  ASSERT_TRUE(greedy->Alloc(1).has_value());
+  st = greedy->Stat();
+  ASSERT_TRUE(st.has_value());
+  EXPECT_EQ(wire::FreeForClient(*st), 0u);
+}
+
 TEST(DaemonShare, BadShareStopsTheDaemonAtStartSayingWhy) {
   for (const std::string bad : {"0", "1.5", "-0.5", "half", "1K"}) {
     DaemonConfig cfg = SmallDaemon();

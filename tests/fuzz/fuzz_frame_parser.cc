@@ -104,7 +104,9 @@ void Stat(Bytes body) {
              e->slab_size == d->slab_size && e->total_slabs == d->total_slabs &&
              e->free_slabs == d->free_slabs && e->clients == d->clients &&
              e->features == d->features && e->ops == d->ops && e->bytes_read == d->bytes_read &&
-             e->bytes_written == d->bytes_written && e->rdma_port == d->rdma_port);
+             e->bytes_written == d->bytes_written && e->rdma_port == d->rdma_port &&
+             e->client_free_slabs == d->client_free_slabs &&
+             e->client_max_slabs == d->client_max_slabs);
 }
 
 void Alloc(Bytes body) {

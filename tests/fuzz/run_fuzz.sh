@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Builds (if needed) and runs the libFuzzer target over the frame parsers for SECONDS.
+# Builds (if needed) and runs the libFuzzer targets over the frame parsers (fuzz_frame_parser) and
+# the daemon's handshake parser (fuzz_handshake) for SECONDS each.
 #
 #   tests/fuzz/run_fuzz.sh BUILD_DIR SECONDS [extra libFuzzer flags...]
 #
@@ -44,7 +45,10 @@ configure() {  # configure DIR with clang >= 16
     { cat "$dir/configure.log" >&2; exit 1; }
 }
 
-has_target() { ninja -C "$1" -t targets all 2>/dev/null | grep -q '^fuzz_frame_parser:'; }
+has_target() {
+  ninja -C "$1" -t targets all 2>/dev/null | grep -q '^fuzz_frame_parser:' &&
+    ninja -C "$1" -t targets all 2>/dev/null | grep -q '^fuzz_handshake:'
+}
 
 target_dir=$build_dir
 if [[ ! -f "$build_dir/CMakeCache.txt" ]]; then
@@ -58,7 +62,7 @@ if ! has_target "$target_dir"; then
   grep -A3 "fuzz_frame_parser" "$target_dir/configure.log" >&2 || true
   exit 1
 fi
-cmake --build "$target_dir" --target fuzz_frame_parser
+cmake --build "$target_dir" --target fuzz_frame_parser fuzz_handshake
 
 # Symbolized stack traces in crash reports: the llvm-symbolizer next to the compiler, else any.
 if [[ -z "${ASAN_SYMBOLIZER_PATH:-}" ]]; then
@@ -72,6 +76,7 @@ if [[ -z "${ASAN_SYMBOLIZER_PATH:-}" ]]; then
   done
 fi
 
+status=0
 corpus=$build_dir/fuzz-corpus/frame_parser
 artifacts=$build_dir/fuzz-artifacts/frame_parser
 mkdir -p "$corpus" "$artifacts"
@@ -83,5 +88,19 @@ if ! "$target_dir/bin/fuzz_frame_parser" -max_total_time="$seconds" -max_len=327
     -rss_limit_mb=1024 -timeout=10 -print_final_stats=1 -artifact_prefix="$artifacts/" \
     "$@" "$corpus" "$here/corpus"; then
   echo "fuzz_frame_parser FAILED; reproducer in $artifacts/" >&2
-  exit 1
+  status=1
 fi
+
+corpus=$build_dir/fuzz-corpus/handshake
+artifacts=$build_dir/fuzz-artifacts/handshake
+mkdir -p "$corpus" "$artifacts"
+echo "== fuzz_handshake for ${seconds}s"
+# -max_len: two handshake buffers' worth (a frame is at most 24 + 1024 bytes) plus the mode bytes.
+if ! "$target_dir/bin/fuzz_handshake" -max_total_time="$seconds" -max_len=4200 \
+    -rss_limit_mb=1024 -timeout=10 -print_final_stats=1 -artifact_prefix="$artifacts/" \
+    "$@" "$corpus" "$here/handshake_corpus"; then
+  echo "fuzz_handshake FAILED; reproducer in $artifacts/ (commit it under" \
+    "tests/fuzz/handshake_regressions/ once fixed)" >&2
+  status=1
+fi
+exit $status

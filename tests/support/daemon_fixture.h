@@ -48,6 +48,9 @@ struct DaemonConfig {
   std::string log_level = "info";
   // Where to listen. "::" (dual-stack wildcard) makes one daemon reachable as 127.0.0.1 and ::1.
   std::string listen_host = "127.0.0.1";
+  // Port of the first Start (later starts reuse the port). 0: the daemon picks a free one.
+  // Daemons behind one DNS name share a port on different loopback addresses.
+  uint16_t port = 0;
   std::vector<std::string> extra_args{};
   std::chrono::milliseconds start_timeout{10000};
   // farmemd --max-client-share. Tests often fill a daemon with one client on purpose, so the
@@ -60,7 +63,10 @@ struct DaemonConfig {
 class DaemonProcess {
  public:
   DaemonProcess(DaemonConfig config, std::string work_dir, std::string name)
-      : config_(std::move(config)), work_dir_(std::move(work_dir)), name_(std::move(name)) {}
+      : config_(std::move(config)),
+        work_dir_(std::move(work_dir)),
+        name_(std::move(name)),
+        port_(config_.port) {}
   ~DaemonProcess() { (void)Stop(); }
   DaemonProcess(const DaemonProcess&) = delete;
   DaemonProcess& operator=(const DaemonProcess&) = delete;

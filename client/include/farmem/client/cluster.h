@@ -51,6 +51,15 @@
 
 namespace farmem::client {
 
+// How often a borrower waiting for data ops checks whether their daemon was declared down
+// meanwhile. A daemon that stops answering but keeps its sockets open (SIGSTOP, a partition: a
+// gray failure) breaks nothing, so without this check its ops wait out op_timeout; with it they
+// end within this interval of the cluster declaring the daemon down (failure_timeout), and the
+// borrower reads degraded from the other members. Borrowers slice their waits by it and never
+// pass it to Channel::Poll (a TCP channel whose receive times out is broken): they wait on
+// Channel::wait_fd() with poll(2), and call Poll only once a reply is there.
+inline constexpr std::chrono::milliseconds kDownCheckInterval{50};
+
 struct ClusterOptions {
   // Daemons named one by one. A peer that cannot be reached at Connect is still a node: it starts
   // down and is retried.

@@ -69,6 +69,8 @@ enum Features : uint32_t {
   // STAT only, the daemon's state rather than a feature: it grants nothing now.
   kStateDraining = 1u << 16,       // drained (farmemctl drain, or shutting down)
   kStateUnderPressure = 1u << 17,  // its host is short of memory (--reserve)
+  // STAT: the reply carries client_free_slabs / client_max_slabs (the asking client's share).
+  kFeatureClientShare = 1u << 2,
 };
 
 struct FrameHeader {
@@ -197,7 +199,17 @@ struct StatReply {
   uint64_t bytes_read = 0;
   uint64_t bytes_written = 0;
   uint16_t rdma_port = 0;  // rdma_cm port when kFeatureVerbs is set
+  // With kFeatureClientShare (appended fields; 0 from daemons without it): how many slabs the
+  // client asking may still take (free_slabs capped by its --max-client-share), and that cap.
+  uint32_t client_free_slabs = 0;
+  uint32_t client_max_slabs = 0;
 };
+
+// The slabs the client that asked may still lease: free_slabs capped by the daemon's
+// --max-client-share, or free_slabs from a daemon that does not say (no kFeatureClientShare).
+inline uint32_t FreeForClient(const StatReply& m) {
+  return (m.features & kFeatureClientShare) != 0 ? m.client_free_slabs : m.free_slabs;
+}
 
 // A lease as the daemon hands it out. lease_id = (epoch << 32) | slab index.
 struct LeaseGrant {
