@@ -6,7 +6,6 @@
 
 #include <algorithm>
 #include <bit>
-#include <charconv>
 #include <cstring>
 #include <string_view>
 
@@ -83,62 +82,19 @@ LogEvery& CapacityLog() {
 // Resilience
 
 Result<Resilience> Resilience::Parse(std::string_view text) {
-  Resilience r;
-  auto num = [&](std::string_view s, int* out) {
-    auto [p, ec] = std::from_chars(s.data(), s.data() + s.size(), *out);
-    return ec == std::errc() && p == s.data() + s.size();
-  };
-  if (text == "none") {
-    r.mode = Mode::kNone;
-    return r;
-  }
-  if (text.starts_with("replicate:")) {
-    r.mode = Mode::kReplicate;
-    if (!num(text.substr(10), &r.copies) || r.copies < 1 || r.copies > 8) {
-      return Err(InvalidArgument(fmt::format("'{}': replicate:N needs N from 1 to 8", text)));
-    }
-    return r;
-  }
-  if (text.starts_with("ec:")) {
-    r.mode = Mode::kErasure;
-    std::string_view rest = text.substr(3);
-    const size_t plus = rest.find('+');
-    if (plus == std::string_view::npos || !num(rest.substr(0, plus), &r.k) ||
-        !num(rest.substr(plus + 1), &r.r)) {
-      return Err(InvalidArgument(fmt::format("'{}': write ec:k+r, e.g. ec:4+2", text)));
-    }
-    if (r.k < 1 || r.r < 0 || r.k + r.r > 32 || kPage % static_cast<uint64_t>(r.k) != 0) {
-      return Err(InvalidArgument(fmt::format(
-          "'{}': k must divide 4096 (1, 2, 4, 8, 16) and k+r must be at most 32", text)));
-    }
-    return r;
-  }
-  return Err(InvalidArgument(
-      fmt::format("unknown resilience '{}': use none, replicate:N or ec:k+r", text)));
+  FARMEM_ASSIGN_OR_RETURN(client::Resilience parsed, client::Resilience::Parse(text));
+  FARMEM_RETURN_IF_ERROR(Check(parsed));
+  return Resilience(parsed);
 }
 
-std::string Resilience::ToString() const {
-  switch (mode) {
-    case Mode::kNone:
-      return "none";
-    case Mode::kReplicate:
-      return fmt::format("replicate:{}", copies);
-    case Mode::kErasure:
-      return fmt::format("ec:{}+{}", k, r);
+Status Resilience::Check(const client::Resilience& res) {
+  if (kPage % static_cast<uint64_t>(res.k) != 0) {
+    return InvalidArgument(
+        fmt::format("'{}': the page store cuts a 4 KiB page into k fragments, so k must divide "
+                    "4096 (1, 2, 4, 8, 16, 32)",
+                    res.ToString()));
   }
-  return "?";
-}
-
-int Resilience::group_size() const {
-  switch (mode) {
-    case Mode::kNone:
-      return 1;
-    case Mode::kReplicate:
-      return copies;
-    case Mode::kErasure:
-      return k + r;
-  }
-  return 1;
+  return Status::Ok();
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -267,6 +223,7 @@ Result<std::unique_ptr<PageStore>> PageStore::Create(client::Cluster* cluster,
 
 Status PageStore::Init() {
   const Resilience& res = options_.resilience;
+  FARMEM_RETURN_IF_ERROR(Resilience::Check(res));
   if (res.mode == Resilience::Mode::kErasure) {
     FARMEM_ASSIGN_OR_RETURN(codec_, ec::ReedSolomon::Create(res.k, res.r));
     frag_size_ = static_cast<uint32_t>(kPage / static_cast<uint64_t>(res.k));

@@ -49,21 +49,21 @@
 #include "backup_file.h"
 #include "farmem/blockdev/block_backend.h"
 #include "farmem/client/cluster.h"
+#include "farmem/client/resilience.h"
 #include "farmem/ec/reed_solomon.h"
 
 namespace farmem::blockdev {
 
-struct Resilience {
-  enum class Mode { kNone, kReplicate, kErasure };
-  Mode mode = Mode::kErasure;
-  int copies = 1;    // replicate
-  int k = 4, r = 2;  // erasure
-
-  // "none", "replicate:N", "ec:k+r"
+// How the page store protects an extent: client::Resilience, the one parser and meaning of none /
+// replicate:N / ec:k+r shared with far_ptr (k = 1, r = N - 1 for replicate), plus one rule of the
+// page store's own: ec:k+r cuts a 4 KiB page into k equal fragments, so k must divide 4096.
+struct Resilience : client::Resilience {
+  Resilience() = default;
+  Resilience(const client::Resilience& r) : client::Resilience(r) {}  // NOLINT: same value
+  // client::Resilience::Parse, then Check.
   static Result<Resilience> Parse(std::string_view text);
-  std::string ToString() const;
-  int group_size() const;
-  int data_width() const { return mode == Mode::kErasure ? k : 1; }
+  // The page store's own rule (PageStore::Create checks it too, for options built in code).
+  static Status Check(const client::Resilience& res);
 };
 
 struct PageStoreOptions {
