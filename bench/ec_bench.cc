@@ -31,6 +31,7 @@
 #include <string>
 #include <vector>
 
+#include "farmem/common/command_line.h"
 #include "farmem/ec/reed_solomon.h"
 
 namespace {
@@ -177,6 +178,7 @@ int main(int argc, char** argv) {
       ->capture_default_str()
       ->check(CLI::IsMember({"cpu", "wall"}));
   app.add_option("--cpu", cpu, "pin to this CPU (-1: do not pin)")->capture_default_str();
+  farmem::cli::AddVersionOption(app, "ec_bench");
   CLI11_PARSE(app, argc, argv);
   g_use_cpu_clock = clock == "cpu";
 

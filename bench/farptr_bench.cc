@@ -30,6 +30,7 @@
 #include <vector>
 
 #include "farmem/client/cluster.h"
+#include "farmem/common/version.h"
 #include "farmem/far_hash_map.h"
 #include "farmem/far_ptr.h"
 #include "farmem/far_vector.h"
@@ -421,14 +422,18 @@ int main(int argc, char** argv) {
       if (i + 1 >= argc) Die("missing value for " + k);
       return argv[++i];
     };
-    if (k == "--mode")
+    if (k == "--version") {
+      std::printf("farptr_bench %s\n", FARMEM_VERSION_STRING);
+      return 0;
+    } else if (k == "--mode")
       a.mode = val();
     else if (k == "--daemons")
       a.daemons = std::stoul(val());
     else if (k == "--span")
       a.span = static_cast<uint32_t>(std::stoul(val()));
     else
-      Die("usage: farptr_bench [--mode all|local|miss|tput|compact] [--daemons N] [--span B]");
+      Die("usage: farptr_bench [--mode all|local|miss|tput|compact] [--daemons N] [--span B] "
+          "[--version]");
   }
   if (std::getenv("FARMEM_BIN_DIR") == nullptr) {
     const std::string dir = std::filesystem::absolute(argv[0]).parent_path().string();

@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "farmem/common/socket.h"
+#include "farmem/common/version.h"
 #include "farmem/transport/tcp_connection.h"
 #include "farmem/transport/transport.h"
 
@@ -230,7 +231,10 @@ int main(int argc, char** argv) {
       if (i + 1 >= argc) Die("missing value for " + k);
       return argv[++i];
     };
-    if (k == "--seconds")
+    if (k == "--version") {
+      fmt::print("tcp_bench {}\n", farmem::kVersionString);
+      return 0;
+    } else if (k == "--seconds")
       a.seconds = std::stod(val());
     else if (k == "--rounds")
       a.rounds = std::stoi(val());
@@ -241,7 +245,8 @@ int main(int argc, char** argv) {
     else if (k == "--farmemd")
       a.farmemd = val();
     else
-      Die("usage: tcp_bench [--seconds S] [--size B] [--placement same|spread] [--farmemd PATH]");
+      Die("usage: tcp_bench [--seconds S] [--size B] [--placement same|spread] [--farmemd PATH] "
+          "[--version]");
   }
   if (a.farmemd.empty()) {
     a.farmemd = (std::filesystem::path(argv[0]).parent_path() / "farmemd").string();

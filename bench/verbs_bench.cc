@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "farmem/common/auth.h"
+#include "farmem/common/command_line.h"
 #include "farmem/transport/tcp_connection.h"
 #include "farmem/transport/transport.h"
 #include "farmem/transport/verbs.h"
@@ -148,6 +149,7 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--signal-every", vo.signal_every, "verbs: signal every Nth request (0: last)")
       ->capture_default_str();
+  farmem::cli::AddVersionOption(app, "verbs_bench");
   CLI11_PARSE(app, argc, argv);
   vo.spin_max = std::chrono::microseconds(spin_max_us);
 

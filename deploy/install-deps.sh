@@ -7,13 +7,14 @@ set -euo pipefail
 
 build_pkgs=(
   build-essential cmake pkg-config ninja-build
-  libboost-dev libisal-dev liburing-dev libibverbs-dev librdmacm-dev
+  libisal-dev libsystemd-dev liburing-dev libibverbs-dev librdmacm-dev
   libgtest-dev libgmock-dev libbenchmark-dev libcli11-dev libspdlog-dev libfmt-dev libssl-dev
   clang-14 libclang-rt-14-dev clang-16 libclang-rt-16-dev
 )
 tool_pkgs=(
   nbdkit nbd-client libnbd-bin fio qemu-utils util-linux procps iproute2
   docker-compose shellcheck systemd  # tests/deploy: lint deploy/docker, verify deploy/systemd
+  help2man dpkg-dev file  # man pages from --help; the .deb (cpack: dpkg-shlibdeps, file)
 )
 vm_pkgs=(
   qemu-system-x86 busybox-static kmod cpio rdma-core ibverbs-providers ibverbs-utils

@@ -4,7 +4,6 @@
 #include <fmt/format.h>
 #include <malloc.h>
 #include <signal.h>
-#include <spdlog/sinks/stdout_color_sinks.h>
 #include <spdlog/spdlog.h>
 
 #include <CLI/CLI.hpp>
@@ -21,6 +20,7 @@
 #include "farmem/common/auth.h"
 #include "farmem/common/command_line.h"
 #include "farmem/common/config.h"
+#include "farmem/common/service_notify.h"
 #include "farmem/common/status.h"
 #include "page_store.h"
 
@@ -231,13 +231,10 @@ int main(int argc, char** argv) {
                "Make the process fit to serve swap: mlockall(MCL_CURRENT|MCL_FUTURE), "
                "PR_SET_IO_FLUSHER, oom_score_adj -1000; each failure is a warning. On by "
                "default; --no-swap-safe (or --swap-safe=false) turns it off.");
-  app.add_option("--log-level", log_level, "trace, debug, info, warn or error.")
-      ->check(farmem::cli::OneOf(farmem::kLogLevels))
-      ->capture_default_str();
+  farmem::cli::AddLogLevelOption(app, log_level);
+  farmem::cli::AddVersionOption(app, "farmem-nbd");
   CLI11_PARSE(app, argc, argv);
-
-  spdlog::set_default_logger(spdlog::stderr_color_mt("farmem-nbd"));
-  spdlog::set_level(spdlog::level::from_str(log_level));
+  farmem::cli::SetUpLogging("farmem-nbd", log_level);
   if (Status s = CheckFlagsApply(app, backend_cfg); !s.ok()) return Fail(s);
 
   // Signals: SIGINT/SIGTERM are taken synchronously by the main thread (blocked in every thread,
@@ -279,10 +276,20 @@ int main(int argc, char** argv) {
   if (Status s = (*server)->Start(); !s.ok()) return Fail(s);
   spdlog::info("farmem-nbd: serving {} bytes from the {} backend", (*backend)->size(),
                backend_cfg.kind);
+  // systemd (Type=notify): serving now. The monitor's probe takes the server's lock, so a server
+  // stuck on it stops the watchdog pings (when the unit sets WatchdogSec=).
+  farmem::systemd::NotifyReady(
+      fmt::format("serving {} bytes from the {} backend", (*backend)->size(), backend_cfg.kind));
+  auto monitor = farmem::systemd::ServiceMonitor::Start([&]() -> Result<std::string> {
+    return fmt::format("{} NBD connections", (*server)->active_connections());
+  });
 
   int sig = 0;
   sigwait(&stop_signals, &sig);
   spdlog::info("farmem-nbd: {} received, shutting down", sig == SIGINT ? "SIGINT" : "SIGTERM");
+  farmem::systemd::NotifyStopping(sig == SIGINT ? "SIGINT: shutting down"
+                                                : "SIGTERM: shutting down");
+  monitor.reset();
   (*server)->Stop();
   return 0;
 }

@@ -9,6 +9,11 @@
 
 namespace farmem::client {
 
+namespace {
+// The longest a node stays out of placement after data-path errors (ReportFailure).
+constexpr std::chrono::milliseconds kMaxSuspectWindow{60000};
+}  // namespace
+
 transport::Channel* Cluster::EnsureChannel(std::unique_ptr<transport::Channel>& slot, NodeId id,
                                            Status* error, uint64_t* opened_to) {
   if (slot && slot->broken()) slot.reset();
@@ -60,7 +65,8 @@ Result<std::unique_ptr<transport::Channel>> Cluster::OpenChannel(NodeId id) {
     auto ch = verbs_->OpenChannel(o);
     if (ch) {
       spdlog::info("farmem client: data channel to {} uses verbs", node->name());
-      return ch;
+      return transport::WithFaults(std::move(*ch), o.endpoint, options_.fault_injector,
+                                   o.op_timeout);
     }
     if (options_.transport == "verbs") {
       if (ch.error().code() == StatusCode::kUnavailable ||
@@ -89,7 +95,8 @@ Result<std::unique_ptr<transport::Channel>> Cluster::OpenChannel(NodeId id) {
                     : !(features & wire::kFeatureVerbs) ? "the daemon serves no RDMA"
                                                         : "verbs failed";
   spdlog::info("farmem client: data channel to {} uses tcp ({})", node->name(), why);
-  return channel;
+  return transport::WithFaults(std::move(*channel), o.endpoint, options_.fault_injector,
+                               o.op_timeout);
 }
 
 void Cluster::ReportFailure(NodeId id, const Status& error) {
@@ -98,8 +105,23 @@ void Cluster::ReportFailure(NodeId id, const Status& error) {
   {
     MutexLock lock(&mu_);
     if (closed_ || stopping_ || !node->alive) return;
-    spdlog::info("farmem client: data path error on {}: {}; probing it", node->name(),
-                 error.ToString());
+    // Suspect for a window of twice the failure timeout. A node that fails again soon after its
+    // window ended (within one more window) gets twice the window, up to kMaxSuspectWindow;
+    // errors while it is suspect change nothing (a dead node reports many at once).
+    const Clock::time_point now = Clock::now();
+    if (now >= node->suspect_until) {
+      const bool again = now < node->suspect_until + node->suspect_window;
+      node->suspect_window = again ? std::min(2 * node->suspect_window, kMaxSuspectWindow)
+                                   : std::chrono::milliseconds(2 * options_.failure_timeout);
+      node->suspect_until = now + node->suspect_window;
+      spdlog::info(
+          "farmem client: data path error on {}: {}; probing it, and no new slabs there for {} "
+          "ms while other daemons can take them",
+          node->name(), error.ToString(), node->suspect_window.count());
+    } else {
+      spdlog::info("farmem client: data path error on {}: {}; probing it", node->name(),
+                   error.ToString());
+    }
     node->probe = true;
     probe_requested_ = true;
   }

@@ -11,30 +11,49 @@
 
 namespace farmem::client {
 
-// One slab by power-of-two-choices among live nodes not in `exclude`: two sampled at random,
-// the one with more free slabs first; if both are full or fail, every other live node, most
-// free first. The error says what each daemon answered.
+// One slab by power-of-two-choices among live nodes not in `exclude`: two sampled at random
+// among the healthy ones, the one with more free slabs first; if both are full or fail, every
+// other live node, most free first, the suspect ones last. The error says what each daemon
+// answered.
 Result<Lease> Cluster::PlaceOne(const std::vector<bool>& exclude) {
-  std::vector<NodeId> candidates;
+  std::vector<NodeId> candidates;  // healthy ones first, then suspect ones
+  size_t n_healthy = 0;
   std::vector<NodeId> picks;
   {
     MutexLock lock(&mu_);
+    // Nodes whose data path failed lately come last (ReportFailure): the two choices are among
+    // the others, and a suspect node is tried only when no other can take the slab.
+    const Clock::time_point now = Clock::now();
+    std::vector<NodeId> suspect;
     for (const auto& n : nodes_) {
-      if (n->alive && !Excluded(exclude, n->id)) candidates.push_back(n->id);
+      if (!n->alive || Excluded(exclude, n->id)) continue;
+      (now < n->suspect_until ? suspect : candidates).push_back(n->id);
     }
     picks = SampleDistinct(candidates, 2, rng_);
+    n_healthy = candidates.size();
+    std::shuffle(suspect.begin(), suspect.end(), rng_);
+    candidates.insert(candidates.end(), suspect.begin(), suspect.end());
   }
+  // Two choices first; if both are full or fail, every other live node, most free first, the
+  // suspect ones last.
   PlacementLog log;
   if (auto lease = TryPlaceOn(picks, &log)) return *lease;
   std::vector<NodeId> rest;
-  for (NodeId id : candidates) {
+  for (size_t i = 0; i < n_healthy; ++i) {
+    const NodeId id = candidates[i];
     if (id >= log.tried.size() || !log.tried[id]) rest.push_back(id);
+  }
+  std::vector<NodeId> rest_suspect;
+  for (size_t i = n_healthy; i < candidates.size(); ++i) {
+    const NodeId id = candidates[i];
+    if (id >= log.tried.size() || !log.tried[id]) rest_suspect.push_back(id);
   }
   {
     MutexLock lock(&mu_);
     std::shuffle(rest.begin(), rest.end(), rng_);  // ties among the rest broken at random
   }
   if (auto lease = TryPlaceOn(rest, &log)) return *lease;
+  if (auto lease = TryPlaceOn(rest_suspect, &log)) return *lease;
   return Err(PlacementFailure(exclude, log));
 }
 

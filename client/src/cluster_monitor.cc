@@ -235,6 +235,9 @@ bool Cluster::Adopt(Node& node, TcpConnection conn) {
     node.lost.insert(node.leases.begin(), node.leases.end());
     node.leases.clear();
     node.to_free.clear();
+    // Nor is the data-path suspicion of the old process (Cluster::ReportFailure) about this one.
+    node.suspect_until = {};
+    node.suspect_window = std::chrono::milliseconds(0);
     Status reason = Expired(fmt::format("the daemon at {} restarted (node id {:#x} -> {:#x})",
                                         node.endpoint.ToString(), node.daemon_id, daemon_id));
     if (was_alive && !lost.empty()) {

@@ -53,6 +53,12 @@ struct Cluster::Node {
   Clock::time_point next_reconnect{};
   std::chrono::milliseconds reconnect_backoff{0};
   bool probe = false;  // ReportFailure or a failed call asked for a heartbeat now
+  // A data-path error (ReportFailure) makes the node suspect until `suspect_until`, even if its
+  // control connection still answers (a gray failure of the data path): placement then gives it
+  // no new slab while another node can take it. The window doubles while errors keep coming
+  // (see Cluster::ReportFailure).
+  Clock::time_point suspect_until{};
+  std::chrono::milliseconds suspect_window{0};
 
   std::string name() const {
     return "node " + std::to_string(id) + " (" + endpoint.ToString() + ")";

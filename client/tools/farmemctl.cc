@@ -206,9 +206,8 @@ int main(int argc, char** argv) {
         ->capture_default_str()
         ->check(cli::OneOf(kTransports));
   };
-  app.add_option("--log-level", log_level, "trace, debug, info, warn, error")
-      ->capture_default_str()
-      ->check(cli::OneOf(kLogLevels));
+  cli::AddLogLevelOption(app, log_level);
+  cli::AddVersionOption(app, "farmemctl");
   CLI::App* stat = app.add_subcommand("stat", "Show every daemon's capacity and usage");
   add_common(stat);
   CLI::App* demo = app.add_subcommand(
@@ -216,7 +215,7 @@ int main(int argc, char** argv) {
   add_common(demo);
   demo->add_option("--size", size, "How much memory to borrow and fill")->capture_default_str();
   CLI11_PARSE(app, argc, argv);
-  spdlog::set_level(spdlog::level::from_str(log_level));
+  cli::SetUpLogging("farmemctl", log_level);
   if (*stat) return StatCmd(c);
   return Demo(c, size);
 }

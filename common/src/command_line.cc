@@ -1,8 +1,12 @@
 #include "farmem/common/command_line.h"
 
 #include <fmt/format.h>
+#include <spdlog/sinks/stdout_color_sinks.h>
+#include <spdlog/spdlog.h>
 
 #include <iterator>
+
+#include "farmem/common/version.h"
 
 namespace farmem::cli {
 namespace {
@@ -91,6 +95,25 @@ Status RejectGiven(const CLI::App& app, std::initializer_list<std::string_view> 
   if (given.empty()) return Status::Ok();
   return InvalidArgument(fmt::format("{} {} {}", fmt::join(given, ", "),
                                      given.size() == 1 ? "applies" : "apply", why));
+}
+
+CLI::Option* AddLogLevelOption(CLI::App& app, std::string& level) {
+  return app.add_option("--log-level", level, "trace, debug, info, warn or error")
+      ->capture_default_str()
+      ->check(OneOf(kLogLevels));
+}
+
+void SetUpLogging(const std::string& program, const std::string& level) {
+  auto logger = std::make_shared<spdlog::logger>(
+      program, std::make_shared<spdlog::sinks::stderr_color_sink_mt>());
+  logger->set_pattern(fmt::format("%Y-%m-%d %H:%M:%S.%e {}[%P] %l: %v", program));
+  spdlog::set_default_logger(std::move(logger));
+  spdlog::set_level(spdlog::level::from_str(level));
+}
+
+CLI::Option* AddVersionOption(CLI::App& app, std::string_view program) {
+  return app.set_version_flag("--version", fmt::format("{} {}", program, kVersionString),
+                              "Print the version and exit");
 }
 
 }  // namespace farmem::cli

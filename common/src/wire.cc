@@ -1,3 +1,7 @@
+// The encoders and decoders of every frame body (docs/wire-protocol.md), the one implementation
+// of the wire format. Over 600 lines on purpose: each frame's encoder and decoder stand next to
+// each other, written out field by field, so that one file can be read against the protocol doc;
+// splitting it by opcode would scatter the shared bounds checks.
 #include "farmem/common/wire.h"
 
 #include <fmt/format.h>

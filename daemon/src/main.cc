@@ -1,7 +1,6 @@
 // farmemd: the per-node daemon that lends slabs of this machine's idle DRAM.
 #include <fmt/format.h>
 #include <signal.h>
-#include <spdlog/sinks/stdout_color_sinks.h>
 #include <spdlog/spdlog.h>
 
 #include <CLI/CLI.hpp>
@@ -10,6 +9,7 @@
 #include "farmem/common/auth.h"
 #include "farmem/common/command_line.h"
 #include "farmem/common/config.h"
+#include "farmem/common/service_notify.h"
 #include "server.h"
 #include "slab_pool.h"
 
@@ -85,15 +85,10 @@ int main(int argc, char** argv) {
   app.add_flag("--no-mlock", no_mlock, "Do not try to mlock the pool");
   app.add_flag("--no-prefault", no_prefault, "Do not touch the pool's pages at start");
   app.add_option("--port-file", port_file, "Write the port actually bound to this file");
-  app.add_option("--log-level", log_level, "trace, debug, info, warn, error")
-      ->capture_default_str()
-      ->check(cli::OneOf(kLogLevels));
+  cli::AddLogLevelOption(app, log_level);
+  cli::AddVersionOption(app, "farmemd");
   CLI11_PARSE(app, argc, argv);
-
-  auto logger = spdlog::stderr_color_mt("farmemd");
-  logger->set_pattern("%Y-%m-%d %H:%M:%S.%e farmemd[%P] %l: %v");
-  spdlog::set_default_logger(logger);
-  spdlog::set_level(spdlog::level::from_str(log_level));
+  cli::SetUpLogging("farmemd", log_level);
 
   auto fail = [](const Status& s) {
     spdlog::critical("{}", s.ToString());
@@ -158,9 +153,20 @@ int main(int argc, char** argv) {
     std::ofstream(tmp) << server.port() << "\n";
     std::rename(tmp.c_str(), port_file.c_str());
   }
+  // systemd (Type=notify): serving now. The monitor's probe takes the server's and the pool's
+  // locks, so a daemon stuck on them stops the watchdog pings (WatchdogSec=).
+  systemd::NotifyReady(fmt::format("lending {} bytes on {}", pool_opts.capacity,
+                                   Endpoint{ep->host, server.port()}.ToString()));
+  auto monitor = systemd::ServiceMonitor::Start([&]() -> Result<std::string> {
+    const daemon::PoolStats st = (*pool)->stats();
+    return fmt::format("{} clients, {} of {} slabs free", server.client_count(), st.free_slabs,
+                       st.total_slabs);
+  });
   int sig = 0;
   sigwait(&sigs, &sig);
   spdlog::info("{}: shutting down", strsignal(sig));
+  systemd::NotifyStopping(fmt::format("{}: shutting down", strsignal(sig)));
+  monitor.reset();
   server.Stop();
   spdlog::info("stopped");
   return 0;

@@ -13,8 +13,10 @@
 //
 //   farptr_example --peers 10.0.0.1:7411,10.0.0.2:7411,... [--secret-file F] [--budget 16M]
 //                  [--resilience ec:4+2] [--docs 20000]
+#include <algorithm>
 #include <cstdio>
 #include <cstring>
+#include <numeric>
 #include <random>
 #include <string>
 #include <string_view>
@@ -139,21 +141,37 @@ int main(int argc, char** argv) {
     }
     // Containers take their own scopes (and locks): call them outside the document's scope.
     doc_words.push_back(static_cast<uint32_t>(words.size()));
-    for (uint64_t w : words) counts.insert(w, counts.find(w).value_or(0) + 1);
+    for (uint64_t w : words) counts[w] += 1;  // one atomic read-modify-write in the bucket
     total += words.size();
   }
 
+  // 5. The containers work with the standard algorithms (each element read by copy under a
+  //    scope of its own): the longest document, and the words counted twice over.
+  const auto longest = std::max_element(doc_words.begin(), doc_words.end());
+  const uint64_t counted =
+      std::accumulate(counts.begin(), counts.end(), uint64_t{0},
+                      [](uint64_t sum, const auto& word_count) { return sum + word_count.second; });
+  if (counted != total ||
+      std::accumulate(doc_words.begin(), doc_words.end(), uint64_t{0}) != total) {
+    std::fprintf(stderr, "farmem: the far containers disagree with the scan\n");
+    return 1;
+  }
+
   const farmem::RuntimeStats st = (*rt)->stats();
-  std::printf("%zu documents, %lu words, %zu distinct; 'far' occurs %lu times\n", docs.size(),
-              static_cast<unsigned long>(total), counts.size(),
-              static_cast<unsigned long>(counts.find(HashWord("far")).value_or(0)));
+  std::printf(
+      "%zu documents, %lu words, %zu distinct; 'far' occurs %lu times; the longest document "
+      "(#%zu) has %u words\n",
+      docs.size(), static_cast<unsigned long>(total), counts.size(),
+      static_cast<unsigned long>(counts.find(HashWord("far")).value_or(0)),
+      static_cast<size_t>(longest - doc_words.begin()),
+      doc_words.empty() ? 0u : static_cast<uint32_t>(*longest));
   std::printf(
       "local %.1f MiB of %.1f MiB budget, %.1f MiB of objects; %lu spans swapped out, "
       "%lu swapped in; %lu span sets (%s) on the daemons\n",
       st.local_bytes / 1048576.0, st.local_budget / 1048576.0, st.object_bytes / 1048576.0,
       static_cast<unsigned long>(st.spans_evicted), static_cast<unsigned long>(st.swap_ins),
       static_cast<unsigned long>(st.span_sets), (*rt)->resilience().ToString().c_str());
-  // 5. Far objects go before the runtime that holds them.
+  // 6. Far objects go before the runtime that holds them.
   docs.clear();
   return 0;
 }

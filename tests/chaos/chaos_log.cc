@@ -18,6 +18,9 @@ const std::regex kDownPatterns[] = {
     std::regex(R"(farmem client: the daemon at (\S+) restarted .*leases lost: \[(.*)\])"),
 };
 
+// "farmem client: node 2 (127.0.0.1:4711) is up" (client/src/cluster_monitor.cc, MarkUp).
+const std::regex kUpPattern(R"(farmem client: node \d+ \(([^)]+)\) is up)");
+
 // One line per member re-protected: the page store's rebuild (blockdev/src/page_store.cc,
 // RebuildExtent: "page store: extent 3 member 1 rebuilt on 127.0.0.1:4711 (1 MiB)"), far_ptr's
 // re-protection (farptr/src/remote_store.cc: "far memory: slab group 6 member 1 re-protected on
@@ -43,15 +46,19 @@ const std::regex kLostPattern(
     R"(page store: \d+ pages of extent \d+ \(export bytes (\d+)\.\.(\d+)\) are LOST)");
 
 const std::regex kNotable(
-    R"(is down|is up|restarted|rebuilt|re-?protect|whole again|degraded|LOST|lost members|\[error\]|\[warning\])");
+    R"(is down|is up|restarted|rebuilt|re-?protect|whole again|degraded|LOST|lost members|\[error\]|\[warning\]|\] error: |\] warning: )");
 
-// "[2026-12-01 12:13:53.123] ..." in local time.
+// In local time: "2026-12-01 12:13:53.123 farmem-nbd[42] info: ..." (farmemd, farmem-nbd,
+// farmemctl: cli::SetUpLogging, common/src/command_line.cc) or spdlog's default
+// "[2026-12-01 12:13:53.123] [farptr-workload] [info] ..." (the far_ptr workload).
 std::optional<int64_t> ParseTimestamp(const std::string& line) {
-  if (line.size() < 25 || line[0] != '[' || line[24] != ']') return std::nullopt;
+  const bool bracketed = !line.empty() && line[0] == '[';
+  const size_t end = bracketed ? 24 : 23;  // where the timestamp ends: ']' or ' '
+  if (line.size() <= end || line[end] != (bracketed ? ']' : ' ')) return std::nullopt;
   std::tm tm{};
   int ms = 0;
-  if (std::sscanf(line.c_str(), "[%d-%d-%d %d:%d:%d.%d]", &tm.tm_year, &tm.tm_mon, &tm.tm_mday,
-                  &tm.tm_hour, &tm.tm_min, &tm.tm_sec, &ms) != 7) {
+  if (std::sscanf(line.c_str() + (bracketed ? 1 : 0), "%d-%d-%d %d:%d:%d.%d", &tm.tm_year,
+                  &tm.tm_mon, &tm.tm_mday, &tm.tm_hour, &tm.tm_min, &tm.tm_sec, &ms) != 7) {
     return std::nullopt;
   }
   tm.tm_year -= 1900;
@@ -99,6 +106,15 @@ std::vector<DownEvent> DownEvents(const std::vector<LogLine>& log) {
         break;
       }
     }
+  }
+  return out;
+}
+
+std::vector<UpEvent> UpEvents(const std::vector<LogLine>& log) {
+  std::vector<UpEvent> out;
+  for (const LogLine& l : log) {
+    std::smatch m;
+    if (std::regex_search(l.text, m, kUpPattern)) out.push_back(UpEvent{l.ms, m[1].str()});
   }
   return out;
 }

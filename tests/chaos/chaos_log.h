@@ -3,10 +3,10 @@
 // which export ranges were reported LOST.
 //
 // Every line farmem logs through spdlog starts with a wall-clock timestamp
-// "[YYYY-mm-dd HH:MM:SS.mmm]"; the chaos driver records the wall-clock time of each fault and
-// compares. What the programs say is matched by the patterns in chaos_log.cc (kDownPatterns,
-// kReprotectPatterns, kWholePattern, kLostPattern): when a log line changes, adapt it there, in
-// one place.
+// "YYYY-mm-dd HH:MM:SS.mmm" (in brackets in spdlog's default format); the chaos driver records the
+// wall-clock time of each fault and compares. What the programs say is matched by the patterns in
+// chaos_log.cc (kDownPatterns, kReprotectPatterns, kWholePattern, kLostPattern): when a log line
+// changes, adapt it there, in one place.
 //
 // Used by the driver's main thread only.
 #pragma once
@@ -35,6 +35,13 @@ struct DownEvent {
   uint64_t leases = 0;
 };
 std::vector<DownEvent> DownEvents(const std::vector<LogLine>& log);
+
+// The client (re)connected to the daemon at `endpoint` at `ms` ("node N (endpoint) is up").
+struct UpEvent {
+  int64_t ms = 0;
+  std::string endpoint;
+};
+std::vector<UpEvent> UpEvents(const std::vector<LogLine>& log);
 
 // far_ptr names each span-set member that failed, with its daemon; a daemon's leases may include
 // some no member uses. Returns how many distinct (group, member) pairs on `endpoint` failed in

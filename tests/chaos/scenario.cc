@@ -8,12 +8,14 @@
 #include <fstream>
 #include <memory>
 #include <optional>
+#include <set>
 #include <sstream>
 #include <thread>
 
 #include "chaos_log.h"
 #include "faults.h"
 #include "nbd_verifier.h"
+#include "network.h"
 #include "support/daemon_fixture.h"
 #include "support/wait.h"
 #include "test_process.h"
@@ -26,9 +28,13 @@ using blockdev::testing::ChildProcess;
 using blockdev::testing::SpawnOptions;
 using SteadyClock = std::chrono::steady_clock;
 
-const char* const kStepsWithDaemon[] = {"kill", "stop", "restart", "fill", "flood", "probe"};
+const char* const kStepsWithDaemon[] = {"kill",  "stop", "restart", "fill", "flood",
+                                        "probe", "cut",  "delay",   "loss"};
 const char* const kStepsWithCount[] = {"stall"};
-const char* const kStepsPlain[] = {"run", "reprotect", "unfill", "unstall", "unflood", "start"};
+const char* const kStepsPlain[] = {"run",     "reprotect", "unfill", "unstall",
+                                   "unflood", "start",     "heal",   "rejoin"};
+const char* const kNetworkSteps[] = {"cut", "delay", "loss"};
+const char* const kNetemSteps[] = {"delay", "loss"};
 
 Result<Step> ParseStep(const std::string& word, int daemons) {
   Step s;
@@ -45,8 +51,22 @@ Result<Step> ParseStep(const std::string& word, int daemons) {
     return s;
   }
   if (colon == std::string::npos) return Err(InvalidArgument("step '" + s.op + "' needs :N"));
+  const size_t equals = word.find('=', colon);
+  if (equals != std::string::npos &&
+      std::ranges::find(kNetemSteps, s.op) == std::end(kNetemSteps)) {
+    return Err(InvalidArgument("step '" + s.op + "' takes no =VALUE"));
+  }
   try {
-    s.arg = std::stoi(word.substr(colon + 1));
+    size_t used = 0;
+    const std::string n =
+        word.substr(colon + 1, equals == std::string::npos ? equals : equals - colon - 1);
+    s.arg = std::stoi(n, &used);
+    if (used != n.size()) throw std::invalid_argument(n);
+    if (equals != std::string::npos) {
+      const std::string v = word.substr(equals + 1);
+      s.value = std::stod(v, &used);
+      if (used != v.size() || s.value < 0) throw std::invalid_argument(v);
+    }
   } catch (...) {
     return Err(InvalidArgument("bad number in '" + word + "'"));
   }
@@ -65,6 +85,22 @@ std::string Slurp(const std::string& path) {
 
 std::string Ms(double ms) { return fmt::format("{:.0f}", ms); }
 
+std::string Join(const std::vector<std::string>& parts, std::string_view separator) {
+  std::string out;
+  for (const std::string& p : parts) {
+    if (!out.empty()) out += separator;
+    out += p;
+  }
+  return out;
+}
+
+// --peers for the workload: every daemon of the scenario.
+std::string PeerList(testing::DaemonSet& daemons) {
+  std::vector<std::string> peers;
+  for (const Endpoint& ep : daemons.endpoints()) peers.push_back(ep.ToString());
+  return Join(peers, ",");
+}
+
 // A fault whose detection and re-protection the table reports.
 struct Fault {
   std::string what;  // "kill 0"
@@ -72,6 +108,11 @@ struct Fault {
   int64_t ms = 0;  // wall clock
   // Faults with no `run` or `reprotect` step between them form one burst, re-protected together.
   int burst = 0;
+  // Delay or loss: the daemon need not be declared down (if it is, detection and re-protection
+  // are reported like any fault's).
+  bool impairment = false;
+  bool network = false;           // cut, delay, loss: ended by `heal`
+  int64_t healed_ms = INT64_MAX;  // wall clock of the `heal` that ended it
 };
 
 // Detection and re-protection of each fault, read from the workload's log.
@@ -100,8 +141,10 @@ std::vector<FaultTimes> Analyze(const std::vector<Fault>& faults, const std::vec
     size_t next = f + 1;
     while (next < faults.size() && faults[next].burst == faults[f].burst) ++next;
     const int64_t until = next < faults.size() ? faults[next].ms - kSlack : INT64_MAX;
+    // An impairment is blamed only for downs while it lasted.
+    const int64_t last = faults[f].impairment ? faults[f].healed_ms : INT64_MAX;
     auto down = std::ranges::find_if(downs, [&](const DownEvent& d) {
-      return d.endpoint == faults[f].endpoint && d.ms >= from;
+      return d.endpoint == faults[f].endpoint && d.ms >= from && d.ms < last;
     });
     if (down == downs.end()) continue;
     FaultTimes& t = out[f];
@@ -170,10 +213,7 @@ class NbdWorkload : public Workload {
       : scenario_(s), config_(c), daemons_(d), dir_(d.work_dir()) {}
 
   Status Start() override {
-    std::string peers;
-    for (const Endpoint& ep : daemons_.endpoints()) {
-      peers += (peers.empty() ? "" : ",") + ep.ToString();
-    }
+    const std::string peers = PeerList(daemons_);
     socket_ = dir_ + "/nbd.sock";
     std::vector<std::string> argv = {testing::BinPath("farmem-nbd"),
                                      "--backend",
@@ -206,7 +246,9 @@ class NbdWorkload : public Workload {
     o.ops_per_second = config_.nbd_ops_per_second;
     verifier_ = std::make_unique<NbdVerifier>(o);
     FARMEM_RETURN_IF_ERROR(verifier_->Connect());
+    const auto t0 = SteadyClock::now();
     FARMEM_RETURN_IF_ERROR(verifier_->Fill());
+    fill_s_ = std::chrono::duration<double>(SteadyClock::now() - t0).count();
     verifier_->Start();
     return Status::Ok();
   }
@@ -216,8 +258,10 @@ class NbdWorkload : public Workload {
 
   Status Finish(ScenarioResult* r, std::vector<uint64_t>* lost_blocks) override {
     verifier_->Stop();
+    const auto t0 = SteadyClock::now();
     Status s = alive() ? verifier_->VerifyAll()
                        : Status(StatusCode::kUnavailable, "farmem-nbd died: " + Slurp(log_path()));
+    const double verify_s = std::chrono::duration<double>(SteadyClock::now() - t0).count();
     const NbdWorkloadReport rep = verifier_->Report();
     r->bytes_verified = rep.bytes_verified;
     r->bytes_lost = rep.bytes_lost;
@@ -225,8 +269,10 @@ class NbdWorkload : public Workload {
     r->failed_requests = rep.failed_requests;
     r->longest_stall_ms = rep.longest_stall_ms;
     *lost_blocks = rep.lost_blocks;
-    r->notes.push_back(fmt::format("nbd: {} requests, {} MiB written (acknowledged)", rep.requests,
-                                   rep.bytes_written >> 20));
+    r->notes.push_back(fmt::format(
+        "nbd: {} requests, {} MiB written (acknowledged); filling the export took {:.1f} s, the "
+        "final verification {:.1f} s",
+        rep.requests, rep.bytes_written >> 20, fill_s_, verify_s));
     for (const std::string& p : rep.problems) r->notes.push_back("nbd: " + p);
     if (rep.transport_failed) r->failures.push_back("an NBD connection broke (see notes)");
     verifier_.reset();
@@ -245,6 +291,7 @@ class NbdWorkload : public Workload {
   std::string socket_;
   std::optional<ChildProcess> nbd_;
   std::unique_ptr<NbdVerifier> verifier_;
+  double fill_s_ = 0;
 };
 
 class FarptrWorkload : public Workload {
@@ -253,10 +300,7 @@ class FarptrWorkload : public Workload {
       : scenario_(s), config_(c), daemons_(d), dir_(d.work_dir()) {}
 
   Status Start() override {
-    std::string peers;
-    for (const Endpoint& ep : daemons_.endpoints()) {
-      peers += (peers.empty() ? "" : ",") + ep.ToString();
-    }
+    const std::string peers = PeerList(daemons_);
     std::vector<std::string> argv = {config_.farptr_workload,
                                      "--peers",
                                      peers,
@@ -356,6 +400,18 @@ class FarptrWorkload : public Workload {
 
 }  // namespace
 
+bool Scenario::network() const {
+  return std::ranges::any_of(steps, [](const Step& s) {
+    return std::ranges::find(kNetworkSteps, s.op) != std::end(kNetworkSteps);
+  });
+}
+
+bool Scenario::netem() const {
+  return std::ranges::any_of(steps, [](const Step& s) {
+    return std::ranges::find(kNetemSteps, s.op) != std::end(kNetemSteps);
+  });
+}
+
 Result<std::vector<Scenario>> LoadScenarios(const std::string& path) {
   std::ifstream in(path);
   if (!in) return Err(NotFound("cannot read " + path));
@@ -411,6 +467,15 @@ ScenarioResult RunScenario(const Scenario& sc, const RunConfig& cfg) {
     res.notes.push_back(std::move(what));
   };
 
+  if (sc.network() && !cfg.no_network.empty()) {
+    res.skipped = cfg.no_network;
+    return res;
+  }
+  if (sc.netem() && !cfg.no_netem.empty()) {
+    res.skipped = cfg.no_netem;
+    return res;
+  }
+
   testing::DaemonConfig dc;
   dc.capacity = cfg.daemon_capacity;
   dc.slab_size = cfg.slab_size;
@@ -422,6 +487,22 @@ ScenarioResult RunScenario(const Scenario& sc, const RunConfig& cfg) {
     return res;
   }
   const std::string secret_file = daemons.work_dir() + "/secret";
+  // Listening is not serving yet (under emulation a daemon can take seconds more to answer its
+  // first client): every daemon answers a STAT before the workload starts.
+  for (size_t i = 0; i < daemons.size(); ++i) {
+    ProbeResult p;
+    const bool ready = testing::WaitUntil(
+        [&] {
+          p = ProbeDaemon(cfg.farmemctl, daemons[i].endpoint(), secret_file,
+                          std::chrono::seconds(10));
+          return p.ok;
+        },
+        std::chrono::seconds(60), std::chrono::milliseconds(100));
+    if (!ready) {
+      fail(fmt::format("daemon {} did not answer farmemctl stat in 60 s: {}", i, p.error));
+      return res;
+    }
+  }
   std::unique_ptr<Workload> workload;
   if (sc.workload == "nbd") {
     workload = std::make_unique<NbdWorkload>(sc, cfg, daemons);
@@ -431,6 +512,7 @@ ScenarioResult RunScenario(const Scenario& sc, const RunConfig& cfg) {
   SlabFiller filler;
   SocketFlood flood;
   StalledNbdClients stalled;
+  NetworkFaults network;
   std::vector<Fault> faults;
   size_t runtime_recovered = 0;  // faults [0, n) the far_ptr runtime said were re-protected
   int burst = 0;
@@ -444,7 +526,9 @@ ScenarioResult RunScenario(const Scenario& sc, const RunConfig& cfg) {
           bool all = true;
           missing.clear();
           for (size_t f = 0; f < faults.size(); ++f) {
-            if (!times[f].reprotect) {
+            // A delay or loss the client never took for a failure cost nothing to re-protect.
+            const bool unnoticed = faults[f].impairment && !times[f].detect;
+            if (!times[f].reprotect && !unnoticed) {
               all = false;
               missing += fmt::format(" [{}: {} of {} members]", faults[f].what, times[f].done,
                                      times[f].needed);
@@ -467,6 +551,40 @@ ScenarioResult RunScenario(const Scenario& sc, const RunConfig& cfg) {
     note(why);
     // Re-protection starts as soon as an eligible daemon is reachable (design.md, fault
     // model); every `reprotect` step in scenarios.txt has one.
+    if (sc.tolerate) fail(why);
+  };
+
+  // Every daemon whose path had a network fault is up again in the client's view: its latest
+  // "is down" (if any) has an "is up" after it.
+  auto wait_rejoined = [&]() {
+    std::string missing;
+    const bool all_up = testing::WaitUntil(
+        [&] {
+          const std::vector<LogLine> log = ReadLog(workload->log_path());
+          const std::vector<DownEvent> downs = DownEvents(log);
+          const std::vector<UpEvent> ups = UpEvents(log);
+          missing.clear();
+          std::set<std::string> seen;
+          for (const Fault& f : faults) {
+            if (!f.network || !seen.insert(f.endpoint).second) continue;
+            int64_t last_down = INT64_MIN, last_up = INT64_MIN;
+            for (const DownEvent& d : downs) {
+              if (d.endpoint == f.endpoint) last_down = d.ms;
+            }
+            for (const UpEvent& u : ups) {
+              if (u.endpoint == f.endpoint) last_up = u.ms;
+            }
+            if (last_down > last_up) missing += " " + f.endpoint;
+          }
+          return missing.empty();
+        },
+        std::chrono::duration_cast<std::chrono::milliseconds>(cfg.reprotect_deadline),
+        std::chrono::milliseconds(50));
+    if (all_up) return;
+    const std::string why =
+        fmt::format("the client still holds{} down {} s after the network healed", missing,
+                    cfg.reprotect_deadline.count() / 1000);
+    note(why);
     if (sc.tolerate) fail(why);
   };
 
@@ -547,6 +665,42 @@ ScenarioResult RunScenario(const Scenario& sc, const RunConfig& cfg) {
     } else if (step.op == "unflood") {
       flood.Release();
       note("unflood: the sockets closed");
+    } else if (step.op == "cut") {
+      testing::DaemonProcess& d = daemons[static_cast<size_t>(step.arg)];
+      Status s = network.Partition(step.arg, d.endpoint().port);
+      // The partition is whole once both directions are cut: time it from there.
+      faults.push_back(Fault{what, d.endpoint().ToString(), WallMs(), burst, false, true});
+      if (!s.ok()) fail(what + ": " + s.ToString());
+      note(fmt::format("{} ({}): every packet to and from it dropped until heal", what,
+                       d.endpoint().ToString()));
+    } else if (step.op == "delay") {
+      testing::DaemonProcess& d = daemons[static_cast<size_t>(step.arg)];
+      const int ms = step.value >= 0 ? static_cast<int>(step.value) : cfg.delay_ms;
+      const int jitter = step.value >= 0 ? ms / 5 : cfg.jitter_ms;
+      Status s = network.Delay(step.arg, d.endpoint().port, ms, jitter);
+      faults.push_back(Fault{what, d.endpoint().ToString(), WallMs(), burst, true, true});
+      if (!s.ok()) fail(what + ": " + s.ToString());
+      note(fmt::format("{} ({}): {} ms ± {} ms each way until heal", what, d.endpoint().ToString(),
+                       ms, jitter));
+    } else if (step.op == "loss") {
+      testing::DaemonProcess& d = daemons[static_cast<size_t>(step.arg)];
+      const double percent = step.value >= 0 ? step.value : cfg.loss_percent;
+      Status s = network.Loss(step.arg, d.endpoint().port, percent);
+      faults.push_back(Fault{what, d.endpoint().ToString(), WallMs(), burst, true, true});
+      if (!s.ok()) fail(what + ": " + s.ToString());
+      note(fmt::format("{} ({}): {}% of packets dropped each way until heal", what,
+                       d.endpoint().ToString(), percent));
+    } else if (step.op == "heal") {
+      // Timed from the start: no daemon can be back before the first filter goes.
+      const int64_t now = WallMs();
+      Status s = network.HealAll();
+      for (Fault& f : faults) {
+        if (f.network && f.healed_ms == INT64_MAX) f.healed_ms = now;
+      }
+      if (!s.ok()) fail("heal: " + s.ToString());
+      note("heal: every network fault removed");
+    } else if (step.op == "rejoin") {
+      wait_rejoined();
     } else if (step.op == "probe") {
       testing::DaemonProcess& d = daemons[static_cast<size_t>(step.arg)];
       ProbeResult p =
@@ -566,6 +720,13 @@ ScenarioResult RunScenario(const Scenario& sc, const RunConfig& cfg) {
   stalled.Release();
   flood.Release();
   filler.Release();
+  if (network.any()) {
+    const int64_t now = WallMs();
+    if (Status s = network.HealAll(); !s.ok()) fail("heal at the end: " + s.ToString());
+    for (Fault& f : faults) {
+      if (f.network && f.healed_ms == INT64_MAX) f.healed_ms = now;
+    }
+  }
 
   std::vector<uint64_t> lost_blocks;
   if (started) {
@@ -576,18 +737,39 @@ ScenarioResult RunScenario(const Scenario& sc, const RunConfig& cfg) {
   const std::vector<LogLine> log = ReadLog(workload->log_path());
   const auto times = Analyze(faults, log, runtime_recovered);
   std::vector<std::string> det, rep;
+  const std::vector<DownEvent> downs = DownEvents(log);
+  const std::vector<UpEvent> ups = UpEvents(log);
   for (size_t f = 0; f < faults.size(); ++f) {
-    det.push_back(times[f].detect ? std::to_string(*times[f].detect) : "n/a");
-    rep.push_back(times[f].reprotect ? std::to_string(*times[f].reprotect)
-                                     : fmt::format("n/a ({}/{})", times[f].done, times[f].needed));
+    if (faults[f].impairment && !times[f].detect) {
+      det.push_back("none");  // never taken for a failure: nothing to re-protect
+      rep.push_back("-");
+    } else {
+      det.push_back(times[f].detect ? std::to_string(*times[f].detect) : "n/a");
+      rep.push_back(times[f].reprotect
+                        ? std::to_string(*times[f].reprotect)
+                        : fmt::format("n/a ({}/{})", times[f].done, times[f].needed));
+    }
+    if (!faults[f].network) continue;
+    // How often the path's daemon was declared down while the fault lasted, and when the client
+    // had it back after the heal.
+    const int64_t from = faults[f].ms - 5, until = faults[f].healed_ms;
+    const auto n_down = std::ranges::count_if(downs, [&](const DownEvent& d) {
+      return d.endpoint == faults[f].endpoint && d.ms >= from && d.ms < until;
+    });
+    std::string rejoin = "it was never down";
+    if (n_down > 0 && until != INT64_MAX) {
+      auto up = std::ranges::find_if(ups, [&](const UpEvent& u) {
+        return u.endpoint == faults[f].endpoint && u.ms >= until - 5;
+      });
+      rejoin = up == ups.end() ? "NOT up again after the heal"
+                               : fmt::format("up again {} ms after the heal",
+                                             std::max<int64_t>(0, up->ms - until));
+    }
+    note(fmt::format("{} ({}): declared down {} time(s) while it lasted; {}", faults[f].what,
+                     faults[f].endpoint, n_down, rejoin));
   }
-  auto join = [](const std::vector<std::string>& v) {
-    std::string s;
-    for (const auto& x : v) s += (s.empty() ? "" : " / ") + x;
-    return s.empty() ? std::string("-") : s;
-  };
-  res.detect_ms = join(det);
-  res.reprotect_ms = join(rep);
+  res.detect_ms = det.empty() ? "-" : Join(det, " / ");
+  res.reprotect_ms = rep.empty() ? "-" : Join(rep, " / ");
 
   // Expectations.
   if (res.bytes_corrupt != 0) fail(fmt::format("{} bytes came back WRONG", res.bytes_corrupt));

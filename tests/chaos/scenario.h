@@ -14,8 +14,9 @@
 namespace farmem::chaos {
 
 struct Step {
-  std::string op;  // run, kill, stop, restart, reprotect, fill, unfill, stall, unstall, ...
-  int arg = -1;    // daemon index or client count; -1 when the step takes none
+  std::string op;     // run, kill, stop, restart, reprotect, fill, unfill, stall, unstall, ...
+  int arg = -1;       // daemon index or client count; -1 when the step takes none
+  double value = -1;  // delay:N=MS, loss:N=PERCENT; -1: the RunConfig's default
 };
 
 struct Scenario {
@@ -28,6 +29,11 @@ struct Scenario {
   std::vector<Step> steps;
   std::string known_fail;  // why it fails on today's main (empty: it should pass)
   std::string line;        // as written, for messages
+
+  // Whether it has network faults (cut, delay, loss): it runs in the driver's own network
+  // namespace; delay and loss need netem, which only the qemu guest has (network.h).
+  bool network() const;
+  bool netem() const;
 };
 
 Result<std::vector<Scenario>> LoadScenarios(const std::string& path);
@@ -47,6 +53,13 @@ struct RunConfig {
   std::string farmemctl;
   std::string farptr_workload;
   bool verbose = false;
+  // Network faults (network.h): the default delay:N (each way) and loss:N.
+  int delay_ms = 50;
+  int jitter_ms = 10;
+  double loss_percent = 10;
+  // Why scenarios with network faults (or with delay/loss) cannot run here; empty: they can.
+  std::string no_network;
+  std::string no_netem;
 };
 
 struct ScenarioResult {
@@ -61,6 +74,7 @@ struct ScenarioResult {
   std::string reprotect_ms;  // per fault; "n/a" when not seen within the run
   double seconds = 0;
   bool passed = false;
+  std::string skipped;                // why it was not run here (then it neither passed nor failed)
   std::vector<std::string> failures;  // why it did not pass (empty when it did)
   std::vector<std::string> notes;     // what happened (faults, probes, log lines)
 };

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # deploy/systemd: `systemd-analyze verify` accepts every unit without a single warning (it checks
-# directives, sandboxing values, specifiers and that ExecStart= is executable: the unit's
-# /usr/local/bin path is pointed at this build's binaries for the check).
+# directives, sandboxing values, specifiers and that ExecStart= is executable: the templates'
+# @FARMEM_SBINDIR@ is pointed at this build's binaries for the check; the installed units are
+# checked by tests/package/deb_test.sh).
 #   tests/deploy/systemd_verify.sh <source dir> <farmemd> <farmem-nbd>
 set -euo pipefail
 src=${1:?usage: systemd_verify.sh <source dir> <farmemd> <farmem-nbd>}
@@ -13,9 +14,12 @@ command -v systemd-analyze >/dev/null ||
 
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
-cp "$src"/deploy/systemd/* "$tmp/"
-sed -i -e "s#/usr/local/bin/farmemd #$farmemd #" -e "s#/usr/local/bin/farmem-nbd #$nbd #" "$tmp"/*.service
-grep -q /usr/local/bin "$tmp"/*.service && fail "an ExecStart= the check does not know about"
+for in in "$src"/deploy/systemd/*.in; do
+  u=$(basename "$in" .in)
+  sed -e "s#@FARMEM_SBINDIR@/farmemd #$farmemd #" -e "s#@FARMEM_SBINDIR@/farmem-nbd #$nbd #" \
+    "$in" >"$tmp/$u"
+done
+grep -q '@[A-Z_]*@' "$tmp"/* && fail "a @VARIABLE@ of the unit templates the check does not know about"
 cp "$tmp/farmemd@.service" "$tmp/farmemd@main.service"  # a template is verified as an instance
 cd "$tmp"
 units=(farmemd@main.service farmemd.service farmem-nbd.socket farmem-nbd.service)
@@ -27,6 +31,8 @@ for u in farmemd@main.service farmemd.service farmem-nbd.service; do
   grep -q '^LimitMEMLOCK=infinity$' "$u" || fail "$u: no LimitMEMLOCK=infinity (mlock, RDMA registration)"
   grep -q '^PrivateDevices=yes' "$u" && fail "$u: PrivateDevices=yes hides /dev/infiniband"
   grep -q '^DeviceAllow=char-infiniband_verbs rw$' "$u" || fail "$u: uverbs devices not allowed"
+  # READY=1 comes from farmemd/farmem-nbd once they listen (common/service_notify.h).
+  grep -q '^Type=notify$' "$u" || fail "$u: not Type=notify"
 done
 grep -q '^ListenStream=' farmem-nbd.socket || fail "farmem-nbd.socket listens on nothing"
 echo "deploy/systemd: ${units[*]} verify clean"

@@ -115,7 +115,8 @@ class StressTest : public FarptrTest {
           const unsigned m = rng() % 10;
           if (m < 4) {
             const uint64_t v = rng();
-            if (map.insert(key, v) != w.map_model.insert_or_assign(key, v).second) {
+            if (map.insert_or_assign(key, v).second !=
+                w.map_model.insert_or_assign(key, v).second) {
               ADD_FAILURE() << "map insert of " << key << " disagrees";
               failed = true;
             }

@@ -10,6 +10,7 @@
 #include <functional>
 #include <random>
 
+#include "farmem/transport/fault_injection.h"
 #include "support/daemon_fixture.h"
 #include "support/wait.h"
 
@@ -46,6 +47,7 @@ class PageStoreTest : public ::testing::Test {
     o.failure_timeout = std::chrono::milliseconds(600);
     o.reconnect_interval = std::chrono::milliseconds(reconnect_ms);
     o.op_timeout = std::chrono::milliseconds(2000);
+    o.fault_injector = faults_;  // set by the fault tests: the data channels take their faults
     auto c = client::Cluster::Connect(o);
     ASSERT_TRUE(c.has_value()) << c.error().ToString();
     cluster_ = std::move(*c);
@@ -209,6 +211,7 @@ class PageStoreTest : public ::testing::Test {
         << "degraded extents were not re-protected: " << Describe();
   }
 
+  std::shared_ptr<transport::FaultInjector> faults_ = std::make_shared<transport::FaultInjector>();
   std::unique_ptr<DaemonSet> daemons_;
   std::unique_ptr<client::Cluster> cluster_;
   std::unique_ptr<PageStore> store_;
@@ -569,6 +572,66 @@ TEST_F(PageStoreTest, CapacityCheckSeesAClusterShortOfRoom) {
   ASSERT_TRUE(
       WaitUntil([&] { return store_->stats().slabs_needed == 42; }, std::chrono::seconds(10)));
   EXPECT_EQ(store_->stats().cluster_free_slabs, 18u);
+}
+
+// ---- Failure interleavings, made deterministic with injected faults
+// ------------------------------ (transport/fault_injection.h: the daemons and the client core are
+// real; which data op fails or waits is chosen by the test, not by the timing of a kill or a
+// SIGSTOP.)
+
+// A replica write that fails on one member: the write still succeeds (the mode tolerates one
+// member lost), and that member's now stale copy is never served — not even after the other
+// member's daemon is killed once the store says it is whole again.
+TEST_F(PageStoreTest, ReplicaWriteFailedOnOneMemberNeverServesItsStaleCopy) {
+  faults_ = std::make_shared<transport::FaultInjector>();
+  StartDaemons(3, "24M", /*reconnect_ms=*/100);
+  Open("replicate:2");
+  RandomWrites(200, 31);
+  const Endpoint victim = (*daemons_)[1].endpoint();
+  faults_->Fail(victim, RemoteAccessError("injected: write refused"), /*count=*/3, /*after=*/1);
+  RandomWrites(100, 32);  // newer data everywhere; three of the member writes to daemon 1 fail
+  EXPECT_EQ(faults_->ops_failed(victim), 3u) << "the writes never reached daemon 1's channel";
+  WaitUntilWhole();
+  VerifyAll();
+  (*daemons_)[0].Kill();  // the other member of about half of daemon 1's extents
+  VerifyAll();
+}
+
+// Reads whose member refuses them are served from the other replica, without an error (the
+// store takes the refusing member for lost and rebuilds it elsewhere).
+TEST_F(PageStoreTest, ReplicaReadRefusedByOneMemberIsServedByTheOther) {
+  faults_ = std::make_shared<transport::FaultInjector>();
+  StartDaemons(3);
+  Open("replicate:2");
+  RandomWrites(200, 33);
+  const Endpoint victim = (*daemons_)[2].endpoint();
+  faults_->Fail(victim, RemoteAccessError("injected: read refused"));  // every op, until Clear
+  VerifyAll();
+  VerifyBatched(30, 34, /*listener=*/true);
+  faults_->Clear(victim);
+  EXPECT_GT(faults_->ops_failed(victim), 0u) << "no read went to daemon 2";
+  EXPECT_GT(store_->stats().rebuilds, 0u);
+}
+
+// ec:2+1: one member's writes stall (the daemon still answers heartbeats on its control
+// connection, so the client core never declares it down). The writes complete without it, the
+// extents are re-protected, and after the stall ends a second failure loses nothing.
+TEST_F(PageStoreTest, ErasureWritesStalledOnOneMemberCompleteAndLoseNothing) {
+  faults_ = std::make_shared<transport::FaultInjector>();
+  StartDaemons(4, "24M", /*reconnect_ms=*/100);
+  Open("ec:2+1");
+  RandomWrites(100, 35);
+  const Endpoint victim = (*daemons_)[3].endpoint();
+  faults_->Hold(victim);
+  RandomWrites(15, 36);  // members on daemon 3 stall; the store gives up on them at op_timeout
+  EXPECT_GT(faults_->ops_held(victim), 0u) << "no write went to daemon 3";
+  faults_->Release(victim);
+  RandomWrites(30, 37);  // newer data again, over the same ranges in part
+  WaitUntilWhole();
+  VerifyAll();
+  // Whichever member is killed now, what is left decodes to the newest data.
+  (*daemons_)[0].Kill();
+  VerifyAll();
 }
 
 }  // namespace

@@ -115,6 +115,9 @@ class VerbsTest : public ::testing::Test {
     config.secret = kSecret;
     config.start_timeout = milliseconds(60000);  // an emulated guest on a busy host is slow
     if (config.extra_args.empty()) config.extra_args = {"--rdma", "on"};
+    // The 5 s default is for real machines: an emulated guest on a loaded host was seen to take
+    // longer than that from connect to AUTH (the daemon then closes, the client cannot connect).
+    config.extra_args.insert(config.extra_args.end(), {"--handshake-timeout-ms", "60000"});
     daemons_.push_back(std::make_unique<testing::DaemonProcess>(
         config, work_dir_->path(), "farmemd-" + std::to_string(daemons_.size())));
     Status s = daemons_.back()->Start();

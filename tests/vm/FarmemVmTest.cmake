@@ -28,9 +28,11 @@ function(farmem_add_vm_test)
   if(NOT T_TIMEOUT)
     set(T_TIMEOUT 300)
   endif()
-  # The harness kills the guest itself a little before ctest would kill the harness.
+  # The harness kills the guest itself a little before ctest would kill the harness. A guest stuck
+  # in its own set-up (before the command starts) is booted once more after 90 s: ctest allows it.
   math(EXPR guest_timeout "${T_TIMEOUT} - 15")
-  set(args --skip-unavailable --timeout ${guest_timeout})
+  math(EXPR T_TIMEOUT "${T_TIMEOUT} + 90")
+  set(args --skip-unavailable --timeout ${guest_timeout} --boot-timeout 90)
   if(T_MEM)
     list(APPEND args --mem ${T_MEM})
   endif()

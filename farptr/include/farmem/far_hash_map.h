@@ -1,5 +1,13 @@
 // far_hash_map<K, V>: a hash map whose entries live in far memory, usable with a local budget far
-// below its size.
+// below its size, shaped like std::unordered_map where that is sound for a concurrent map whose
+// entries may be on another machine.
+//
+//   farmem::far_hash_map<uint64_t, Order> m(*rt);
+//   auto [it, inserted] = m.insert(7, order);    // does not overwrite, as std::
+//   m.insert_or_assign(7, newer);
+//   m[7] = newer;  m[word] += 1;                 // proxies: a write, an atomic read-modify-write
+//   std::optional<Order> o = m.find(7);          // values by copy
+//   for (auto [k, v] : m) ...                    // iteration by copy, bucket by bucket
 //
 // Layout: a local directory of buckets (one far_bytes pointer, 8 bytes, per bucket; about one
 // byte of local memory per entry at the default load) and, per bucket, one far object holding
@@ -8,11 +16,17 @@
 // A bucket that fills up is reallocated at twice the capacity; the directory doubles when the
 // average bucket passes kMaxLoad entries (a full rehash, under an exclusive lock).
 //
-// Values are returned by copy, so nothing a caller holds points into far memory.
+// Values are returned by copy, so nothing a caller holds points into far memory: find returns
+// std::optional<V>, an iterator holds a copy of its bucket's entries and `*it` is a
+// std::pair<const K, V> by value (docs/farptr.md lists every difference from std::).
 //
-// Threads: every method may be called from any thread concurrently. Buckets are guarded by
-// striped reader/writer locks (find shares, insert/erase exclude); a directory resize excludes
-// everyone. Locks are taken before the internal DerefScope is entered.
+// Threads: every method may be called from any thread concurrently (except moves, swap and
+// destruction, as with any object). Buckets are guarded by striped reader/writer locks (find and
+// iteration share, writes exclude); a directory resize excludes everyone. Locks are taken before
+// the internal DerefScope is entered. Iteration concurrent with writers is weakly consistent:
+// each entry present for the whole iteration is seen exactly once (also across directory
+// growth: buckets are visited in reverse-binary order, Redis SCAN's cursor), entries inserted or
+// erased meanwhile may or may not be.
 #pragma once
 
 #include <atomic>
@@ -20,9 +34,12 @@
 #include <cstdint>
 #include <cstring>
 #include <functional>
+#include <initializer_list>
+#include <iterator>
 #include <memory>
 #include <optional>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "farmem/common/mutex.h"
@@ -34,26 +51,148 @@ template <typename K, typename V, typename Hash = std::hash<K>, typename Eq = st
 class far_hash_map {
   static_assert(std::is_trivially_copyable_v<K> && std::is_trivially_copyable_v<V>,
                 "far_hash_map keys and values must be trivially copyable");
+  static_assert(sizeof(size_t) == 8, "the iteration cursor assumes 64-bit size_t");
 
  public:
   static constexpr size_t kMaxLoad = 8;  // average entries per bucket before the directory grows
   static constexpr size_t kStripes = 256;
 
+  using key_type = K;
+  using mapped_type = V;
+  using value_type = std::pair<const K, V>;
+  using size_type = size_t;
+  using difference_type = std::ptrdiff_t;
+  using hasher = Hash;
+  using key_equal = Eq;
+
+  // Iteration over a snapshot of one bucket at a time: `*it` is a copy of the entry, taken when
+  // the iterator reached its bucket. A forward iterator (std::forward_iterator); its legacy
+  // category is input because `reference` is a value, not a `value_type&`. Never invalidated:
+  // the map may change under it (the copy is what it shows); it must not outlive the map.
+  class const_iterator {
+    struct arrow_proxy {
+      value_type entry;
+      const value_type* operator->() const { return &entry; }
+    };
+
+   public:
+    using iterator_concept = std::forward_iterator_tag;
+    using iterator_category = std::input_iterator_tag;
+    using value_type = far_hash_map::value_type;
+    using difference_type = std::ptrdiff_t;
+    using reference = value_type;  // by copy
+    using pointer = void;
+
+    const_iterator() = default;
+    reference operator*() const { return (*items_)[pos_]; }
+    arrow_proxy operator->() const { return arrow_proxy{(*items_)[pos_]}; }
+    const_iterator& operator++() {
+      if (++pos_ >= items_->size()) m_->Seek(*this, NextCursor(cursor_, mask_));
+      return *this;
+    }
+    const_iterator operator++(int) {
+      const_iterator t = *this;
+      ++*this;
+      return t;
+    }
+    // Positions compare: (bucket, place in the bucket's copy); every end() is equal.
+    friend bool operator==(const const_iterator& a, const const_iterator& b) {
+      if (a.items_ == nullptr || b.items_ == nullptr) return a.items_ == b.items_;
+      return a.cursor_ == b.cursor_ && a.pos_ == b.pos_;
+    }
+
+   private:
+    friend class far_hash_map;
+    const far_hash_map* m_ = nullptr;
+    size_t cursor_ = 0;  // the bucket's index
+    size_t mask_ = 0;    // the directory's size - 1 when the bucket was copied
+    std::shared_ptr<const std::vector<value_type>> items_;  // its entries; null: end()
+    size_t pos_ = 0;
+  };
+  using iterator = const_iterator;  // entries are not modified through iterators (as std::set)
+
+  // What operator[] returns: stands for the value under one key. Nothing happens until it is
+  // read or written: reading gives the value, or V{} if the key is absent (without inserting
+  // it); assigning is insert_or_assign; += -= ++ -- are one atomic update().
+  class mapped_reference {
+   public:
+    operator V() const { return m_->find(key_).value_or(V{}); }  // NOLINT
+    V get() const { return *this; }
+    const mapped_reference& operator=(const V& v) const {
+      m_->update(key_, [&](V& x) { x = v; });
+      return *this;
+    }
+    const mapped_reference& operator=(const mapped_reference& o) const { return *this = o.get(); }
+    template <typename U>
+    const mapped_reference& operator+=(const U& d) const requires requires(V& x) {
+      x += d;
+    }
+    {
+      m_->update(key_, [&](V& x) { x += d; });
+      return *this;
+    }
+    template <typename U>
+    const mapped_reference& operator-=(const U& d) const requires requires(V& x) {
+      x -= d;
+    }
+    {
+      m_->update(key_, [&](V& x) { x -= d; });
+      return *this;
+    }
+    const mapped_reference& operator++() const requires requires(V& x) { ++x; }
+    {
+      m_->update(key_, [](V& x) { ++x; });
+      return *this;
+    }
+    const mapped_reference& operator--() const requires requires(V& x) { --x; }
+    {
+      m_->update(key_, [](V& x) { --x; });
+      return *this;
+    }
+
+   private:
+    friend class far_hash_map;
+    mapped_reference(far_hash_map* m, const K& key) : m_(m), key_(key) {}
+    mapped_reference(const mapped_reference&) = default;
+    far_hash_map* m_;
+    K key_;
+  };
+
   explicit far_hash_map(Runtime& rt, size_t expected_size = 0)
       : rt_(&rt), stripes_(std::make_unique<SharedMutex[]>(kStripes)) {
-    size_t n = 64;
-    while (n * kMaxLoad / 2 < expected_size) n *= 2;
-    buckets_.resize(n);
+    buckets_.resize(BucketsFor(expected_size));
   }
+  far_hash_map(Runtime& rt, std::initializer_list<value_type> init)
+      : far_hash_map(rt, init.size()) {
+    for (const value_type& e : init) insert(e);
+  }
+  // Copying would duplicate far data behind the caller's back: copy explicitly, entry by entry.
   far_hash_map(const far_hash_map&) = delete;
   far_hash_map& operator=(const far_hash_map&) = delete;
-
-  size_t size() const { return size_.load(std::memory_order_relaxed); }
-  size_t bucket_count() const {
-    ReaderLock r(&resize_mu_);
-    return buckets_.size();
+  // Moves take the buckets; the moved-from map is empty and stays usable. Not concurrent with
+  // other calls on either map.
+  far_hash_map(far_hash_map&& o) : rt_(o.rt_), stripes_(std::make_unique<SharedMutex[]>(kStripes)) {
+    buckets_ = o.TakeBuckets(&size_);
+  }
+  far_hash_map& operator=(far_hash_map&& o) {
+    if (this == &o) return *this;
+    std::atomic<size_t> n{0};
+    std::vector<far_bytes> taken = o.TakeBuckets(&n);
+    {
+      WriterLock r(&resize_mu_);
+      buckets_.swap(taken);
+      size_.store(n.load(std::memory_order_relaxed), std::memory_order_relaxed);
+      rt_ = o.rt_;
+    }
+    return *this;  // `taken` (our old buckets) is freed here, outside the lock
   }
 
+  Runtime& runtime() const { return *rt_; }
+  size_t size() const { return size_.load(std::memory_order_relaxed); }
+  bool empty() const { return size() == 0; }
+  size_t bucket_count() const { return BucketCount(); }
+
+  // --- Lookup: by copy. ---
   std::optional<V> find(const K& key) const {
     const size_t h = Hash{}(key);
     ReaderLock r(&resize_mu_);
@@ -69,32 +208,69 @@ class far_hash_map {
     }
     return std::nullopt;
   }
-
   bool contains(const K& key) const { return find(key).has_value(); }
+  size_t count(const K& key) const { return contains(key) ? 1 : 0; }
 
-  // Inserts or overwrites; true if the key was new.
-  bool insert(const K& key, const V& value) {
-    bool added = false;
-    {
-      const size_t h = Hash{}(key);
-      ReaderLock r(&resize_mu_);
-      const size_t b = h & (buckets_.size() - 1);
-      WriterLock l(&stripes_[b % kStripes]);
-      added = InsertInto(buckets_[b], key, value, /*overwrite=*/true);
-    }
-    if (added && size_.fetch_add(1, std::memory_order_relaxed) + 1 > kMaxLoad * BucketCount()) {
-      Grow();
-    }
-    return added;
+  // --- Insertion. Each returns {an iterator at the key's entry, whether it was inserted}. ---
+  // Inserts unless the key is there (then nothing changes).
+  std::pair<iterator, bool> insert(const K& key, const V& value) {
+    return Upsert(
+        key, [&] { return value; }, [](V&) { return false; }, /*want_iterator=*/true);
+  }
+  std::pair<iterator, bool> insert(const value_type& entry) {
+    return insert(entry.first, entry.second);
+  }
+  // Inserts, or overwrites the key's value.
+  std::pair<iterator, bool> insert_or_assign(const K& key, const V& value) {
+    return Upsert(
+        key, [&] { return value; },
+        [&](V& v) {
+          v = value;
+          return true;
+        },
+        true);
+  }
+  // Inserts V(args...) unless the key is there (then args are not used).
+  template <typename... Args>
+  std::pair<iterator, bool> try_emplace(const K& key, Args&&... args) {
+    return Upsert(
+        key, [&] { return V(std::forward<Args>(args)...); }, [](V&) { return false; }, true);
+  }
+  template <typename... Args>
+  std::pair<iterator, bool> emplace(const K& key, Args&&... args) {
+    return try_emplace(key, std::forward<Args>(args)...);
   }
 
-  // Removes the key; true if it was there.
-  bool erase(const K& key) {
+  // Atomic read-modify-write: calls f(V&) on the key's value — on V{} first inserted if the key
+  // is absent — under the bucket's write lock; true if the key was inserted. `f` runs inside a
+  // DerefScope holding a lock: it must be short and must not call into this map.
+  template <typename F>
+  bool update(const K& key, F&& f) {
+    return Upsert(
+               key,
+               [&] {
+                 V v{};
+                 f(v);
+                 return v;
+               },
+               [&](V& v) {
+                 f(v);
+                 return true;
+               },
+               /*want_iterator=*/false)
+        .second;
+  }
+  // m[key] = v; m[key] += d; V x = m[key]; (see mapped_reference). No const version: use find.
+  mapped_reference operator[](const K& key) { return mapped_reference(this, key); }
+
+  // --- Removal. ---
+  // Removes the key; the number of entries removed (0 or 1).
+  size_t erase(const K& key) {
     const size_t h = Hash{}(key);
     ReaderLock r(&resize_mu_);
     const size_t b = h & (buckets_.size() - 1);
     WriterLock l(&stripes_[b % kStripes]);
-    if (!buckets_[b]) return false;
+    if (!buckets_[b]) return 0;
     bool removed = false;
     bool now_empty = false;
     {
@@ -113,7 +289,56 @@ class far_hash_map {
     }
     if (now_empty) buckets_[b].reset();  // give the object back
     if (removed) size_.fetch_sub(1, std::memory_order_relaxed);
-    return removed;
+    return removed ? 1 : 0;
+  }
+  // Removes the entry `pos` shows (by its key); the iterator past it.
+  iterator erase(const_iterator pos) {
+    const K key = pos->first;
+    ++pos;
+    erase(key);
+    return pos;
+  }
+  // Frees every bucket; the directory keeps its size (as std::'s bucket_count()).
+  void clear() {
+    std::vector<far_bytes> old;
+    {
+      WriterLock r(&resize_mu_);
+      old.resize(buckets_.size());
+      buckets_.swap(old);
+      size_.store(0, std::memory_order_relaxed);
+    }
+  }
+  // Sizes the directory for `n` entries now (one rehash) instead of doubling on the way.
+  void reserve(size_t n) { Rehash(BucketsFor(n)); }
+
+  // --- Iteration. ---
+  const_iterator begin() const {
+    const_iterator it;
+    it.m_ = this;
+    Seek(it, 0);
+    return it;
+  }
+  const_iterator end() const {
+    const_iterator it;
+    it.m_ = this;
+    return it;
+  }
+  const_iterator cbegin() const { return begin(); }
+  const_iterator cend() const { return end(); }
+
+  // Removes every entry for which pred(const value_type&) holds; how many were removed.
+  template <typename Pred>
+  friend size_t erase_if(far_hash_map& m, Pred pred) {
+    size_t n = 0;
+    for (auto it = m.begin(); it != m.end();) {
+      if (pred(*it)) {
+        it = m.erase(it);
+        ++n;
+      } else {
+        ++it;
+      }
+    }
+    return n;
   }
 
  private:
@@ -127,6 +352,11 @@ class far_hash_map {
   };
   static constexpr uint32_t kInitialCapacity = 4;
 
+  static size_t BucketsFor(size_t entries) {
+    size_t n = 64;
+    while (n * kMaxLoad / 2 < entries) n *= 2;
+    return n;
+  }
   static Header ReadHeader(std::span<const std::byte> b) {
     Header h;
     std::memcpy(&h, b.data(), sizeof(h));
@@ -150,26 +380,128 @@ class far_hash_map {
     return buckets_.size();
   }
 
-  // The bucket's lock (or the resize lock) is held exclusively.
-  bool InsertInto(far_bytes& bucket, const K& key, const V& value, bool overwrite) {
+  // The bucket visited after bucket `v` in a directory of mask + 1 buckets; 0 once all were.
+  // Reverse-binary order (Redis's dictScan): when the directory doubles, the buckets already
+  // visited are exactly those whose entries went to buckets also already visited, so an iterator
+  // that takes its next cursor from the mask its bucket was copied under neither repeats nor
+  // misses entries across growth.
+  static size_t NextCursor(size_t v, size_t mask) {
+    v |= ~mask;
+    v = Reverse(v);
+    ++v;
+    return Reverse(v);
+  }
+  static size_t Reverse(size_t v) {
+    v = ((v >> 1) & 0x5555555555555555ull) | ((v & 0x5555555555555555ull) << 1);
+    v = ((v >> 2) & 0x3333333333333333ull) | ((v & 0x3333333333333333ull) << 2);
+    v = ((v >> 4) & 0x0f0f0f0f0f0f0f0full) | ((v & 0x0f0f0f0f0f0f0f0full) << 4);
+    v = ((v >> 8) & 0x00ff00ff00ff00ffull) | ((v & 0x00ff00ff00ff00ffull) << 8);
+    v = ((v >> 16) & 0x0000ffff0000ffffull) | ((v & 0x0000ffff0000ffffull) << 16);
+    return (v >> 32) | (v << 32);
+  }
+
+  // Copies bucket b's entries (null if it has none).
+  std::shared_ptr<const std::vector<value_type>> CopyBucket(size_t b) const
+      REQUIRES_SHARED(resize_mu_) {
+    ReaderLock l(&stripes_[b % kStripes]);
+    if (!buckets_[b]) return nullptr;
     DerefScope s;
+    return CopyEntries(buckets_[b].deref(s));
+  }
+  static std::shared_ptr<const std::vector<value_type>> CopyEntries(
+      std::span<const std::byte> bytes) {
+    const Header hd = ReadHeader(bytes);
+    if (hd.count == 0) return nullptr;
+    auto items = std::make_shared<std::vector<value_type>>();
+    items->reserve(hd.count);
+    for (uint32_t i = 0; i < hd.count; ++i) {
+      const Item it = ReadItem(bytes, i);
+      items->emplace_back(it.key, it.value);
+    }
+    return items;
+  }
+
+  // Points `it` at the first entry of the first non-empty bucket from cursor `v` on (v == 0
+  // after the first bucket means the scan wrapped: end()).
+  void Seek(const_iterator& it, size_t v) const {
+    const bool from_start = it.items_ == nullptr && v == 0;
+    ReaderLock r(&resize_mu_);
+    const size_t mask = buckets_.size() - 1;
+    if (!from_start && v == 0) {
+      it.items_.reset();
+      it.cursor_ = it.pos_ = 0;
+      return;
+    }
+    for (;;) {
+      if (auto items = CopyBucket(v & mask)) {
+        it.items_ = std::move(items);
+        it.cursor_ = v & mask;
+        it.mask_ = mask;
+        it.pos_ = 0;
+        return;
+      }
+      v = NextCursor(v, mask);
+      if (v == 0) {
+        it.items_.reset();
+        it.cursor_ = it.pos_ = 0;
+        return;
+      }
+    }
+  }
+
+  // The one write path. Looks `key` up in its bucket; if absent, appends {key, make()}; if
+  // present, calls change(V&) on a copy of its value and writes it back if that returns true.
+  // Returns whether the key was inserted and, if asked for, an iterator at its entry.
+  template <typename Make, typename Change>
+  std::pair<iterator, bool> Upsert(const K& key, Make&& make, Change&& change, bool want_iterator) {
+    iterator it;
+    bool added = false;
+    {
+      const size_t h = Hash{}(key);
+      ReaderLock r(&resize_mu_);
+      const size_t b = h & (buckets_.size() - 1);
+      WriterLock l(&stripes_[b % kStripes]);
+      far_bytes& bucket = buckets_[b];
+      DerefScope s;
+      uint32_t at = UINT32_MAX;
+      if (bucket) {
+        std::span<const std::byte> bytes = std::as_const(bucket).deref(s);  // no dirtying yet
+        const Header hd = ReadHeader(bytes);
+        for (uint32_t i = 0; i < hd.count && at == UINT32_MAX; ++i) {
+          if (Eq{}(ReadItem(bytes, i).key, key)) at = i;
+        }
+        if (at != UINT32_MAX) {
+          Item item = ReadItem(bytes, at);
+          if (change(item.value)) WriteItem(bucket.deref_mut(s), at, item);
+        }
+      }
+      if (at == UINT32_MAX) {
+        at = Append(bucket, Item{key, make()}, s);
+        added = true;
+      }
+      if (want_iterator) {
+        it.m_ = this;
+        it.cursor_ = b;
+        it.mask_ = buckets_.size() - 1;
+        it.items_ = CopyEntries(std::as_const(bucket).deref(s));
+        it.pos_ = at;
+      }
+    }
+    if (added && size_.fetch_add(1, std::memory_order_relaxed) + 1 > kMaxLoad * BucketCount()) {
+      Rehash(0);
+    }
+    return {std::move(it), added};
+  }
+
+  // Appends an entry whose key is not in the bucket; its index. The bucket's lock (or the resize
+  // lock) is held exclusively.
+  uint32_t Append(far_bytes& bucket, const Item& item, const DerefScope& s) {
     if (!bucket) {
       bucket = make_far_bytes_in(*rt_, BytesFor(kInitialCapacity));
-      std::span<std::byte> bytes = bucket.deref_mut(s);
-      WriteHeader(bytes, {0, kInitialCapacity});
+      WriteHeader(bucket.deref_mut(s), {0, kInitialCapacity});
     }
     std::span<std::byte> bytes = bucket.deref_mut(s);
     Header hd = ReadHeader(bytes);
-    if (overwrite) {
-      for (uint32_t i = 0; i < hd.count; ++i) {
-        Item it = ReadItem(bytes, i);
-        if (Eq{}(it.key, key)) {
-          it.value = value;
-          WriteItem(bytes, i, it);
-          return false;
-        }
-      }
-    }
     if (hd.count == hd.capacity) {
       const uint32_t cap = hd.capacity * 2;
       far_bytes bigger = make_far_bytes_in(*rt_, BytesFor(cap));
@@ -179,16 +511,19 @@ class far_hash_map {
       bucket = std::move(bigger);  // frees the old object
       bytes = nb;
     }
-    WriteItem(bytes, hd.count, Item{key, value});
+    WriteItem(bytes, hd.count, item);
     ++hd.count;
     WriteHeader(bytes, hd);
-    return true;
+    return hd.count - 1;
   }
 
-  void Grow() {
+  // Doubles the directory while the load passes kMaxLoad, and to at least `min_buckets`.
+  void Rehash(size_t min_buckets) {
     WriterLock r(&resize_mu_);
-    if (size_.load(std::memory_order_relaxed) <= kMaxLoad * buckets_.size()) return;
-    std::vector<far_bytes> next(buckets_.size() * 2);
+    size_t n = buckets_.size();
+    while (n < min_buckets || size_.load(std::memory_order_relaxed) > kMaxLoad * n) n *= 2;
+    if (n == buckets_.size()) return;
+    std::vector<far_bytes> next(n);
     const size_t mask = next.size() - 1;
     for (far_bytes& old : buckets_) {
       if (!old) continue;
@@ -202,10 +537,20 @@ class far_hash_map {
       }
       old.reset();
       for (const Item& it : items) {
-        InsertInto(next[Hash{}(it.key) & mask], it.key, it.value, /*overwrite=*/false);
+        DerefScope s;
+        Append(next[Hash{}(it.key) & mask], it, s);
       }
     }
     buckets_.swap(next);
+  }
+
+  // For moves: hands over the buckets and the entry count, leaving an empty directory.
+  std::vector<far_bytes> TakeBuckets(std::atomic<size_t>* n) {
+    WriterLock r(&resize_mu_);
+    std::vector<far_bytes> taken(BucketsFor(0));
+    taken.swap(buckets_);
+    n->store(size_.exchange(0, std::memory_order_relaxed), std::memory_order_relaxed);
+    return taken;
   }
 
   Runtime* rt_;

@@ -45,6 +45,7 @@
 #include "farmem/common/socket.h"
 #include "farmem/common/status.h"
 #include "farmem/common/wire.h"
+#include "farmem/transport/fault_injection.h"
 #include "farmem/transport/tcp_connection.h"
 #include "farmem/transport/transport.h"
 
@@ -74,6 +75,9 @@ struct ClusterOptions {
   uint32_t channel_depth = 64;     // max outstanding ops per data channel
   // Seeds placement's RNG; unset = std::random_device. For reproducible tests.
   std::optional<uint64_t> rng_seed;
+  // Tests: every data channel is wrapped with these deterministic faults
+  // (transport/fault_injection.h). Unset in production.
+  std::shared_ptr<transport::FaultInjector> fault_injector;
 };
 
 // One slab lent to this client.

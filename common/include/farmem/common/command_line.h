@@ -49,4 +49,17 @@ std::vector<std::string> GivenOptions(const CLI::App& app,
 Status RejectGiven(const CLI::App& app, std::initializer_list<std::string_view> options,
                    std::string_view why);
 
+// Adds `--log-level` (trace, debug, info, warn, error; the default is `level`'s value) to `app`.
+CLI::Option* AddLogLevelOption(CLI::App& app, std::string& level);
+
+// The one log format of every farmem program, on stderr:
+//   2026-12-01 15:20:53.134 farmemd[4711] info: <message>
+// Makes `program`'s logger the default one (the libraries log through it) at `level`, which
+// AddLogLevelOption has checked.
+void SetUpLogging(const std::string& program, const std::string& level);
+
+// Adds `--version` to `app`: prints "<program> 0.1.0 (git v0.1.0-3-gd35b8ff)" (the generated
+// farmem/common/version.h) on stdout and exits 0, before any other option is checked.
+CLI::Option* AddVersionOption(CLI::App& app, std::string_view program);
+
 }  // namespace farmem::cli
