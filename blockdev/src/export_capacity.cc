@@ -31,7 +31,7 @@ ExportCapacity CheckExportCapacity(uint64_t size, const Resilience& resilience, 
   c.resilience = resilience;
   c.slab_size = slab_size;
   c.daemons.assign(daemons.begin(), daemons.end());
-  const uint64_t k = static_cast<uint64_t>(resilience.data_width());
+  const uint64_t k = static_cast<uint64_t>(resilience.k);
   const uint64_t g = static_cast<uint64_t>(resilience.group_size());
   const uint64_t extent = slab_size * k;
   const uint64_t groups = (size + extent - 1) / extent;

@@ -32,16 +32,20 @@
 // Threading: every BlockBackend method may be called concurrently. Each call checks out a Worker
 // (channels to the daemons + staging memory, all allocated up front) for its duration, so no two
 // threads share a channel and the request path does not allocate. Extents are guarded by
-// reader/writer locks: I/O takes them shared; rebuild, unmap and partial-page erasure-coded writes
-// take what they need exclusively.
+// reader/writer locks: I/O takes them shared for a round; rebuild and unmap take one exclusively.
+// Read-modify-writes of partly written pages are serialized by their own lock (partial_mu_).
+// The locks are farmem::Mutex / SharedMutex, checked by clang's thread-safety analysis.
+//
+// Files: page_store.cc (setup, the BlockBackend entry points, splitting requests into pieces),
+// page_store_extents.cc (the extent map), page_store_round.{h,cc} (the I/O round: a worker's
+// channels, Round, RunPieces), page_store_rebuild.cc (failures, rebuild, re-protection, the
+// capacity check), page_store_internal.h (the types they share); resilience parsing is
+// client/resilience.h, shared with far_ptr.
 #pragma once
 
 #include <atomic>
-#include <condition_variable>
 #include <deque>
 #include <memory>
-#include <mutex>
-#include <shared_mutex>
 #include <string>
 #include <thread>
 #include <vector>
@@ -49,21 +53,30 @@
 #include "backup_file.h"
 #include "farmem/blockdev/block_backend.h"
 #include "farmem/client/cluster.h"
+#include "farmem/client/resilience.h"
+#include "farmem/common/mutex.h"
 #include "farmem/ec/reed_solomon.h"
 
 namespace farmem::blockdev {
 
-struct Resilience {
-  enum class Mode { kNone, kReplicate, kErasure };
-  Mode mode = Mode::kErasure;
-  int copies = 1;    // replicate
-  int k = 4, r = 2;  // erasure
+namespace pagestore {  // page_store_internal.h, page_store_round.h
+struct Extent;
+struct Piece;
+struct Worker;
+struct Early;
+struct RoundParams;
+}  // namespace pagestore
 
-  // "none", "replicate:N", "ec:k+r"
+// How the page store protects an extent: client::Resilience, the one parser and meaning of none /
+// replicate:N / ec:k+r shared with far_ptr (k = 1, r = N - 1 for replicate), plus one rule of the
+// page store's own: ec:k+r cuts a 4 KiB page into k equal fragments, so k must divide 4096.
+struct Resilience : client::Resilience {
+  Resilience() = default;
+  Resilience(const client::Resilience& r) : client::Resilience(r) {}  // NOLINT: same value
+  // client::Resilience::Parse, then Check.
   static Result<Resilience> Parse(std::string_view text);
-  std::string ToString() const;
-  int group_size() const;
-  int data_width() const { return mode == Mode::kErasure ? k : 1; }
+  // The page store's own rule (PageStore::Create checks it too, for options built in code).
+  static Status Check(const client::Resilience& res);
 };
 
 struct PageStoreOptions {
@@ -86,7 +99,7 @@ struct PageStoreStats {
   uint64_t backup_reads = 0;
   uint64_t rebuilds = 0;  // members rebuilt on another daemon
   uint64_t write_retries = 0;
-  // Re-protection (see "Re-protection" in page_store.cc and docs/nbd.md).
+  // Re-protection (see "Re-protection" above, page_store_rebuild.cc and docs/nbd.md).
   uint64_t degraded_extents = 0;     // now: mapped extents with a member missing
   uint64_t degraded_maps = 0;        // extents mapped on fewer daemons than their group needs
   uint64_t reprotected_extents = 0;  // degraded extents made whole again
@@ -124,43 +137,34 @@ class PageStore final : public BlockBackend {
   bool can_write_zeroes() const override { return true; }
   bool can_multi_conn() const override { return true; }  // no per-connection cache
 
-  PageStoreStats stats() const;
+  PageStoreStats stats() const EXCLUDES(stats_mu_);
   const Resilience& resilience() const { return options_.resilience; }
   uint64_t extent_bytes() const { return extent_bytes_; }
   // Waits until no rebuild is queued or running (for tests and the demo).
-  void WaitForRebuilds();
+  void WaitForRebuilds() EXCLUDES(rebuild_mu_);
 
  private:
-  struct Extent;
-  struct Worker;
-  struct Piece;
-  struct RemoteOp;
-  class Round;
+  using Extent = pagestore::Extent;
+  using Piece = pagestore::Piece;
+  using Worker = pagestore::Worker;
+  using Early = pagestore::Early;
 
   PageStore(client::Cluster* cluster, PageStoreOptions options);
   Status Init();
 
-  Worker* Checkout();
-  void Return(Worker* w);
+  Worker* Checkout() EXCLUDES(workers_mu_);
+  void Return(Worker* w) EXCLUDES(workers_mu_);
 
   // One read or write, split into pieces that each stay inside one extent and one round.
   Status DoRead(Worker& w, uint64_t offset, std::span<uint8_t> buf);
   Status DoWrite(Worker& w, uint64_t offset, std::span<const uint8_t> data, bool fua);
   Status DoZero(Worker& w, uint64_t offset, uint64_t length, bool may_trim, bool fua);
-  // Everything in [offset, offset+len) of one extent; the caller holds the extent shared.
-  Status ReadPiece(Worker& w, Extent& e, uint64_t offset, std::span<uint8_t> buf);
-  Status WritePiece(Worker& w, Extent& e, uint64_t offset, std::span<const uint8_t> data,
-                    bool* member_failed);
 
-  // Runs page-aligned pieces in rounds; sets the status of the ops they came from. With `early`,
-  // ops whose pieces all succeed are reported to its listener while the round still waits.
-  struct Early;
+  // Runs page-aligned pieces in rounds (page_store_round.cc); sets the status of the ops they came
+  // from. With `early`, ops whose pieces all succeed are reported to its listener while the round
+  // still waits.
   void RunPieces(Worker& w, std::vector<Piece>& pieces, std::span<Status> op_status, int attempt,
                  Early* early = nullptr);
-  // The success half of a finished piece: marks written pages (writes), or assembles the data
-  // (ec reads: decode when a data fragment is missing) and zero-fills never-written pages.
-  void MarkWritten(Piece& p);
-  Status FinishRead(Piece& p);
   // Handles one page that an op covers only partly: read, patch, write back (exclusive lock).
   Status PartialPage(Worker& w, uint64_t page_offset, uint64_t at, std::span<uint8_t> read_into,
                      std::span<const uint8_t> write_from);
@@ -168,52 +172,50 @@ class PageStore final : public BlockBackend {
   void SplitPieces(uint64_t offset, uint64_t len, uint8_t* buf, bool write, size_t op,
                    std::vector<Piece>* out);
 
-  Status MapExtent(uint64_t index);
-  void UnmapIfEmpty(uint64_t index);
+  // The extent map (page_store_extents.cc).
+  Status MapExtent(uint64_t index) EXCLUDES(map_mu_);
+  void UnmapIfEmpty(uint64_t index) EXCLUDES(map_mu_);
   // The fewest members an extent can live with: k for ec:k+r, one otherwise.
   int MinMembers() const;
   // Leases of `members` that are real (not placeholders of a degraded mapping), to be freed.
   static std::vector<client::Lease> HeldLeases(std::span<const client::Lease> members);
 
-  // ---- failures, rebuild and re-protection (page_store.cc, "Failures and rebuild") ----
+  // ---- failures, rebuild and re-protection (page_store_rebuild.cc) ----
   Status RebuildExtent(Worker& w, uint64_t index);  // takes the extent exclusively
   // Reads [offset, offset+len) of the members `which` at once (one op on each member's channel,
   // all in flight together); member m's bytes land at base + m * len.
   Status ReadMembers(Worker& w, Extent& e, std::span<const int> which, uint64_t offset,
                      uint8_t* base, size_t len);
-  void OnClusterEvent(const client::Event& ev);
-  void RebuildLoop();
-  void QueueRebuild(uint64_t index);
+  void OnClusterEvent(const client::Event& ev) EXCLUDES(rebuild_mu_);
+  void RebuildLoop() EXCLUDES(rebuild_mu_);
+  void QueueRebuild(uint64_t index) EXCLUDES(rebuild_mu_);
   // Asks the rebuild thread for a pass over every degraded extent now.
-  void RequestReconcile();
+  void RequestReconcile() EXCLUDES(rebuild_mu_);
   struct LostLease {
     client::NodeId node;
     uint64_t id;
   };
-  void MarkLost(std::span<const LostLease> lost);
+  void MarkLost(std::span<const LostLease> lost) EXCLUDES(rebuild_mu_);
   // One rebuild-thread pass: rebuilds the members missing in `todo` (or in every degraded extent
   // with `all`) wherever a daemon is eligible; then, if the store is whole again, ends the
   // degraded episode (stats, log line).
-  void Reprotect(Worker& w, std::vector<uint64_t> todo, bool all);
+  void Reprotect(Worker& w, std::vector<uint64_t> todo, bool all) EXCLUDES(rebuild_mu_, stats_mu_);
   // Warns (rate-limited) when the live daemons' free slabs fall short of what the export still
   // needs: unmapped extents at full group size plus missing members.
-  void CheckCapacity();
+  void CheckCapacity() EXCLUDES(stats_mu_);
   // Bookkeeping of degraded episodes (stats_mu_): the store lost redundancy / rebuilt a member.
-  void NoteDegraded();
-  void NoteRebuilt(uint64_t bytes, bool extent_whole, Clock::time_point started);
+  void NoteDegraded() EXCLUDES(stats_mu_);
+  void NoteRebuilt(uint64_t bytes, bool extent_whole, Clock::time_point started)
+      EXCLUDES(stats_mu_);
   uint64_t CountDegraded() const;
 
-  transport::Channel* ChannelFor(Worker& w, client::NodeId node, Status* error);
-  // Waits for completions on every channel with outstanding operations; false on deadline.
-  template <typename Fn>
-  bool PollChannels(Worker& w, Deadline deadline, Fn&& on_completion);
-  void ResetStuckChannels(Worker& w);
-  void DrainStragglers(Worker& w);
-  void CountStat(uint64_t PageStoreStats::*field, uint64_t n = 1);
+  void CountStat(uint64_t PageStoreStats::*field, uint64_t n = 1) EXCLUDES(stats_mu_);
 
   client::Cluster* cluster_;
   PageStoreOptions options_;
   std::unique_ptr<ec::ReedSolomon> codec_;
+  // What a Round needs of the store (codec_, resilience, frag_size_, op_timeout), set by Init.
+  std::unique_ptr<pagestore::RoundParams> round_params_;
   std::unique_ptr<BackupFile> backup_;
   uint64_t slab_size_ = 0;
   uint64_t extent_bytes_ = 0;
@@ -221,31 +223,37 @@ class PageStore final : public BlockBackend {
   std::vector<std::unique_ptr<Extent>> extents_;
   client::SubscriptionId subscription_ = 0;
 
-  std::mutex map_mu_;      // serializes mapping/unmapping decisions; a leaf lock
-  std::mutex partial_mu_;  // serializes read-modify-write of partly written pages
+  // Serializes mapping/unmapping decisions (it guards the decision, not a member: an extent's
+  // members are published by Extent::mapped). A leaf lock: taken after an extent's lock, never
+  // waits on one.
+  Mutex map_mu_;
+  // Serializes read-modify-write of partly written pages (guards the pages' contents, not a
+  // member). Taken before any extent lock.
+  Mutex partial_mu_;
 
-  std::mutex workers_mu_;
-  std::condition_variable workers_cv_;
+  Mutex workers_mu_;
+  CondVar workers_cv_;
+  // Created by Init, immutable afterwards; the last one is the rebuild thread's.
   std::vector<std::unique_ptr<Worker>> all_workers_;
-  std::vector<Worker*> free_workers_;  // GUARDED_BY(workers_mu_)
+  std::vector<Worker*> free_workers_ GUARDED_BY(workers_mu_);
 
-  std::mutex rebuild_mu_;
-  std::condition_variable rebuild_cv_;
-  std::deque<uint64_t> rebuild_queue_;  // GUARDED_BY(rebuild_mu_)
-  std::vector<LostLease> lost_leases_;  // GUARDED_BY(rebuild_mu_): from cluster events
-  bool reconcile_requested_ = false;    // GUARDED_BY(rebuild_mu_): a daemon came up
-  bool rebuilding_ = false;             // GUARDED_BY(rebuild_mu_)
-  bool stopping_ = false;               // GUARDED_BY(rebuild_mu_)
+  Mutex rebuild_mu_;
+  CondVar rebuild_cv_;
+  std::deque<uint64_t> rebuild_queue_ GUARDED_BY(rebuild_mu_);
+  std::vector<LostLease> lost_leases_ GUARDED_BY(rebuild_mu_);  // from cluster events
+  bool reconcile_requested_ GUARDED_BY(rebuild_mu_) = false;    // a daemon came up
+  bool rebuilding_ GUARDED_BY(rebuild_mu_) = false;
+  bool stopping_ GUARDED_BY(rebuild_mu_) = false;
   std::thread rebuild_thread_;
 
-  mutable std::mutex stats_mu_;
-  PageStoreStats stats_;  // GUARDED_BY(stats_mu_)
-  // The current degraded episode (stats_mu_): since when, and since when a rebuild has been
-  // making progress; max() when none.
-  Clock::time_point degraded_since_ = Clock::time_point::max();
-  Clock::time_point reprotect_since_ = Clock::time_point::max();
-  uint64_t episode_bytes_ = 0;
-  uint64_t episode_extents_ = 0;
+  mutable Mutex stats_mu_;
+  PageStoreStats stats_ GUARDED_BY(stats_mu_);
+  // The current degraded episode: since when, and since when a rebuild has been making progress;
+  // max() when none.
+  Clock::time_point degraded_since_ GUARDED_BY(stats_mu_) = Clock::time_point::max();
+  Clock::time_point reprotect_since_ GUARDED_BY(stats_mu_) = Clock::time_point::max();
+  uint64_t episode_bytes_ GUARDED_BY(stats_mu_) = 0;
+  uint64_t episode_extents_ GUARDED_BY(stats_mu_) = 0;
 };
 
 }  // namespace farmem::blockdev

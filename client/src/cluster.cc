@@ -1,5 +1,6 @@
-// Cluster setup and the calls user threads make: connect, stat, place, free, open channels.
-// The background thread (heartbeats, failure detection, events) is in cluster_monitor.cc.
+// Cluster setup, the node table, control calls, shutdown and subscriptions. Placement and freeing
+// of leases are in cluster_leases.cc, data channels in cluster_channels.cc, the background
+// thread (heartbeats, failure detection, events) in cluster_monitor.cc.
 #include "farmem/client/cluster.h"
 
 #include <fmt/format.h>
@@ -34,9 +35,6 @@ std::string FormatLeaseIds(std::span<const uint64_t> ids) {
 }  // namespace internal
 
 namespace {
-
-// The longest a node stays out of placement after data-path errors (ReportFailure).
-constexpr std::chrono::milliseconds kMaxSuspectWindow{60000};
 
 Status ValidateOptions(const ClusterOptions& o) {
   if (o.peers.empty() && o.peers_dns.empty()) {
@@ -120,70 +118,95 @@ Result<TcpConnection> Cluster::ConnectTo(const Endpoint& ep,
   return TcpConnection::Connect(o);
 }
 
+// Start: who we are, how data moves, whom to dial, dial them all at once, adopt who answered,
+// then the background thread.
 Status Cluster::Start() {
+  FARMEM_RETURN_IF_ERROR(InitCredentials());
+  FARMEM_RETURN_IF_ERROR(ChooseTransports());
+  std::string dns_error;
+  FARMEM_ASSIGN_OR_RETURN(std::vector<DialTarget> targets, PeersToDial(&dns_error));
+  std::vector<Result<TcpConnection>> dialed = DialAll(targets);
+  FARMEM_RETURN_IF_ERROR(AdoptDialed(targets, dialed, dns_error));
+  // Fill in node(id).stat before anyone asks; a failure here is the background thread's business.
+  for (NodeId id : AliveNodes()) {
+    if (Node* n = FindNode(id)) (void)StatNode(*n);
+  }
+  monitor_ = std::thread([this] { MonitorLoop(); });
+  return Status::Ok();
+}
+
+Status Cluster::InitCredentials() {
   FARMEM_RETURN_IF_ERROR(auth::RandomBytes(client_id_));
   credentials_.secret = options_.secret;
   credentials_.client_id = client_id_;
   credentials_.client_name = options_.client_name.empty()
                                  ? fmt::format("farmem-client-{}", ::getpid())
                                  : options_.client_name;
+  return Status::Ok();
+}
+
+Status Cluster::ChooseTransports() {
   transport_ = transport::MakeTcpTransport();
-  if (options_.transport != "tcp") {
-    // verbs wherever both ends have an RDMA device; tcp otherwise (auto) or an error (verbs).
-    auto verbs = transport::MakeVerbsTransport();
-    if (verbs) {
-      verbs_ = std::move(*verbs);
-    } else if (options_.transport == "verbs") {
-      return verbs.error().WithContext("transport=verbs");
-    } else {
-      spdlog::info("farmem client: {}; data moves over tcp", verbs.error().message());
-    }
+  if (options_.transport == "tcp") return Status::Ok();
+  // verbs wherever both ends have an RDMA device; tcp otherwise (auto) or an error (verbs).
+  auto verbs = transport::MakeVerbsTransport();
+  if (verbs) {
+    verbs_ = std::move(*verbs);
+  } else if (options_.transport == "verbs") {
+    return verbs.error().WithContext("transport=verbs");
+  } else {
+    spdlog::info("farmem client: {}; data moves over tcp", verbs.error().message());
   }
+  return Status::Ok();
+}
 
-  // Peers to dial: the explicit ones (each a node even if down), then every DNS address (a node
-  // only once it answers).
-  struct Peer {
-    Endpoint endpoint;
-    bool from_dns = false;
+Result<std::vector<Cluster::DialTarget>> Cluster::PeersToDial(std::string* dns_error) {
+  // The explicit peers (each a node even if down), then every DNS address (a node only once it
+  // answers); each address once.
+  std::vector<DialTarget> targets;
+  auto add = [&](const Endpoint& ep, bool from_dns) {
+    const bool known = std::any_of(targets.begin(), targets.end(),
+                                   [&](const DialTarget& t) { return t.endpoint == ep; });
+    if (!known) targets.push_back({ep, from_dns});
   };
-  std::vector<Peer> peers;
-  auto known = [&](const Endpoint& ep) {
-    return std::any_of(peers.begin(), peers.end(), [&](const Peer& p) { return p.endpoint == ep; });
-  };
-  for (const Endpoint& ep : options_.peers) {
-    if (!known(ep)) peers.push_back({ep, false});
+  for (const Endpoint& ep : options_.peers) add(ep, false);
+  if (options_.peers_dns.empty()) return targets;
+  auto parsed = ParseEndpoint(options_.peers_dns, kDefaultPort);
+  if (!parsed) return Err(parsed.error().WithContext("peers_dns"));
+  dns_endpoint_ = *parsed;
+  auto addrs = ResolveAll(parsed->host);
+  if (!addrs) {
+    *dns_error = fmt::format("resolving {}: {}", options_.peers_dns, addrs.error().ToString());
+    spdlog::warn("{}", *dns_error);
+    return targets;
   }
-  std::string dns_error;
-  if (!options_.peers_dns.empty()) {
-    auto parsed = ParseEndpoint(options_.peers_dns, kDefaultPort);
-    if (!parsed) return Err(parsed.error().WithContext("peers_dns"));
-    dns_endpoint_ = *parsed;
-    auto addrs = ResolveAll(parsed->host);
-    if (!addrs) {
-      dns_error = fmt::format("resolving {}: {}", options_.peers_dns, addrs.error().ToString());
-      spdlog::warn("{}", dns_error);
-    } else {
-      for (const std::string& a : *addrs) {
-        Endpoint ep{a, parsed->port};
-        if (!known(ep)) peers.push_back({ep, true});
-      }
-      if (addrs->empty()) dns_error = fmt::format("{} resolved to no address", options_.peers_dns);
-    }
-  }
+  for (const std::string& a : *addrs) add(Endpoint{a, parsed->port}, true);
+  if (addrs->empty()) *dns_error = fmt::format("{} resolved to no address", options_.peers_dns);
+  return targets;
+}
 
-  // Dial every peer at once: setup time is one connect timeout, not one per unreachable peer.
-  std::vector<std::optional<Result<TcpConnection>>> dialed(peers.size());
+std::vector<Result<TcpConnection>> Cluster::DialAll(const std::vector<DialTarget>& targets) const {
+  // Every peer at once: setup time is one connect timeout, not one per unreachable peer.
+  std::vector<std::optional<Result<TcpConnection>>> dialed(targets.size());
   {
     std::vector<std::thread> dialers;
-    dialers.reserve(peers.size());
-    for (size_t i = 0; i < peers.size(); ++i) {
-      dialers.emplace_back([this, &peers, &dialed, i] {
-        dialed[i].emplace(ConnectTo(peers[i].endpoint, options_.connect_timeout));
+    dialers.reserve(targets.size());
+    for (size_t i = 0; i < targets.size(); ++i) {
+      dialers.emplace_back([this, &targets, &dialed, i] {
+        dialed[i].emplace(ConnectTo(targets[i].endpoint, options_.connect_timeout));
       });
     }
     for (std::thread& t : dialers) t.join();
   }
+  std::vector<Result<TcpConnection>> out;
+  out.reserve(dialed.size());
+  for (auto& d : dialed) out.push_back(std::move(*d));
+  return out;
+}
 
+Status Cluster::AdoptDialed(const std::vector<DialTarget>& targets,
+                            std::vector<Result<TcpConnection>>& dialed,
+                            const std::string& dns_error) {
   std::vector<std::string> failures;
   std::optional<StatusCode> common_code;
   bool same_code = true;
@@ -191,14 +214,14 @@ Status Cluster::Start() {
   {
     MutexLock lock(&mu_);
     const auto now = Clock::now();
-    for (size_t i = 0; i < peers.size(); ++i) {
-      Result<TcpConnection>& r = *dialed[i];
-      const Endpoint& ep = peers[i].endpoint;
+    for (size_t i = 0; i < targets.size(); ++i) {
+      Result<TcpConnection>& r = dialed[i];
+      const Endpoint& ep = targets[i].endpoint;
       if (!r) {
         failures.push_back(fmt::format("{}: {}", ep.ToString(), r.error().ToString()));
         if (common_code && *common_code != r.error().code()) same_code = false;
         common_code = r.error().code();
-        if (!peers[i].from_dns) {
+        if (!targets[i].from_dns) {
           Node* n = AddNode(ep);
           n->last_error = r.error();
           n->next_reconnect = now + reconnect_interval_;
@@ -238,12 +261,6 @@ Status Cluster::Start() {
     return Status(code, msg);
   }
   for (const std::string& f : failures) spdlog::warn("farmem client: peer unreachable: {}", f);
-
-  // Fill in node(id).stat before anyone asks; a failure here is the background thread's business.
-  for (NodeId id : AliveNodes()) {
-    if (Node* n = FindNode(id)) (void)StatNode(*n);
-  }
-  monitor_ = std::thread([this] { MonitorLoop(); });
   return Status::Ok();
 }
 
@@ -469,355 +486,6 @@ Result<wire::StatReply> Cluster::Stat(NodeId id) {
   return StatNode(*node);
 }
 
-// ---- placement ----
-
-Result<Lease> Cluster::PlaceOne(const std::vector<bool>& exclude) {
-  auto excluded = [&](NodeId id) { return id < exclude.size() && exclude[id]; };
-  std::vector<NodeId> candidates;  // healthy ones first, then suspect ones
-  size_t n_healthy = 0;
-  std::vector<NodeId> picks;
-  {
-    MutexLock lock(&mu_);
-    // Nodes whose data path failed lately come last (ReportFailure): the two choices are among
-    // the others, and a suspect node is tried only when no other can take the slab.
-    const Clock::time_point now = Clock::now();
-    std::vector<NodeId> suspect;
-    for (const auto& n : nodes_) {
-      if (!n->alive || excluded(n->id)) continue;
-      (now < n->suspect_until ? suspect : candidates).push_back(n->id);
-    }
-    picks = SampleDistinct(candidates, 2, rng_);
-    n_healthy = candidates.size();
-    std::shuffle(suspect.begin(), suspect.end(), rng_);
-    candidates.insert(candidates.end(), suspect.begin(), suspect.end());
-  }
-
-  std::map<NodeId, std::string> seen;  // per node: what STAT / ALLOC said, for the error message
-  std::vector<bool> tried;
-  bool alloc_failed = false;  // a daemon failed otherwise than by being full
-  auto try_in_order = [&](std::span<const NodeId> sampled) -> std::optional<Lease> {
-    std::vector<PlacementChoice> choices;
-    for (NodeId id : sampled) {
-      Node* node = FindNode(id);
-      if (node == nullptr) continue;
-      auto stat = StatNode(*node);
-      if (stat) {
-        // What this client may still take there (its --max-client-share), not the pool's free.
-        const uint32_t free = wire::FreeForClient(*stat);
-        choices.push_back({id, free, true});
-        seen[id] =
-            free == stat->free_slabs
-                ? fmt::format("free={}", free)
-                : fmt::format("free={} for this client ({} in the pool)", free, stat->free_slabs);
-      } else {
-        choices.push_back({id, 0, false});
-        seen[id] = fmt::format("unreachable ({})", stat.error().ToString());
-        alloc_failed = true;
-      }
-      if (id >= tried.size()) tried.resize(id + 1, false);
-      tried[id] = true;
-    }
-    for (NodeId id : RankByFreeSlabs(choices)) {
-      auto lease = AllocOn(*FindNode(id));
-      if (lease) return *lease;
-      seen[id] += fmt::format(" but ALLOC failed ({})", lease.error().ToString());
-      if (lease.error().code() != StatusCode::kResourceExhausted) alloc_failed = true;
-    }
-    return std::nullopt;
-  };
-
-  // Two choices first; if both are full or fail, every other live node, most free first, the
-  // suspect ones last.
-  if (auto lease = try_in_order(picks)) return *lease;
-  std::vector<NodeId> rest;
-  for (size_t i = 0; i < n_healthy; ++i) {
-    const NodeId id = candidates[i];
-    if (id >= tried.size() || !tried[id]) rest.push_back(id);
-  }
-  std::vector<NodeId> rest_suspect;
-  for (size_t i = n_healthy; i < candidates.size(); ++i) {
-    const NodeId id = candidates[i];
-    if (id >= tried.size() || !tried[id]) rest_suspect.push_back(id);
-  }
-  {
-    MutexLock lock(&mu_);
-    std::shuffle(rest.begin(), rest.end(), rng_);  // ties among the rest broken at random
-  }
-  if (auto lease = try_in_order(rest)) return *lease;
-  if (auto lease = try_in_order(rest_suspect)) return *lease;
-
-  std::string counts;
-  bool any_alive = false;
-  {
-    MutexLock lock(&mu_);
-    for (const auto& n : nodes_) {
-      any_alive = any_alive || n->alive;
-      if (!counts.empty()) counts += ", ";
-      counts += n->endpoint.ToString() + " ";
-      if (excluded(n->id)) {
-        counts += "already in the group";
-      } else if (auto it = seen.find(n->id); it != seen.end()) {
-        counts += it->second;
-      } else {
-        counts += n->alive ? "not asked" : "down";
-      }
-    }
-  }
-  // Full means every daemon asked said so; if one failed or none was up, a retry may succeed.
-  if (!any_alive) return Err(Unavailable("no daemon is up: " + counts));
-  if (alloc_failed) return Err(Unavailable("no daemon could grant a slab: " + counts));
-  return Err(ResourceExhausted("no daemon has a free slab: " + counts));
-}
-
-Result<std::vector<Lease>> Cluster::Allocate(size_t n) {
-  FARMEM_RETURN_IF_ERROR(CheckOpen());
-  std::vector<Lease> out;
-  out.reserve(n);
-  for (size_t i = 0; i < n; ++i) {
-    auto lease = PlaceOne({});
-    if (!lease) {
-      (void)Free(out);  // all or nothing; what cannot be freed now is freed in the background
-      return Err(
-          lease.error().WithContext(n == 1 ? std::string("allocating a slab")
-                                           : fmt::format("allocating slab {} of {}", i + 1, n)));
-    }
-    out.push_back(*lease);
-  }
-  return out;
-}
-
-Result<std::vector<Lease>> Cluster::AllocateGroup(size_t n) {
-  FARMEM_RETURN_IF_ERROR(CheckOpen());
-  if (n == 0) return std::vector<Lease>{};
-  std::string down;
-  size_t total = 0;
-  size_t alive = 0;
-  {
-    MutexLock lock(&mu_);
-    total = nodes_.size();
-    for (const auto& node : nodes_) {
-      if (node->alive) {
-        ++alive;
-      } else {
-        down += (down.empty() ? "" : ", ") + node->endpoint.ToString();
-      }
-    }
-  }
-  if (n > total) {
-    return Err(InvalidArgument(fmt::format(
-        "a group of {} slabs needs {} distinct nodes, but the cluster has only {}", n, n, total)));
-  }
-  if (n > alive) {
-    return Err(ResourceExhausted(
-        fmt::format("a group of {} slabs needs {} distinct live nodes, but only {} of {} are up "
-                    "(down: {})",
-                    n, n, alive, total, down)));
-  }
-  std::vector<Lease> out;
-  out.reserve(n);
-  std::vector<bool> exclude(total, false);
-  for (size_t i = 0; i < n; ++i) {
-    auto lease = PlaceOne(exclude);
-    if (!lease) {
-      (void)Free(out);
-      return Err(lease.error().WithContext(
-          fmt::format("placing slab {} of a group of {} on distinct nodes", i + 1, n)));
-    }
-    if (lease->node >= exclude.size()) exclude.resize(lease->node + 1, false);
-    exclude[lease->node] = true;
-    out.push_back(*lease);
-  }
-  return out;
-}
-
-Status Cluster::Free(std::span<const Lease> leases) {
-  FARMEM_RETURN_IF_ERROR(CheckOpen());
-  std::map<NodeId, std::vector<uint64_t>> by_node;
-  for (const Lease& l : leases) by_node[l.node].push_back(l.grant.lease_id);
-
-  Status first;
-  auto note = [&first](Status s) {
-    if (first.ok() && !s.ok()) first = std::move(s);
-  };
-  for (auto& [id, ids] : by_node) {
-    Node* node = FindNode(id);
-    if (node == nullptr) {
-      note(NotFound(fmt::format("leases {} name node {}, but the cluster has only {}",
-                                internal::FormatLeaseIds(ids), id, node_count())));
-      continue;
-    }
-    std::vector<uint64_t> send;
-    std::vector<uint64_t> unknown;
-    // None of them held there (lost with the node, or unknown): nothing to send, so do not wait
-    // for call_mu, which a reconnect to a hung daemon holds for up to connect_timeout.
-    bool nothing_to_send = false;
-    auto note_unknown = [&] {
-      if (unknown.empty()) return;
-      note(
-          NotFound(fmt::format("leases {} on {} are not held by this client (never granted or "
-                               "already freed)",
-                               internal::FormatLeaseIds(unknown), node->name())));
-    };
-    {
-      MutexLock lock(&mu_);
-      nothing_to_send =
-          std::ranges::none_of(ids, [&](uint64_t l) { return node->leases.contains(l); });
-      if (nothing_to_send) {
-        for (uint64_t lease_id : ids) {
-          if (node->lost.erase(lease_id) == 0) unknown.push_back(lease_id);
-        }
-      }
-    }
-    if (nothing_to_send) {
-      note_unknown();
-      continue;
-    }
-    MutexLock call(&node->call_mu);
-    {
-      MutexLock lock(&mu_);
-      for (uint64_t lease_id : ids) {
-        if (node->leases.erase(lease_id) > 0) {
-          send.push_back(lease_id);
-        } else if (node->lost.erase(lease_id) == 0) {
-          unknown.push_back(lease_id);
-        }
-      }
-      if (!send.empty() && !node->conn) {
-        node->to_free.insert(node->to_free.end(), send.begin(), send.end());
-      }
-    }
-    note_unknown();
-    if (send.empty()) continue;
-    if (!node->conn) {
-      note(
-          Unavailable(fmt::format("cannot free leases {} now: {} is not connected; they will be "
-                                  "freed when it answers",
-                                  internal::FormatLeaseIds(send), node->name())));
-      continue;
-    }
-    Status st = SendFreeLocked(*node, send);
-    if (!st.ok()) {
-      note(st.WithContext(fmt::format("freeing leases {}{}", internal::FormatLeaseIds(send),
-                                      node->conn ? "" : " (retried when the node answers)")));
-    }
-  }
-  return first;
-}
-
-transport::Channel* Cluster::EnsureChannel(std::unique_ptr<transport::Channel>& slot, NodeId id,
-                                           Status* error, uint64_t* opened_to) {
-  if (slot && slot->broken()) slot.reset();
-  uint64_t daemon_id = 0;
-  if (opened_to != nullptr) {
-    MutexLock lock(&mu_);
-    if (id < nodes_.size()) daemon_id = nodes_[id]->daemon_id;
-  }
-  if (slot && opened_to != nullptr && *opened_to != daemon_id) slot.reset();
-  if (!slot) {
-    if (!node(id).alive) {
-      *error = Unavailable(fmt::format("daemon {} is down", node(id).endpoint.ToString()));
-      return nullptr;
-    }
-    auto opened = OpenChannel(id);
-    if (!opened) {
-      *error = opened.error();
-      ReportFailure(id, opened.error());
-      return nullptr;
-    }
-    slot = std::move(*opened);
-    if (opened_to != nullptr) *opened_to = daemon_id;
-  }
-  return slot.get();
-}
-
-Result<std::unique_ptr<transport::Channel>> Cluster::OpenChannel(NodeId id) {
-  FARMEM_RETURN_IF_ERROR(CheckOpen());
-  Node* node = FindNode(id);
-  if (node == nullptr) {
-    return Err(NotFound(fmt::format("no node {}: the cluster has {}", id, node_count())));
-  }
-  uint32_t features = 0;
-  {
-    MutexLock lock(&mu_);
-    if (!node->alive) {
-      return Err(
-          Unavailable(fmt::format("{} is down: {}", node->name(), node->last_error.ToString())));
-    }
-    features = node->features;
-  }
-  transport::ChannelOptions o;
-  o.endpoint = node->endpoint;
-  o.credentials = credentials_;
-  o.connect_timeout = options_.connect_timeout;
-  o.op_timeout = options_.op_timeout;
-  o.max_outstanding = options_.channel_depth;
-  if (verbs_ && (features & wire::kFeatureVerbs)) {
-    auto ch = verbs_->OpenChannel(o);
-    if (ch) {
-      spdlog::info("farmem client: data channel to {} uses verbs", node->name());
-      return transport::WithFaults(std::move(*ch), o.endpoint, options_.fault_injector,
-                                   o.op_timeout);
-    }
-    if (options_.transport == "verbs") {
-      if (ch.error().code() == StatusCode::kUnavailable ||
-          ch.error().code() == StatusCode::kDeadlineExceeded) {
-        ReportFailure(id, ch.error());
-      }
-      return Err(
-          ch.error().WithContext(fmt::format("opening a verbs channel to {}", node->name())));
-    }
-    spdlog::warn("farmem client: verbs to {} failed ({}); using tcp", node->name(),
-                 ch.error().ToString());
-  } else if (options_.transport == "verbs") {
-    return Err(Unavailable(fmt::format("{} does not serve RDMA", node->name())));
-  }
-  auto channel = transport_->OpenChannel(o);
-  if (!channel) {
-    if (channel.error().code() == StatusCode::kUnavailable ||
-        channel.error().code() == StatusCode::kDeadlineExceeded) {
-      ReportFailure(id, channel.error());
-    }
-    return Err(
-        channel.error().WithContext(fmt::format("opening a data channel to {}", node->name())));
-  }
-  const char* why = options_.transport == "tcp"         ? "transport=tcp"
-                    : !verbs_                           ? "no RDMA device here"
-                    : !(features & wire::kFeatureVerbs) ? "the daemon serves no RDMA"
-                                                        : "verbs failed";
-  spdlog::info("farmem client: data channel to {} uses tcp ({})", node->name(), why);
-  return transport::WithFaults(std::move(*channel), o.endpoint, options_.fault_injector,
-                               o.op_timeout);
-}
-
-void Cluster::ReportFailure(NodeId id, const Status& error) {
-  Node* node = FindNode(id);
-  if (node == nullptr) return;
-  {
-    MutexLock lock(&mu_);
-    if (closed_ || stopping_ || !node->alive) return;
-    // Suspect for a window of twice the failure timeout. A node that fails again soon after its
-    // window ended (within one more window) gets twice the window, up to kMaxSuspectWindow;
-    // errors while it is suspect change nothing (a dead node reports many at once).
-    const Clock::time_point now = Clock::now();
-    if (now >= node->suspect_until) {
-      const bool again = now < node->suspect_until + node->suspect_window;
-      node->suspect_window = again ? std::min(2 * node->suspect_window, kMaxSuspectWindow)
-                                   : std::chrono::milliseconds(2 * options_.failure_timeout);
-      node->suspect_until = now + node->suspect_window;
-      spdlog::info(
-          "farmem client: data path error on {}: {}; probing it, and no new slabs there for {} "
-          "ms while other daemons can take them",
-          node->name(), error.ToString(), node->suspect_window.count());
-    } else {
-      spdlog::info("farmem client: data path error on {}: {}; probing it", node->name(),
-                   error.ToString());
-    }
-    node->probe = true;
-    probe_requested_ = true;
-  }
-  wake_.SignalAll();
-}
-
 // ---- shutdown ----
 
 Status Cluster::FreeAll() {
@@ -910,16 +578,6 @@ Result<TcpConnection> Cluster::ControlConnection(NodeId id) {
                                        info.last_error.ToString())));
   }
   return ConnectTo(info.endpoint, options_.connect_timeout);
-}
-
-Result<Lease> Cluster::AllocateExcluding(std::span<const NodeId> exclude) {
-  FARMEM_RETURN_IF_ERROR(CheckOpen());
-  std::vector<bool> excluded;
-  for (NodeId id : exclude) {
-    if (id >= excluded.size()) excluded.resize(id + 1, false);
-    excluded[id] = true;
-  }
-  return PlaceOne(excluded);
 }
 
 }  // namespace farmem::client

@@ -27,7 +27,8 @@ Connection::Connection(Server* server, Socket socket, std::string peer,
       peer_(std::move(peer)),
       counted_client_(true),
       client_id_(client_id),
-      client_name_(std::move(client_name)) {
+      client_name_(std::move(client_name)),
+      offload_(server, client_id_, client_name_) {
   server_->ClientConnected(client_id_);
   rbuf_.resize(kRecvBuffer);
   std::memcpy(rbuf_.data(), early.data(), early.size());  // at most kHandshakeBuffer bytes
@@ -181,11 +182,11 @@ Connection::Next Connection::HandleFrame() {
       next = HandleRead(h, body);
       break;
     case wire::Opcode::kParityEncode:
-      next = HandleOffload(h, "PARITY_ENCODE", wire::DecodeParityEncode(body),
-                           &Connection::ParityEncode);
+      next =
+          HandleOffload(h, "PARITY_ENCODE", wire::DecodeParityEncode(body), &Offload::ParityEncode);
       break;
     case wire::Opcode::kGatherCell:
-      next = HandleOffload(h, "GATHER_CELL", wire::DecodeGatherCell(body), &Connection::GatherCell);
+      next = HandleOffload(h, "GATHER_CELL", wire::DecodeGatherCell(body), &Offload::GatherCell);
       break;
     default:
       next = HandleControl(h, body);
@@ -424,14 +425,14 @@ Connection::Next Connection::HandleBatch(const wire::FrameHeader& h) {
 
 template <typename Req>
 Connection::Next Connection::HandleOffload(const wire::FrameHeader& h, const char* name,
-                                           Result<Req> req, Status (Connection::*run)(const Req&)) {
+                                           Result<Req> req, Status (Offload::*run)(const Req&)) {
   if (!req.has_value()) {
     ReplyError(h, req.error());
     return Next::kContinue;
   }
   // What is already answered goes out first: this request may take a while.
   if (!FlushReplies()) return Next::kClose;
-  Status s = (this->*run)(*req);
+  Status s = (offload_.*run)(*req);
   if (!s.ok()) {
     spdlog::debug("{} ({}): {} failed: {}", peer_, client_name_, name, s.ToString());
     ReplyError(h, s);
@@ -439,100 +440,6 @@ Connection::Next Connection::HandleOffload(const wire::FrameHeader& h, const cha
   }
   Reply(h, {});
   return Next::kContinue;
-}
-
-Status Connection::ParityEncode(const wire::ParityEncodeRequest& req) {
-  SlabPool& pool = server_->pool();
-  const uint32_t len = req.length;
-  // The target is checked before anything is read: a cell we could not store is not computed.
-  {
-    Result<Pin> pin = pool.Acquire(req.lease_id, client_id_, req.offset, len);
-    if (!pin.has_value()) return pin.error().WithContext("PARITY_ENCODE target");
-  }
-  auto& codec = codecs_[{req.k, req.r}];
-  if (codec == nullptr) {
-    Result<std::unique_ptr<ec::ReedSolomon>> c = ec::ReedSolomon::Create(req.k, req.r);
-    if (!c.has_value()) {
-      codecs_.erase({req.k, req.r});
-      return c.error();
-    }
-    codec = std::move(*c);
-  }
-  PeerReader& peers = Peers();
-  const Deadline deadline = DeadlineIn(std::chrono::milliseconds(req.timeout_ms));
-  Status s = peers.Start(req.sources, len, deadline);
-  if (!s.ok()) return Unavailable("PARITY_ENCODE source: " + s.message());
-  // Accumulate parity as each data cell arrives (ec_encode_data_update, one row): parity
-  // starts at zero and every data fragment contributes coefficient * cell.
-  parity_.assign(len, 0);
-  if (cells_.size() < len) cells_.resize(len);
-  for (size_t i = 0; i < req.sources.size(); ++i) {
-    s = peers.Finish(i, cells_.data(), deadline);
-    if (!s.ok()) {
-      peers.Abandon();
-      const wire::PeerCell& c = req.sources[i];
-      return Unavailable(fmt::format("PARITY_ENCODE source {} (lease {} at offset {} on {}): {}", i,
-                                     c.lease_id, c.offset, Endpoint{c.host, c.port}.ToString(),
-                                     s.message()));
-    }
-    FARMEM_RETURN_IF_ERROR(codec->UpdateParityFragmentWithDelta(
-        static_cast<int>(i), req.parity_index, cells_.data(), parity_.data(), len));
-  }
-  // Stored only once complete: a failed request leaves the old cell as it was.
-  Result<Pin> pin = pool.Acquire(req.lease_id, client_id_, req.offset, len);
-  if (!pin.has_value()) return pin.error().WithContext("PARITY_ENCODE target");
-  std::memcpy(pin->data() + req.offset, parity_.data(), len);
-  pin->Reset();
-  server_->counters().ops.fetch_add(1, std::memory_order_relaxed);
-  server_->counters().bytes_written.fetch_add(len, std::memory_order_relaxed);
-  return Status::Ok();
-}
-
-PeerReader& Connection::Peers() {
-  if (peers_ == nullptr) {
-    peers_ = std::make_unique<PeerReader>(server_->options().secret, client_id_,
-                                          fmt::format("farmemd offload for {}", client_name_));
-  }
-  return *peers_;
-}
-
-Status Connection::GatherCell(const wire::GatherCellRequest& req) {
-  SlabPool& pool = server_->pool();
-  const uint32_t len = req.length;
-  {
-    Result<Pin> pin = pool.Acquire(req.lease_id, client_id_, req.offset, len);
-    if (!pin.has_value()) return pin.error().WithContext("GATHER_CELL target");
-  }
-  const size_t n = req.sources.size();
-  if (cells_.size() < n * len) cells_.resize(n * len);
-  if (n > 0) {
-    PeerReader& peers = Peers();
-    const Deadline deadline = DeadlineIn(std::chrono::milliseconds(req.timeout_ms));
-    Status s = peers.Start(req.sources, len, deadline);
-    if (!s.ok()) return Unavailable("GATHER_CELL source: " + s.message());
-    for (size_t i = 0; i < n; ++i) {
-      s = peers.Finish(i, cells_.data() + i * len, deadline);
-      if (!s.ok()) {
-        peers.Abandon();
-        const wire::PeerCell& c = req.sources[i];
-        return Unavailable(fmt::format("GATHER_CELL source {} (lease {} at offset {} on {}): {}", i,
-                                       c.lease_id, c.offset, Endpoint{c.host, c.port}.ToString(),
-                                       s.message()));
-      }
-    }
-  }
-  parity_.assign(len, 0);
-  for (const wire::GatherCopy& c : req.copies) {  // bounds checked by DecodeGatherCell
-    std::memcpy(parity_.data() + c.dst_offset,
-                cells_.data() + size_t{c.source} * len + c.src_offset, c.length);
-  }
-  Result<Pin> pin = pool.Acquire(req.lease_id, client_id_, req.offset, len);
-  if (!pin.has_value()) return pin.error().WithContext("GATHER_CELL target");
-  std::memcpy(pin->data() + req.offset, parity_.data(), len);
-  pin->Reset();
-  server_->counters().ops.fetch_add(1, std::memory_order_relaxed);
-  server_->counters().bytes_written.fetch_add(len, std::memory_order_relaxed);
-  return Status::Ok();
 }
 
 bool Connection::TakePayload(uint8_t* dst, uint64_t len) {

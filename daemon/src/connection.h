@@ -9,7 +9,7 @@
 // anywhere but the lease it is allowed to touch.
 //
 // Compaction offload (PARITY_ENCODE, GATHER_CELL) makes this thread a client of other daemons
-// for a while: it reads cells there through a PeerReader, as this connection's client.
+// for a while: the computation is Offload's (offload.h); this class only frames it.
 #pragma once
 
 #include <sys/uio.h>
@@ -23,8 +23,7 @@
 #include "farmem/common/mutex.h"
 #include "farmem/common/socket.h"
 #include "farmem/common/wire.h"
-#include "farmem/ec/reed_solomon.h"
-#include "peer_reader.h"
+#include "offload.h"
 #include "slab_pool.h"
 
 namespace farmem::daemon {
@@ -61,13 +60,7 @@ class Connection {
   // its error.
   template <typename Req>
   Next HandleOffload(const wire::FrameHeader& h, const char* name, Result<Req> req,
-                     Status (Connection::*run)(const Req&));
-  // Parity offload (docs/wire-protocol.md, PARITY_ENCODE): reads the k data cells from their
-  // daemons and stores one parity cell here.
-  Status ParityEncode(const wire::ParityEncodeRequest& req);
-  // Compaction offload (GATHER_CELL): builds one cell from pieces of cells on other daemons.
-  Status GatherCell(const wire::GatherCellRequest& req);
-  PeerReader& Peers();
+                     Status (Offload::*run)(const Req&));
 
   // Moves `len` payload bytes into dst (nullptr: discard): first what is buffered, then straight
   // from the socket. False if the connection broke.
@@ -111,11 +104,8 @@ class Connection {
   Mutex push_mu_;
   std::vector<std::vector<uint8_t>> pushes_ GUARDED_BY(push_mu_);
 
-  // Parity offload state, created on first use.
-  std::unique_ptr<PeerReader> peers_;
-  std::map<std::pair<int, int>, std::unique_ptr<ec::ReedSolomon>> codecs_;  // by (k, r)
-  std::vector<uint8_t> parity_;  // the parity cell being computed
-  std::vector<uint8_t> cells_;   // the k data cells as they arrive
+  // PARITY_ENCODE and GATHER_CELL, for this connection's client.
+  Offload offload_;
 };
 
 }  // namespace farmem::daemon

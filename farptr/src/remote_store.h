@@ -55,7 +55,7 @@ namespace farmem::farptr_internal {
 struct Group;
 struct Span;
 
-inline constexpr int kMaxSetWidth = 16;
+inline constexpr int kMaxSetWidth = SpanResilience::kMaxWidth;
 
 // True for the codes after which a member's slab is taken to be gone (its daemon died, restarted,
 // or dropped the lease): the member is then failed and re-protected.

@@ -4,7 +4,6 @@
 
 #include <algorithm>
 #include <bit>
-#include <charconv>
 
 #include "heap.h"
 
@@ -14,55 +13,8 @@ namespace farmem {
 // SpanResilience
 
 Result<SpanResilience> SpanResilience::Parse(std::string_view text) {
-  SpanResilience r;
-  auto num = [](std::string_view s, int* out) {
-    auto [p, ec] = std::from_chars(s.data(), s.data() + s.size(), *out);
-    return ec == std::errc() && p == s.data() + s.size();
-  };
-  if (text == "none") {
-    r.mode = Mode::kNone;
-    r.k = 1;
-    r.r = 0;
-    return r;
-  }
-  if (text.starts_with("replicate:")) {
-    int copies = 0;
-    if (!num(text.substr(10), &copies) || copies < 1 || copies > 8) {
-      return Err(InvalidArgument(fmt::format("'{}': replicate:N needs N from 1 to 8", text)));
-    }
-    r.mode = Mode::kReplicate;
-    r.k = 1;
-    r.r = copies - 1;
-    return r;
-  }
-  if (text.starts_with("ec:")) {
-    const std::string_view rest = text.substr(3);
-    const size_t plus = rest.find('+');
-    if (plus == std::string_view::npos || !num(rest.substr(0, plus), &r.k) ||
-        !num(rest.substr(plus + 1), &r.r)) {
-      return Err(InvalidArgument(fmt::format("'{}': write ec:k+r, e.g. ec:4+2", text)));
-    }
-    if (r.k < 1 || r.r < 0 || r.k + r.r > 16) {
-      return Err(
-          InvalidArgument(fmt::format("'{}': ec:k+r needs k >= 1, r >= 0 and k + r <= 16", text)));
-    }
-    r.mode = Mode::kErasure;
-    return r;
-  }
-  return Err(InvalidArgument(
-      fmt::format("unknown resilience '{}': use none, replicate:N or ec:k+r", text)));
-}
-
-std::string SpanResilience::ToString() const {
-  switch (mode) {
-    case Mode::kNone:
-      return "none";
-    case Mode::kReplicate:
-      return fmt::format("replicate:{}", r + 1);
-    case Mode::kErasure:
-      return fmt::format("ec:{}+{}", k, r);
-  }
-  return "?";
+  FARMEM_ASSIGN_OR_RETURN(client::Resilience parsed, client::Resilience::Parse(text, kMaxWidth));
+  return SpanResilience(parsed);
 }
 
 // ---------------------------------------------------------------------------------------------

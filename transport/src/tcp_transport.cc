@@ -98,6 +98,7 @@ class TcpChannel final : public Channel {
   bool broken() const override { return !broken_.ok(); }
   ChannelStats stats() const override { return stats_; }
   int wait_fd() const override { return broken() ? -1 : conn_.pollable_fd(); }
+  bool fd_readiness_is_exact() const override { return true; }
 
  private:
   struct InFlight {

@@ -25,6 +25,7 @@
 #include <string_view>
 #include <vector>
 
+#include "farmem/client/resilience.h"
 #include "farmem/common/config.h"
 #include "farmem/common/status.h"
 
@@ -37,17 +38,18 @@ namespace farptr_internal {
 class Heap;
 }
 
-// How swapped-out spans are protected.
-struct SpanResilience {
-  enum class Mode { kNone, kReplicate, kErasure };
-  Mode mode = Mode::kErasure;
-  int k = 4;  // data spans per span set (1 for none / replicate)
-  int r = 2;  // parity spans (erasure) or extra copies (replicate) per span set
+// How swapped-out spans are protected: client::Resilience, the one parser and meaning of none /
+// replicate:N / ec:k+r shared with the page store (k = 1, r = N - 1 for replicate), plus one rule
+// of far_ptr's own: a span set is spread over at most kMaxWidth daemons (k + r <= 16; its members
+// are kept in fixed arrays on the request path).
+struct SpanResilience : client::Resilience {
+  static constexpr int kMaxWidth = 16;
 
-  // "none", "replicate:N" (N copies, 1..8), "ec:k+r" (k >= 1, r >= 0, k + r <= 16).
+  SpanResilience() = default;
+  SpanResilience(const client::Resilience& r) : client::Resilience(r) {}  // NOLINT: same value
+  // client::Resilience::Parse with k + r <= kMaxWidth.
   static Result<SpanResilience> Parse(std::string_view text);
-  std::string ToString() const;
-  int width() const { return k + r; }  // daemons one span set is spread over
+  int width() const { return group_size(); }  // daemons one span set is spread over
 };
 
 struct RuntimeOptions {

@@ -230,7 +230,24 @@ class Cluster {
   explicit Cluster(ClusterOptions options);
 
   // ---- setup (cluster.cc) ----
+  // A daemon to dial at start: named in peers (a node even while down), or found in peers_dns
+  // (a node only once it answers).
+  struct DialTarget {
+    Endpoint endpoint;
+    bool from_dns = false;
+  };
   Status Start();
+  Status InitCredentials();   // client id, secret and name every connection presents
+  Status ChooseTransports();  // tcp always; verbs unless transport=tcp (an error if =verbs)
+  // The peers, then peers_dns resolved (a resolution failure goes to *dns_error, not an error).
+  Result<std::vector<DialTarget>> PeersToDial(std::string* dns_error);
+  // Connects to every target at once, one thread each; results in target order.
+  std::vector<Result<transport::TcpConnection>> DialAll(
+      const std::vector<DialTarget>& targets) const;
+  // Makes nodes of what was dialed (aliases of one daemon once); fails when no daemon answered.
+  Status AdoptDialed(const std::vector<DialTarget>& targets,
+                     std::vector<Result<transport::TcpConnection>>& dialed,
+                     const std::string& dns_error) EXCLUDES(mu_);
   Result<transport::TcpConnection> ConnectTo(const Endpoint& ep,
                                              std::chrono::milliseconds timeout) const;
   Node* AddNode(const Endpoint& ep) REQUIRES(mu_);
@@ -245,8 +262,24 @@ class Cluster {
   Result<wire::StatReply> StatNode(Node& node);
   Result<Lease> AllocOn(Node& node);
   Status SendFreeLocked(Node& node, std::span<const uint64_t> ids);  // node.call_mu held
+
+  // ---- placement and freeing (cluster_leases.cc) ----
   // One slab by two-choices among live nodes not in `exclude` (indexed by NodeId).
   Result<Lease> PlaceOne(const std::vector<bool>& exclude);
+  // What one PlaceOne learned: per node what STAT / ALLOC said (for the error), the nodes asked,
+  // and whether a daemon failed otherwise than by being full.
+  struct PlacementLog {
+    std::map<NodeId, std::string> seen;
+    std::vector<bool> tried;
+    bool alloc_failed = false;
+  };
+  static bool Excluded(const std::vector<bool>& exclude, NodeId id);
+  // STATs the sampled nodes, then ALLOCs on them most free first; nullopt if none granted one.
+  std::optional<Lease> TryPlaceOn(std::span<const NodeId> sampled, PlacementLog* log);
+  // Why nothing was placed: Unavailable (none up, or one failed) or ResourceExhausted (all full).
+  Status PlacementFailure(const std::vector<bool>& exclude, const PlacementLog& log) const
+      EXCLUDES(mu_);
+
   std::vector<NodeId> AliveNodes() const EXCLUDES(mu_);
   Status FreeAll();
 

@@ -101,6 +101,12 @@ class Channel {
   // so one thread can wait on many channels at once (reads spread over k+r daemons). -1 when the
   // channel cannot be waited on that way: then the caller polls with a zero timeout.
   virtual int wait_fd() const { return -1; }
+  // True when wait_fd() turning readable means exactly "Poll() has a completion": the channel
+  // keeps nothing unreaped between Poll calls (tcp: each Poll receives one reply frame and hands
+  // out all its completions). A waiter on many channels may then go straight to poll(2) on the fd
+  // instead of probing Poll() first. False (verbs: a completion may land before the event fd is
+  // armed): reap with a zero-timeout Poll() before waiting on the fd.
+  virtual bool fd_readiness_is_exact() const { return false; }
 
   // Synchronous conveniences. Execute posts all ops (flushing as the window allows), waits for
   // all, stores each op's status in `results` (if given) and returns the first error.

@@ -1,0 +1,141 @@
+// The page store's internal types, shared by its files (see page_store.h for what it does):
+//   page_store.cc          setup, the BlockBackend entry points, splitting requests into pieces
+//   page_store_extents.cc  the extent map: mapping (also degraded), unmapping
+//   page_store_round.{h,cc} the I/O round: a worker's channels, Round, RunPieces
+//   page_store_rebuild.cc  failures, rebuild and re-protection, the capacity check
+// Nothing here is part of the page store's interface.
+#pragma once
+
+#include <poll.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "farmem/client/cluster.h"
+#include "farmem/common/mutex.h"
+#include "farmem/common/status.h"
+
+namespace farmem::blockdev::pagestore {
+
+inline constexpr uint64_t kPage = 4096;
+// A piece moves at most this much export data (also the size of the shared zero buffer):
+// large enough that one op of a batch is a handful of pieces, small enough that a round of
+// several pieces fits the staging memory below.
+inline constexpr uint64_t kMaxPiece = 1 << 20;
+// A round moves at most this much export data: each worker's ec staging memory is sized for it
+// (kRoundBytes / 4096 pages x (k + r) fragments), allocated once at start.
+inline constexpr uint64_t kRoundBytes = 2 << 20;
+// Attempts of a piece whose members failed (each after a rebuild) before the op fails.
+inline constexpr int kMaxRetries = 3;
+// A round holds at most this many pieces (a fixed array, no allocation on the request path)...
+inline constexpr size_t kMaxRoundPieces = 64;
+// ...posts at most this many ops to one daemon (below a channel's window, max_outstanding in
+// transport.h, 64 by default, so that a Post never finds the window full)...
+inline constexpr uint32_t kMaxOpsPerNode = 48;
+// ...and locks at most this many extents (the worker's lock vectors are reserved for 32).
+inline constexpr size_t kMaxRoundExtents = 16;
+// While ops are in flight, how often to check whether their daemon was declared down meanwhile
+// (a gray failure: SIGSTOP, a partition must not hold a round, and its extent locks, for the
+// whole op_timeout).
+inline constexpr std::chrono::milliseconds kDownCheck = client::kDownCheckInterval;
+// Members of a group are kept as 32-bit masks (bit j: member j).
+inline constexpr int kMaxMembers = 32;
+
+const std::vector<uint8_t>& ZeroBuffer();  // kMaxPiece zero bytes
+
+// A member of a group mapped degraded that never had a lease (no daemon could take it): lease
+// id 0 (daemons never grant it), on no node. It is marked failed, so nothing is ever posted to it.
+inline constexpr client::NodeId kNoNode = ~client::NodeId{0};
+inline bool IsVacant(const client::Lease& l) { return l.grant.lease_id == 0; }
+
+// At most one log line per `period` for one kind of message, saying how many were left out:
+// conditions that persist (a store that stays degraded, a cluster short of room) are re-checked
+// every few seconds and must not flood the log.
+class LogEvery {
+ public:
+  explicit LogEvery(std::chrono::seconds period) : period_(period) {}
+  // Whether to log now; *suppressed is set to the number of lines left out since the last one.
+  bool Allow(uint64_t* suppressed) EXCLUDES(mu_);
+
+ private:
+  Mutex mu_;
+  const std::chrono::seconds period_;
+  Clock::time_point last_ GUARDED_BY(mu_){};
+  uint64_t suppressed_ GUARDED_BY(mu_) = 0;
+};
+// " (N similar lines left out)", or nothing for 0.
+std::string Suppressed(uint64_t n);
+LogEvery& DegradedMapLog();
+LogEvery& RebuildFailLog();
+LogEvery& StillDegradedLog();
+LogEvery& CapacityLog();
+
+struct Extent {
+  // I/O holds it shared for a round; rebuild, unmap and partial-page writes hold it exclusively.
+  SharedMutex mu;
+  std::atomic<bool> mapped{false};
+  // Written before `mapped` is published (MapExtent, under the store's map lock, which nothing
+  // reads before `mapped` is true), and afterwards only under mu exclusive (rebuild, unmap); read
+  // under mu shared. Not GUARDED_BY(mu): the first mapping is published by `mapped`, not by mu.
+  std::vector<client::Lease> members;
+  std::atomic<uint32_t> failed{0};  // bit j: member j's copy is gone
+  uint64_t pages = 0;
+  std::unique_ptr<std::atomic<uint64_t>[]> written;  // page has data
+  std::unique_ptr<std::atomic<uint64_t>[]> lost;     // page's data is gone for good
+
+  size_t words() const { return static_cast<size_t>((pages + 63) / 64); }
+  bool Test(const std::unique_ptr<std::atomic<uint64_t>[]>& bits, uint64_t p) const {
+    return (bits[p / 64].load(std::memory_order_acquire) >> (p % 64)) & 1;
+  }
+  void Set(std::unique_ptr<std::atomic<uint64_t>[]>& bits, uint64_t p, bool v) {
+    const uint64_t m = uint64_t{1} << (p % 64);
+    if (v) {
+      bits[p / 64].fetch_or(m, std::memory_order_acq_rel);
+    } else {
+      bits[p / 64].fetch_and(~m, std::memory_order_acq_rel);
+    }
+  }
+  bool Any() const {
+    for (size_t i = 0; i < words(); ++i) {
+      if (written[i].load(std::memory_order_acquire) != 0) return true;
+    }
+    return false;
+  }
+  uint32_t live_mask() const {
+    const uint32_t all = members.size() >= 32 ? ~0u : ((1u << members.size()) - 1);
+    return all & ~failed.load(std::memory_order_acquire);
+  }
+};
+
+// One piece: whole pages of one extent.
+struct Piece {
+  Extent* extent = nullptr;
+  uint64_t index = 0;       // extent index
+  uint64_t first_page = 0;  // within the extent
+  uint64_t npages = 0;
+  bool write = false;
+  size_t op = 0;             // index of the BlockOp it came from
+  uint8_t* buf = nullptr;    // export bytes: destination (read) or source (write)
+  uint8_t* stage = nullptr;  // ec: (k+r) fragment arrays of npages*frag bytes
+  uint32_t ok_mask = 0;      // members whose op completed OK
+  uint32_t fail_mask = 0;    // members whose op failed
+  uint32_t posted_mask = 0;
+  int8_t order[kMaxMembers] = {};  // ec read: members in arrival order
+  int arrived = 0;
+  bool settled = false;  // its success was handled while the round still waited (early)
+  Status first_error;
+
+  // Its pages hold data now (a write succeeded): set written, clear lost.
+  void MarkWritten() {
+    for (uint64_t pg = 0; pg < npages; ++pg) {
+      extent->Set(extent->written, first_page + pg, true);
+      extent->Set(extent->lost, first_page + pg, false);
+    }
+  }
+};
+
+}  // namespace farmem::blockdev::pagestore

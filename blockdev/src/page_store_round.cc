@@ -1,0 +1,581 @@
+// The I/O round (page_store_round.h) and RunPieces, which cuts a batch's pieces into rounds and
+// handles their outcomes (retries, rebuilds before acknowledging, the backup file).
+#include "page_store_round.h"
+
+#include <fmt/format.h>
+#include <poll.h>
+#include <spdlog/spdlog.h>
+
+#include <algorithm>
+#include <bit>
+#include <cstring>
+#include <string_view>
+
+#include "page_store.h"
+
+namespace farmem::blockdev::pagestore {
+
+// ---------------------------------------------------------------------------------------------
+// A worker's channels
+
+void ChannelTable::Reserve(size_t nodes) {
+  pfds_.reserve(nodes);
+  pfd_nodes_.reserve(nodes);
+}
+
+void ChannelTable::FlushAll() {
+  for (auto& ch : channels_) {
+    if (ch && ch->outstanding() > 0) (void)ch->Flush();  // a failure completes the ops with errors
+  }
+}
+
+bool ChannelTable::AnyOutstanding() const {
+  for (const auto& ch : channels_) {
+    if (ch && ch->outstanding() > 0) return true;
+  }
+  return false;
+}
+
+transport::Channel* ChannelTable::Get(client::NodeId node, Status* error) {
+  if (channels_.size() <= node) channels_.resize(node + 1);
+  auto& ch = channels_[node];
+  if (ch && ch->broken() && ch->outstanding() > 0) {
+    transport::Completion c[64];
+    while (ch->outstanding() > 0) {
+      auto n = ch->Poll(c, std::chrono::milliseconds(0));
+      if (!n || *n == 0) break;
+    }
+  }
+  if (channel_daemon_.size() <= node) channel_daemon_.resize(node + 1, 0);
+  // A channel to an earlier incarnation of the daemon (it restarted on the same address) is dead
+  // even if no error was seen on it yet: EnsureChannel replaces it instead of failing an op on it.
+  return cluster_->EnsureChannel(ch, node, error, &channel_daemon_[node]);
+}
+
+template <typename Fn>
+bool ChannelTable::Poll(Deadline deadline, Fn&& on_completion) {
+  pfds_.clear();
+  pfd_nodes_.clear();
+  bool any = false;
+  for (client::NodeId n = 0; n < channels_.size(); ++n) {
+    auto& ch = channels_[n];
+    if (!ch || ch->outstanding() == 0) continue;
+    // A channel whose fd turning readable is exactly "a reply is there" (tcp) is left to the one
+    // poll(2) below instead of probing every socket with a recv first (that probe was about a
+    // quarter of the system calls of an ec:4+2 batch). Other channels (verbs: a completion may
+    // land before the event fd is armed; broken ones) are reaped first.
+    if (ch->wait_fd() >= 0 && ch->fd_readiness_is_exact()) {
+      pfds_.push_back({ch->wait_fd(), POLLIN, 0});
+      pfd_nodes_.push_back(n);
+      continue;
+    }
+    auto got = ch->Poll(comps_, std::chrono::milliseconds(0));
+    if (got && *got > 0) {
+      for (size_t i = 0; i < *got; ++i) on_completion(comps_[i]);
+      any = true;
+      continue;
+    }
+    pfds_.push_back({ch->wait_fd(), POLLIN, 0});
+    pfd_nodes_.push_back(n);
+  }
+  if (any) return true;
+  if (pfds_.empty()) return true;  // nothing outstanding: the caller re-checks its condition
+  const bool pollable =
+      std::all_of(pfds_.begin(), pfds_.end(), [](const pollfd& p) { return p.fd >= 0; });
+  const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+  if (pollable) {
+    // Past the deadline, still look (without waiting) before giving up: if this thread was held
+    // up (descheduled, a slow listener) the replies may have been waiting here all along, and a
+    // daemon that answered in time must not be blamed for our own stall.
+    const int rc =
+        ::poll(pfds_.data(), pfds_.size(), static_cast<int>(std::max<int64_t>(0, left.count())));
+    if (rc == 0) return false;
+  } else if (left.count() <= 0) {
+    return false;  // the channels without a pollable fd were reaped (without waiting) above
+  }
+  for (size_t i = 0; i < pfds_.size(); ++i) {
+    if (pollable && pfds_[i].revents == 0) continue;
+    auto& ch = channels_[pfd_nodes_[i]];
+    // The reply has begun to arrive: receiving the rest of it may take up to the operation
+    // timeout. (A fixed value: a channel sets its socket's receive timeout only when it changes.)
+    auto got = ch->Poll(comps_, pollable ? op_timeout_ : std::chrono::milliseconds(0));
+    if (got) {
+      for (size_t j = 0; j < *got; ++j) on_completion(comps_[j]);
+    }
+  }
+  return true;
+}
+
+void ChannelTable::ResetStuck() {
+  for (auto& ch : channels_) {
+    if (ch && ch->outstanding() > 0) ch.reset();  // its buffers are ours; nothing can land now
+  }
+}
+
+template <typename Fn>
+void ChannelTable::DropDown(Fn&& on_drop) {
+  for (client::NodeId n = 0; n < channels_.size(); ++n) {
+    auto& ch = channels_[n];
+    if (!ch || ch->outstanding() == 0 || cluster_->node(n).alive) continue;
+    on_drop(n);
+    ch.reset();
+  }
+}
+
+void ChannelTable::DrainStragglers() {
+  const Deadline deadline = DeadlineIn(op_timeout_);
+  Deadline next_check = DeadlineIn(kDownCheck);  // by the clock, as in Round::Run
+  for (;;) {
+    if (!AnyOutstanding()) return;
+    if (Clock::now() >= next_check) {
+      // Stragglers on a daemon declared down are not worth waiting for (see Round::Run).
+      DropDown([](client::NodeId) {});
+      next_check = DeadlineIn(kDownCheck);
+      continue;
+    }
+    if (!Poll(std::min(deadline, next_check), [](const transport::Completion&) {})) {
+      if (Clock::now() >= deadline) {
+        ResetStuck();
+        return;
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Round
+
+Status FinishRead(const RoundParams& params, Piece& p, bool* decoded) {
+  *decoded = false;
+  if (params.codec != nullptr) {
+    const int k = params.resilience.k;
+    const size_t flen = static_cast<size_t>(p.npages) * params.frag_size;
+    const uint32_t data_mask = (1u << k) - 1;
+    uint8_t* frags[kMaxMembers];
+    for (size_t j = 0; j < p.extent->members.size(); ++j) frags[j] = p.stage + j * flen;
+    // Decode when a data fragment is not among the first k to arrive.
+    uint32_t first_k = 0;
+    for (int t = 0; t < k; ++t) first_k |= 1u << p.order[t];
+    if ((first_k & data_mask) != data_mask) {
+      int present[kMaxMembers];
+      for (int t = 0; t < k; ++t) present[t] = p.order[t];
+      FARMEM_RETURN_IF_ERROR(params.codec->ReconstructData(
+          {frags, p.extent->members.size()}, {present, static_cast<size_t>(k)}, flen));
+      *decoded = true;
+    }
+    for (uint64_t pg = 0; pg < p.npages; ++pg) {
+      for (int j = 0; j < k; ++j) {
+        std::memcpy(p.buf + pg * kPage + static_cast<uint64_t>(j) * params.frag_size,
+                    frags[j] + pg * params.frag_size, params.frag_size);
+      }
+    }
+  }
+  for (uint64_t pg = 0; pg < p.npages; ++pg) {
+    if (!p.extent->Test(p.extent->written, p.first_page + pg)) {
+      std::memset(p.buf + pg * kPage, 0, kPage);
+    }
+  }
+  return Status::Ok();
+}
+
+Round::Round(const RoundParams& params, client::Cluster* cluster, Worker* w,
+             std::span<Status> op_status, Early* early)
+    : params_(params),
+      cluster_(cluster),
+      w_(w),
+      op_status_(op_status),
+      early_(early),
+      ops_(w->round_ops),
+      per_node_(w->per_node) {
+  ops_.clear();
+  per_node_.clear();
+}
+
+bool Round::Fits(const Piece& p) const {
+  if (count_ == kMaxRoundPieces) return false;
+  if (params_.codec && stage_used_ + StageBytes(p) > w_->staging.size()) return false;
+  for (const client::Lease& m : p.extent->members) {
+    if (m.node < per_node_.size() && per_node_[m.node] + 1 > kMaxOpsPerNode) return false;
+  }
+  return true;
+}
+
+size_t Round::StageBytes(const Piece& p) const {
+  return static_cast<size_t>(p.npages * params_.frag_size) * p.extent->members.size();
+}
+
+Status Round::Add(Piece p) {
+  if (params_.codec) {
+    p.stage = w_->staging.data() + stage_used_;
+    stage_used_ += StageBytes(p);
+  }
+  pieces_[count_] = p;
+  Piece& q = pieces_[count_];
+  const size_t pi = count_++;
+  const client::Resilience& res = params_.resilience;
+  const uint32_t live = q.extent->live_mask();
+  const uint64_t len = q.npages * kPage;
+  const uint32_t f = params_.frag_size;
+  if (res.mode == Resilience::Mode::kErasure) {
+    const size_t flen = static_cast<size_t>(q.npages) * f;
+    const int n = res.k + res.r;
+    if (q.write) {
+      // Fragment j of page p: bytes [j*f, (j+1)*f) of the page, gathered into stage array j.
+      for (uint64_t pg = 0; pg < q.npages; ++pg) {
+        for (int j = 0; j < res.k; ++j) {
+          std::memcpy(q.stage + static_cast<size_t>(j) * flen + pg * f,
+                      q.buf + pg * kPage + static_cast<uint64_t>(j) * f, f);
+        }
+      }
+      const uint8_t* data[kMaxMembers];
+      uint8_t* parity[kMaxMembers];
+      for (int j = 0; j < res.k; ++j) data[j] = q.stage + static_cast<size_t>(j) * flen;
+      for (int j = 0; j < res.r; ++j) parity[j] = q.stage + static_cast<size_t>(res.k + j) * flen;
+      FARMEM_RETURN_IF_ERROR(params_.codec->Encode({data, static_cast<size_t>(res.k)},
+                                                   {parity, static_cast<size_t>(res.r)}, flen));
+    }
+    for (int j = 0; j < n; ++j) {
+      if (!((live >> j) & 1)) continue;
+      Post(pi, j, q.write, q.first_page * f, q.stage + static_cast<size_t>(j) * flen,
+           static_cast<uint32_t>(flen));
+    }
+    return Status::Ok();
+  }
+  const uint64_t off = q.first_page * kPage;
+  if (q.write) {
+    for (size_t j = 0; j < q.extent->members.size(); ++j) {
+      if ((live >> j) & 1)
+        Post(pi, static_cast<int>(j), true, off, q.buf, static_cast<uint32_t>(len));
+    }
+  } else {
+    // One replica, spread over the live ones by page.
+    const int nm = static_cast<int>(q.extent->members.size());
+    for (int t = 0; t < nm; ++t) {
+      const int j =
+          static_cast<int>((q.first_page + static_cast<uint64_t>(t)) % static_cast<uint64_t>(nm));
+      if ((live >> j) & 1) {
+        Post(pi, j, false, off, q.buf, static_cast<uint32_t>(len));
+        break;
+      }
+    }
+  }
+  return Status::Ok();
+}
+
+void Round::Run() {
+  for (size_t i = 0; i < ops_.size(); ++i) {
+    RemoteOp& r = ops_[i];
+    transport::Channel* ch = w_->channels.Get(r.node, &r.status);
+    if (ch == nullptr) {
+      Complete(i, r.status);
+      continue;
+    }
+    r.op.user_data = i;
+    Status s = ch->Post(r.op);
+    if (!s.ok()) {
+      Complete(i, s);
+      continue;
+    }
+    r.posted = true;
+  }
+  w_->channels.FlushAll();
+  const Deadline deadline = DeadlineIn(params_.op_timeout);
+  // Every kDownCheck: a daemon declared down while our ops to it are in flight (a gray failure:
+  // SIGSTOP, a partition) must not hold this round, and the extent locks, for op_timeout. The
+  // check is due by the clock, not when a wait times out: a channel without a pollable fd makes
+  // Poll return at once, and a slice renewed on every return would never end.
+  Deadline next_check = DeadlineIn(kDownCheck);
+  while (!Satisfied()) {
+    if (early_ != nullptr) SettleEarly();
+    if (Clock::now() >= next_check) {
+      FailOpsOnDownNodes();
+      next_check = DeadlineIn(kDownCheck);
+      continue;  // Satisfied() may hold now
+    }
+    if (!w_->channels.Poll(std::min(deadline, next_check), [&](const transport::Completion& c) {
+          Complete(static_cast<size_t>(c.user_data), c.status);
+        })) {
+      if (Clock::now() < deadline) continue;  // the check above is due
+      // Timed out: whatever is still missing failed.
+      for (size_t i = 0; i < ops_.size(); ++i) {
+        if (!ops_[i].done) Complete(i, DeadlineExceeded("daemon did not answer in time"));
+      }
+      w_->channels.ResetStuck();
+      break;
+    }
+  }
+}
+
+void Round::FailOpsOnDownNodes() {
+  w_->channels.DropDown([&](client::NodeId n) {
+    for (size_t i = 0; i < ops_.size(); ++i) {
+      if (!ops_[i].done && ops_[i].node == n) {
+        Complete(i, Unavailable(fmt::format("{} was declared down while the op was in flight",
+                                            cluster_->node(n).endpoint.ToString())));
+      }
+    }
+  });
+}
+
+void Round::Post(size_t piece, int member, bool write, uint64_t offset, uint8_t* local,
+                 uint32_t len) {
+  Piece& p = pieces_[piece];
+  const client::Lease& m = p.extent->members[static_cast<size_t>(member)];
+  RemoteOp r;
+  r.node = m.node;
+  r.op = {write ? transport::OpType::kWrite : transport::OpType::kRead,
+          m.slab(),
+          offset,
+          local,
+          len,
+          nullptr,
+          0};
+  r.piece = piece;
+  r.member = member;
+  if (per_node_.size() <= m.node) per_node_.resize(m.node + 1, 0);
+  ++per_node_[m.node];
+  p.posted_mask |= 1u << member;
+  ops_.push_back(std::move(r));
+}
+
+void Round::Complete(size_t i, const Status& s) {
+  RemoteOp& r = ops_[i];
+  if (r.done) return;
+  r.done = true;
+  Piece& p = pieces_[r.piece];
+  if (s.ok()) {
+    p.ok_mask |= 1u << r.member;
+    if (p.arrived < kMaxMembers) p.order[p.arrived++] = static_cast<int8_t>(r.member);
+  } else {
+    p.fail_mask |= 1u << r.member;
+    if (p.first_error.ok()) {
+      p.first_error = s.WithContext(
+          fmt::format("lease {:#x} on {}", p.extent->members[static_cast<size_t>(r.member)].id(),
+                      cluster_->node(r.node).endpoint.ToString()));
+    }
+    cluster_->ReportFailure(r.node, s);
+  }
+}
+
+void Round::SettleEarly() {
+  bool reported = false;
+  const int k = params_.resilience.k;
+  for (size_t i = 0; i < count_; ++i) {
+    Piece& p = pieces_[i];
+    if (p.settled || p.posted_mask == 0 || !op_status_[p.op].ok()) continue;
+    if (early_->pieces_left[p.op] == 0) continue;  // not reported early
+    if (p.write) {
+      if (p.ok_mask != p.posted_mask) continue;
+      p.MarkWritten();
+    } else {
+      const bool enough = params_.codec ? std::popcount(p.ok_mask) >= k : p.ok_mask != 0;
+      if (!enough || p.fail_mask != 0) continue;
+      bool decoded = false;
+      if (!FinishRead(params_, p, &decoded).ok()) continue;  // RunPieces reports it
+      decoded_reads_ += decoded ? 1 : 0;
+    }
+    p.settled = true;
+    if (--early_->pieces_left[p.op] == 0) {
+      early_->ops[p.op].status = Status::Ok();
+      early_->listener->OpDone(p.op);
+      reported = true;
+    }
+  }
+  if (reported) early_->listener->Progress();
+}
+
+bool Round::Satisfied() const {
+  const bool ec_read_early = params_.codec != nullptr;
+  for (const RemoteOp& r : ops_) {
+    if (r.done) continue;
+    const Piece& p = pieces_[r.piece];
+    if (ec_read_early && !p.write && std::popcount(p.ok_mask) >= params_.resilience.k) {
+      continue;  // late binding: this piece has its k fragments
+    }
+    if (ec_read_early && !p.write &&
+        std::popcount(p.posted_mask & ~p.fail_mask) < params_.resilience.k) {
+      continue;  // can never reach k: no point waiting for the rest
+    }
+    return false;
+  }
+  return true;
+}
+
+}  // namespace farmem::blockdev::pagestore
+
+// ---------------------------------------------------------------------------------------------
+// RunPieces
+
+namespace farmem::blockdev {
+
+using namespace pagestore;
+
+namespace {
+// The extents of a round are held shared from the piece that first needs one until the round is
+// over: a set of locks that varies at run time, which the analysis cannot follow. These two are
+// the only places that take and drop them.
+void LockForRound(std::vector<Extent*>& locked, Extent* e) NO_THREAD_SAFETY_ANALYSIS {
+  e->mu.LockShared();
+  locked.push_back(e);
+}
+void UnlockRound(std::vector<Extent*>& locked) NO_THREAD_SAFETY_ANALYSIS {
+  for (Extent* e : locked) e->mu.UnlockShared();
+  locked.clear();
+}
+}  // namespace
+
+void PageStore::RunPieces(Worker& w, std::vector<Piece>& pieces, std::span<Status> op_status,
+                          int attempt, Early* early) {
+  std::vector<Piece> retry;
+  std::vector<uint64_t> rebuild_now;
+  size_t next = 0;
+  while (next < pieces.size()) {
+    w.channels.DrainStragglers();  // the staging memory of the last round is about to be reused
+    Round round(*round_params_, cluster_, &w, op_status, early);
+    // Held shared until the end of this round (UnlockRound below): the worker's vector, reused.
+    std::vector<Extent*>& locked = w.locked;
+    while (next < pieces.size()) {
+      Piece& p = pieces[next];
+      if (!op_status[p.op].ok()) {  // an earlier piece of this op failed for good
+        ++next;
+        continue;
+      }
+      if (p.write && !p.extent->mapped.load(std::memory_order_acquire)) {
+        if (Status s = MapExtent(p.index); !s.ok()) {
+          op_status[p.op] = s;
+          ++next;
+          continue;
+        }
+      }
+      if (std::find(locked.begin(), locked.end(), p.extent) == locked.end()) {
+        if (!round.empty() && locked.size() >= kMaxRoundExtents) break;
+        LockForRound(locked, p.extent);
+      }
+      if (p.write && !p.extent->mapped.load(std::memory_order_acquire)) {
+        continue;  // unmapped by a trim in between: map again (we hold it shared: fine)
+      }
+      if (!p.write) {
+        // Pages never written read as zeroes; lost pages are errors.
+        bool any = false;
+        for (uint64_t pg = 0; pg < p.npages; ++pg) {
+          const uint64_t page = p.first_page + pg;
+          if (p.extent->Test(p.extent->lost, page)) {
+            op_status[p.op] = IoError(fmt::format(
+                "export page {} (offset {}) was lost with its daemon and has not been written "
+                "since",
+                (p.index * extent_bytes_) / kPage + page, p.index * extent_bytes_ + page * kPage));
+            spdlog::error("page store: {}", op_status[p.op].message());
+          }
+          any = any || p.extent->Test(p.extent->written, page);
+        }
+        if (!any || !p.extent->mapped.load(std::memory_order_acquire) || !op_status[p.op].ok()) {
+          if (op_status[p.op].ok()) std::memset(p.buf, 0, p.npages * kPage);
+          ++next;
+          continue;
+        }
+      }
+      if (p.extent->live_mask() == 0 ||
+          (codec_ && std::popcount(p.extent->live_mask()) < options_.resilience.k)) {
+        // No remote copy can serve or take this piece.
+        if (!p.write && backup_) {
+          op_status[p.op] = backup_->Read(p.index * extent_bytes_ + p.first_page * kPage,
+                                          {p.buf, p.npages * kPage});
+          CountStat(&PageStoreStats::backup_reads);
+          CountStat(&PageStoreStats::degraded_reads);
+        } else if (p.write && backup_) {
+          // The data is in the backup file (DoWrite wrote it first): the write stands there.
+          p.MarkWritten();
+        } else {
+          op_status[p.op] = IoError(fmt::format(
+              "export bytes {}..{}: every daemon holding them failed and there is no backup file",
+              p.index * extent_bytes_ + p.first_page * kPage,
+              p.index * extent_bytes_ + (p.first_page + p.npages) * kPage));
+          spdlog::error("page store: {}", op_status[p.op].message());
+        }
+        ++next;
+        continue;
+      }
+      if (!round.Fits(p)) break;
+      if (Status s = round.Add(p); !s.ok()) {
+        op_status[p.op] = s;
+      }
+      ++next;
+    }
+    if (round.empty()) {
+      UnlockRound(locked);
+      continue;
+    }
+    round.Run();
+    if (round.decoded_reads() > 0)
+      CountStat(&PageStoreStats::degraded_reads, round.decoded_reads());
+    // Outcomes, still under the extent locks.
+    const int k = options_.resilience.k;
+    for (size_t i = 0; i < round.size(); ++i) {
+      Piece& p = round.piece(i);
+      if (p.fail_mask != 0) {  // also a straggler of a piece settled early
+        p.extent->failed.fetch_or(p.fail_mask, std::memory_order_acq_rel);
+        NoteDegraded();
+        QueueRebuild(p.index);
+      }
+      if (p.settled) continue;
+      const bool ec = codec_ != nullptr;
+      if (p.write) {
+        const int ok = std::popcount(p.ok_mask);
+        const bool recoverable = ec ? ok >= k : ok >= 1;
+        if (recoverable || backup_) {
+          p.MarkWritten();
+          if (p.fail_mask != 0) rebuild_now.push_back(p.index);
+        } else {
+          retry.push_back(p);
+        }
+        continue;
+      }
+      // Reads.
+      if (!ec) {
+        if (p.ok_mask != 0) {
+          if (p.fail_mask != 0) CountStat(&PageStoreStats::degraded_reads);
+        } else {
+          retry.push_back(p);
+          continue;
+        }
+      } else if (std::popcount(p.ok_mask) < k) {
+        retry.push_back(p);
+        continue;
+      }
+      bool decoded = false;
+      if (Status s = FinishRead(*round_params_, p, &decoded); !s.ok()) op_status[p.op] = s;
+      if (decoded) CountStat(&PageStoreStats::degraded_reads);
+    }
+    UnlockRound(locked);  // the round is over: its extents may be taken exclusively again
+  }
+  // Writes that lost redundancy: make the group whole again before acknowledging, when a daemon
+  // is there to take the lost members (otherwise the group runs degraded, said in the log).
+  std::sort(rebuild_now.begin(), rebuild_now.end());
+  rebuild_now.erase(std::unique(rebuild_now.begin(), rebuild_now.end()), rebuild_now.end());
+  for (uint64_t index : rebuild_now) (void)RebuildExtent(w, index);
+  if (!retry.empty()) {
+    CountStat(&PageStoreStats::write_retries, retry.size());
+    if (attempt + 1 >= kMaxRetries) {
+      for (const Piece& p : retry) {
+        if (op_status[p.op].ok()) {
+          op_status[p.op] =
+              IoError(fmt::format("export bytes {}..{}: {} failed on too many daemons ({})",
+                                  p.index * extent_bytes_ + p.first_page * kPage,
+                                  p.index * extent_bytes_ + (p.first_page + p.npages) * kPage,
+                                  p.write ? "write" : "read", p.first_error.ToString()));
+          spdlog::error("page store: {}", op_status[p.op].message());
+        }
+      }
+      return;
+    }
+    for (Piece& p : retry) {
+      p.ok_mask = p.fail_mask = p.posted_mask = 0;
+      p.arrived = 0;
+      p.first_error = Status();
+    }
+    for (const Piece& p : retry) (void)RebuildExtent(w, p.index);
+    RunPieces(w, retry, op_status, attempt + 1, early);
+  }
+}
+
+}  // namespace farmem::blockdev

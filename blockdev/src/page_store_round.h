@@ -1,0 +1,159 @@
+// The page store's I/O round: many pieces' remote operations posted together, one doorbell per
+// daemon, one wait (see page_store.h). A Round sees only what it needs: the store's fixed layout
+// (RoundParams), the worker it runs on (its channels and staging memory) and the cluster (to
+// report a failed daemon and name it in errors). It never touches the store itself.
+#pragma once
+
+#include <chrono>
+#include <memory>
+#include <span>
+#include <vector>
+
+#include "farmem/blockdev/block_backend.h"
+#include "farmem/client/cluster.h"
+#include "farmem/client/resilience.h"
+#include "farmem/ec/reed_solomon.h"
+#include "page_store_internal.h"
+
+namespace farmem::blockdev::pagestore {
+
+// What a round needs of the store: fixed after the store starts.
+struct RoundParams {
+  client::Resilience resilience;
+  const ec::ReedSolomon* codec = nullptr;  // ec:k+r only
+  uint32_t frag_size = kPage;              // bytes of one page on one member
+  std::chrono::milliseconds op_timeout{5000};
+};
+
+// One worker's channels to the daemons, by NodeId, opened lazily: only its worker uses them.
+class ChannelTable {
+ public:
+  ChannelTable(client::Cluster* cluster, std::chrono::milliseconds op_timeout)
+      : cluster_(cluster), op_timeout_(op_timeout) {}
+  void Reserve(size_t nodes);
+
+  // The channel to `node`, reopened when broken or opened to an earlier incarnation of the
+  // daemon; nullptr (and *error) when it cannot be had.
+  transport::Channel* Get(client::NodeId node, Status* error);
+  // Flushes every channel with operations posted (a failure completes them with errors).
+  void FlushAll();
+  bool AnyOutstanding() const;
+  // Waits for completions on every channel with outstanding operations; false on deadline.
+  template <typename Fn>
+  bool Poll(Deadline deadline, Fn&& on_completion);
+  // Drops channels that still have operations outstanding: their buffers are ours again.
+  void ResetStuck();
+  // Drops the channels with operations outstanding to daemons the cluster has declared down,
+  // calling on_drop(node) for each first (nothing can land in our buffers afterwards).
+  template <typename Fn>
+  void DropDown(Fn&& on_drop);
+  // Reaps what is still outstanding (ec stragglers) so that the staging memory can be reused.
+  void DrainStragglers();
+
+ private:
+  client::Cluster* const cluster_;
+  const std::chrono::milliseconds op_timeout_;
+  std::vector<std::unique_ptr<transport::Channel>> channels_;
+  std::vector<uint64_t> channel_daemon_;  // by NodeId: the daemon (HELLO node id) it was opened to
+  std::vector<transport::Completion> comps_ = std::vector<transport::Completion>(256);
+  std::vector<pollfd> pfds_;
+  std::vector<client::NodeId> pfd_nodes_;
+};
+
+// What RunPieces needs to report ops early (ExecuteBatch with a listener).
+struct Early {
+  BatchListener* listener = nullptr;
+  std::span<BlockOp> ops;
+  // Per op: pieces not yet settled, or 0 if the op is not reported early (not split into pieces,
+  // or a FUA write that must wait for the backup file's flush).
+  std::span<uint32_t> pieces_left;
+};
+
+// The remote operations of one round (see Round).
+struct RemoteOp {
+  client::NodeId node = 0;
+  transport::Op op;
+  size_t piece = 0;
+  int member = 0;
+  bool posted = false;
+  bool done = false;
+  Status status;
+};
+
+// Everything one caller of the store uses for its duration, allocated up front.
+struct Worker {
+  Worker(client::Cluster* cluster, std::chrono::milliseconds op_timeout)
+      : channels(cluster, op_timeout) {}
+
+  ChannelTable channels;
+  std::vector<uint8_t> staging;
+  // Scratch of the request path, reserved up front and reused (cleared, never shrunk), so that
+  // serving a batch does not allocate: the pieces and statuses of ExecuteBatch, the extents a
+  // round holds shared, and the round's remote operations.
+  std::vector<Piece> pieces;
+  std::vector<Status> status;
+  std::vector<Extent*> locked;
+  std::vector<RemoteOp> round_ops;
+  std::vector<uint32_t> per_node;
+  std::vector<uint32_t> pieces_left;  // per op of the batch (Early)
+
+  void Reserve(size_t nodes, size_t group_size) {
+    pieces.reserve(1024);
+    status.reserve(256);
+    pieces_left.reserve(256);
+    locked.reserve(2 * kMaxRoundExtents);
+    round_ops.reserve(kMaxRoundPieces * group_size);  // one op per member of each piece
+    per_node.reserve(nodes);
+    channels.Reserve(nodes);
+  }
+};
+
+// The success half of a finished ec or plain read: assembles the data (ec: decodes when a data
+// fragment is missing, setting *decoded) and zero-fills never-written pages.
+Status FinishRead(const RoundParams& params, Piece& p, bool* decoded);
+
+class Round {
+ public:
+  Round(const RoundParams& params, client::Cluster* cluster, Worker* w, std::span<Status> op_status,
+        Early* early);
+
+  // Whether the piece's operations fit this round's windows and staging.
+  bool Fits(const Piece& p) const;
+  bool empty() const { return count_ == 0; }
+  size_t size() const { return count_; }
+  Piece& piece(size_t i) { return pieces_[i]; }
+  // Reads decoded while settling early (for the store's degraded_reads).
+  uint64_t decoded_reads() const { return decoded_reads_; }
+
+  // Adds a piece and prepares its operations (encodes parity for ec writes).
+  Status Add(Piece p);
+  // Sends everything and waits: for writes and plain reads until every op completed, for ec reads
+  // until each piece has k fragments (stragglers stay outstanding; DrainStragglers reaps them).
+  void Run();
+
+ private:
+  size_t StageBytes(const Piece& p) const;
+  void Post(size_t piece, int member, bool write, uint64_t offset, uint8_t* local, uint32_t len);
+  void Complete(size_t i, const Status& s);
+  // Settles the pieces that succeeded completely and reports the ops all of whose pieces are
+  // settled. Anything short of complete success is left to RunPieces after the round.
+  void SettleEarly();
+  bool Satisfied() const;
+  // Ops still waiting on a daemon the cluster has declared down fail now (Unavailable); its
+  // channel is dropped with them.
+  void FailOpsOnDownNodes();
+
+  const RoundParams& params_;
+  client::Cluster* const cluster_;
+  Worker* const w_;
+  std::span<Status> op_status_;
+  Early* early_;
+  Piece pieces_[kMaxRoundPieces];
+  size_t count_ = 0;
+  size_t stage_used_ = 0;
+  uint64_t decoded_reads_ = 0;
+  std::vector<RemoteOp>& ops_;       // the worker's, reused
+  std::vector<uint32_t>& per_node_;  // ops per daemon in this round
+};
+
+}  // namespace farmem::blockdev::pagestore

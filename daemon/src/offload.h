@@ -1,0 +1,47 @@
+// Offload: the computation of the daemon-to-daemon offload requests of one client connection
+// (docs/wire-protocol.md): PARITY_ENCODE reads the k data cells from their daemons and stores one
+// parity cell here; GATHER_CELL builds one cell here from pieces of cells on other daemons. It
+// reads those cells through a PeerReader, as the connection's client, and stores the result only
+// once complete (a failed request leaves the old cell as it was). Connection frames the requests
+// and replies; this class only computes.
+// Thread-safety: none; owned and used by its connection's thread.
+#pragma once
+
+#include <map>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "farmem/common/status.h"
+#include "farmem/common/wire.h"
+#include "farmem/ec/reed_solomon.h"
+#include "peer_reader.h"
+
+namespace farmem::daemon {
+
+class Server;
+
+class Offload {
+ public:
+  Offload(Server* server, const wire::ClientId& client_id, std::string client_name);
+  ~Offload();
+  Offload(const Offload&) = delete;
+  Offload& operator=(const Offload&) = delete;
+
+  Status ParityEncode(const wire::ParityEncodeRequest& req);
+  Status GatherCell(const wire::GatherCellRequest& req);
+
+ private:
+  PeerReader& Peers();  // created on first use
+
+  Server* const server_;
+  const wire::ClientId client_id_;
+  const std::string client_name_;
+  std::unique_ptr<PeerReader> peers_;
+  std::map<std::pair<int, int>, std::unique_ptr<ec::ReedSolomon>> codecs_;  // by (k, r)
+  std::vector<uint8_t> parity_;  // the cell being computed
+  std::vector<uint8_t> cells_;   // the source cells as they arrive
+};
+
+}  // namespace farmem::daemon
