@@ -187,7 +187,8 @@ TEST(WireHeader, OpcodeNames) {
   EXPECT_STREQ(OpcodeName(11), "RDMA_TOKEN");
   EXPECT_STREQ(OpcodeName(12), "PARITY_ENCODE");
   EXPECT_STREQ(OpcodeName(13), "GATHER_CELL");
-  for (int op : {0, 14, 100, 255}) EXPECT_STREQ(OpcodeName(static_cast<uint8_t>(op)), "UNKNOWN");
+  EXPECT_STREQ(OpcodeName(14), "DRAIN");
+  for (int op : {0, 15, 100, 255}) EXPECT_STREQ(OpcodeName(static_cast<uint8_t>(op)), "UNKNOWN");
 }
 
 // ---------------------------------------------------------------- Reader / Writer
