@@ -31,12 +31,7 @@ using std::chrono::milliseconds;
 namespace {
 
 uint64_t RssKiB(pid_t pid) {
-  std::ifstream in("/proc/" + std::to_string(pid) + "/status");
-  std::string line;
-  while (std::getline(in, line)) {
-    if (line.rfind("VmRSS:", 0) == 0) return std::stoull(line.substr(6));
-  }
-  return 0;
+  return static_cast<uint64_t>(std::max(0L, farmem::testing::ProcStatus(pid, "VmRSS")));
 }
 
 struct Daemon {

@@ -35,15 +35,6 @@ DaemonConfig SmallDaemon() {
   return {.capacity = "8M", .slab_size = "1M", .log_level = "warn", .extra_args = {"--no-mlock"}};
 }
 
-// A number from /proc/PID/status ("Threads", "VmRSS" in KiB); -1 if unreadable.
-long ProcStatus(pid_t pid, const std::string& key) {
-  std::ifstream in("/proc/" + std::to_string(pid) + "/status");
-  std::string line;
-  while (std::getline(in, line)) {
-    if (line.starts_with(key + ":")) return std::stol(line.substr(key.size() + 1));
-  }
-  return -1;
-}
 int ThreadsOf(pid_t pid) { return static_cast<int>(ProcStatus(pid, "Threads")); }
 
 size_t LogLines(const DaemonProcess& d) {

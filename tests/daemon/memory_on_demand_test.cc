@@ -19,12 +19,7 @@ constexpr uint64_t kMiB = 1 << 20;
 constexpr uint64_t kSlab = 16 * kMiB;
 
 uint64_t RssBytes(pid_t pid) {
-  std::ifstream in("/proc/" + std::to_string(pid) + "/status");
-  std::string line;
-  while (std::getline(in, line)) {
-    if (line.rfind("VmRSS:", 0) == 0) return std::stoull(line.substr(6)) * 1024;
-  }
-  return 0;
+  return static_cast<uint64_t>(std::max(0L, ProcStatus(pid, "VmRSS"))) * 1024;
 }
 
 class MemoryOnDemandTest : public ::testing::Test {

@@ -17,17 +17,10 @@
 #include <vector>
 
 #include "farmem/common/wire.h"
+#include "fuzz_check.h"
 
 namespace farmem::wire {
 namespace {
-
-#define FUZZ_CHECK(cond)                                                                \
-  do {                                                                                  \
-    if (!(cond)) {                                                                      \
-      std::fprintf(stderr, "%s:%d: invariant failed: %s\n", __FILE__, __LINE__, #cond); \
-      __builtin_trap();                                                                 \
-    }                                                                                   \
-  } while (0)
 
 using Bytes = std::span<const uint8_t>;
 

@@ -24,18 +24,11 @@
 
 #include "farmem/common/status.h"
 #include "farmem/common/wire.h"
+#include "fuzz_check.h"
 #include "handshake.h"
 
 namespace farmem::daemon {
 namespace {
-
-#define FUZZ_CHECK(cond)                                                                \
-  do {                                                                                  \
-    if (!(cond)) {                                                                      \
-      std::fprintf(stderr, "%s:%d: invariant failed: %s\n", __FILE__, __LINE__, #cond); \
-      __builtin_trap();                                                                 \
-    }                                                                                   \
-  } while (0)
 
 // Every frame in `out` is a well-formed reply; returns the last one's header.
 wire::FrameHeader CheckReplies(std::span<const uint8_t> out) {

@@ -165,6 +165,14 @@ std::string ReadFile(const std::string& path) {
   return ss.str();
 }
 
+long ProcStatus(pid_t pid, const std::string& key) {
+  std::ifstream in("/proc/" + std::to_string(pid) + "/status");
+  for (std::string line; std::getline(in, line);) {
+    if (line.starts_with(key + ":")) return std::stol(line.substr(key.size() + 1));
+  }
+  return -1;
+}
+
 Status WritePrivateFile(const std::string& path, const std::string& content) {
   const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
   if (fd < 0) return ErrnoStatus(StatusCode::kIoError, "open " + path, errno);

@@ -104,6 +104,8 @@ std::string BinPath(const std::string& name);
 bool HaveProgram(const std::string& name);  // on PATH
 // The whole file ("" if unreadable).
 std::string ReadFile(const std::string& path);
+// A number from /proc/PID/status: ProcStatus(pid, "VmRSS") in KiB, "Threads"; -1 if unreadable.
+long ProcStatus(pid_t pid, const std::string& key);
 // Writes a file readable by its owner only (farmemd warns about looser secret files).
 Status WritePrivateFile(const std::string& path, const std::string& content);
 
