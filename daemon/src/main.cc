@@ -30,7 +30,10 @@ int main(int argc, char** argv) {
   std::string reserve = "10%", memory_source = "auto";
   uint32_t pressure_interval_ms = 250, evict_grace_ms = 5000, evict_sample_extra = 2;
   uint32_t drain_timeout_ms = 0;
-  double psi_threshold = 10;
+  // PSI is opt-in: the host's `full` stall also counts a cgroup thrashing against its own
+  // memory.max (a swap client on this host, say), which memory given back by farmemd does not
+  // help; evicting for it took swapped pages from under that very client (nbd_farmem_swap_none).
+  double psi_threshold = 0;
   cli::AddConfigFileOption(app,
                            "Read options from this file: `name = value` per line, names without "
                            "dashes; an unknown name or a [section] is an error");
