@@ -77,30 +77,25 @@ if [[ -z "${ASAN_SYMBOLIZER_PATH:-}" ]]; then
 fi
 
 status=0
-corpus=$build_dir/fuzz-corpus/frame_parser
-artifacts=$build_dir/fuzz-artifacts/frame_parser
-mkdir -p "$corpus" "$artifacts"
-echo "== fuzz_frame_parser for ${seconds}s"
+# run_target NAME SEEDS_DIR MAX_LEN [what to say after "FAILED; reproducer in ARTIFACTS/"]
+run_target() {
+  local name=$1 seeds=$2 max_len=$3 hint=${4:-}
+  local corpus=$build_dir/fuzz-corpus/$name artifacts=$build_dir/fuzz-artifacts/$name
+  mkdir -p "$corpus" "$artifacts"
+  echo "== fuzz_$name for ${seconds}s"
+  # -rss_limit_mb: every length is checked before anything is allocated; a parser that allocates
+  # much is a bug.
+  if ! "$target_dir/bin/fuzz_$name" -max_total_time="$seconds" -max_len="$max_len" \
+      -rss_limit_mb=1024 -timeout=10 -print_final_stats=1 -artifact_prefix="$artifacts/" \
+      "${fuzz_flags[@]}" "$corpus" "$seeds"; then
+    echo "fuzz_$name FAILED; reproducer in $artifacts/$hint" >&2
+    status=1
+  fi
+}
+fuzz_flags=("$@")
 # -max_len: a full BATCH descriptor table (8 + 1024 * 24 bytes) plus headers fits.
-# -rss_limit_mb: every length is checked before anything is allocated; a parser that allocates
-# much is a bug.
-if ! "$target_dir/bin/fuzz_frame_parser" -max_total_time="$seconds" -max_len=32768 \
-    -rss_limit_mb=1024 -timeout=10 -print_final_stats=1 -artifact_prefix="$artifacts/" \
-    "$@" "$corpus" "$here/corpus"; then
-  echo "fuzz_frame_parser FAILED; reproducer in $artifacts/" >&2
-  status=1
-fi
-
-corpus=$build_dir/fuzz-corpus/handshake
-artifacts=$build_dir/fuzz-artifacts/handshake
-mkdir -p "$corpus" "$artifacts"
-echo "== fuzz_handshake for ${seconds}s"
+run_target frame_parser "$here/corpus" 32768
 # -max_len: two handshake buffers' worth (a frame is at most 24 + 1024 bytes) plus the mode bytes.
-if ! "$target_dir/bin/fuzz_handshake" -max_total_time="$seconds" -max_len=4200 \
-    -rss_limit_mb=1024 -timeout=10 -print_final_stats=1 -artifact_prefix="$artifacts/" \
-    "$@" "$corpus" "$here/handshake_corpus"; then
-  echo "fuzz_handshake FAILED; reproducer in $artifacts/ (commit it under" \
-    "tests/fuzz/handshake_regressions/ once fixed)" >&2
-  status=1
-fi
+run_target handshake "$here/handshake_corpus" 4200 \
+  " (commit it under tests/fuzz/handshake_regressions/ once fixed)"
 exit $status
