@@ -1,0 +1,292 @@
+// RemoteStore re-protection: the recovery thread, the periodic reconcile of members against the
+// cluster's view, and rebuilding a failed member's cells on another daemon. Failures are noted
+// (MarkFailed, OnClusterEvent) in remote_store.cc; the data path is in remote_store_io.cc.
+#include <fmt/format.h>
+#include <spdlog/spdlog.h>
+
+#include <algorithm>
+#include <bit>
+#include <cstring>
+
+#include "remote_store.h"
+
+namespace farmem::farptr_internal {
+
+void RemoteStore::ReconcileMembers() {
+  const std::vector<client::NodeInfo> nodes = cluster_->nodes();
+  struct Hit {
+    Group* group;
+    int member;
+    uint64_t lease;
+    Status why;
+  };
+  std::vector<Hit> hits;
+  {
+    MutexLock lock(&mu_);
+    for (auto& g : groups_) {
+      for (size_t m = 0; m < g->members.size(); ++m) {
+        const client::Lease& l = g->members[m];
+        if (Vacant(l) || (((g->failed_mask | g->lost_mask) >> m) & 1) != 0) continue;
+        if (l.node >= nodes.size()) continue;
+        const client::NodeInfo& info = nodes[l.node];
+        if (!info.alive) {
+          hits.push_back(
+              {g.get(), static_cast<int>(m), l.id(),
+               Unavailable(fmt::format("reconcile: daemon {} is down ({})",
+                                       info.endpoint.ToString(), info.last_error.ToString()))});
+        } else if (g->daemon_ids[m] != 0 && info.daemon_id != 0 &&
+                   info.daemon_id != g->daemon_ids[m]) {
+          hits.push_back(
+              {g.get(), static_cast<int>(m), l.id(),
+               Expired(fmt::format("reconcile: daemon {} restarted (node id {:#x} -> "
+                                   "{:#x}): its leases are gone",
+                                   info.endpoint.ToString(), g->daemon_ids[m], info.daemon_id))});
+        }
+      }
+    }
+  }
+  for (const Hit& h : hits) MarkFailed(h.group, h.member, h.lease, h.why);
+}
+
+void RemoteStore::RecoveryLoop() {
+  IoContext io;
+  MutexLock lock(&mu_);
+  Clock::time_point next_reconcile = Clock::now() + reconcile_interval_;
+  for (;;) {
+    recovery_cv_.WaitUntil(&mu_, next_reconcile, [&] {
+      mu_.AssertHeld();
+      return stopping_ || !recovery_queue_.empty() || retry_all_;
+    });
+    if (stopping_) return;
+    const bool tick = Clock::now() >= next_reconcile;
+    if (tick) {
+      // What events do not tell: a daemon that freed memory (complete groups possible again), a
+      // member whose daemon went down or restarted without its event reaching us.
+      next_reconcile = Clock::now() + reconcile_interval_;
+      full_alloc_failed_ = false;
+      lock.Unlock();
+      ReconcileMembers();
+      lock.Lock();
+      if (stopping_) return;
+    }
+    if (tick || retry_all_) {
+      retry_all_ = false;
+      for (auto& g : groups_) {
+        if (g->failed_mask != 0) QueueLocked(g.get());
+      }
+    }
+    if (recovery_queue_.empty()) {
+      recovery_cv_.SignalAll();
+      continue;
+    }
+    Group* g = recovery_queue_.front();
+    recovery_queue_.pop_front();
+    g->queued = false;
+    if (g->failed_mask == 0) {
+      recovery_cv_.SignalAll();
+      continue;
+    }
+    g->in_recovery = true;
+    recovering_ = true;
+    lock.Unlock();
+    Reprotect(io, g);
+    lock.Lock();
+    g->in_recovery = false;
+    recovering_ = false;
+    // A group still missing members (no eligible daemon yet) is not retried in a loop: the next
+    // node-up event or reconcile tick queues it again.
+    // Emptied meanwhile (Release left it to us). A group that never had a row stays: it was
+    // just made for a writer that is about to take one.
+    if (g->used_rows == 0 && g->release_wanted) {
+      std::vector<client::Lease> to_free = RemoveGroupLocked(g);
+      lock.Unlock();
+      if (!to_free.empty()) (void)cluster_->Free(to_free);
+      lock.Lock();
+    }
+    recovery_cv_.SignalAll();
+  }
+}
+
+// Rebuilds every failed member of `g` on a live daemon that holds none of the group's surviving
+// members (the failed member's own daemon qualifies once it is back, e.g. restarted empty). Runs
+// on the recovery thread with g->in_recovery set (g is not freed). While a member's cells are
+// rebuilt g->rebuilding is set: no new rows are placed in g, and rows reserved before and
+// committed after see the flag (or the new epoch) and go elsewhere.
+void RemoteStore::Reprotect(IoContext& io, Group* g) {
+  const int n = res_.width();
+  const size_t span = span_size_;
+  if (io.scratch.size() < span * static_cast<size_t>(n)) io.scratch.resize(span * n);
+  std::vector<client::Lease> members;
+  uint32_t failed = 0;
+  uint32_t lost = 0;
+  uint32_t evicted = 0;
+  size_t used_rows = 0;
+  {
+    MutexLock lock(&mu_);
+    members = g->members;
+    failed = g->failed_mask;
+    lost = g->lost_mask;
+    evicted = g->evicted_mask;
+    used_rows = g->used_rows;
+  }
+  const uint32_t all = n >= 32 ? ~0u : ((1u << n) - 1);
+  const uint32_t live = all & ~failed & ~lost;
+  const bool recoverable = res_.mode == SpanResilience::Mode::kErasure
+                               ? std::popcount(live) >= res_.k
+                               : (res_.mode == SpanResilience::Mode::kReplicate && live != 0);
+  if (!recoverable) {
+    MutexLock lock(&mu_);
+    g->lost_mask |= failed;
+    g->failed_mask = 0;
+    spdlog::error(
+        "far memory: slab group {} lost members {:#x}: {} span sets cannot be rebuilt with "
+        "resilience {}; objects that were only there are LOST (deref says which)",
+        g->id, failed, g->used_rows, res_.ToString());
+    return;
+  }
+  // Survivors to read: the first k live members (ec) or one live copy (replicate).
+  std::vector<int> readers;
+  for (int m = 0; m < n; ++m) {
+    if (((live >> m) & 1) != 0) readers.push_back(m);
+  }
+  readers.resize(res_.mode == SpanResilience::Mode::kErasure ? static_cast<size_t>(res_.k) : 1);
+  // A replacement may share a daemon with no surviving member, nor with another replacement.
+  std::vector<client::NodeId> exclude;
+  for (int m = 0; m < n; ++m) {
+    if (((live >> m) & 1) != 0) exclude.push_back(members[static_cast<size_t>(m)].node);
+  }
+
+  // Rebuilds member j's cell of `row` from the readers and writes it at the same offset of
+  // `fresh`. *stale: a failure was a stale channel's (worth another try at once).
+  auto rebuild_row = [&](int j, const client::Lease& fresh, uint32_t row, bool* stale) -> Status {
+    const uint64_t off = static_cast<uint64_t>(row) * span;
+    transport::Op ops[kMaxSetWidth];
+    client::NodeId nodes[kMaxSetWidth];
+    Status results[kMaxSetWidth];
+    for (size_t i = 0; i < readers.size(); ++i) {
+      const int m = readers[i];
+      ops[i] = {transport::OpType::kRead,
+                members[static_cast<size_t>(m)].slab(),
+                off,
+                io.scratch.data() + static_cast<size_t>(m) * span,
+                static_cast<uint32_t>(span),
+                nullptr,
+                0};
+      nodes[i] = members[static_cast<size_t>(m)].node;
+    }
+    RunOps(io, {ops, readers.size()}, {nodes, readers.size()}, {results, readers.size()});
+    Status s;
+    for (size_t i = 0; i < readers.size(); ++i) {
+      if (results[i].ok()) continue;
+      if (s.ok()) s = results[i];
+      if (StaleChannel(io, nodes[i])) {
+        *stale = true;
+        continue;
+      }
+      cluster_->ReportFailure(nodes[i], results[i]);
+      if (NodeGone(results[i])) {
+        MarkFailed(g, readers[i], members[static_cast<size_t>(readers[i])].id(), results[i]);
+      }
+    }
+    if (!s.ok()) return s;
+    uint8_t* cell = io.scratch.data() + static_cast<size_t>(j) * span;
+    if (res_.mode == SpanResilience::Mode::kErasure) {
+      uint8_t* frags[kMaxSetWidth];
+      std::vector<int> erased;
+      for (int m = 0; m < n; ++m) {
+        frags[m] = io.scratch.data() + static_cast<size_t>(m) * span;
+        if (std::find(readers.begin(), readers.end(), m) == readers.end()) erased.push_back(m);
+      }
+      if (Status d = codec_->Decode({frags, static_cast<size_t>(n)}, erased, span); !d.ok()) {
+        return d;
+      }
+    } else {
+      std::memcpy(cell, io.scratch.data() + static_cast<size_t>(readers[0]) * span, span);
+    }
+    transport::Op w{transport::OpType::kWrite,   fresh.slab(), off, cell,
+                    static_cast<uint32_t>(span), nullptr,      0};
+    client::NodeId wn = fresh.node;
+    Status ws;
+    RunOps(io, {&w, 1}, {&wn, 1}, {&ws, 1});
+    if (!ws.ok() && StaleChannel(io, wn)) *stale = true;
+    return ws;
+  };
+
+  for (int j = 0; j < n; ++j) {
+    if (((failed >> j) & 1) == 0) continue;
+    std::vector<client::NodeId> avoid = exclude;
+    if (((evicted >> j) & 1) != 0) avoid.push_back(members[static_cast<size_t>(j)].node);
+    Result<client::Lease> fresh = cluster_->AllocateExcluding(avoid);
+    if (!fresh) {
+      if (!g->degraded_logged) {
+        g->degraded_logged = true;
+        spdlog::warn(
+            "far memory: slab group {} runs degraded (member {} missing, {} span sets): no "
+            "daemon outside the group can take it yet ({}); re-protecting when one comes up",
+            g->id, j, used_rows, fresh.error().ToString());
+      }
+      continue;
+    }
+    const Clock::time_point rebuild_start = Clock::now();
+    std::vector<uint32_t> rows;
+    {
+      MutexLock lock(&mu_);
+      g->rebuilding = true;  // from here, rows committed in g are the ones below
+      for (uint32_t r = 0; r < rows_per_group_; ++r) {
+        if (g->rows[r] != nullptr && !g->rows[r]->writing) rows.push_back(r);
+      }
+    }
+    Status s;
+    bool stale = false;
+    for (uint32_t row : rows) {
+      s = rebuild_row(j, *fresh, row, &stale);
+      if (!s.ok() && stale) s = rebuild_row(j, *fresh, row, &stale);  // reopened channels
+      if (!s.ok()) break;
+    }
+    if (!s.ok()) {
+      {
+        MutexLock lock(&mu_);
+        g->rebuilding = false;
+        if (stale) QueueLocked(g);  // try again at once rather than at the next tick
+      }
+      spdlog::warn("far memory: re-protecting slab group {} member {} failed: {}", g->id, j,
+                   s.ToString());
+      (void)cluster_->Free({&*fresh, 1});
+      if (NodeGone(s)) return;  // a survivor failed: the next pass starts from the new masks
+      continue;
+    }
+    const uint64_t daemon_id = cluster_->node(fresh->node).daemon_id;
+    const Clock::time_point now = Clock::now();
+    client::Lease old;
+    uint64_t degraded_ms = 0;
+    {
+      MutexLock lock(&mu_);
+      old = g->members[static_cast<size_t>(j)];
+      if (!Vacant(old)) by_lease_.erase(old.id());
+      g->members[static_cast<size_t>(j)] = *fresh;
+      g->daemon_ids[static_cast<size_t>(j)] = daemon_id;
+      by_lease_[fresh->id()] = {g, j};
+      g->failed_mask &= ~(1u << j);
+      g->evicted_mask &= ~(1u << j);
+      g->degraded_logged = false;
+      g->rebuilding = false;
+      ++g->epoch;
+      ++reprotected_;
+      degraded_ms = static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::milliseconds>(
+                                              now - g->failed_since[static_cast<size_t>(j)])
+                                              .count());
+      reprotect_last_ms_ = degraded_ms;
+      reprotect_max_ms_ = std::max(reprotect_max_ms_, degraded_ms);
+    }
+    exclude.push_back(fresh->node);
+    if (!Vacant(old)) (void)cluster_->Free({&old, 1});
+    spdlog::info(
+        "far memory: slab group {} member {} re-protected on {} ({} span sets rebuilt in {} ms; "
+        "{} ms after it went missing)",
+        g->id, j, cluster_->node(fresh->node).endpoint.ToString(), rows.size(),
+        std::chrono::duration_cast<std::chrono::milliseconds>(now - rebuild_start).count(),
+        degraded_ms);
+  }
+}
+
+}  // namespace farmem::farptr_internal
