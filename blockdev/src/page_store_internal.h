@@ -1,12 +1,10 @@
 // The page store's internal types, shared by its files (see page_store.h for what it does):
 //   page_store.cc          setup, the BlockBackend entry points, splitting requests into pieces
 //   page_store_extents.cc  the extent map: mapping (also degraded), unmapping
-//   page_store_round.{h,cc} the I/O round: a worker's channels, Round, RunPieces
+//   page_store_round.{h,cc} the I/O round: a worker, Round, RunPieces
 //   page_store_rebuild.cc  failures, rebuild and re-protection, the capacity check
 // Nothing here is part of the page store's interface.
 #pragma once
-
-#include <poll.h>
 
 #include <atomic>
 #include <chrono>
@@ -38,10 +36,6 @@ inline constexpr size_t kMaxRoundPieces = 64;
 inline constexpr uint32_t kMaxOpsPerNode = 48;
 // ...and locks at most this many extents (the worker's lock vectors are reserved for 32).
 inline constexpr size_t kMaxRoundExtents = 16;
-// While ops are in flight, how often to check whether their daemon was declared down meanwhile
-// (a gray failure: SIGSTOP, a partition must not hold a round, and its extent locks, for the
-// whole op_timeout).
-inline constexpr std::chrono::milliseconds kDownCheck = client::kDownCheckInterval;
 // Members of a group are kept as 32-bit masks (bit j: member j).
 inline constexpr int kMaxMembers = 32;
 

@@ -3,144 +3,15 @@
 #include "page_store_round.h"
 
 #include <fmt/format.h>
-#include <poll.h>
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
 #include <bit>
 #include <cstring>
-#include <string_view>
 
 #include "page_store.h"
 
 namespace farmem::blockdev::pagestore {
-
-// ---------------------------------------------------------------------------------------------
-// A worker's channels
-
-void ChannelTable::Reserve(size_t nodes) {
-  pfds_.reserve(nodes);
-  pfd_nodes_.reserve(nodes);
-}
-
-void ChannelTable::FlushAll() {
-  for (auto& ch : channels_) {
-    if (ch && ch->outstanding() > 0) (void)ch->Flush();  // a failure completes the ops with errors
-  }
-}
-
-bool ChannelTable::AnyOutstanding() const {
-  for (const auto& ch : channels_) {
-    if (ch && ch->outstanding() > 0) return true;
-  }
-  return false;
-}
-
-transport::Channel* ChannelTable::Get(client::NodeId node, Status* error) {
-  if (channels_.size() <= node) channels_.resize(node + 1);
-  auto& ch = channels_[node];
-  if (ch && ch->broken() && ch->outstanding() > 0) {
-    transport::Completion c[64];
-    while (ch->outstanding() > 0) {
-      auto n = ch->Poll(c, std::chrono::milliseconds(0));
-      if (!n || *n == 0) break;
-    }
-  }
-  if (channel_daemon_.size() <= node) channel_daemon_.resize(node + 1, 0);
-  // A channel to an earlier incarnation of the daemon (it restarted on the same address) is dead
-  // even if no error was seen on it yet: EnsureChannel replaces it instead of failing an op on it.
-  return cluster_->EnsureChannel(ch, node, error, &channel_daemon_[node]);
-}
-
-template <typename Fn>
-bool ChannelTable::Poll(Deadline deadline, Fn&& on_completion) {
-  pfds_.clear();
-  pfd_nodes_.clear();
-  bool any = false;
-  for (client::NodeId n = 0; n < channels_.size(); ++n) {
-    auto& ch = channels_[n];
-    if (!ch || ch->outstanding() == 0) continue;
-    // A channel whose fd turning readable is exactly "a reply is there" (tcp) is left to the one
-    // poll(2) below instead of probing every socket with a recv first (that probe was about a
-    // quarter of the system calls of an ec:4+2 batch). Other channels (verbs: a completion may
-    // land before the event fd is armed; broken ones) are reaped first.
-    if (ch->wait_fd() >= 0 && ch->fd_readiness_is_exact()) {
-      pfds_.push_back({ch->wait_fd(), POLLIN, 0});
-      pfd_nodes_.push_back(n);
-      continue;
-    }
-    auto got = ch->Poll(comps_, std::chrono::milliseconds(0));
-    if (got && *got > 0) {
-      for (size_t i = 0; i < *got; ++i) on_completion(comps_[i]);
-      any = true;
-      continue;
-    }
-    pfds_.push_back({ch->wait_fd(), POLLIN, 0});
-    pfd_nodes_.push_back(n);
-  }
-  if (any) return true;
-  if (pfds_.empty()) return true;  // nothing outstanding: the caller re-checks its condition
-  const bool pollable =
-      std::all_of(pfds_.begin(), pfds_.end(), [](const pollfd& p) { return p.fd >= 0; });
-  const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
-  if (pollable) {
-    // Past the deadline, still look (without waiting) before giving up: if this thread was held
-    // up (descheduled, a slow listener) the replies may have been waiting here all along, and a
-    // daemon that answered in time must not be blamed for our own stall.
-    const int rc =
-        ::poll(pfds_.data(), pfds_.size(), static_cast<int>(std::max<int64_t>(0, left.count())));
-    if (rc == 0) return false;
-  } else if (left.count() <= 0) {
-    return false;  // the channels without a pollable fd were reaped (without waiting) above
-  }
-  for (size_t i = 0; i < pfds_.size(); ++i) {
-    if (pollable && pfds_[i].revents == 0) continue;
-    auto& ch = channels_[pfd_nodes_[i]];
-    // The reply has begun to arrive: receiving the rest of it may take up to the operation
-    // timeout. (A fixed value: a channel sets its socket's receive timeout only when it changes.)
-    auto got = ch->Poll(comps_, pollable ? op_timeout_ : std::chrono::milliseconds(0));
-    if (got) {
-      for (size_t j = 0; j < *got; ++j) on_completion(comps_[j]);
-    }
-  }
-  return true;
-}
-
-void ChannelTable::ResetStuck() {
-  for (auto& ch : channels_) {
-    if (ch && ch->outstanding() > 0) ch.reset();  // its buffers are ours; nothing can land now
-  }
-}
-
-template <typename Fn>
-void ChannelTable::DropDown(Fn&& on_drop) {
-  for (client::NodeId n = 0; n < channels_.size(); ++n) {
-    auto& ch = channels_[n];
-    if (!ch || ch->outstanding() == 0 || cluster_->node(n).alive) continue;
-    on_drop(n);
-    ch.reset();
-  }
-}
-
-void ChannelTable::DrainStragglers() {
-  const Deadline deadline = DeadlineIn(op_timeout_);
-  Deadline next_check = DeadlineIn(kDownCheck);  // by the clock, as in Round::Run
-  for (;;) {
-    if (!AnyOutstanding()) return;
-    if (Clock::now() >= next_check) {
-      // Stragglers on a daemon declared down are not worth waiting for (see Round::Run).
-      DropDown([](client::NodeId) {});
-      next_check = DeadlineIn(kDownCheck);
-      continue;
-    }
-    if (!Poll(std::min(deadline, next_check), [](const transport::Completion&) {})) {
-      if (Clock::now() >= deadline) {
-        ResetStuck();
-        return;
-      }
-    }
-  }
-}
 
 // ---------------------------------------------------------------------------------------------
 // Round
@@ -265,14 +136,8 @@ Status Round::Add(Piece p) {
 void Round::Run() {
   for (size_t i = 0; i < ops_.size(); ++i) {
     RemoteOp& r = ops_[i];
-    transport::Channel* ch = w_->channels.Get(r.node, &r.status);
-    if (ch == nullptr) {
-      Complete(i, r.status);
-      continue;
-    }
     r.op.user_data = i;
-    Status s = ch->Post(r.op);
-    if (!s.ok()) {
+    if (Status s = w_->channels.Post(r.node, r.op); !s.ok()) {
       Complete(i, s);
       continue;
     }
@@ -280,23 +145,18 @@ void Round::Run() {
   }
   w_->channels.FlushAll();
   const Deadline deadline = DeadlineIn(params_.op_timeout);
-  // Every kDownCheck: a daemon declared down while our ops to it are in flight (a gray failure:
-  // SIGSTOP, a partition) must not hold this round, and the extent locks, for op_timeout. The
-  // check is due by the clock, not when a wait times out: a channel without a pollable fd makes
-  // Poll return at once, and a slice renewed on every return would never end.
-  Deadline next_check = DeadlineIn(kDownCheck);
   while (!Satisfied()) {
     if (early_ != nullptr) SettleEarly();
-    if (Clock::now() >= next_check) {
-      FailOpsOnDownNodes();
-      next_check = DeadlineIn(kDownCheck);
-      continue;  // Satisfied() may hold now
+    // A daemon declared down while our ops to it are in flight (a gray failure: SIGSTOP, a
+    // partition) must not hold this round, and the extent locks, for op_timeout: the set looks
+    // for such daemons every client::kDownCheckInterval.
+    const client::ChannelSet::Waited got = w_->channels.WaitAny(deadline);
+    for (const transport::Completion& c : got.completions) {
+      Complete(static_cast<size_t>(c.user_data), c.status);
     }
-    if (!w_->channels.Poll(std::min(deadline, next_check), [&](const transport::Completion& c) {
-          Complete(static_cast<size_t>(c.user_data), c.status);
-        })) {
-      if (Clock::now() < deadline) continue;  // the check above is due
-      // Timed out: whatever is still missing failed.
+    for (client::NodeId n : got.down) FailOpsOn(n);
+    if (got.deadline || got.idle) {
+      // Timed out (or nothing left that could answer): whatever is still missing failed.
       for (size_t i = 0; i < ops_.size(); ++i) {
         if (!ops_[i].done) Complete(i, DeadlineExceeded("daemon did not answer in time"));
       }
@@ -306,15 +166,13 @@ void Round::Run() {
   }
 }
 
-void Round::FailOpsOnDownNodes() {
-  w_->channels.DropDown([&](client::NodeId n) {
-    for (size_t i = 0; i < ops_.size(); ++i) {
-      if (!ops_[i].done && ops_[i].node == n) {
-        Complete(i, Unavailable(fmt::format("{} was declared down while the op was in flight",
-                                            cluster_->node(n).endpoint.ToString())));
-      }
+void Round::FailOpsOn(client::NodeId n) {
+  for (size_t i = 0; i < ops_.size(); ++i) {
+    if (!ops_[i].done && ops_[i].node == n) {
+      Complete(i, Unavailable(fmt::format("{} was declared down while the op was in flight",
+                                          cluster_->node(n).endpoint.ToString())));
     }
-  });
+  }
 }
 
 void Round::Post(size_t piece, int member, bool write, uint64_t offset, uint8_t* local,

@@ -1,7 +1,8 @@
 // The page store's I/O round: many pieces' remote operations posted together, one doorbell per
 // daemon, one wait (see page_store.h). A Round sees only what it needs: the store's fixed layout
 // (RoundParams), the worker it runs on (its channels and staging memory) and the cluster (to
-// report a failed daemon and name it in errors). It never touches the store itself.
+// report a failed daemon and name it in errors). It never touches the store itself. Waiting on
+// the daemons is client::ChannelSet's.
 #pragma once
 
 #include <chrono>
@@ -10,6 +11,7 @@
 #include <vector>
 
 #include "farmem/blockdev/block_backend.h"
+#include "farmem/client/channel_set.h"
 #include "farmem/client/cluster.h"
 #include "farmem/client/resilience.h"
 #include "farmem/ec/reed_solomon.h"
@@ -23,41 +25,6 @@ struct RoundParams {
   const ec::ReedSolomon* codec = nullptr;  // ec:k+r only
   uint32_t frag_size = kPage;              // bytes of one page on one member
   std::chrono::milliseconds op_timeout{5000};
-};
-
-// One worker's channels to the daemons, by NodeId, opened lazily: only its worker uses them.
-class ChannelTable {
- public:
-  ChannelTable(client::Cluster* cluster, std::chrono::milliseconds op_timeout)
-      : cluster_(cluster), op_timeout_(op_timeout) {}
-  void Reserve(size_t nodes);
-
-  // The channel to `node`, reopened when broken or opened to an earlier incarnation of the
-  // daemon; nullptr (and *error) when it cannot be had.
-  transport::Channel* Get(client::NodeId node, Status* error);
-  // Flushes every channel with operations posted (a failure completes them with errors).
-  void FlushAll();
-  bool AnyOutstanding() const;
-  // Waits for completions on every channel with outstanding operations; false on deadline.
-  template <typename Fn>
-  bool Poll(Deadline deadline, Fn&& on_completion);
-  // Drops channels that still have operations outstanding: their buffers are ours again.
-  void ResetStuck();
-  // Drops the channels with operations outstanding to daemons the cluster has declared down,
-  // calling on_drop(node) for each first (nothing can land in our buffers afterwards).
-  template <typename Fn>
-  void DropDown(Fn&& on_drop);
-  // Reaps what is still outstanding (ec stragglers) so that the staging memory can be reused.
-  void DrainStragglers();
-
- private:
-  client::Cluster* const cluster_;
-  const std::chrono::milliseconds op_timeout_;
-  std::vector<std::unique_ptr<transport::Channel>> channels_;
-  std::vector<uint64_t> channel_daemon_;  // by NodeId: the daemon (HELLO node id) it was opened to
-  std::vector<transport::Completion> comps_ = std::vector<transport::Completion>(256);
-  std::vector<pollfd> pfds_;
-  std::vector<client::NodeId> pfd_nodes_;
 };
 
 // What RunPieces needs to report ops early (ExecuteBatch with a listener).
@@ -85,7 +52,8 @@ struct Worker {
   Worker(client::Cluster* cluster, std::chrono::milliseconds op_timeout)
       : channels(cluster, op_timeout) {}
 
-  ChannelTable channels;
+  // Its channels to the daemons, opened lazily; only this worker uses them.
+  client::ChannelSet channels;
   std::vector<uint8_t> staging;
   // Scratch of the request path, reserved up front and reused (cleared, never shrunk), so that
   // serving a batch does not allocate: the pieces and statuses of ExecuteBatch, the extents a
@@ -139,9 +107,9 @@ class Round {
   // settled. Anything short of complete success is left to RunPieces after the round.
   void SettleEarly();
   bool Satisfied() const;
-  // Ops still waiting on a daemon the cluster has declared down fail now (Unavailable); its
-  // channel is dropped with them.
-  void FailOpsOnDownNodes();
+  // Ops still waiting on daemon `n`, which the cluster has declared down (its channel was dropped
+  // with them), fail now (Unavailable).
+  void FailOpsOn(client::NodeId n);
 
   const RoundParams& params_;
   client::Cluster* const cluster_;

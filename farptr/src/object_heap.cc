@@ -117,7 +117,7 @@ void Heap::DeleteEntry(ObjectEntry* e) {
 IoContext* Heap::CheckoutIo() {
   MutexLock lock(&io_mu_);
   if (io_free_.empty()) {
-    io_all_.push_back(std::make_unique<IoContext>());
+    io_all_.push_back(store_->NewIoContext());
     return io_all_.back().get();
   }
   IoContext* io = io_free_.back();

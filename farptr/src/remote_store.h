@@ -45,6 +45,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "farmem/client/channel_set.h"
 #include "farmem/client/cluster.h"
 #include "farmem/common/mutex.h"
 #include "farmem/ec/reed_solomon.h"
@@ -92,12 +93,14 @@ struct Group {
   bool degraded_logged = false;  // recovery thread only: say "runs degraded" once
 };
 
-// Per-thread I/O state: channels by node, scratch for parity and degraded reads.
+// Per-thread I/O state: channels by node, scratch for parity and degraded reads. Made by
+// RemoteStore::NewIoContext (or with the store's cluster and op timeout).
 struct IoContext {
-  std::vector<std::unique_ptr<transport::Channel>> channels;
-  std::vector<uint64_t> channel_daemons;  // by node: the daemon incarnation a channel was opened to
-  std::vector<uint8_t> scratch;           // (k + r) spans
-  std::vector<transport::Completion> comps = std::vector<transport::Completion>(64);
+  IoContext(client::Cluster* cluster, std::chrono::milliseconds op_timeout)
+      : channels(cluster, op_timeout, 64) {}
+
+  client::ChannelSet channels;
+  std::vector<uint8_t> scratch;  // (k + r) spans
   uint64_t bytes_read = 0;
   uint64_t bytes_written = 0;
   // Parity offload: control connections by node (PARITY_ENCODE) and the frame bytes they moved.
@@ -193,12 +196,18 @@ class RemoteStore {
 
   // Opens (once) the control connection to `node` in `io` that PARITY_ENCODE requests use.
   transport::TcpConnection* CallConnectionFor(IoContext& io, client::NodeId node, Status* error);
+  // A thread's I/O state for this store.
+  std::unique_ptr<IoContext> NewIoContext() const {
+    return std::make_unique<IoContext>(cluster_, op_timeout_);
+  }
   // Opens (once) the channel to `node` in `io`.
-  transport::Channel* ChannelFor(IoContext& io, client::NodeId node, Status* error);
+  transport::Channel* ChannelFor(IoContext& io, client::NodeId node, Status* error) {
+    return io.channels.Get(node, error);
+  }
   // True if a failure seen through io's channel to `node` is the channel's own: it was opened to
   // an earlier incarnation of the daemon (which restarted since) and broke. That says nothing of
   // members placed on the daemon there now; the channel is dropped, so a retry reopens it.
-  bool StaleChannel(IoContext& io, client::NodeId node);
+  bool StaleChannel(IoContext& io, client::NodeId node) { return io.channels.DropIfStale(node); }
 
  private:
   RemoteStore(client::Cluster* cluster, SpanResilience res, uint32_t span_size,

@@ -1,12 +1,10 @@
 // RemoteStore data path: writing span sets, reading one span (degraded when its daemon is gone).
 #include <fmt/format.h>
-#include <poll.h>
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
 #include <bit>
 #include <cstring>
-#include <string_view>
 
 #include "remote_store.h"
 
@@ -27,28 +25,6 @@ bool NodeGone(const Status& s) {
   }
 }
 
-transport::Channel* RemoteStore::ChannelFor(IoContext& io, client::NodeId node, Status* error) {
-  if (io.channels.size() <= node) {
-    io.channels.resize(node + 1);
-    io.channel_daemons.resize(node + 1, 0);
-  }
-  auto& slot = io.channels[node];
-  const bool opening = !slot || slot->broken();
-  transport::Channel* ch = cluster_->EnsureChannel(slot, node, error);
-  if (opening && ch != nullptr) io.channel_daemons[node] = cluster_->node(node).daemon_id;
-  return ch;
-}
-
-bool RemoteStore::StaleChannel(IoContext& io, client::NodeId node) {
-  if (node >= io.channels.size() || !io.channels[node] || !io.channels[node]->broken()) {
-    return false;
-  }
-  const uint64_t current = cluster_->node(node).daemon_id;
-  if (current == 0 || current == io.channel_daemons[node]) return false;
-  io.channels[node].reset();
-  return true;
-}
-
 void RemoteStore::RunOps(IoContext& io, std::span<transport::Op> ops,
                          std::span<const client::NodeId> nodes, std::span<Status> results) {
   // At most one span set's worth of operations: everything lives on the stack.
@@ -61,30 +37,17 @@ void RemoteStore::RunOps(IoContext& io, std::span<transport::Op> ops,
   }
   bool done[kMaxSetWidth] = {};
   size_t left = 0;
-  client::NodeId used[kMaxSetWidth];
-  size_t nused = 0;
   for (size_t i = 0; i < ops.size(); ++i) {
-    Status err;
-    transport::Channel* ch = ChannelFor(io, nodes[i], &err);
-    if (ch == nullptr) {
-      results[i] = err;
-      done[i] = true;
-      continue;
-    }
     ops[i].user_data = i;
-    if (Status s = ch->Post(ops[i]); !s.ok()) {
+    if (Status s = io.channels.Post(nodes[i], ops[i]); !s.ok()) {
       results[i] = s;
       done[i] = true;
       continue;
     }
     ++left;
-    if (std::find(used, used + nused, nodes[i]) == used + nused) used[nused++] = nodes[i];
   }
-  for (size_t u = 0; u < nused; ++u) (void)io.channels[used[u]]->Flush();  // errors complete ops
+  io.channels.FlushAll();  // errors complete ops
   const Deadline deadline = DeadlineIn(op_timeout_);
-  pollfd pfds[kMaxSetWidth];
-  client::NodeId pnodes[kMaxSetWidth];
-  size_t npfds = 0;
   auto complete = [&](const transport::Completion& c) {
     const size_t i = static_cast<size_t>(c.user_data);
     if (i >= ops.size() || done[i]) return;
@@ -98,18 +61,17 @@ void RemoteStore::RunOps(IoContext& io, std::span<transport::Op> ops,
         io.bytes_written += ops[i].length;
     }
   };
-  // A gray failure (a daemon paused or cut off with its sockets open) breaks nothing: once the
-  // cluster has declared such a daemon down, the ops still waiting on it end here (Unavailable),
-  // so the caller reads degraded from the other members instead of waiting out op_timeout. The
-  // channel goes with them: nothing may land in the caller's buffers after we return.
-  auto fail_ops_on_down_nodes = [&] {
-    for (size_t u = 0; u < nused; ++u) {
-      auto& ch = io.channels[used[u]];
-      if (!ch || ch->outstanding() == 0) continue;
-      const client::NodeInfo info = cluster_->node(used[u]);
-      if (info.alive) continue;
+  while (left > 0) {
+    const client::ChannelSet::Waited got = io.channels.WaitAny(deadline);
+    for (const transport::Completion& c : got.completions) complete(c);
+    // A gray failure (a daemon paused or cut off with its sockets open) breaks nothing: once the
+    // cluster has declared such a daemon down, the ops still waiting on it end here (Unavailable),
+    // so the caller reads degraded from the other members instead of waiting out op_timeout. The
+    // set dropped the channel with them: nothing may land in the caller's buffers after we return.
+    for (client::NodeId n : got.down) {
+      const client::NodeInfo info = cluster_->node(n);
       for (size_t i = 0; i < ops.size(); ++i) {
-        if (done[i] || nodes[i] != used[u]) continue;
+        if (done[i] || nodes[i] != n) continue;
         done[i] = true;
         --left;
         results[i] =
@@ -117,65 +79,8 @@ void RemoteStore::RunOps(IoContext& io, std::span<transport::Op> ops,
                                     "flight ({})",
                                     info.endpoint.ToString(), info.last_error.ToString()));
       }
-      ch.reset();
     }
-  };
-  Deadline next_down_check = DeadlineIn(client::kDownCheckInterval);
-  while (left > 0) {
-    npfds = 0;
-    bool any = false;
-    for (size_t u = 0; u < nused; ++u) {
-      auto& ch = io.channels[used[u]];
-      if (!ch || ch->outstanding() == 0) continue;
-      // A TCP channel's socket turning readable is exactly "a reply is there": leave it to the
-      // poll(2) below rather than probe it first. Others (verbs) are reaped first.
-      if (ch->wait_fd() < 0 || std::string_view(ch->kind()) != "tcp") {
-        auto got = ch->Poll(io.comps, std::chrono::milliseconds(0));
-        if (got && *got > 0) {
-          for (size_t j = 0; j < *got; ++j) complete(io.comps[j]);
-          any = true;
-          continue;
-        }
-      }
-      pfds[npfds] = {ch->wait_fd(), POLLIN, 0};
-      pnodes[npfds++] = used[u];
-    }
-    if (any || left == 0) continue;
-    if (npfds == 0) break;
-    // Wait in slices of kDownCheckInterval (never passed to Channel::Poll: a TCP channel whose
-    // receive times out is broken, and a slow but healthy daemon must not be failed that way).
-    const Clock::time_point now = Clock::now();
-    if (now >= next_down_check) {
-      fail_ops_on_down_nodes();
-      next_down_check = DeadlineIn(client::kDownCheckInterval);
-      if (left == 0) break;
-      continue;
-    }
-    const auto wait = std::chrono::duration_cast<std::chrono::milliseconds>(
-        std::min(deadline, next_down_check) - now);
-    const bool pollable =
-        std::all_of(pfds, pfds + npfds, [](const pollfd& p) { return p.fd >= 0; });
-    if (pollable) {
-      // Past the deadline, still look (without waiting) before giving up: replies that waited
-      // while this thread was held up must not be blamed on the daemon.
-      if (::poll(pfds, npfds, static_cast<int>(std::max<int64_t>(0, wait.count()))) == 0) {
-        if (Clock::now() >= deadline) break;
-        continue;
-      }
-    } else if (now >= deadline) {
-      break;
-    }
-    for (size_t j = 0; j < npfds; ++j) {
-      if (pollable && pfds[j].revents == 0) continue;
-      auto& ch = io.channels[pnodes[j]];
-      if (!ch) continue;
-      // The reply has begun to arrive: receiving the rest may take up to op_timeout. (One fixed
-      // value: a channel sets its socket's receive timeout only when it changes.)
-      auto got = ch->Poll(io.comps, pollable ? op_timeout_ : std::chrono::milliseconds(1));
-      if (got) {
-        for (size_t c = 0; c < *got; ++c) complete(io.comps[c]);
-      }
-    }
+    if (got.deadline || got.idle) break;
   }
   if (left > 0) {
     for (size_t i = 0; i < ops.size(); ++i) {
@@ -185,11 +90,7 @@ void RemoteStore::RunOps(IoContext& io, std::span<transport::Op> ops,
                                                   op_timeout_.count()));
       }
     }
-    // Their buffers are the caller's: nothing may land in them after we return.
-    for (size_t u = 0; u < nused; ++u) {
-      auto& ch = io.channels[used[u]];
-      if (ch && ch->outstanding() > 0) ch.reset();
-    }
+    io.channels.ResetStuck();  // their buffers are the caller's: nothing may land in them now
   }
 }
 

@@ -49,7 +49,7 @@ void RemoteStore::ReconcileMembers() {
 }
 
 void RemoteStore::RecoveryLoop() {
-  IoContext io;
+  IoContext io(cluster_, op_timeout_);
   MutexLock lock(&mu_);
   Clock::time_point next_reconcile = Clock::now() + reconcile_interval_;
   for (;;) {

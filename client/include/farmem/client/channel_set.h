@@ -1,0 +1,108 @@
+// ChannelSet: one thread's data channels to the daemons, by node, and the one place where a
+// borrower waits on many of them at once.
+//
+// A borrower's I/O (a page-store round over k + r members, a far_ptr span set) posts operations
+// to several daemons, rings each daemon's doorbell once (FlushAll), and then takes completions
+// from whichever daemon answers first (WaitAny) until a deadline:
+//   - channels whose fd readiness is exact (tcp) are left to one poll(2) over all their fds;
+//     the others (verbs, fault-injected) are reaped with a zero-timeout Poll first, and when one
+//     of them has no fd at all the wait spins on zero-timeout Polls instead of poll(2). A channel
+//     is never polled with a timeout of its own while nothing has arrived: a tcp channel whose
+//     receive times out is broken, and a slow but healthy daemon must not be failed that way.
+//   - the wait is cut in slices of client::kDownCheckInterval, due by the clock (not when a wait
+//     times out: a spin returns at once, and a slice renewed on every return would never end).
+//     At the end of a slice, channels with operations in flight to a daemon the cluster has
+//     declared down (a gray failure: SIGSTOP, a partition) are dropped and their nodes returned,
+//     so the caller fails those operations now instead of waiting out the op timeout; nothing
+//     can land in the caller's buffers afterwards.
+//   - past the deadline, the fds are still looked at once (without waiting) before the wait gives
+//     up: replies that waited while this thread was held up must not be blamed on the daemon.
+//
+// Channels are opened lazily through client::Cluster::EnsureChannel, and replaced when broken or
+// opened to an earlier incarnation of the daemon (it restarted on the same address).
+//
+// Threads: a ChannelSet belongs to one thread at a time, like the channels it holds.
+#pragma once
+
+#include <poll.h>
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <vector>
+
+#include "farmem/client/cluster.h"
+#include "farmem/common/socket.h"
+#include "farmem/common/status.h"
+#include "farmem/transport/transport.h"
+
+namespace farmem::client {
+
+class ChannelSet {
+ public:
+  // `op_timeout`: the longest one reply may take to arrive once it has begun to (and the longest
+  // DrainStragglers waits). `completions`: how many completions one WaitAny hands out at most
+  // (it grows to what is outstanding).
+  ChannelSet(Cluster* cluster, std::chrono::milliseconds op_timeout, size_t completions = 256);
+  ChannelSet(const ChannelSet&) = delete;
+  ChannelSet& operator=(const ChannelSet&) = delete;
+
+  // Sizes the scratch for `nodes` daemons up front (no allocation on the request path after).
+  void Reserve(size_t nodes);
+
+  // The channel to `node`, opened or reopened as needed; nullptr (and *error) when it cannot be
+  // had (the node is down, the open failed).
+  transport::Channel* Get(NodeId node, Status* error);
+  // Posts `op` on the channel to `node`. Not OK: nothing was posted (no channel, window full,
+  // malformed op); the op will not complete.
+  Status Post(NodeId node, const transport::Op& op);
+  // Rings the doorbell of every channel with operations posted (a failure completes them with
+  // errors), and starts the down-check clock of the wait that follows.
+  void FlushAll();
+  bool AnyOutstanding() const;
+
+  // What one WaitAny saw. The spans are the set's own, valid until its next call.
+  struct Waited {
+    // Reaped completions (a channel that broke completes its operations with errors).
+    std::span<const transport::Completion> completions;
+    // Nodes declared down whose channels were dropped with operations outstanding: those will
+    // never complete, the caller fails them.
+    std::span<const NodeId> down;
+    bool idle = false;      // nothing is outstanding
+    bool deadline = false;  // `deadline` passed with operations outstanding, none reaped
+  };
+  // Waits until some channel has completions, a slice ends (then looks for down nodes), or the
+  // deadline passes. Called in a loop until the caller has what it waits for; an empty result
+  // (no completions, no down nodes, not idle, not deadline) is the end of a slice.
+  Waited WaitAny(Deadline deadline);
+
+  // Drops the channels that still have operations outstanding: their buffers are the caller's
+  // again, nothing can land in them now.
+  void ResetStuck();
+  // Reaps, and discards, whatever is still outstanding (ops nobody waits for any more, such as
+  // an ec read's slowest fragments), so that their buffers can be reused; up to op_timeout, and
+  // not for daemons declared down; what is left then is dropped.
+  void DrainStragglers();
+  // True if a failure seen on the channel to `node` was the channel's own: it was opened to an
+  // earlier incarnation of the daemon (which restarted since) and broke. That says nothing of
+  // what lives on the daemon there now; the channel is dropped, so a retry reopens it.
+  bool DropIfStale(NodeId node);
+
+ private:
+  // Drops the channels with operations outstanding to daemons the cluster has declared down;
+  // their nodes go to down_.
+  void DropDown();
+
+  Cluster* const cluster_;
+  const std::chrono::milliseconds op_timeout_;
+  std::vector<std::unique_ptr<transport::Channel>> channels_;  // by NodeId
+  std::vector<uint64_t> channel_daemon_;  // by NodeId: the daemon (HELLO node id) it was opened to
+  std::vector<transport::Completion> comps_;
+  std::vector<pollfd> pfds_;
+  std::vector<NodeId> pfd_nodes_;
+  std::vector<NodeId> down_;
+  Deadline next_down_check_{};
+};
+
+}  // namespace farmem::client
