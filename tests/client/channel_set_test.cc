@@ -11,6 +11,7 @@
 #include <cstring>
 #include <vector>
 
+#include "cluster_timers.h"
 #include "farmem/transport/fault_injection.h"
 #include "support/daemon_fixture.h"
 
@@ -21,13 +22,8 @@ using std::chrono::milliseconds;
 using testing::DaemonConfig;
 using testing::DaemonSet;
 
-#if defined(__SANITIZE_THREAD__) || defined(__SANITIZE_ADDRESS__)
-constexpr int kTimeScale = 3;
-#else
-constexpr int kTimeScale = 1;
-#endif
-constexpr milliseconds kHeartbeat{100 * kTimeScale};
-constexpr milliseconds kFailureTimeout{800 * kTimeScale};
+using test::kFailureTimeout;
+using test::kHeartbeat;
 constexpr milliseconds kOpTimeout{20000};  // far beyond failure detection: only it ends a wait
 constexpr size_t kLen = 4096;
 

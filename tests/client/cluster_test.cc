@@ -11,6 +11,7 @@
 #include <mutex>
 #include <set>
 
+#include "cluster_timers.h"
 #include "support/daemon_fixture.h"
 
 namespace farmem::client {
@@ -21,16 +22,9 @@ using testing::DaemonConfig;
 using testing::DaemonSet;
 using testing::WaitUntil;
 
-// Short timers so failures show up quickly; generous enough for a loaded 2-vCPU CI machine.
-// Sanitizer builds of farmemd answer several times slower: stretch the timers there, or a
-// merely slow daemon gets declared down.
-#if defined(__SANITIZE_THREAD__) || defined(__SANITIZE_ADDRESS__)
-constexpr int kTimeScale = 3;
-#else
-constexpr int kTimeScale = 1;
-#endif
-constexpr milliseconds kHeartbeat{100 * kTimeScale};
-constexpr milliseconds kFailureTimeout{800 * kTimeScale};
+using test::kFailureTimeout;
+using test::kHeartbeat;
+using test::kTimeScale;
 constexpr milliseconds kSlack{3000 * kTimeScale};
 
 ClusterOptions OptionsFor(const DaemonSet& daemons) {
