@@ -126,6 +126,7 @@ Status Heap::Start() {
   co.heartbeat_interval = options_.heartbeat_interval;
   co.failure_timeout = options_.failure_timeout;
   co.op_timeout = options_.op_timeout;
+  co.fault_injector = options_.fault_injector;
   FARMEM_ASSIGN_OR_RETURN(cluster_, client::Cluster::Connect(std::move(co)));
   FARMEM_ASSIGN_OR_RETURN(store_,
                           RemoteStore::Create(cluster_.get(), res_, span_size_, options_.op_timeout,

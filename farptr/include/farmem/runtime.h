@@ -29,6 +29,10 @@
 #include "farmem/common/config.h"
 #include "farmem/common/status.h"
 
+namespace farmem::transport {
+class FaultInjector;
+}  // namespace farmem::transport
+
 namespace farmem {
 
 namespace client {
@@ -92,6 +96,9 @@ struct RuntimeOptions {
   std::chrono::milliseconds reconcile_interval{1000};
   // Make this runtime the one make_far<T>(args...) without a runtime uses.
   bool make_default = true;
+  // For tests of failure interleavings: faults injected into every data channel
+  // (farmem/transport/fault_injection.h, client::ClusterOptions::fault_injector). Null: none.
+  std::shared_ptr<transport::FaultInjector> fault_injector;
 };
 
 struct RuntimeStats {
