@@ -172,7 +172,8 @@ class FaultyChannel final : public Channel {
   bool broken() const override { return inner_->broken(); }
   ChannelStats stats() const override { return inner_->stats(); }
   // The real channel's: readable when its replies arrive. Failed and released ops are reaped by
-  // the zero-timeout Poll that callers give every channel that is not "tcp" before they wait.
+  // the zero-timeout Poll that callers (client::ChannelSet) give every channel whose fd readiness
+  // is not exact before they wait.
   int wait_fd() const override { return inner_->wait_fd(); }
 
  private:
