@@ -15,12 +15,6 @@
 namespace farmem::farptr_test {
 namespace {
 
-struct Point {
-  uint64_t id;
-  uint64_t version;
-  double x, y;
-};
-
 class FarFaultInjectionTest : public FarptrTest {
  protected:
   // ec:2+1 over four daemons (one spare), every data channel through `faults_`; `n` objects
@@ -30,7 +24,7 @@ class FarFaultInjectionTest : public FarptrTest {
     RuntimeOptions o = Options("ec:2+1", 1 << 20);
     o.fault_injector = faults_;
     ASSERT_NO_FATAL_FAILURE(Open(o));
-    for (uint64_t i = 0; i < n; ++i) objs_.push_back(make_far<Point>(Point{i, i % 7, 0, 0}));
+    objs_ = MakePoints(n);
     ASSERT_TRUE(rt_->EvictUntil(0).ok());
     ASSERT_EQ(rt_->stats().local_bytes, 0u);
   }
@@ -41,15 +35,7 @@ class FarFaultInjectionTest : public FarptrTest {
     return layout.empty() ? Endpoint{} : layout[0][0];
   }
 
-  void ExpectAllRight(const char* when) {
-    for (uint64_t i = 0; i < objs_.size(); ++i) {
-      DerefScope s;
-      auto p = objs_[i].try_deref(s);
-      ASSERT_TRUE(p.has_value()) << when << ": object " << i << ": " << p.error().ToString();
-      ASSERT_EQ((*p)->id, i) << when;
-      ASSERT_EQ((*p)->version, i % 7) << when;
-    }
-  }
+  void ExpectAllRight(const char* when) { farptr_test::ExpectAllRight(objs_, when); }
 
   std::shared_ptr<transport::FaultInjector> faults_ = std::make_shared<transport::FaultInjector>();
   std::vector<far_ptr<Point>> objs_;

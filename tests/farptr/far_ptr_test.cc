@@ -16,12 +16,6 @@
 namespace farmem::farptr_test {
 namespace {
 
-struct Point {
-  uint64_t id;
-  uint64_t version;
-  double x, y;
-};
-
 TEST(FarPtrLayout, PointerIsEightBytes) {
   static_assert(sizeof(far_ptr<Point>) == 8);
   static_assert(sizeof(far_bytes) == 8);
@@ -147,14 +141,6 @@ TEST_F(FarptrTest, ScopePinsAgainstTheEvictor) {
   EXPECT_GT(rt_->stats().spans_evicted, evicted_before) << "the evictor never ran";
 }
 
-// Reads every object and checks it.
-// Objects {i, i % 7, 0, 0}, as ExpectAllRight checks them.
-std::vector<far_ptr<Point>> MakePoints(uint64_t n) {
-  std::vector<far_ptr<Point>> objs;
-  for (uint64_t i = 0; i < n; ++i) objs.push_back(make_far<Point>(Point{i, i % 7, 0, 0}));
-  return objs;
-}
-
 // The index of a daemon on which the runtime holds leases (size() if none).
 size_t DaemonHoldingLeases(testing::DaemonSet& daemons, Runtime& rt) {
   size_t victim = daemons.size();
@@ -165,16 +151,6 @@ size_t DaemonHoldingLeases(testing::DaemonSet& daemons, Runtime& rt) {
     }
   }
   return victim;
-}
-
-void ExpectAllRight(std::vector<far_ptr<Point>>& objs, const char* when) {
-  for (uint64_t i = 0; i < objs.size(); ++i) {
-    DerefScope s;
-    auto p = objs[i].try_deref(s);
-    ASSERT_TRUE(p.has_value()) << when << ": object " << i << ": " << p.error().ToString();
-    ASSERT_EQ((*p)->id, i) << when;
-    ASSERT_EQ((*p)->version, i % 7) << when;
-  }
 }
 
 // ec:4+2 over 8 daemons: kill two real daemons; every object still reads back right and the lost

@@ -35,6 +35,28 @@ inline bool Matches(std::span<const std::byte> got, uint64_t id, uint64_t versio
   return std::memcmp(want.data(), got.data(), got.size()) == 0;
 }
 
+// A small object whose contents say which it is: MakePoints makes {i, i % 7, 0, 0}, and
+// ExpectAllRight reads each back and checks it.
+struct Point {
+  uint64_t id;
+  uint64_t version;
+  double x, y;
+};
+inline std::vector<far_ptr<Point>> MakePoints(uint64_t n) {
+  std::vector<far_ptr<Point>> objs;
+  for (uint64_t i = 0; i < n; ++i) objs.push_back(make_far<Point>(Point{i, i % 7, 0, 0}));
+  return objs;
+}
+inline void ExpectAllRight(std::vector<far_ptr<Point>>& objs, const char* when) {
+  for (uint64_t i = 0; i < objs.size(); ++i) {
+    DerefScope s;
+    auto p = objs[i].try_deref(s);
+    ASSERT_TRUE(p.has_value()) << when << ": object " << i << ": " << p.error().ToString();
+    ASSERT_EQ((*p)->id, i) << when;
+    ASSERT_EQ((*p)->version, i % 7) << when;
+  }
+}
+
 class FarptrTest : public ::testing::Test {
  protected:
   void StartDaemons(size_t n, const std::string& capacity = "64M", const std::string& slab = "1M") {
