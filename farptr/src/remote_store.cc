@@ -1,6 +1,6 @@
-// RemoteStore setup, row/group bookkeeping, and noting failures (MarkFailed, cluster events).
-// Re-protection (the recovery thread, Reprotect) is in remote_store_recovery.cc; the data path
-// (WriteSet, ReadSpan, RunOps) in remote_store_io.cc.
+// RemoteStore setup, row/group bookkeeping, noting failures (MarkFailed, cluster events) and the
+// recovery thread's loop. Re-protecting a group (Reprotect) and the periodic reconcile are in
+// remote_store_recovery.cc; the data path (WriteSet, ReadSpan, RunOps) in remote_store_io.cc.
 #include "remote_store.h"
 
 #include <fmt/format.h>
@@ -430,6 +430,65 @@ bool RemoteStore::WaitForRecovery(std::chrono::milliseconds timeout) {
     return std::none_of(groups_.begin(), groups_.end(),
                         [](const std::unique_ptr<Group>& g) { return g->failed_mask != 0; });
   });
+}
+
+void RemoteStore::RecoveryLoop() {
+  IoContext io(cluster_, op_timeout_);
+  MutexLock lock(&mu_);
+  Clock::time_point next_reconcile = Clock::now() + reconcile_interval_;
+  for (;;) {
+    recovery_cv_.WaitUntil(&mu_, next_reconcile, [&] {
+      mu_.AssertHeld();
+      return stopping_ || !recovery_queue_.empty() || retry_all_;
+    });
+    if (stopping_) return;
+    const bool tick = Clock::now() >= next_reconcile;
+    if (tick) {
+      // What events do not tell: a daemon that freed memory (complete groups possible again), a
+      // member whose daemon went down or restarted without its event reaching us.
+      next_reconcile = Clock::now() + reconcile_interval_;
+      full_alloc_failed_ = false;
+      lock.Unlock();
+      ReconcileMembers();
+      lock.Lock();
+      if (stopping_) return;
+    }
+    if (tick || retry_all_) {
+      retry_all_ = false;
+      for (auto& g : groups_) {
+        if (g->failed_mask != 0) QueueLocked(g.get());
+      }
+    }
+    if (recovery_queue_.empty()) {
+      recovery_cv_.SignalAll();
+      continue;
+    }
+    Group* g = recovery_queue_.front();
+    recovery_queue_.pop_front();
+    g->queued = false;
+    if (g->failed_mask == 0) {
+      recovery_cv_.SignalAll();
+      continue;
+    }
+    g->in_recovery = true;
+    recovering_ = true;
+    lock.Unlock();
+    Reprotect(io, g);
+    lock.Lock();
+    g->in_recovery = false;
+    recovering_ = false;
+    // A group still missing members (no eligible daemon yet) is not retried in a loop: the next
+    // node-up event or reconcile tick queues it again.
+    // Emptied meanwhile (Release left it to us). A group that never had a row stays: it was
+    // just made for a writer that is about to take one.
+    if (g->used_rows == 0 && g->release_wanted) {
+      std::vector<client::Lease> to_free = RemoveGroupLocked(g);
+      lock.Unlock();
+      if (!to_free.empty()) (void)cluster_->Free(to_free);
+      lock.Lock();
+    }
+    recovery_cv_.SignalAll();
+  }
 }
 
 }  // namespace farmem::farptr_internal
