@@ -258,13 +258,14 @@ bool PageStore::MoveLeaving(Worker& w) {
       }
       const Resilience& res = options_.resilience;
       const char* outcome =
-          backup_ ? "their pages are then read from the backup file until daemons have room"
+          backup_ ? "their pages are read from the backup file until daemons have room"
           : res.mode == Resilience::Mode::kNone
-              ? "their pages are LOST at the deadline unless a daemon frees room before"
-              : "they then run degraded on their other members until daemons have room";
+              ? "their pages are LOST (IoError) unless a daemon frees room before"
+              : "they run degraded on their other members until daemons have room";
       spdlog::error(
           "page store: no daemon can take the members of extents [{}] that must leave by their "
-          "EVICT_NOTICE deadline (the first in {} ms): {}; retrying until the deadline, then {} "
+          "EVICT_NOTICE deadline (the first in {} ms): {}; retrying until the deadline; after it, "
+          "{} "
           "({}){}",
           list, MsUntil(left.front().deadline), no_room_why.ToString(), outcome, res.ToString(),
           Suppressed(left_out));

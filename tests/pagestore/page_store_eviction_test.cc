@@ -94,6 +94,8 @@ TEST_P(DrainMovesTest, EveryMemberIsMovedBeforeTheDeadlineAndNothingIsLost) {
   ASSERT_TRUE(
       WaitUntil([&] { return cluster_->node(drained).leases_held == 0; }, milliseconds(kGraceMs)))
       << "leases still on the drained daemon: " << Describe();
+  const auto drained_in =
+      std::chrono::duration_cast<milliseconds>(Clock::now() - (deadline - milliseconds(kGraceMs)));
   EXPECT_LT(Clock::now(), deadline);
   auto after = Drain(drained, kGraceMs);  // a repeated DRAIN notices nothing, tells what is held
   ASSERT_TRUE(after.has_value()) << after.error().ToString();
@@ -107,10 +109,13 @@ TEST_P(DrainMovesTest, EveryMemberIsMovedBeforeTheDeadlineAndNothingIsLost) {
   EXPECT_EQ(s.rebuilds, 0u) << "members were rebuilt from the others instead of moved";
   EXPECT_EQ(s.moves_missed, 0u);
   EXPECT_TRUE(ExtentsOn(drained).empty());
-  std::printf("[ measure  ] %s: %llu members (%.1f MiB) moved off the drained daemon in %llu ms\n",
-              c.mode, static_cast<unsigned long long>(s.moved_members),
-              static_cast<double>(s.last_move_bytes) / (1 << 20),
-              static_cast<unsigned long long>(s.last_move_ms));
+  // Not an assertion (the machine is shared): the figures docs/reliability.md records.
+  std::printf(
+      "[ measure  ] %s: %llu members (%.1f MiB) moved in %llu ms from the first notice; DRAIN "
+      "sent to 0 leases held: %lld ms\n",
+      c.mode, static_cast<unsigned long long>(s.moved_members),
+      static_cast<double>(s.last_move_bytes) / (1 << 20),
+      static_cast<unsigned long long>(s.last_move_ms), static_cast<long long>(drained_in.count()));
 }
 
 INSTANTIATE_TEST_SUITE_P(Modes, DrainMovesTest,
@@ -159,6 +164,28 @@ TEST_F(EvictionTest, NoticeTooShortLosesExactlyThatRangeNeverWrongData) {
   }
   EXPECT_GT(errors, 0u) << "nothing was lost although the notice left no time to move";
   EXPECT_GT(store_->stats().moves_missed + store_->stats().copies_abandoned, 0u) << Describe();
+}
+
+// No daemon has room for the members of a drained daemon (the other one is full): the store says
+// so, keeps the members until the deadline, and then reads their pages from the backup file;
+// nothing is lost.
+TEST_F(EvictionTest, NoRoomToMoveFallsBackToTheBackupFile) {
+  StartDaemons(2, "16M");  // 32 slabs in all, and the export needs all 32
+  Open("none", daemons_->work_dir() + "/backup.img");
+  FillExport(71);
+  ASSERT_TRUE(store_->Flush().ok());
+  auto noticed = Drain(0, 1000);
+  ASSERT_TRUE(noticed.has_value()) << noticed.error().ToString();
+  ASSERT_GT(noticed->leases_noticed, 0u);
+  ASSERT_TRUE(
+      WaitUntil([&] { return cluster_->node(0).leases_held == 0; }, std::chrono::seconds(10)))
+      << Describe();
+  store_->WaitForRebuilds();
+  VerifyAll();
+  const PageStoreStats s = store_->stats();
+  EXPECT_EQ(s.moved_members, 0u);
+  EXPECT_GT(s.moves_missed, 0u) << Describe();
+  EXPECT_GT(s.backup_reads, 0u);
 }
 
 // ec:2+1 on three daemons plus a spare that joins later: a daemon is killed and its members are
