@@ -17,7 +17,8 @@
 // Writes are acknowledged when every live member of the group has them and the group is whole, or
 // no daemon is left to make it whole (then the log says the group runs degraded). A member whose
 // daemon failed is rebuilt on another daemon from the survivors: in the background when the
-// client core reports the failure, synchronously when a write finds it.
+// client core reports the failure, synchronously when a write finds it (unless a copy of that
+// extent already runs: it copies that write too).
 // Eviction notices: a member whose daemon sends EVICT_NOTICE (memory pressure, a drain) is
 // "leaving", not lost: it stays live for reads and writes while the rebuild thread, in deadline
 // order, copies it to a new lease on another daemon (never the one that sent the notice, nor one
@@ -45,7 +46,9 @@
 // Threading: every BlockBackend method may be called concurrently. Each call checks out a Worker
 // (channels to the daemons + staging memory, all allocated up front) for its duration, so no two
 // threads share a channel and the request path does not allocate. Extents are guarded by
-// reader/writer locks: I/O takes them shared for a round; rebuild and unmap take one exclusively.
+// reader/writer locks: I/O takes them shared for a round, and so does a member copy while it
+// copies; unmap, and a member copy's last pages and swap, take one exclusively. One member copy
+// per extent at a time (Extent::copy_mu).
 // Read-modify-writes of partly written pages are serialized by their own lock (partial_mu_).
 // The locks are farmem::Mutex / SharedMutex, checked by clang's thread-safety analysis.
 //
