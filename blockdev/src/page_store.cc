@@ -145,6 +145,7 @@ Status PageStore::Init() {
     e->pages = std::min(extent_bytes_, options_.size - i * extent_bytes_) / kPage;
     e->written = std::make_unique<std::atomic<uint64_t>[]>(e->words());
     e->lost = std::make_unique<std::atomic<uint64_t>[]>(e->words());
+    e->dirty = std::make_unique<std::atomic<uint64_t>[]>(e->words());
     extents_.push_back(std::move(e));
   }
   if (!options_.backup_path.empty()) {

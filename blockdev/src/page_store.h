@@ -17,7 +17,21 @@
 // Writes are acknowledged when every live member of the group has them and the group is whole, or
 // no daemon is left to make it whole (then the log says the group runs degraded). A member whose
 // daemon failed is rebuilt on another daemon from the survivors: in the background when the
-// client core reports the failure, synchronously when a write finds it.
+// client core reports the failure, synchronously when a write finds it (unless a copy of that
+// extent already runs: it copies that write too).
+// Eviction notices: a member whose daemon sends EVICT_NOTICE (memory pressure, a drain) is
+// "leaving", not lost: it stays live for reads and writes while the rebuild thread, in deadline
+// order, copies it to a new lease on another daemon (never the one that sent the notice, nor one
+// draining or under pressure), from the leaving member itself (the only copy in none; the
+// cheapest in replicate and ec, which fall back to the other members if it fails), swaps the new
+// lease in and frees the old one (FREE is the acknowledgement). Nothing runs degraded and, in
+// every mode, nothing is lost when the move beats the deadline. When no daemon has room the log
+// names the extents; at the deadline the member becomes a lost member as below (re-protected from
+// the others or the backup file; in none without a backup its pages read as IoError).
+// Member copies (a rebuild or a move) hold the extent shared while they copy, so I/O goes on:
+// writes meanwhile mark their pages dirty, and the copy redoes those pages, exclusively only at
+// the very end, just before it swaps the member in. A copy whose source or target daemon is
+// declared down is abandoned within client::kDownCheckInterval, not at op_timeout.
 // Re-protection: a degraded extent (a member lost, or mapped on fewer daemons than its group
 // needs because not enough were up) gets its missing members back as soon as a daemon that is up,
 // has room and holds no other member of the group is reachable: the rebuild thread tries when a
@@ -32,7 +46,9 @@
 // Threading: every BlockBackend method may be called concurrently. Each call checks out a Worker
 // (channels to the daemons + staging memory, all allocated up front) for its duration, so no two
 // threads share a channel and the request path does not allocate. Extents are guarded by
-// reader/writer locks: I/O takes them shared for a round; rebuild and unmap take one exclusively.
+// reader/writer locks: I/O takes them shared for a round, and so does a member copy while it
+// copies; unmap, and a member copy's last pages and swap, take one exclusively. One member copy
+// per extent at a time (Extent::copy_mu).
 // Read-modify-writes of partly written pages are serialized by their own lock (partial_mu_).
 // The locks are farmem::Mutex / SharedMutex, checked by clang's thread-safety analysis.
 //
@@ -104,6 +120,17 @@ struct PageStoreStats {
   uint64_t degraded_maps = 0;        // extents mapped on fewer daemons than their group needs
   uint64_t reprotected_extents = 0;  // degraded extents made whole again
   uint64_t rebuilt_bytes = 0;        // bytes written to replacement members
+  uint64_t degraded_episodes = 0;    // times the store went from whole to degraded
+  // Eviction notices (see "Eviction notices" above).
+  uint64_t moved_members = 0;  // leaving members copied to another daemon and freed in time
+  uint64_t moved_bytes = 0;
+  uint64_t moves_missed = 0;  // leaving members whose deadline passed before they could be moved
+  // From the first notice of a burst until its last leaving member was moved, and how much.
+  uint64_t last_move_ms = 0;
+  uint64_t last_move_bytes = 0;
+  // Member copies (rebuilds and moves) given up on: a source or the target failed or was
+  // declared down, or the extent changed under them. Retried later.
+  uint64_t copies_abandoned = 0;
   // The last time the store became whole again: how long it had been degraded (first member
   // lost, or first degraded mapping), and how long the re-protection itself took (from the start
   // of the first rebuild that found a daemon to take a member).
@@ -142,6 +169,8 @@ class PageStore final : public BlockBackend {
   uint64_t extent_bytes() const { return extent_bytes_; }
   // Waits until no rebuild is queued or running (for tests and the demo).
   void WaitForRebuilds() EXCLUDES(rebuild_mu_);
+  // The leases extent `index` is mapped to now (empty when unmapped), for tests and tools.
+  std::vector<client::Lease> extent_members(uint64_t index) const;
 
  private:
   using Extent = pagestore::Extent;
@@ -181,12 +210,53 @@ class PageStore final : public BlockBackend {
   static std::vector<client::Lease> HeldLeases(std::span<const client::Lease> members);
 
   // ---- failures, rebuild and re-protection (page_store_rebuild.cc) ----
-  Status RebuildExtent(Worker& w, uint64_t index);  // takes the extent exclusively
+  // Rebuilds the extent's failed members on other daemons (CopyMember). With !wait (a request
+  // path), returns at once if another member copy of the extent is running: that copy redoes
+  // what the caller wrote.
+  Status RebuildExtent(Worker& w, uint64_t index, bool wait = true);
   // Reads [offset, offset+len) of the members `which` at once (one op on each member's channel,
   // all in flight together); member m's bytes land at base + m * len.
   Status ReadMembers(Worker& w, Extent& e, std::span<const int> which, uint64_t offset,
                      uint8_t* base, size_t len);
+  // Member j's bytes of pages [first, first + npages) of extent `index` (e.mu held): from member
+  // j itself while it is live (a leaving member), else from the other members (replica / decode),
+  // else from the backup file. *out points into `buf`.
+  Status ProduceMember(Worker& w, uint64_t index, Extent& e, size_t j, uint64_t first,
+                       uint64_t npages, std::vector<uint8_t>& buf, uint8_t** out);
+  // Copies member j (now the lease `old`) of extent `index` to `fresh` and swaps `fresh` in (see
+  // "Member copies" above). Caller holds e.copy_mu. Adds the bytes written to *bytes.
+  Status CopyMember(Worker& w, uint64_t index, size_t j, const client::Lease& old,
+                    const client::Lease& fresh, uint64_t* bytes);
+  // Copies the runs of `pages` (ascending) of member j to `fresh`; with skip_unwritten, pages
+  // that hold no data are left out. e.mu held (shared or exclusive).
+  Status CopyPages(Worker& w, uint64_t index, Extent& e, size_t j, const client::Lease& fresh,
+                   std::span<const uint64_t> pages, bool skip_unwritten, std::vector<uint8_t>& buf,
+                   uint64_t* bytes);
   void OnClusterEvent(const client::Event& ev) EXCLUDES(rebuild_mu_);
+  // ---- eviction notices (page_store_rebuild.cc) ----
+  struct NoticedLease {
+    client::NodeId node;
+    uint64_t id;
+    Clock::time_point deadline;
+    Clock::time_point noticed;
+  };
+  struct Move {
+    uint64_t index;
+    size_t member;
+    client::Lease lease;  // the leaving member
+    Clock::time_point deadline;
+    Clock::time_point noticed;
+  };
+  // Marks the members the notices name as leaving and queues their moves (rebuild thread).
+  void MarkLeaving(std::span<const NoticedLease> noticed);
+  // Moves what is queued, earliest deadline first (rebuild thread). True if moves are left that
+  // may still succeed before their deadline (no room yet, a copy failed).
+  bool MoveLeaving(Worker& w) EXCLUDES(stats_mu_, rebuild_mu_);
+  // One move: a new lease elsewhere, CopyMember, FREE of the old lease. *no_room when no daemon
+  // could take the member.
+  Status MoveMember(Worker& w, const Move& m, bool* no_room, uint64_t* bytes);
+  // Nodes that must not take a new member now: draining or under pressure (their last STAT).
+  std::vector<client::NodeId> NodesNotTaking() const;
   void RebuildLoop() EXCLUDES(rebuild_mu_);
   void QueueRebuild(uint64_t index) EXCLUDES(rebuild_mu_);
   // Asks the rebuild thread for a pass over every degraded extent now.
@@ -195,7 +265,10 @@ class PageStore final : public BlockBackend {
     client::NodeId node;
     uint64_t id;
   };
-  void MarkLost(std::span<const LostLease> lost) EXCLUDES(rebuild_mu_);
+  // Marks the members `lost` names failed. With !wait (the cluster's event thread, which must not
+  // block) extents locked exclusively now are left to a later pass with wait, which also queues
+  // their rebuilds.
+  void MarkLost(std::span<const LostLease> lost, bool wait) EXCLUDES(rebuild_mu_);
   // One rebuild-thread pass: rebuilds the members missing in `todo` (or in every degraded extent
   // with `all`) wherever a daemon is eligible; then, if the store is whole again, ends the
   // degraded episode (stats, log line).
@@ -241,7 +314,12 @@ class PageStore final : public BlockBackend {
   CondVar rebuild_cv_;
   std::deque<uint64_t> rebuild_queue_ GUARDED_BY(rebuild_mu_);
   std::vector<LostLease> lost_leases_ GUARDED_BY(rebuild_mu_);  // from cluster events
-  bool reconcile_requested_ GUARDED_BY(rebuild_mu_) = false;    // a daemon came up
+  std::vector<NoticedLease> noticed_ GUARDED_BY(rebuild_mu_);   // EVICT_NOTICE events
+  // The rebuild thread's own: moves still to do, and the burst they belong to (for the stats).
+  std::vector<Move> moves_;
+  Clock::time_point move_burst_since_ = Clock::time_point::max();
+  uint64_t move_burst_bytes_ = 0;
+  bool reconcile_requested_ GUARDED_BY(rebuild_mu_) = false;  // a daemon came up
   bool rebuilding_ GUARDED_BY(rebuild_mu_) = false;
   bool stopping_ GUARDED_BY(rebuild_mu_) = false;
   std::thread rebuild_thread_;

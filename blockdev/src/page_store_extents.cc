@@ -92,6 +92,14 @@ std::vector<client::Lease> PageStore::HeldLeases(std::span<const client::Lease> 
   return out;
 }
 
+std::vector<client::Lease> PageStore::extent_members(uint64_t index) const {
+  if (index >= extents_.size()) return {};
+  Extent& e = *extents_[index];
+  ReaderLock lock(&e.mu);
+  if (!e.mapped.load()) return {};
+  return e.members;
+}
+
 void PageStore::UnmapIfEmpty(uint64_t index) {
   Extent& e = *extents_[index];
   std::vector<client::Lease> freed;

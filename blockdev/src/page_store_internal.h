@@ -69,7 +69,12 @@ LogEvery& StillDegradedLog();
 LogEvery& CapacityLog();
 
 struct Extent {
-  // I/O holds it shared for a round; rebuild, unmap and partial-page writes hold it exclusively.
+  // One member copy (rebuild of a lost member, or move of a leaving one) at a time; taken before
+  // mu, never while holding it.
+  Mutex copy_mu ACQUIRED_BEFORE(mu);
+  // I/O holds it shared for a round; unmap holds it exclusively, and a member copy holds it
+  // shared while it copies and exclusively only to redo what was written meanwhile and swap the
+  // member in (page_store_rebuild.cc).
   SharedMutex mu;
   std::atomic<bool> mapped{false};
   // Written before `mapped` is published (MapExtent, under the store's map lock, which nothing
@@ -77,9 +82,17 @@ struct Extent {
   // under mu shared. Not GUARDED_BY(mu): the first mapping is published by `mapped`, not by mu.
   std::vector<client::Lease> members;
   std::atomic<uint32_t> failed{0};  // bit j: member j's copy is gone
+  // Bit j: member j's daemon sent EVICT_NOTICE for it. It is still live (read and written as
+  // any other) until it is moved to another daemon or its deadline passes.
+  std::atomic<uint32_t> leaving{0};
   uint64_t pages = 0;
   std::unique_ptr<std::atomic<uint64_t>[]> written;  // page has data
   std::unique_ptr<std::atomic<uint64_t>[]> lost;     // page's data is gone for good
+  // While a member copy runs (`tracking`, switched on under mu exclusive, so every write round
+  // that starts afterwards sees it), write pieces mark their pages here before they are posted:
+  // the copy redoes them before it swaps the member in.
+  std::atomic<bool> tracking{false};
+  std::unique_ptr<std::atomic<uint64_t>[]> dirty;
 
   size_t words() const { return static_cast<size_t>((pages + 63) / 64); }
   bool Test(const std::unique_ptr<std::atomic<uint64_t>[]>& bits, uint64_t p) const {
@@ -123,6 +136,12 @@ struct Piece {
   bool settled = false;  // its success was handled while the round still waited (early)
   Status first_error;
 
+  // A write is about to go out (its round holds the extent shared): a member copy running now
+  // must redo these pages.
+  void MarkDirty() {
+    if (!extent->tracking.load(std::memory_order_acquire)) return;
+    for (uint64_t pg = 0; pg < npages; ++pg) extent->Set(extent->dirty, first_page + pg, true);
+  }
   // Its pages hold data now (a write succeeded): set written, clear lost.
   void MarkWritten() {
     for (uint64_t pg = 0; pg < npages; ++pg) {

@@ -259,6 +259,72 @@ bool Round::Satisfied() const {
   return true;
 }
 
+// ---------------------------------------------------------------------------------------------
+// A member copy's operations
+
+Status RunCopyOps(const RoundParams& params, client::Cluster* cluster, Worker& w,
+                  std::span<CopyOp> ops) {
+  Status first;
+  auto complete = [&](CopyOp& o, const Status& s) {
+    if (o.done) return;
+    o.done = true;
+    o.status = s;
+    if (s.ok()) return;
+    if (first.ok()) {
+      first = s.WithContext(fmt::format("lease {:#x} on {}", o.op.slab.lease_id,
+                                        cluster->node(o.node).endpoint.ToString()));
+    }
+    cluster->ReportFailure(o.node, s);
+  };
+  for (size_t i = 0; i < ops.size(); ++i) {
+    CopyOp& o = ops[i];
+    o.done = false;
+    Status cs;
+    transport::Channel* ch = w.channels.Get(o.node, &cs);
+    if (ch == nullptr) {
+      complete(o, cs);
+      continue;
+    }
+    transport::Op op = o.op;
+    op.user_data = i;
+    if (Status ps = ch->Post(op); !ps.ok()) complete(o, ps);
+  }
+  w.channels.FlushAll();
+  auto pending = [&] {
+    return std::any_of(ops.begin(), ops.end(), [](const CopyOp& o) { return !o.done; });
+  };
+  const Deadline deadline = DeadlineIn(params.op_timeout);
+  Deadline next_check = DeadlineIn(kDownCheck);  // by the clock, as in Round::Run
+  while (pending()) {
+    if (Clock::now() >= next_check) {
+      w.channels.DropDown([&](client::NodeId n) {
+        for (CopyOp& o : ops) {
+          if (!o.done && o.node == n) {
+            complete(o, Unavailable(fmt::format("{} was declared down while the op was in flight",
+                                                cluster->node(n).endpoint.ToString())));
+          }
+        }
+      });
+      next_check = DeadlineIn(kDownCheck);
+      continue;
+    }
+    if (!w.channels.AnyOutstanding()) {
+      // Dropped with its channel (a reopen of a broken one): it will never complete.
+      for (CopyOp& o : ops) complete(o, Unavailable("its channel was dropped"));
+      break;
+    }
+    if (!w.channels.Poll(std::min(deadline, next_check), [&](const transport::Completion& c) {
+          if (c.user_data < ops.size()) complete(ops[c.user_data], c.status);
+        })) {
+      if (Clock::now() < deadline) continue;  // the check above is due
+      for (CopyOp& o : ops) complete(o, DeadlineExceeded("daemon did not answer in time"));
+      w.channels.ResetStuck();  // nothing may land in the caller's buffers after we return
+      break;
+    }
+  }
+  return first;
+}
+
 }  // namespace farmem::blockdev::pagestore
 
 // ---------------------------------------------------------------------------------------------
@@ -312,6 +378,7 @@ void PageStore::RunPieces(Worker& w, std::vector<Piece>& pieces, std::span<Statu
       if (p.write && !p.extent->mapped.load(std::memory_order_acquire)) {
         continue;  // unmapped by a trim in between: map again (we hold it shared: fine)
       }
+      if (p.write) p.MarkDirty();  // before anything is posted (a member copy redoes it)
       if (!p.write) {
         // Pages never written read as zeroes; lost pages are errors.
         bool any = false;
@@ -410,7 +477,7 @@ void PageStore::RunPieces(Worker& w, std::vector<Piece>& pieces, std::span<Statu
   // is there to take the lost members (otherwise the group runs degraded, said in the log).
   std::sort(rebuild_now.begin(), rebuild_now.end());
   rebuild_now.erase(std::unique(rebuild_now.begin(), rebuild_now.end()), rebuild_now.end());
-  for (uint64_t index : rebuild_now) (void)RebuildExtent(w, index);
+  for (uint64_t index : rebuild_now) (void)RebuildExtent(w, index, /*wait=*/false);
   if (!retry.empty()) {
     CountStat(&PageStoreStats::write_retries, retry.size());
     if (attempt + 1 >= kMaxRetries) {
@@ -431,7 +498,7 @@ void PageStore::RunPieces(Worker& w, std::vector<Piece>& pieces, std::span<Statu
       p.arrived = 0;
       p.first_error = Status();
     }
-    for (const Piece& p : retry) (void)RebuildExtent(w, p.index);
+    for (const Piece& p : retry) (void)RebuildExtent(w, p.index, /*wait=*/false);
     RunPieces(w, retry, op_status, attempt + 1, early);
   }
 }

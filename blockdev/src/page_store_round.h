@@ -124,4 +124,20 @@ class Round {
   std::vector<uint32_t>& per_node_;  // ops per daemon in this round
 };
 
+// One remote operation of a member copy (rebuild or move, page_store_rebuild.cc).
+struct CopyOp {
+  client::NodeId node = 0;
+  transport::Op op;
+  Status status;
+  bool done = false;
+};
+
+// Posts `ops` on the worker's channels (which must have nothing outstanding: DrainStragglers) and
+// waits for every one, as a Round does: an op still waiting on a daemon the cluster declares
+// down meanwhile fails within kDownCheck (Unavailable) instead of at op_timeout, so a rebuild
+// whose source or target is partitioned or paused is abandoned as soon as that is known. Failures
+// are reported to the cluster. Returns the first error.
+Status RunCopyOps(const RoundParams& params, client::Cluster* cluster, Worker& w,
+                  std::span<CopyOp> ops);
+
 }  // namespace farmem::blockdev::pagestore
