@@ -200,6 +200,12 @@ RuntimeStats Heap::stats() const {
   s.degraded_sets_written = rs.degraded_sets_written;
   s.reprotect_last_ms = rs.reprotect_last_ms;
   s.reprotect_max_ms = rs.reprotect_max_ms;
+  s.members_failed = rs.members_failed;
+  s.members_moved = rs.members_moved;
+  s.move_last_ms = rs.move_last_ms;
+  s.move_max_ms = rs.move_max_ms;
+  s.move_min_slack_ms = rs.move_min_slack_ms;
+  s.moves_pending = rs.moves_pending;
   s.swap_ins = swap_ins_.load();
   s.prefetches = prefetches_.load();
   s.spans_evicted = spans_evicted_.load();

@@ -128,6 +128,16 @@ struct RuntimeStats {
   uint64_t reprotect_last_ms = 0;        // the last member re-protected: time from its loss (or its
                                          // set being written without it) until it was rebuilt
   uint64_t reprotect_max_ms = 0;         // ... the longest such time
+  uint64_t members_failed = 0;           // span-set members given up as failed (their daemon
+                                         // died, restarted, or a notice could not be met): each
+                                         // starts a degraded episode (or a loss, without
+                                         // redundancy)
+  // Eviction notices (docs/farptr.md, "Eviction notices and drains").
+  uint64_t members_moved = 0;      // members a daemon asked back, copied elsewhere in time
+  uint64_t move_last_ms = 0;       // the last one: from the notice until the old slab was freed
+  uint64_t move_max_ms = 0;        // ... the longest such time
+  uint64_t move_min_slack_ms = 0;  // the least time that was left before a notice's deadline
+  uint64_t moves_pending = 0;      // now: noticed members not moved yet
   uint64_t spans_lost = 0;
   uint64_t compactions = 0;
   uint64_t compaction_spans_in = 0;
