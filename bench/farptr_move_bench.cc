@@ -89,6 +89,7 @@ struct Sample {
 
 struct Window {
   double ops_per_s = 0, p50_us = 0, p99_us = 0, max_us = 0;
+  double median_ops_per_s = 0;  // median over 250 ms buckets: less swayed by a stalled CPU
   size_t n = 0;
 };
 
@@ -100,6 +101,18 @@ Window Summarize(const std::vector<Sample>& all, int64_t from_us, int64_t to_us)
   Window w;
   w.n = lat.size();
   if (lat.empty() || to_us <= from_us) return w;
+
+  constexpr int64_t kBucketUs = 250000;
+  std::vector<double> buckets;
+  for (int64_t b = from_us; b + kBucketUs <= to_us; b += kBucketUs) {
+    size_t in = 0;
+    for (const Sample& smp : all) in += smp.end_us >= b && smp.end_us < b + kBucketUs;
+    buckets.push_back(static_cast<double>(in) * 1e6 / kBucketUs);
+  }
+  if (!buckets.empty()) {
+    std::sort(buckets.begin(), buckets.end());
+    w.median_ops_per_s = buckets[buckets.size() / 2];
+  }
   std::sort(lat.begin(), lat.end());
   w.ops_per_s = static_cast<double>(lat.size()) * 1e6 / static_cast<double>(to_us - from_us);
   w.p50_us = static_cast<double>(lat[lat.size() / 2]);
@@ -108,12 +121,21 @@ Window Summarize(const std::vector<Sample>& all, int64_t from_us, int64_t to_us)
   return w;
 }
 
-std::string Row(const char* what, const Window& w, double base_ops) {
+std::string Row(const char* what, const Window& w, const Window* base) {
+  auto pct = [&](double v, double b) { return base != nullptr && b > 0 ? (v / b - 1) * 100 : 0.0; };
   return fmt::format(
-      "    {:<22} {:>9.0f} reads/s ({:+5.1f}%)  p50 {:>6.0f} us  p99 {:>7.0f} us  "
-      "max {:>8.0f} us  ({} reads)",
-      what, w.ops_per_s, base_ops > 0 ? (w.ops_per_s / base_ops - 1) * 100 : 0.0, w.p50_us,
-      w.p99_us, w.max_us, w.n);
+      "    {:<18} {:>6.0f} reads/s ({:+6.1f}%), median of 250 ms buckets {:>6.0f} ({:+6.1f}%); "
+      "p50 {:>5.0f} us  p99 {:>6.0f} us  max {:>7.0f} us  ({} reads)",
+      what, w.ops_per_s, pct(w.ops_per_s, base ? base->ops_per_s : 0), w.median_ops_per_s,
+      pct(w.median_ops_per_s, base ? base->median_ops_per_s : 0), w.p50_us, w.p99_us, w.max_us,
+      w.n);
+}
+
+std::string LoadAverage() {
+  std::ifstream in("/proc/loadavg");
+  std::string one;
+  in >> one;
+  return one;
 }
 
 size_t LeasesOn(farmem::Runtime& rt, const farmem::Endpoint& ep) {
@@ -280,6 +302,7 @@ void RunOne(const Args& a, const std::string& resilience) {
       "(RSS {} -> {} MiB); deadline at {}\n",
       ms(noticed), ms(moved), leased_bytes * 9 / 10 / kMiB, ms(returned), rss_before_kib / 1024,
       rss_after_kib / 1024, ms(deadline));
+  fmt::print("    load average (1 min) at the end: {}\n", LoadAverage());
   fmt::print(
       "    runtime: members moved {}, failed {}, re-protected {}, degraded reads {}, "
       "lost {}; longest move {} ms\n",
@@ -290,9 +313,8 @@ void RunOne(const Args& a, const std::string& resilience) {
   const Window during = Summarize(samples, e_us, us_since(end_of_move));
   const Window after =
       Summarize(samples, us_since(end_of_move), us_since(end_of_move) + a.seconds * 1000000LL);
-  fmt::print("{}\n{}\n{}\n", Row("steady (baseline)", steady, 0),
-             Row("during the move", during, steady.ops_per_s),
-             Row("after the move", after, steady.ops_per_s));
+  fmt::print("{}\n{}\n{}\n", Row("steady (baseline)", steady, nullptr),
+             Row("during the move", during, &steady), Row("after the move", after, &steady));
   std::fflush(stdout);
 }
 

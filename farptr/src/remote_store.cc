@@ -276,7 +276,11 @@ void RemoteStore::Release(SpanSet* set, int member) {
 bool RemoteStore::Healthy(const SpanSet* set) const {
   MutexLock lock(&mu_);
   const Group* g = set->group;
-  return g->failed_mask == 0 && g->lost_mask == 0 && g->leaving_mask == 0 && !g->rebuilding;
+  // A leaving member (noticed, not yet moved) still counts: it is readable until it is moved,
+  // and a clean copy dropped now is no worse off than one written anew (both need a daemon with
+  // room). Counting it would turn every clean eviction from its groups into a write while a
+  // drain runs.
+  return g->failed_mask == 0 && g->lost_mask == 0 && !g->rebuilding;
 }
 
 std::vector<Span*> RemoteStore::CompactionCandidates(size_t max_spans) {
