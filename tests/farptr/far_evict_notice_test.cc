@@ -251,5 +251,81 @@ TEST_F(FarEvictNoticeTest, NoRoomElsewhereRunsDegradedAndGivesTheMemoryBack) {
   EXPECT_EQ(LeasesOn(d), 0u);
 }
 
+// No redundancy and, at the notice, no room anywhere else (the other daemon is full of another
+// client's slabs): the move waits. When that client frees memory before the deadline the member
+// is moved and nothing is lost; in a second round nobody frees, the deadline passes, and exactly
+// the objects that lived there fail with DataLoss — never wrong bytes.
+TEST_F(FarEvictNoticeTest, NoneWaitsForRoomUntilTheDeadlineThenLosesOnlyWhatLivedThere) {
+  ASSERT_NO_FATAL_FAILURE(Start(2));
+  // Fill daemon 1 from another client, so the runtime's groups all land on daemon 0.
+  client::ClusterOptions co;
+  co.peers = {(*daemons_)[1].endpoint()};
+  co.secret = daemons_->secret();
+  co.client_name = "filler";
+  auto filler = client::Cluster::Connect(co);
+  ASSERT_TRUE(filler.has_value()) << filler.error().ToString();
+  std::vector<client::Lease> held;
+  for (;;) {
+    auto got = (*filler)->Allocate(1);
+    if (!got) break;
+    held.push_back(got->front());
+  }
+  ASSERT_GT(held.size(), 1u);
+  ASSERT_NO_FATAL_FAILURE(OpenWith("none"));
+  ASSERT_EQ(LeasesOn(1), 0u);
+  const size_t before = LeasesOn(0);
+  ASSERT_GT(before, 0u);
+
+  // Round 1: room appears (the filler frees) before the deadline.
+  testing::CommandResult r =
+      Farmemctl({"drain", (*daemons_)[0].endpoint().ToString(), "--grace-ms", "60000"});
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  ASSERT_TRUE(
+      testing::WaitUntil([&] { return rt_->stats().moves_pending > 0; }, std::chrono::seconds(10)));
+  EXPECT_EQ(rt_->stats().members_moved, 0u) << "moved to where?";
+  ASSERT_TRUE((*filler)->Free(held).ok());
+  held.clear();
+  ASSERT_TRUE(testing::WaitUntil([&] { return LeasesOn(0) == 0; }, std::chrono::seconds(20)))
+      << "not moved once the other daemon had room: " << daemons_->Logs(1500);
+  ASSERT_NO_FATAL_FAILURE(ExpectIntact("after waiting for room"));
+  EXPECT_EQ(rt_->stats().members_failed, 0u);
+  EXPECT_EQ(rt_->stats().spans_lost, 0u);
+
+  // Round 2: daemon 0 grants again, the data goes back there (evicted anew), daemon 1 is full
+  // again, and a short notice runs out.
+  r = Farmemctl({"undrain", (*daemons_)[0].endpoint().ToString()});
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  for (size_t i = 0; i < objs_.size(); ++i) {  // a new version of everything, written anew
+    DerefScope s;
+    Fill(objs_[i].deref_mut(s), i, ++versions_[i]);
+  }
+  ASSERT_TRUE(rt_->EvictUntil(0).ok());
+  ASSERT_GT(LeasesOn(0), 0u) << "nothing went back to daemon 0";
+  for (;;) {  // and daemon 1 full again
+    auto got = (*filler)->Allocate(1);
+    if (!got) break;
+    held.push_back(got->front());
+  }
+  r = Farmemctl({"drain", (*daemons_)[0].endpoint().ToString(), "--grace-ms", "1500"});
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  ASSERT_TRUE(testing::WaitUntil([&] { return rt_->stats().unrecoverable_span_sets > 0; },
+                                 std::chrono::seconds(15)))
+      << "the deadline passed without the member being given up";
+  size_t lost = 0;
+  for (size_t i = 0; i < objs_.size(); ++i) {
+    DerefScope s;
+    auto got = objs_[i].try_deref(s);
+    if (!got) {
+      EXPECT_EQ(got.error().code(), StatusCode::kDataLoss) << got.error().ToString();
+      ++lost;
+      continue;
+    }
+    ASSERT_TRUE(Matches(*got, i, versions_[i])) << "object " << i << " came back wrong";
+  }
+  EXPECT_GT(lost, 0u);
+  std::fprintf(stderr, "deadline passed with no room: %zu of %zu objects lost (DataLoss)\n", lost,
+               objs_.size());
+}
+
 }  // namespace
 }  // namespace farmem::farptr_test
