@@ -313,8 +313,13 @@ void RunOne(const Args& a, const std::string& resilience) {
   const Window during = Summarize(samples, e_us, us_since(end_of_move));
   const Window after =
       Summarize(samples, us_since(end_of_move), us_since(end_of_move) + a.seconds * 1000000LL);
-  fmt::print("{}\n{}\n{}\n", Row("steady (baseline)", steady, nullptr),
-             Row("during the move", during, &steady), Row("after the move", after, &steady));
+  // From the notice on: the move alone, without what came before it reached the client (for a
+  // drain, farmemctl starting and connecting).
+  const Window moving = Summarize(
+      samples, noticed == Clock::time_point{} ? e_us : us_since(noticed), us_since(end_of_move));
+  fmt::print("{}\n{}\n{}\n{}\n", Row("steady (baseline)", steady, nullptr),
+             Row("onset to moved", during, &steady), Row("notice to moved", moving, &steady),
+             Row("after the move", after, &steady));
   std::fflush(stdout);
 }
 
