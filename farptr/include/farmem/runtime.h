@@ -180,8 +180,9 @@ class Runtime {
   Status EvictUntil(uint64_t target_bytes);
   // One compaction pass now (the background one runs when auto_compact is set).
   Status Compact();
-  // Waits until no failed span-set member is waiting to be re-protected. DeadlineExceeded if
-  // some still are after `timeout` (e.g. no daemon outside their group has room).
+  // Waits until no failed span-set member is waiting to be re-protected and no member a daemon
+  // asked back (eviction notice) is waiting to be moved. DeadlineExceeded if some still are
+  // after `timeout` (e.g. no daemon outside their group has room).
   Status WaitForRecovery(std::chrono::milliseconds timeout = std::chrono::seconds(30));
 
   farptr_internal::Heap* heap() const { return heap_.get(); }
