@@ -62,7 +62,9 @@ Status Runtime::Compact() { return heap_->Compact(); }
 Status Runtime::WaitForRecovery(std::chrono::milliseconds timeout) {
   if (heap_->WaitForRecovery(timeout)) return Status::Ok();
   return DeadlineExceeded(
-      fmt::format("span-set members still wait for re-protection after {} ms", timeout.count()));
+      fmt::format("span-set members still wait for re-protection or a move off a daemon that asked "
+                  "its memory back after {} ms",
+                  timeout.count()));
 }
 
 namespace farptr_internal {
