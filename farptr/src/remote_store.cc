@@ -94,7 +94,9 @@ SpanSet* RemoteStore::TakeRowLocked(bool degraded, std::vector<client::Lease>* m
                                     uint64_t* epoch, uint32_t* absent) {
   Group* best = nullptr;
   for (auto& g : groups_) {
-    if (g->rebuilding || g->used_rows >= rows_per_group_) continue;
+    // A group with a leaving member (noticed for eviction) takes no new rows: they would only
+    // have to be moved too.
+    if (g->rebuilding || g->leaving_mask != 0 || g->used_rows >= rows_per_group_) continue;
     if (degraded) {
       // Missing members, but enough of them to write (and later rebuild) a set.
       if (g->lost_mask != 0 || g->failed_mask == 0) continue;
@@ -222,6 +224,7 @@ std::vector<client::Lease> RemoteStore::RemoveGroupLocked(Group* g) {
     by_lease_.erase(l.id());
   }
   std::erase_if(recovery_queue_, [g](Group* q) { return q == g; });
+  ForgetMovesLocked(g);
   std::erase_if(groups_, [g](const std::unique_ptr<Group>& p) { return p.get() == g; });
   return to_free;
 }
@@ -274,6 +277,10 @@ void RemoteStore::Release(SpanSet* set, int member) {
 bool RemoteStore::Healthy(const SpanSet* set) const {
   MutexLock lock(&mu_);
   const Group* g = set->group;
+  // A leaving member (noticed, not yet moved) still counts: it is readable until it is moved,
+  // and a clean copy dropped now is no worse off than one written anew (both need a daemon with
+  // room). Counting it would turn every clean eviction from its groups into a write while a
+  // drain runs.
   return g->failed_mask == 0 && g->lost_mask == 0 && !g->rebuilding;
 }
 
@@ -355,6 +362,12 @@ RemoteStoreStats RemoteStore::stats() const {
   s.degraded_sets_written = degraded_sets_written_;
   s.reprotect_last_ms = reprotect_last_ms_;
   s.reprotect_max_ms = reprotect_max_ms_;
+  s.members_failed = members_failed_;
+  s.members_moved = moved_;
+  s.move_last_ms = move_last_ms_;
+  s.move_max_ms = move_max_ms_;
+  s.move_min_slack_ms = move_min_slack_ms_;
+  s.moves_pending = moves_.size();
   return s;
 }
 
@@ -369,6 +382,8 @@ void RemoteStore::MarkFailed(Group* g, int m, uint64_t lease_id, const Status& w
     const uint32_t bit = 1u << m;
     if ((g->failed_mask & bit) != 0 || (g->lost_mask & bit) != 0) return;
     g->failed_mask |= bit;
+    g->leaving_mask &= ~bit;  // a pending move of it gives up: re-protection takes over
+    ++members_failed_;
     g->failed_since[static_cast<size_t>(m)] = Clock::now();
     QueueLocked(g);
     spdlog::warn("far memory: slab group {} member {} ({}, lease {}) failed: {}", g->id, m,
@@ -395,8 +410,12 @@ void RemoteStore::OnClusterEvent(const client::Event& ev) {
     recovery_cv_.SignalAll();
   }
   if (ev.lease_ids.empty()) return;
-  if (ev.type != client::EventType::kNodeDown && ev.type != client::EventType::kLeasesLost &&
-      ev.type != client::EventType::kEvictNotice) {
+  if (ev.type == client::EventType::kEvictNotice) {
+    // Not a failure: the member stays readable until the deadline and is moved meanwhile.
+    OnEvictNotice(ev);
+    return;
+  }
+  if (ev.type != client::EventType::kNodeDown && ev.type != client::EventType::kLeasesLost) {
     return;
   }
   const Status why = ev.reason.ok() ? Unavailable(client::EventTypeName(ev.type)) : ev.reason;
@@ -413,8 +432,6 @@ void RemoteStore::OnClusterEvent(const client::Event& ev) {
       if (it == by_lease_.end()) continue;
       auto [g, m] = it->second;
       if (g->members[static_cast<size_t>(m)].node != ev.node) continue;  // another daemon's id
-      // A daemon giving memory back under pressure should not get the member back.
-      if (ev.type == client::EventType::kEvictNotice) g->evicted_mask |= 1u << m;
       hits.push_back({g, m, id});
     }
   }
@@ -427,8 +444,9 @@ bool RemoteStore::WaitForRecovery(std::chrono::milliseconds timeout) {
     mu_.AssertHeld();
     if (stopping_) return true;
     if (recovering_) return false;
-    return std::none_of(groups_.begin(), groups_.end(),
-                        [](const std::unique_ptr<Group>& g) { return g->failed_mask != 0; });
+    return std::none_of(groups_.begin(), groups_.end(), [](const std::unique_ptr<Group>& g) {
+      return g->failed_mask != 0 || g->leaving_mask != 0;
+    });
   });
 }
 
@@ -437,12 +455,39 @@ void RemoteStore::RecoveryLoop() {
   MutexLock lock(&mu_);
   Clock::time_point next_reconcile = Clock::now() + reconcile_interval_;
   for (;;) {
-    recovery_cv_.WaitUntil(&mu_, next_reconcile, [&] {
+    recovery_cv_.WaitUntil(&mu_, std::min(next_reconcile, NextMoveTryLocked()), [&] {
       mu_.AssertHeld();
-      return stopping_ || !recovery_queue_.empty() || retry_all_;
+      return stopping_ || !recovery_queue_.empty() || retry_all_ ||
+             NextMoveTryLocked() <= Clock::now();
     });
     if (stopping_) return;
     const bool tick = Clock::now() >= next_reconcile;
+    if (tick || retry_all_) {
+      // A daemon came up or freed memory: moves waiting for room try again now.
+      for (PendingMove& mv : moves_) mv.next_try = std::min(mv.next_try, Clock::now());
+    }
+    // Moves first, earliest deadline first: a noticed member not moved in time is lost (none) or
+    // leaves its group degraded.
+    if (!tick) {
+      if (std::optional<PendingMove> mv = TakeDueMoveLocked(Clock::now())) {
+        Group* g = mv->group;
+        g->in_recovery = true;
+        recovering_ = true;
+        lock.Unlock();
+        Move(io, *mv);
+        lock.Lock();
+        g->in_recovery = false;
+        recovering_ = false;
+        if (g->used_rows == 0 && g->release_wanted) {
+          std::vector<client::Lease> to_free = RemoveGroupLocked(g);
+          lock.Unlock();
+          if (!to_free.empty()) (void)cluster_->Free(to_free);
+          lock.Lock();
+        }
+        recovery_cv_.SignalAll();
+        continue;
+      }
+    }
     if (tick) {
       // What events do not tell: a daemon that freed memory (complete groups possible again), a
       // member whose daemon went down or restarted without its event reaching us.

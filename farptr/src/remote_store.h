@@ -13,7 +13,11 @@
 //   Release    a data cell whose span was swapped in or died becomes a hole; a row whose k data
 //              cells are all holes is freed; a group with no rows in use goes back to the
 //              daemons.
-// Failed members (node down, leases lost, evict notice, I/O error) are re-protected in the
+// Leaving members (an EVICT_NOTICE: the daemon needs the slab back, by a deadline) are still read
+// and are moved, in every resilience mode including none (remote_store_move.cc): their rows are
+// copied to a new slab on another daemon with room (never the one that noticed, nor a draining
+// or pressed one), the member is swapped and the old lease freed, earliest deadline first.
+// Failed members (node down, leases lost, I/O error) are re-protected in the
 // background: a new slab on any live daemon with room that holds none of the group's surviving
 // members (a daemon that came back — restarted empty on its port, or that lost its leases —
 // qualifies), each used row's cell rebuilt from survivors and written there. A group that finds
@@ -40,6 +44,7 @@
 #include <deque>
 #include <map>
 #include <memory>
+#include <optional>
 #include <span>
 #include <thread>
 #include <unordered_map>
@@ -82,7 +87,8 @@ struct Group {
   std::vector<Clock::time_point> failed_since;  // when each failed member failed (or was vacant)
   uint32_t failed_mask = 0;    // members whose slab is gone (or vacant), not yet re-protected
   uint32_t lost_mask = 0;      // members given up for good (none, or too many failures)
-  uint32_t evicted_mask = 0;   // failed by an eviction notice: not re-placed on that daemon
+  uint32_t evicted_mask = 0;   // noticed for eviction: not re-placed on that daemon
+  uint32_t leaving_mask = 0;   // noticed, still readable, waiting to be moved (no new rows here)
   std::vector<SpanSet*> rows;  // nullptr: free row
   uint32_t used_rows = 0;
   bool rebuilding = false;       // a member's cells are being rebuilt: no new rows are placed here
@@ -121,6 +127,12 @@ struct RemoteStoreStats {
   uint64_t degraded_sets_written = 0;
   uint64_t reprotect_last_ms = 0;
   uint64_t reprotect_max_ms = 0;
+  uint64_t members_failed = 0;  // members marked failed (each a degraded episode, or a loss)
+  uint64_t members_moved = 0;   // noticed members copied to another daemon before the deadline
+  uint64_t move_last_ms = 0;    // the last move: from the notice until the old lease was freed
+  uint64_t move_max_ms = 0;
+  uint64_t move_min_slack_ms = 0;  // the least time left before a deadline when a move finished
+  uint64_t moves_pending = 0;      // now: noticed members not moved yet
 };
 
 class RemoteStore {
@@ -189,8 +201,8 @@ class RemoteStore {
   RemoteStoreStats stats() const;
   // Each slab group's daemons in member order (k data members, then parity / copies).
   std::vector<std::vector<Endpoint>> GroupLayout() const;
-  // False if members still wait for re-protection after `timeout` (groups beyond tolerance do
-  // not count: nothing can rebuild them).
+  // False if members still wait for re-protection or a move after `timeout` (groups beyond
+  // tolerance do not count: nothing can rebuild them).
   bool WaitForRecovery(std::chrono::milliseconds timeout);
   void Shutdown();
 
@@ -255,6 +267,32 @@ class RemoteStore {
   Status CallAll(IoContext& io, wire::Opcode op, std::span<const client::NodeId> nodes,
                  std::span<const std::vector<uint8_t>> bodies);
   void OnClusterEvent(const client::Event& ev);
+  // ---- moving noticed members (remote_store_move.cc) ----
+  // One noticed member to move: member `member` of `group`, still holding lease `lease`.
+  struct PendingMove {
+    Group* group = nullptr;
+    int member = 0;
+    uint64_t lease = 0;
+    Clock::time_point noticed{};
+    Clock::time_point deadline{};
+    Clock::time_point next_try{};  // not before (no daemon had room: retried)
+    bool no_room_logged = false;
+  };
+  // Records the noticed members of an kEvictNotice (moved by the recovery thread).
+  void OnEvictNotice(const client::Event& ev);
+  // The due move with the earliest deadline, taken out of moves_; nullopt if none is due.
+  std::optional<PendingMove> TakeDueMoveLocked(Clock::time_point now) REQUIRES(mu_);
+  // When the next move that is not due yet is; time_point::max() if none.
+  Clock::time_point NextMoveTryLocked() const REQUIRES(mu_);
+  // Copies the leaving member's rows to a new slab elsewhere, swaps it in, frees the old lease.
+  // Runs on the recovery thread with g->in_recovery set.
+  void Move(IoContext& io, PendingMove mv);
+  // The nodes a moved member must not go to: the group's other live members, the noticing one,
+  // and every daemon that says it is draining or short of memory.
+  std::vector<client::NodeId> MoveExclusions(const std::vector<client::Lease>& members,
+                                             uint32_t live, client::NodeId from) const;
+  // Drops pending moves of g (it is being removed).
+  void ForgetMovesLocked(const Group* g) REQUIRES(mu_);
   void RecoveryLoop();
   // Puts g in the recovery queue unless it is there already.
   void QueueLocked(Group* g) REQUIRES(mu_);
@@ -298,6 +336,13 @@ class RemoteStore {
   uint64_t degraded_sets_written_ GUARDED_BY(mu_) = 0;
   uint64_t reprotect_last_ms_ GUARDED_BY(mu_) = 0;
   uint64_t reprotect_max_ms_ GUARDED_BY(mu_) = 0;
+  uint64_t members_failed_ GUARDED_BY(mu_) = 0;
+  uint64_t moved_ GUARDED_BY(mu_) = 0;
+  uint64_t move_last_ms_ GUARDED_BY(mu_) = 0;
+  uint64_t move_max_ms_ GUARDED_BY(mu_) = 0;
+  uint64_t move_min_slack_ms_ GUARDED_BY(mu_) = 0;
+  std::vector<PendingMove> moves_ GUARDED_BY(mu_);
+  std::vector<uint8_t> move_buffer_;     // recovery thread only
   Mutex alloc_mu_ ACQUIRED_BEFORE(mu_);  // one group allocation at a time
   std::thread recovery_thread_;
 };

@@ -62,7 +62,9 @@ Status Runtime::Compact() { return heap_->Compact(); }
 Status Runtime::WaitForRecovery(std::chrono::milliseconds timeout) {
   if (heap_->WaitForRecovery(timeout)) return Status::Ok();
   return DeadlineExceeded(
-      fmt::format("span-set members still wait for re-protection after {} ms", timeout.count()));
+      fmt::format("span-set members still wait for re-protection or a move off a daemon that asked "
+                  "its memory back after {} ms",
+                  timeout.count()));
 }
 
 namespace farptr_internal {
@@ -201,6 +203,12 @@ RuntimeStats Heap::stats() const {
   s.degraded_sets_written = rs.degraded_sets_written;
   s.reprotect_last_ms = rs.reprotect_last_ms;
   s.reprotect_max_ms = rs.reprotect_max_ms;
+  s.members_failed = rs.members_failed;
+  s.members_moved = rs.members_moved;
+  s.move_last_ms = rs.move_last_ms;
+  s.move_max_ms = rs.move_max_ms;
+  s.move_min_slack_ms = rs.move_min_slack_ms;
+  s.moves_pending = rs.moves_pending;
   s.swap_ins = swap_ins_.load();
   s.prefetches = prefetches_.load();
   s.spans_evicted = spans_evicted_.load();

@@ -135,6 +135,16 @@ struct RuntimeStats {
   uint64_t reprotect_last_ms = 0;        // the last member re-protected: time from its loss (or its
                                          // set being written without it) until it was rebuilt
   uint64_t reprotect_max_ms = 0;         // ... the longest such time
+  uint64_t members_failed = 0;           // span-set members given up as failed (their daemon
+                                         // died, restarted, or a notice could not be met): each
+                                         // starts a degraded episode (or a loss, without
+                                         // redundancy)
+  // Eviction notices (docs/farptr.md, "Eviction notices and drains").
+  uint64_t members_moved = 0;      // members a daemon asked back, copied elsewhere in time
+  uint64_t move_last_ms = 0;       // the last one: from the notice until the old slab was freed
+  uint64_t move_max_ms = 0;        // ... the longest such time
+  uint64_t move_min_slack_ms = 0;  // the least time that was left before a notice's deadline
+  uint64_t moves_pending = 0;      // now: noticed members not moved yet
   uint64_t spans_lost = 0;
   uint64_t compactions = 0;
   uint64_t compaction_spans_in = 0;
@@ -177,8 +187,9 @@ class Runtime {
   Status EvictUntil(uint64_t target_bytes);
   // One compaction pass now (the background one runs when auto_compact is set).
   Status Compact();
-  // Waits until no failed span-set member is waiting to be re-protected. DeadlineExceeded if
-  // some still are after `timeout` (e.g. no daemon outside their group has room).
+  // Waits until no failed span-set member is waiting to be re-protected and no member a daemon
+  // asked back (eviction notice) is waiting to be moved. DeadlineExceeded if some still are
+  // after `timeout` (e.g. no daemon outside their group has room).
   Status WaitForRecovery(std::chrono::milliseconds timeout = std::chrono::seconds(30));
 
   farptr_internal::Heap* heap() const { return heap_.get(); }
