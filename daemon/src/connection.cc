@@ -117,9 +117,8 @@ Connection::Next Connection::HandleFrame() {
     return Next::kClose;
   }
   const wire::FrameHeader h = *hr;
-  server_->counters()
-      .requests[ServerCounters::Slot(h.opcode)]
-      .fetch_add(1, std::memory_order_relaxed);
+  server_->counters().requests[ServerCounters::Slot(h.opcode)].fetch_add(1,
+                                                                         std::memory_order_relaxed);
   if (h.flags != 0) {
     server_->counters().protocol_errors++;
     ReplyError(h, ProtocolError("clients send requests: reply/push flags are not allowed"));

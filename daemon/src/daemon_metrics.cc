@@ -68,7 +68,8 @@ void RegisterDaemonMetrics(metrics::Registry* r, Server* server, SlabPool* pool)
         [](const PoolStats& s) { return U(s.leased_slabs); });
   gauge("farmem_daemon_leases_noticed", "Leases under an eviction notice now.",
         [](const PoolStats& s) { return U(s.noticed_slabs); });
-  gauge("farmem_daemon_draining", "1 while draining (farmemctl drain, SIGTERM with --drain-timeout).",
+  gauge("farmem_daemon_draining",
+        "1 while draining (farmemctl drain, SIGTERM with --drain-timeout).",
         [](const PoolStats& s) { return s.draining ? 1.0 : 0.0; });
   gauge("farmem_daemon_under_pressure",
         "1 while the host (or cgroup) is below --reserve: granting less than is free.",
@@ -81,22 +82,21 @@ void RegisterDaemonMetrics(metrics::Registry* r, Server* server, SlabPool* pool)
   counter("farmem_daemon_leases_evicted_total",
           "Leases ended at an eviction notice's deadline (the client had not freed them).",
           [](const PoolStats& s) { return U(s.evicted_leases); });
-  r->AddCallback("farmem_daemon_client_leased_bytes",
-                 "Memory leased per client (client id prefix, and its HELLO name when connected).",
-                 Type::kGauge, [server, pool](const Emit& emit) {
-                   const auto names = server->client_names();
-                   const uint64_t slab = pool->slab_size();
-                   for (const auto& [id, slabs] : pool->LeasesByOwner()) {
-                     auto it = names.find(id);
-                     emit({{"client", ClientLabel(id)},
-                           {"name", it == names.end() ? "" : it->second}},
-                          U(uint64_t{slabs} * slab));
-                   }
-                 });
+  r->AddCallback(
+      "farmem_daemon_client_leased_bytes",
+      "Memory leased per client (client id prefix, and its HELLO name when connected).",
+      Type::kGauge, [server, pool](const Emit& emit) {
+        const auto names = server->client_names();
+        const uint64_t slab = pool->slab_size();
+        for (const auto& [id, slabs] : pool->LeasesByOwner()) {
+          auto it = names.find(id);
+          emit({{"client", ClientLabel(id)}, {"name", it == names.end() ? "" : it->second}},
+               U(uint64_t{slabs} * slab));
+        }
+      });
   r->AddCallback("farmem_daemon_clients", "Clients (distinct client ids) connected now.",
                  Type::kGauge, [server](const Emit& emit) { emit({}, server->client_count()); });
-  r->AddCallback("farmem_daemon_connections", "Authenticated connections served now.",
-                 Type::kGauge,
+  r->AddCallback("farmem_daemon_connections", "Authenticated connections served now.", Type::kGauge,
                  [server](const Emit& emit) { emit({}, U(server->connection_count())); });
   r->AddCallback("farmem_daemon_pending_handshakes", "Connections still in HELLO/AUTH now.",
                  Type::kGauge,
@@ -119,20 +119,21 @@ void RegisterDaemonMetrics(metrics::Registry* r, Server* server, SlabPool* pool)
           emit({{"opcode", name}, {"transport", "tcp"}}, load(c->requests[op]));
         }
       });
-  r->AddCallback("farmem_daemon_request_bytes_total",
-                 "Data bytes moved by the frames of each opcode (read and written).",
-                 Type::kCounter, [c, load](const Emit& emit) {
-                   for (wire::Opcode op : {wire::Opcode::kRead, wire::Opcode::kWrite,
-                                           wire::Opcode::kBatch, wire::Opcode::kParityEncode,
-                                           wire::Opcode::kGatherCell}) {
-                     emit({{"opcode", wire::OpcodeName(static_cast<uint8_t>(op))},
-                           {"transport", "tcp"}},
-                          load(c->request_bytes[static_cast<size_t>(op)]));
-                   }
-                 });
+  r->AddCallback(
+      "farmem_daemon_request_bytes_total",
+      "Data bytes moved by the frames of each opcode (read and written).", Type::kCounter,
+      [c, load](const Emit& emit) {
+        for (wire::Opcode op : {wire::Opcode::kRead, wire::Opcode::kWrite, wire::Opcode::kBatch,
+                                wire::Opcode::kParityEncode, wire::Opcode::kGatherCell}) {
+          emit({{"opcode", wire::OpcodeName(static_cast<uint8_t>(op))}, {"transport", "tcp"}},
+               load(c->request_bytes[static_cast<size_t>(op)]));
+        }
+      });
   r->AddCallback("farmem_daemon_data_ops_total",
                  "Reads and writes of leased memory (each one of a BATCH counts).", Type::kCounter,
-                 [c, load](const Emit& emit) { emit({{"transport", "tcp"}}, load(c->ops)); });
+                 [c, load](const Emit& emit) {
+                   emit({{"transport", "tcp"}}, load(c->ops));
+                 });
   r->AddCallback("farmem_daemon_data_bytes_total", "Bytes read from and written to leased memory.",
                  Type::kCounter, [c, load](const Emit& emit) {
                    emit({{"direction", "read"}, {"transport", "tcp"}}, load(c->bytes_read));
@@ -141,11 +142,10 @@ void RegisterDaemonMetrics(metrics::Registry* r, Server* server, SlabPool* pool)
   r->AddCallback("farmem_daemon_protocol_errors_total",
                  "Malformed or unexpected frames from authenticated clients.", Type::kCounter,
                  [c, load](const Emit& emit) { emit({}, load(c->protocol_errors)); });
-  r->AddCallback("farmem_daemon_auth_failures_total",
-                 "AUTH with a wrong proof (the peer does not know the secret).", Type::kCounter,
-                 [c, load](const Emit& emit) {
-                   emit({}, load(c->refused[RefusalLog::kWrongSecret]));
-                 });
+  r->AddCallback(
+      "farmem_daemon_auth_failures_total",
+      "AUTH with a wrong proof (the peer does not know the secret).", Type::kCounter,
+      [c, load](const Emit& emit) { emit({}, load(c->refused[RefusalLog::kWrongSecret])); });
   r->AddCallback("farmem_daemon_refused_connections_total",
                  "Connections refused or dropped before being served, by reason.", Type::kCounter,
                  [c, load](const Emit& emit) {

@@ -6,12 +6,12 @@
 #include <CLI/CLI.hpp>
 #include <fstream>
 
+#include "daemon_metrics.h"
 #include "farmem/common/auth.h"
 #include "farmem/common/command_line.h"
 #include "farmem/common/config.h"
 #include "farmem/common/metrics.h"
 #include "farmem/common/service_notify.h"
-#include "daemon_metrics.h"
 #include "memory_source.h"
 #include "pressure.h"
 #include "server.h"
