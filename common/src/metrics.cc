@@ -554,12 +554,14 @@ void MetricsServer::ServeOne(Socket conn) {
   for (;;) {
     const size_t end = head.find("\r\n\r\n");
     const size_t lf_end = head.find("\n\n");
-    if (end != std::string::npos || lf_end != std::string::npos) break;
-    if (head.size() > kMaxRequestHead) {
+    const size_t head_end = std::min(end, lf_end);
+    if (head.size() > kMaxRequestHead &&
+        (head_end == std::string::npos || head_end > kMaxRequestHead)) {
       answer = Reply(431, "Request Header Fields Too Large", "text/plain",
                      "request head over 8 KiB\n", false);
       break;
     }
+    if (head_end != std::string::npos) break;
     const auto left =
         std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
     if (left <= 0) {
@@ -611,8 +613,21 @@ void MetricsServer::ServeOne(Socket conn) {
       }
     }
   }
-  if (SendBy(conn.fd(), answer, DeadlineIn(kRequestTimeout))) {
-    ::shutdown(conn.fd(), SHUT_WR);
+  if (!SendBy(conn.fd(), answer, DeadlineIn(kRequestTimeout))) return;
+  // Half-close, then take (and drop) what the client still sends for a moment: closing with
+  // unread bytes would make the kernel send a reset, which can destroy the answer before the
+  // client has read it (a 431 to an oversized head, say).
+  ::shutdown(conn.fd(), SHUT_WR);
+  const Deadline drain_until = DeadlineIn(std::chrono::milliseconds(200));
+  size_t drained = 0;
+  while (drained < (1u << 20)) {
+    const auto left =
+        std::chrono::duration_cast<std::chrono::milliseconds>(drain_until - Clock::now()).count();
+    pollfd p{conn.fd(), POLLIN, 0};
+    if (left <= 0 || ::poll(&p, 1, static_cast<int>(left)) <= 0) break;
+    const ssize_t n = ::recv(conn.fd(), buf, sizeof buf, 0);
+    if (n <= 0) break;
+    drained += static_cast<size_t>(n);
   }
 }
 

@@ -136,6 +136,7 @@ TEST_F(MetricsHttp, BadRequestsGetAnErrorAndACloseAndScrapesGoOn) {
       {"GET /metrics SPDY/3\r\n\r\n", "HTTP/1.1 400 "},
       {std::string("\0\xff\x01garbage\n\n", 12), "HTTP/1.1 400 "},
       {"GET /metrics HTTP/1.1\r\nX: " + std::string(20000, 'a') + "\r\n\r\n", "HTTP/1.1 431 "},
+      {"GET /metrics HTTP/1.1\r\nX: " + std::string(8200, 'a') + "\r\n\r\n", "HTTP/1.1 431 "},
   };
   for (const Case& c : cases) {
     const std::string got = Raw(c.bytes);
