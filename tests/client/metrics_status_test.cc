@@ -8,8 +8,11 @@
 #include <gtest/gtest.h>
 #include <sys/socket.h>
 
+#include <cctype>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <set>
 
 #include "farmem/common/metrics.h"
 #include "farmem/common/socket.h"
@@ -214,6 +217,35 @@ TEST_F(MetricsStatusTest, DaemonAndExportMetricsMoveWithIoAndSurviveBadHttp) {
   EXPECT_EQ(Value(d, "farmem_daemon_client_leased_bytes", {{"name", "farmem-nbd"}}),
             Value(d, "farmem_daemon_lent_bytes"));
   EXPECT_EQ(Value(d, "farmem_daemon_draining"), 0);
+
+  // Every metric the Grafana dashboard (deploy/grafana/farmem.json) queries is served.
+  {
+    const char* src = std::getenv("FARMEM_SOURCE_DIR");
+    ASSERT_NE(src, nullptr);
+    const std::string dash = testing::ReadFile(std::string(src) + "/deploy/grafana/farmem.json");
+    ASSERT_FALSE(dash.empty());
+    std::set<std::string> served;
+    for (const auto* samples : {&d, &e}) {
+      for (const metrics::Sample& x : *samples) served.insert(x.name);
+    }
+    size_t checked = 0;
+    for (size_t at = dash.find("farmem_"); at != std::string::npos;
+         at = dash.find("farmem_", at + 1)) {
+      if (at > 0 && (std::isalnum(static_cast<unsigned char>(dash[at - 1])) ||
+                     dash[at - 1] == '_' || dash[at - 1] == '-')) {
+        continue;  // part of another word ("farmem-overview")
+      }
+      size_t end = at;
+      while (end < dash.size() &&
+             (std::isalnum(static_cast<unsigned char>(dash[end])) || dash[end] == '_'))
+        ++end;
+      const std::string name = dash.substr(at, end - at);
+      EXPECT_TRUE(served.count(name))
+          << "the dashboard queries " << name << ", which nobody serves";
+      ++checked;
+    }
+    EXPECT_GT(checked, 20u);
+  }
 
   ExpectBadInputIsRefused(daemon_port);
   ExpectBadInputIsRefused(nbd_port);
