@@ -13,6 +13,7 @@ build_pkgs=(
 )
 tool_pkgs=(
   nbdkit nbd-client libnbd-bin fio qemu-utils util-linux procps iproute2
+  curl python3  # tests/client/metrics_status_test: scrape /metrics, parse farmemctl --json
   docker-compose shellcheck systemd  # tests/deploy: lint deploy/docker, verify deploy/systemd
   help2man dpkg-dev file  # man pages from --help; the .deb (cpack: dpkg-shlibdeps, file)
 )

@@ -11,6 +11,9 @@
 #   farmem-ec     farmem-nbd --backend farmem --resilience ec:4+2               nbd engine, Unix socket
 #   disk          a file on the local disk, O_DIRECT, libaio (what swap on a    fio's own engine
 #                 local disk does: direct block I/O, no page cache)
+#   farmem-mem-metrics, farmem-none-metrics: farmem-mem / farmem-none with --metrics-listen on
+#                 loopback, scraped every second while fio runs (the cost of the metrics; not in
+#                 the default targets)
 #
 # farmem-none and farmem-ec share six farmemd daemons on loopback (tcp transport, 64 MiB slabs).
 # Prints IOPS, mean and p99 latency (submission to completion, fio lat_ns) per target, the ratios
@@ -101,12 +104,19 @@ if has nbdkit-nbd; then
     port="$port" 2>"$work/nbdkit-nbd.log" &
   pids+=($!)
 fi
-if has farmem-mem; then
-  "$bin/farmem-nbd" --backend memory --size "$size" --unix "$work/farmem-mem.sock" \
-    --log-level warn "${farmem_extra[@]}" 2>"$work/farmem-mem.log" &
+scrape_ports=()
+for t in farmem-mem farmem-mem-metrics; do
+  has $t || continue
+  metrics=()
+  if [ $t = farmem-mem-metrics ]; then
+    metrics=(--metrics-listen 127.0.0.1:0 --metrics-port-file "$work/$t.mport")
+    scrape_ports+=("$work/$t.mport")
+  fi
+  "$bin/farmem-nbd" --backend memory --size "$size" --unix "$work/$t.sock" \
+    --log-level warn "${farmem_extra[@]}" "${metrics[@]}" 2>"$work/$t.log" &
   pids+=($!)
-fi
-if has farmem-none || has farmem-ec; then
+done
+if has farmem-none || has farmem-ec || has farmem-none-metrics; then
   head -c 32 /dev/urandom | base64 >"$work/secret"
   chmod 600 "$work/secret"
   peers=""
@@ -120,12 +130,18 @@ if has farmem-none || has farmem-ec; then
     wait_file -s "$work/port$i"
     peers="$peers${peers:+,}127.0.0.1:$(cat "$work/port$i")"
   done
-  for res in none ec:4+2; do
+  for res in none ec:4+2 none-metrics; do
     t=farmem-${res%%:*}
+    [ "$res" = none-metrics ] && t=farmem-none-metrics
     has "$t" || continue
+    metrics=()
+    if [ "$res" = none-metrics ]; then
+      metrics=(--metrics-listen 127.0.0.1:0 --metrics-port-file "$work/$t.mport")
+      scrape_ports+=("$work/$t.mport")
+    fi
     "$bin/farmem-nbd" --backend farmem --peers "$peers" --secret-file "$work/secret" \
-      --resilience "$res" --transport tcp --size "$size" --unix "$work/$t.sock" \
-      --log-level warn "${farmem_extra[@]}" 2>"$work/$t.log" &
+      --resilience "${res%-metrics}" --transport tcp --size "$size" --unix "$work/$t.sock" \
+      --log-level warn "${farmem_extra[@]}" "${metrics[@]}" 2>"$work/$t.log" &
     pids+=($!)
   done
 fi
@@ -146,6 +162,13 @@ for t in $targets; do
   fio --name=prefill $(reach "$t") --rw=write --bs=1m --iodepth=8 --size="$size" >/dev/null
 done
 
+# The metrics targets are scraped every second for the whole run, as a (busy) Prometheus would.
+for f in "${scrape_ports[@]}"; do
+  wait_file -s "$f"
+  mport=$(cat "$f")
+  (while curl -sf "http://127.0.0.1:$mport/metrics" -o /dev/null; do sleep 1; done) &
+  pids+=($!)
+done
 echo "fio $(fio --version | sed 's/fio-//'), nbdkit $(nbdkit --version | awk '{print $2}')," \
   "$(nproc) CPUs, export $size, ${runtime}s x $repeat per job, swap-safe=$swap_safe," \
   "disk file on $(df --output=source,fstype "$disk_dir" | tail -1 | tr -s ' ')," \
@@ -178,7 +201,7 @@ def one(t, rw, qd, rep):
     return s["iops"], lat["mean"] / 1000.0, lat["percentile"]["99.000000"] / 1000.0
 res = {}
 print()
-print(f"{'workload':<16}{'target':<14}{'IOPS':>10}{'mean us':>10}{'p99 us':>10}   IOPS per run")
+print(f"{'workload':<16}{'target':<21}{'IOPS':>10}{'mean us':>10}{'p99 us':>10}   IOPS per run")
 for rw in ("randread", "randwrite"):
     for qd in (1, 16):
         for t in targets:
@@ -186,23 +209,25 @@ for rw in ("randread", "randwrite"):
             med = tuple(statistics.median(x[i] for x in runs) for i in range(3))
             res[(t, rw, qd)] = med
             per_run = " ".join(f"{r[0]:.0f}" for r in runs)
-            print(f"{rw + ' qd' + str(qd):<16}{t:<14}{med[0]:>10.0f}{med[1]:>10.1f}{med[2]:>10.1f}"
+            print(f"{rw + ' qd' + str(qd):<16}{t:<21}{med[0]:>10.0f}{med[1]:>10.1f}{med[2]:>10.1f}"
                   f"   {per_run}")
 ratios = [("farmem-none", "nbdkit-nbd"), ("farmem-none", "nbdkit-mem"), ("farmem-ec", "farmem-none"),
-          ("farmem-mem", "nbdkit-mem"), ("farmem-none", "disk"), ("farmem-ec", "disk")]
+          ("farmem-mem", "nbdkit-mem"), ("farmem-none", "disk"), ("farmem-ec", "disk"),
+          ("farmem-mem-metrics", "farmem-mem"), ("farmem-none-metrics", "farmem-none")]
 ratios = [(a, b) for a, b in ratios if a in targets and b in targets]
 if ratios:
     print()
     print("IOPS ratios (medians)")
-    print(f"{'':<28}" + "".join(f"{rw[4:] + ' qd' + str(qd):>14}" for rw in ("randread", "randwrite")
+    print(f"{'':<36}" + "".join(f"{rw[4:] + ' qd' + str(qd):>14}" for rw in ("randread", "randwrite")
                                 for qd in (1, 16)))
     for a, b in ratios:
-        print(f"{a + ' / ' + b:<28}" + "".join(
+        print(f"{a + ' / ' + b:<36}" + "".join(
             f"{res[(a, rw, qd)][0] / res[(b, rw, qd)][0]:>14.2f}"
             for rw in ("randread", "randwrite") for qd in (1, 16)))
 checks = [("farmem-none", "nbdkit-nbd", 3.0, "farmem-none qd16 IOPS >= 3x nbdkit-nbd"),
           ("farmem-none", "nbdkit-mem", 0.6, "farmem-none qd16 IOPS >= 0.6x nbdkit-mem"),
-          ("farmem-ec", "farmem-none", 1 / 1.5, "farmem-ec qd16 IOPS within 1.5x of farmem-none")]
+          ("farmem-ec", "farmem-none", 1 / 1.5, "farmem-ec qd16 IOPS within 1.5x of farmem-none"),
+          ("farmem-none-metrics", "farmem-none", 0.98, "metrics on costs <= 2% IOPS (qd16)")]
 checks = [c for c in checks if c[0] in targets and c[1] in targets]
 if checks:
     print()

@@ -23,8 +23,10 @@
 #include "farmem/common/auth.h"
 #include "farmem/common/command_line.h"
 #include "farmem/common/config.h"
+#include "farmem/common/metrics.h"
 #include "farmem/common/service_notify.h"
 #include "farmem/common/status.h"
+#include "farmem/common/version.h"
 #include "page_store.h"
 
 namespace {
@@ -233,6 +235,100 @@ Result<std::unique_ptr<BlockBackend>> OpenBackend(BackendConfig& cfg) {
   return farmem::Err(farmem::InvalidArgument("unknown backend '" + cfg.kind + "'"));
 }
 
+// The export's health for --metrics-listen, read at scrape time from the page store's stats and
+// the cluster's view of each daemon (docs/operations.md "Metrics"); nothing on the data path.
+void RegisterExportMetrics(farmem::metrics::Registry* r, BackendConfig* cfg, BlockBackend* backend,
+                           const std::string& export_name) {
+  using farmem::metrics::Type;
+  using Emit = farmem::metrics::Registry::Emit;
+  auto* store = dynamic_cast<farmem::blockdev::PageStore*>(backend);
+  r->AddCallback("farmem_export_info", "This export: program version, backend and resilience.",
+                 Type::kGauge, [cfg, export_name](const Emit& emit) {
+                   emit({{"version", std::string(farmem::kVersionString)},
+                         {"export", export_name},
+                         {"backend", cfg->kind},
+                         {"resilience", cfg->kind == "farmem" ? cfg->resilience : ""},
+                         {"transport", cfg->kind == "farmem" ? cfg->transport : ""}},
+                        1);
+                 });
+  r->AddCallback("farmem_export_size_bytes", "Size of the export.", Type::kGauge,
+                 [backend](const Emit& emit) { emit({}, static_cast<double>(backend->size())); });
+  if (store == nullptr) return;
+  using Stats = farmem::blockdev::PageStoreStats;
+  auto stat = [&](const char* name, const char* help, Type type, auto value) {
+    r->AddCallback(name, help, type,
+                   [store, value](const Emit& emit) { emit({}, value(store->stats())); });
+  };
+  auto d = [](uint64_t v) { return static_cast<double>(v); };
+  stat("farmem_export_extents_mapped", "Extents of the export mapped to remote slabs.",
+       Type::kGauge, [d](const Stats& s) { return d(s.extents_mapped); });
+  stat("farmem_export_degraded_extents",
+       "Mapped extents with a member missing (re-protection pending or running).", Type::kGauge,
+       [d](const Stats& s) { return d(s.degraded_extents); });
+  stat("farmem_export_rebuild_in_progress",
+       "1 while the rebuild thread re-protects degraded extents or has work queued.", Type::kGauge,
+       [](const Stats& s) { return s.rebuild_running ? 1.0 : 0.0; });
+  stat("farmem_export_rebuild_queued", "Extents and lost leases queued for the rebuild thread.",
+       Type::kGauge, [d](const Stats& s) { return d(s.rebuild_queued); });
+  stat("farmem_export_episode_reprotected_extents",
+       "Extents made whole again in the current degraded episode (0 when whole).", Type::kGauge,
+       [d](const Stats& s) { return d(s.episode_reprotected_extents); });
+  stat("farmem_export_episode_reprotect_seconds",
+       "How long re-protection has been running in the current degraded episode.", Type::kGauge,
+       [d](const Stats& s) { return d(s.episode_reprotect_ms) / 1000; });
+  stat("farmem_export_episode_degraded_seconds",
+       "How long the export has been degraded (0 when whole).", Type::kGauge,
+       [d](const Stats& s) { return d(s.episode_degraded_ms) / 1000; });
+  stat("farmem_export_rebuilds_total", "Members rebuilt on another daemon.", Type::kCounter,
+       [d](const Stats& s) { return d(s.rebuilds); });
+  stat("farmem_export_reprotected_extents_total", "Degraded extents made whole again.",
+       Type::kCounter, [d](const Stats& s) { return d(s.reprotected_extents); });
+  stat("farmem_export_rebuilt_bytes_total", "Bytes written to replacement members.", Type::kCounter,
+       [d](const Stats& s) { return d(s.rebuilt_bytes); });
+  stat("farmem_export_degraded_reads_total",
+       "Reads that needed decoding, another replica or the backup file.", Type::kCounter,
+       [d](const Stats& s) { return d(s.degraded_reads); });
+  stat("farmem_export_backup_reads_total", "Reads served from the backup file.", Type::kCounter,
+       [d](const Stats& s) { return d(s.backup_reads); });
+  stat("farmem_export_write_retries_total", "Writes retried after a member failed.", Type::kCounter,
+       [d](const Stats& s) { return d(s.write_retries); });
+  stat("farmem_export_lost_bytes_total",
+       "Bytes of written data lost for good (no copy left, no backup). Must stay 0.",
+       Type::kCounter, [d](const Stats& s) { return d(s.lost_bytes); });
+  stat("farmem_export_last_reprotect_seconds",
+       "The last degraded episode: how long re-protection took.", Type::kGauge,
+       [d](const Stats& s) { return d(s.last_reprotect_ms) / 1000; });
+  stat("farmem_export_cluster_free_slabs", "Free slabs on the live daemons (last capacity check).",
+       Type::kGauge, [d](const Stats& s) { return d(s.cluster_free_slabs); });
+  stat("farmem_export_slabs_needed",
+       "Slabs this export still needs to map all of itself and re-protect what is degraded.",
+       Type::kGauge, [d](const Stats& s) { return d(s.slabs_needed); });
+  farmem::client::Cluster* cluster = cfg->cluster.get();
+  // Per daemon: 1 for its state (up, suspect, down), and the slabs this export holds there.
+  r->AddCallback("farmem_export_daemon_state",
+                 "Each daemon as this export sees it: 1 for its current state (up, suspect: a "
+                 "data-path error within its suspect window, down).",
+                 Type::kGauge, [cluster](const Emit& emit) {
+                   for (farmem::client::NodeId id = 0; id < cluster->node_count(); ++id) {
+                     const farmem::client::NodeInfo n = cluster->node(id);
+                     const char* state = !n.alive ? "down" : n.suspect ? "suspect" : "up";
+                     for (const char* s : {"up", "suspect", "down"}) {
+                       emit({{"daemon", n.endpoint.ToString()}, {"state", s}},
+                            std::string_view(s) == state ? 1 : 0);
+                     }
+                   }
+                 });
+  r->AddCallback(
+      "farmem_export_daemon_leased_bytes", "Memory this export holds on each daemon (placement).",
+      Type::kGauge, [cluster](const Emit& emit) {
+        for (farmem::client::NodeId id = 0; id < cluster->node_count(); ++id) {
+          const farmem::client::NodeInfo n = cluster->node(id);
+          const uint64_t slab = n.stat ? n.stat->slab_size : 0;
+          emit({{"daemon", n.endpoint.ToString()}}, static_cast<double>(n.leases_held * slab));
+        }
+      });
+}
+
 int Fail(const Status& s) {
   spdlog::error("farmem-nbd: {}", s.ToString());
   return 1;
@@ -256,6 +352,7 @@ int main(int argc, char** argv) {
   std::string log_level = "info";
   double handshake_timeout_s = 30;
   double reply_timeout_s = 30;
+  std::string metrics_listen, metrics_port_file;
   app.add_option("--unix", opts.unix_paths,
                  "Listen on this Unix socket path (repeatable). A stale socket file is replaced; "
                  "the file is removed on exit.");
@@ -284,6 +381,7 @@ int main(int argc, char** argv) {
                "Make the process fit to serve swap: mlockall(MCL_CURRENT|MCL_FUTURE), "
                "PR_SET_IO_FLUSHER, oom_score_adj -1000; each failure is a warning. On by "
                "default; --no-swap-safe (or --swap-safe=false) turns it off.");
+  farmem::cli::AddMetricsOptions(app, metrics_listen, metrics_port_file);
   farmem::cli::AddLogLevelOption(app, log_level);
   farmem::cli::AddVersionOption(app, "farmem-nbd");
   CLI11_PARSE(app, argc, argv);
@@ -315,6 +413,20 @@ int main(int argc, char** argv) {
     if (!ep) return Fail(ep.error().WithContext("--listen"));
     opts.tcp.push_back(*ep);
   }
+  std::optional<farmem::Endpoint> metrics_ep;
+  if (!metrics_listen.empty()) {
+    auto m = farmem::ParseEndpoint(metrics_listen);
+    if (!m) return Fail(m.error().WithContext("--metrics-listen"));
+    metrics_ep = *m;
+  } else if (!metrics_port_file.empty()) {
+    return Fail(farmem::InvalidArgument("--metrics-port-file needs --metrics-listen"));
+  }
+  farmem::metrics::Registry registry;
+  std::optional<farmem::blockdev::NbdMetrics> nbd_metrics;
+  if (metrics_ep) {
+    nbd_metrics.emplace(&registry);
+    opts.metrics = &*nbd_metrics;
+  }
   auto activated = farmem::blockdev::TakeSocketActivationFds();
   if (!activated) return Fail(activated.error());
   opts.inherited_fds = *activated;
@@ -329,6 +441,21 @@ int main(int argc, char** argv) {
   if (Status s = (*server)->Start(); !s.ok()) return Fail(s);
   spdlog::info("farmem-nbd: serving {} bytes from the {} backend", (*backend)->size(),
                backend_cfg.kind);
+  std::unique_ptr<farmem::metrics::MetricsServer> metrics_server;
+  if (metrics_ep) {
+    RegisterExportMetrics(&registry, &backend_cfg, backend->get(), opts.export_name);
+    auto ms = farmem::metrics::MetricsServer::Start(*metrics_ep, &registry);
+    if (!ms) return Fail(ms.error().WithContext("--metrics-listen"));
+    metrics_server = std::move(*ms);
+    spdlog::info("farmem-nbd: metrics on http://{}/metrics",
+                 farmem::Endpoint{metrics_ep->host, metrics_server->port()}.ToString());
+    if (!metrics_port_file.empty()) {
+      if (Status s = farmem::metrics::WritePortFile(metrics_port_file, metrics_server->port());
+          !s.ok()) {
+        return Fail(s.WithContext("--metrics-port-file"));
+      }
+    }
+  }
   // systemd (Type=notify): serving now. The monitor's probe takes the server's lock, so a server
   // stuck on it stops the watchdog pings (when the unit sets WatchdogSec=).
   farmem::systemd::NotifyReady(
@@ -343,6 +470,7 @@ int main(int argc, char** argv) {
   farmem::systemd::NotifyStopping(sig == SIGINT ? "SIGINT: shutting down"
                                                 : "SIGTERM: shutting down");
   monitor.reset();
+  metrics_server.reset();  // its callbacks read the backend and the cluster
   (*server)->Stop();
   return 0;
 }

@@ -12,13 +12,14 @@
 namespace farmem::blockdev {
 
 NbdConnection::NbdConnection(int fd, std::string peer, BlockBackend* backend,
-                             const nbd::ExportInfo* info,
+                             const nbd::ExportInfo* info, NbdMetrics* metrics,
                              std::chrono::milliseconds handshake_timeout,
                              std::chrono::milliseconds reply_timeout)
     : fd_(fd),
       peer_(std::move(peer)),
       backend_(backend),
       info_(info),
+      metrics_(metrics),
       handshake_timeout_(handshake_timeout),
       reply_timeout_(reply_timeout) {}
 
@@ -27,6 +28,7 @@ void NbdConnection::Run() {
   if (!Negotiate()) return;
   spdlog::info("nbd: {} entered transmission (structured replies: {}, flags 0x{:04x})", peer_,
                session_.structured_replies, session_.transmission_flags);
+  if (metrics_ != nullptr) metrics_->connections->Add();
   Transmit();
   spdlog::info(
       "nbd: {} closed after {} requests in {} batches, {} replies sent early ({} failed), {} "

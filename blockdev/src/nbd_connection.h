@@ -43,6 +43,7 @@
 #include <string>
 
 #include "farmem/blockdev/block_backend.h"
+#include "farmem/blockdev/nbd_metrics.h"
 #include "farmem/blockdev/nbd_protocol.h"
 
 namespace farmem::blockdev {
@@ -50,7 +51,7 @@ namespace farmem::blockdev {
 class NbdConnection final : private BatchListener {
  public:
   NbdConnection(int fd, std::string peer, BlockBackend* backend, const nbd::ExportInfo* info,
-                std::chrono::milliseconds handshake_timeout,
+                NbdMetrics* metrics, std::chrono::milliseconds handshake_timeout,
                 std::chrono::milliseconds reply_timeout);
   // Serves the connection until the client disconnects, violates the protocol, or the socket is
   // shut down by the server. Never throws.
@@ -125,6 +126,8 @@ class NbdConnection final : private BatchListener {
   std::unique_ptr<std::array<uint16_t, kMaxBatch>> op_pending_;  // ops_ index -> pending_ index
   bool send_failed_ = false;
 
+  NbdMetrics* const metrics_;                            // null: nothing counted
+  std::chrono::steady_clock::time_point batch_start_{};  // when metrics_: the current batch's
   uint64_t requests_ = 0;
   uint64_t batches_ = 0;
   uint64_t early_replies_ = 0;

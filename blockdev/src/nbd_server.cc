@@ -287,8 +287,8 @@ Status NbdServer::AddConnection(int fd, std::string peer) {
   raw->fd = fd;
   raw->body = [this, raw, fd, peer = std::move(peer)]() mutable {
     {
-      NbdConnection conn(fd, std::move(peer), backend_, &info_, options_.handshake_timeout,
-                         options_.reply_timeout);
+      NbdConnection conn(fd, std::move(peer), backend_, &info_, options_.metrics,
+                         options_.handshake_timeout, options_.reply_timeout);
       conn.Run();
     }
     // Tell the client we are done now; the fd itself is closed by whoever joins this thread,

@@ -28,6 +28,7 @@ void NbdConnection::Transmit() {
   for (;;) {
     // The reply queue is empty here (SendReplies drained it), so blocking on the socket is fine.
     if (!Fill(kRequestHeaderSize)) return;
+    if (metrics_ != nullptr) batch_start_ = std::chrono::steady_clock::now();
 
     size_t count = 0;    // requests in this batch
     size_t n_ops = 0;    // of which run on the backend
@@ -314,6 +315,19 @@ void NbdConnection::AppendReply(size_t i) {
     } else if (r.type == nbd::kCmdRead) {
       read_data = op.read_into;
     }
+  }
+  if (metrics_ != nullptr) {
+    const NbdMetrics::Command c = NbdMetrics::CommandOf(r.type);
+    metrics_->requests[c]->Add();
+    if (error != 0) {
+      metrics_->errors[c]->Add();
+    } else {
+      metrics_->bytes[c]->Add(r.length);
+    }
+    metrics_->latency[c]->Observe(
+        static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                  std::chrono::steady_clock::now() - batch_start_)
+                                  .count()));
   }
   if (error != 0) {
     ++failed_requests_;

@@ -209,8 +209,26 @@ void PageStore::Return(Worker* w) {
 }
 
 PageStoreStats PageStore::stats() const {
+  bool running = false;
+  uint64_t queued = 0;
+  {
+    MutexLock lock(&rebuild_mu_);
+    running = rebuilding_;
+    queued = rebuild_queue_.size() + lost_leases_.size();
+  }
   MutexLock lock(&stats_mu_);
   PageStoreStats s = stats_;
+  s.rebuild_running = running || queued > 0;
+  s.rebuild_queued = queued;
+  s.episode_reprotected_extents = episode_extents_;
+  const auto now = Clock::now();
+  auto ms = [&](Clock::time_point since) -> uint64_t {
+    if (since == Clock::time_point::max() || since > now) return 0;
+    return static_cast<uint64_t>(
+        std::chrono::duration_cast<std::chrono::milliseconds>(now - since).count());
+  };
+  s.episode_reprotect_ms = ms(reprotect_since_);
+  s.episode_degraded_ms = ms(degraded_since_);
   s.extents_mapped = 0;
   s.degraded_extents = 0;
   for (auto& e : extents_) {

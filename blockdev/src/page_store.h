@@ -142,6 +142,17 @@ struct PageStoreStats {
   // degraded.
   uint64_t cluster_free_slabs = 0;
   uint64_t slabs_needed = 0;
+  // Since start: bytes of written pages declared lost (their only copies died and nothing could
+  // rebuild them). Must stay 0 within the resilience's tolerance.
+  uint64_t lost_bytes = 0;
+  // Now (read-only view for status and metrics): the rebuild thread is running a pass or has
+  // extents queued; and, in the current degraded episode, how many extents were made whole so far,
+  // for how long re-protection has been running and the store degraded (0: not degraded).
+  bool rebuild_running = false;
+  uint64_t rebuild_queued = 0;
+  uint64_t episode_reprotected_extents = 0;
+  uint64_t episode_reprotect_ms = 0;
+  uint64_t episode_degraded_ms = 0;
 };
 
 class PageStore final : public BlockBackend {
@@ -310,7 +321,7 @@ class PageStore final : public BlockBackend {
   std::vector<std::unique_ptr<Worker>> all_workers_;
   std::vector<Worker*> free_workers_ GUARDED_BY(workers_mu_);
 
-  Mutex rebuild_mu_;
+  mutable Mutex rebuild_mu_;
   CondVar rebuild_cv_;
   std::deque<uint64_t> rebuild_queue_ GUARDED_BY(rebuild_mu_);
   std::vector<LostLease> lost_leases_ GUARDED_BY(rebuild_mu_);  // from cluster events

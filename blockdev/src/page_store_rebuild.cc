@@ -733,6 +733,7 @@ Status PageStore::RebuildExtent(Worker& w, uint64_t index, bool wait) {
           ++count;
         }
       }
+      CountStat(&PageStoreStats::lost_bytes, count * kPage);
       spdlog::error(
           "page store: {} pages of extent {} (export bytes {}..{}) are LOST: their "
           "daemon failed, resilience {} keeps no other copy and there is no backup "

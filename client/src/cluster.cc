@@ -301,6 +301,7 @@ NodeInfo Cluster::node(NodeId id) const {
   const Node& n = *nodes_[id];
   info.endpoint = n.endpoint;
   info.alive = n.alive;
+  info.suspect = n.alive && Clock::now() < n.suspect_until;
   info.daemon_id = n.daemon_id;
   info.stat = n.stat;
   info.leases_held = n.leases.size();

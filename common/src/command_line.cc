@@ -116,4 +116,13 @@ CLI::Option* AddVersionOption(CLI::App& app, std::string_view program) {
                               "Print the version and exit");
 }
 
+void AddMetricsOptions(CLI::App& app, std::string& listen, std::string& port_file) {
+  app.add_option("--metrics-listen", listen,
+                 "Serve Prometheus metrics (text format) at http://HOST:PORT/metrics, and "
+                 "liveness at /healthz; port 0 picks one. Unauthenticated: bind to loopback or a "
+                 "monitoring network");
+  app.add_option("--metrics-port-file", port_file,
+                 "Write the metrics port actually bound to this file (with --metrics-listen)");
+}
+
 }  // namespace farmem::cli

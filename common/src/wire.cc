@@ -202,6 +202,11 @@ void EncodeStatReply(const StatReply& m, std::vector<uint8_t>* out) {
     w.U32(m.client_free_slabs);
     w.U32(m.client_max_slabs);
   }
+  if ((m.features & kFeatureVersion) != 0) {
+    const size_t n = std::min(m.version.size(), kMaxVersionString);
+    w.U16(static_cast<uint16_t>(n));
+    w.Bytes({reinterpret_cast<const uint8_t*>(m.version.data()), n});
+  }
 }
 
 // Newer daemons may append fields: anything past what this build knows is ignored.
@@ -226,6 +231,15 @@ Result<StatReply> DecodeStatReply(std::span<const uint8_t> body) {
     m.client_free_slabs = r.U32();
     m.client_max_slabs = r.U32();
     if (!r.ok()) return Err(Malformed("STAT reply", body));
+  }
+  if ((m.features & kFeatureVersion) != 0) {
+    const uint16_t n = r.U16();
+    if (n > kMaxVersionString) return Err(Malformed("STAT reply", body));
+    std::span<const uint8_t> v = r.Bytes(n);
+    if (!r.ok()) return Err(Malformed("STAT reply", body));
+    // For display: anything but printable ASCII becomes '?'.
+    m.version.reserve(n);
+    for (uint8_t c : v) m.version += (c >= 0x20 && c < 0x7f) ? static_cast<char>(c) : '?';
   }
   return m;
 }

@@ -7,6 +7,7 @@
 
 #include <cstring>
 
+#include "farmem/common/version.h"
 #include "handshake.h"
 #include "server.h"
 
@@ -29,7 +30,8 @@ Connection::Connection(Server* server, Socket socket, std::string peer,
       client_id_(client_id),
       client_name_(std::move(client_name)),
       offload_(server, client_id_, client_name_) {
-  server_->ClientConnected(client_id_);
+  server_->ClientConnected(client_id_, client_name_);
+  server_->counters().connections_admitted.fetch_add(1, std::memory_order_relaxed);
   rbuf_.resize(kRecvBuffer);
   std::memcpy(rbuf_.data(), early.data(), early.size());  // at most kHandshakeBuffer bytes
   end_ = early.size();
@@ -115,6 +117,8 @@ Connection::Next Connection::HandleFrame() {
     return Next::kClose;
   }
   const wire::FrameHeader h = *hr;
+  server_->counters().requests[ServerCounters::Slot(h.opcode)].fetch_add(1,
+                                                                         std::memory_order_relaxed);
   if (h.flags != 0) {
     server_->counters().protocol_errors++;
     ReplyError(h, ProtocolError("clients send requests: reply/push flags are not allowed"));
@@ -213,7 +217,8 @@ Connection::Next Connection::HandleControl(const wire::FrameHeader& h,
       r.client_free_slabs = room.may_take;
       r.client_max_slabs = room.limit;
       r.clients = server_->client_count();
-      r.features = wire::kFeatureClientShare;
+      r.features = wire::kFeatureClientShare | wire::kFeatureVersion;
+      r.version = std::string(kVersionString);
       if (!server_->options().secret.empty()) r.features |= wire::kFeatureAuthRequired;
       if (ps.draining) r.features |= wire::kStateDraining;
       if (ps.holding) r.features |= wire::kStateUnderPressure;
@@ -338,8 +343,11 @@ Connection::Next Connection::HandleRead(const wire::FrameHeader& h, std::span<co
   pieces_.push_back({at, nullptr, wire::kHeaderSize});
   const uint8_t* data = pin->data() + op->offset;
   AddExternal(data, op->length, std::move(*pin));
-  server_->counters().ops.fetch_add(1, std::memory_order_relaxed);
-  server_->counters().bytes_read.fetch_add(op->length, std::memory_order_relaxed);
+  ServerCounters& counters = server_->counters();
+  counters.ops.fetch_add(1, std::memory_order_relaxed);
+  counters.bytes_read.fetch_add(op->length, std::memory_order_relaxed);
+  counters.request_bytes[static_cast<size_t>(wire::Opcode::kRead)].fetch_add(
+      op->length, std::memory_order_relaxed);
   return Next::kContinue;
 }
 
@@ -365,8 +373,11 @@ Connection::Next Connection::HandleWrite(const wire::FrameHeader& h) {
   }
   if (!TakePayload(pin->data() + op->offset, op->length)) return Next::kClose;
   pin->Reset();
-  server_->counters().ops.fetch_add(1, std::memory_order_relaxed);
-  server_->counters().bytes_written.fetch_add(op->length, std::memory_order_relaxed);
+  ServerCounters& counters = server_->counters();
+  counters.ops.fetch_add(1, std::memory_order_relaxed);
+  counters.bytes_written.fetch_add(op->length, std::memory_order_relaxed);
+  counters.request_bytes[static_cast<size_t>(wire::Opcode::kWrite)].fetch_add(
+      op->length, std::memory_order_relaxed);
   Reply(h, {});
   return Next::kContinue;
 }
@@ -391,7 +402,7 @@ Connection::Next Connection::HandleBatch(const wire::FrameHeader& h) {
   wbuf_.resize(at + wire::kHeaderSize + table);
   wire::EncodeBatchReplyTable(static_cast<uint32_t>(n), wbuf_.data() + at + wire::kHeaderSize);
   pieces_.push_back({at, nullptr, wire::kHeaderSize + table});
-  uint64_t read_bytes = 0;
+  uint64_t read_bytes = 0, written_bytes = 0;
   auto& counters = server_->counters();
   for (size_t i = 0; i < n; ++i) {
     const wire::BatchOp& op = d->ops[i];
@@ -405,7 +416,10 @@ Connection::Next Connection::HandleBatch(const wire::FrameHeader& h) {
         wbuf_.resize(at);
         return Next::kClose;
       }
-      if (pin.has_value()) counters.bytes_written.fetch_add(op.length, std::memory_order_relaxed);
+      if (pin.has_value()) {
+        counters.bytes_written.fetch_add(op.length, std::memory_order_relaxed);
+        written_bytes += op.length;
+      }
     } else if (pin.has_value()) {
       const uint8_t* data = pin->data() + op.offset;
       AddExternal(data, op.length, std::move(*pin));
@@ -416,6 +430,8 @@ Connection::Next Connection::HandleBatch(const wire::FrameHeader& h) {
     wire::SetBatchReplyStatus(wbuf_.data() + at + wire::kHeaderSize, i, code);
   }
   counters.ops.fetch_add(n, std::memory_order_relaxed);
+  counters.request_bytes[static_cast<size_t>(wire::Opcode::kBatch)].fetch_add(
+      read_bytes + written_bytes, std::memory_order_relaxed);
   wire::FrameHeader r = h;
   r.flags = wire::kFlagReply;
   r.body_len = static_cast<uint32_t>(table + read_bytes);

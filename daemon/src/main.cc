@@ -6,9 +6,11 @@
 #include <CLI/CLI.hpp>
 #include <fstream>
 
+#include "daemon_metrics.h"
 #include "farmem/common/auth.h"
 #include "farmem/common/command_line.h"
 #include "farmem/common/config.h"
+#include "farmem/common/metrics.h"
 #include "farmem/common/service_notify.h"
 #include "memory_source.h"
 #include "pressure.h"
@@ -22,6 +24,7 @@ int main(int argc, char** argv) {
       "farmemd - lends slabs of this machine's memory to farmem clients over TCP and RDMA.\n"
       "Every option may also be set in a config file (--config), one `name = value` per line."};
   std::string listen = fmt::format("127.0.0.1:{}", kDefaultPort);
+  std::string metrics_listen, metrics_port_file;
   std::string capacity = "1G", slab_size = "64M", secret_file, port_file, log_level = "info";
   uint32_t lease_ttl_ms = 10000, max_connections = 256;
   uint32_t max_pending_handshakes = 1024, handshake_timeout_ms = 5000, frame_timeout_ms = 10000;
@@ -132,6 +135,7 @@ int main(int argc, char** argv) {
                "Do not populate a slab's pages when it is leased (unlocked slabs then fault on "
                "first access)");
   app.add_option("--port-file", port_file, "Write the port actually bound to this file");
+  cli::AddMetricsOptions(app, metrics_listen, metrics_port_file);
   cli::AddLogLevelOption(app, log_level);
   cli::AddVersionOption(app, "farmemd");
   CLI11_PARSE(app, argc, argv);
@@ -155,6 +159,14 @@ int main(int argc, char** argv) {
   if (!slab) return fail(slab.error().WithContext("--slab-size"));
   auto ep = ParseEndpoint(listen);
   if (!ep) return fail(ep.error().WithContext("--listen"));
+  std::optional<Endpoint> metrics_ep;
+  if (!metrics_listen.empty()) {
+    auto m = ParseEndpoint(metrics_listen);
+    if (!m) return fail(m.error().WithContext("--metrics-listen"));
+    metrics_ep = *m;
+  } else if (!metrics_port_file.empty()) {
+    return fail(InvalidArgument("--metrics-port-file needs --metrics-listen"));
+  }
   pool_opts.capacity = *cap;
   pool_opts.slab_size = *slab;
   pool_opts.lease_ttl = std::chrono::milliseconds(lease_ttl_ms);
@@ -212,6 +224,22 @@ int main(int argc, char** argv) {
     std::ofstream(tmp) << server.port() << "\n";
     std::rename(tmp.c_str(), port_file.c_str());
   }
+  // Metrics last: a scrape then always finds a serving daemon.
+  metrics::Registry registry;
+  std::unique_ptr<metrics::MetricsServer> metrics_server;
+  if (metrics_ep) {
+    daemon::RegisterDaemonMetrics(&registry, &server, pool->get());
+    auto ms = metrics::MetricsServer::Start(*metrics_ep, &registry);
+    if (!ms) return fail(ms.error().WithContext("--metrics-listen"));
+    metrics_server = std::move(*ms);
+    spdlog::info("metrics: http://{}/metrics",
+                 Endpoint{metrics_ep->host, metrics_server->port()}.ToString());
+    if (!metrics_port_file.empty()) {
+      if (Status s = metrics::WritePortFile(metrics_port_file, metrics_server->port()); !s.ok()) {
+        return fail(s.WithContext("--metrics-port-file"));
+      }
+    }
+  }
   // systemd (Type=notify): serving now. The monitor's probe takes the server's and the pool's
   // locks, so a daemon stuck on them stops the watchdog pings (WatchdogSec=).
   systemd::NotifyReady(fmt::format("lending {} bytes on {}", pool_opts.capacity,
@@ -246,6 +274,7 @@ int main(int argc, char** argv) {
   }
   spdlog::info("{}: shutting down", strsignal(sig));
   monitor.reset();
+  metrics_server.reset();  // its callbacks read the server
   server.Stop();
   spdlog::info("stopped");
   return 0;

@@ -57,6 +57,8 @@ Status Offload::ParityEncode(const wire::ParityEncodeRequest& req) {
   pin->Reset();
   server_->counters().ops.fetch_add(1, std::memory_order_relaxed);
   server_->counters().bytes_written.fetch_add(len, std::memory_order_relaxed);
+  server_->counters().request_bytes[static_cast<size_t>(wire::Opcode::kParityEncode)].fetch_add(
+      len, std::memory_order_relaxed);
   return Status::Ok();
 }
 
@@ -104,6 +106,8 @@ Status Offload::GatherCell(const wire::GatherCellRequest& req) {
   pin->Reset();
   server_->counters().ops.fetch_add(1, std::memory_order_relaxed);
   server_->counters().bytes_written.fetch_add(len, std::memory_order_relaxed);
+  server_->counters().request_bytes[static_cast<size_t>(wire::Opcode::kGatherCell)].fetch_add(
+      len, std::memory_order_relaxed);
   return Status::Ok();
 }
 

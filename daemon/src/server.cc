@@ -256,6 +256,7 @@ void Server::AcceptAll() {
                                 strerror(errno)));
         continue;
       }
+      counters_.refused[RefusalLog::kAcceptFailed].fetch_add(1, std::memory_order_relaxed);
       refusals_.Note(RefusalLog::kAcceptFailed, "listener",
                      fmt::format("accept failed: {}; raise the open-file limit (LimitNOFILE)",
                                  strerror(errno)));
@@ -405,7 +406,10 @@ void Server::DropPending(PendingList::iterator it, RefusalLog::Kind kind, const 
     for (int i = 0; i < 16 && ::recv(fd, sink, sizeof(sink), 0) > 0; ++i) {
     }
   }
-  if (kind != RefusalLog::kKinds) refusals_.Note(kind, p.peer, why);
+  if (kind != RefusalLog::kKinds) {
+    counters_.refused[kind].fetch_add(1, std::memory_order_relaxed);
+    refusals_.Note(kind, p.peer, why);
+  }
   pending_by_serial_.erase(p.serial);
   pending_.erase(it);
   pending_count_.store(pending_.size(), std::memory_order_relaxed);
@@ -473,15 +477,17 @@ void Server::TrimAfterBurst() {
   }
 }
 
-void Server::ClientConnected(const wire::ClientId& id) {
+void Server::ClientConnected(const wire::ClientId& id, const std::string& name) {
   MutexLock lock(&conns_mu_);
-  ++clients_[id];
+  ClientEntry& e = clients_[id];
+  ++e.connections;
+  e.name = name;
 }
 
 void Server::ClientDisconnected(const wire::ClientId& id) {
   MutexLock lock(&conns_mu_);
   auto it = clients_.find(id);
-  if (it != clients_.end() && --it->second == 0) clients_.erase(it);
+  if (it != clients_.end() && --it->second.connections == 0) clients_.erase(it);
 }
 
 uint32_t Server::Drain(std::chrono::milliseconds grace) {
@@ -517,6 +523,8 @@ void Server::DeliverNotice(const EvictionNotice& notice) {
       ++queued;
     }
   }
+  counters_.evict_notices.fetch_add(queued, std::memory_order_relaxed);
+  counters_.leases_noticed.fetch_add(notice.lease_ids.size(), std::memory_order_relaxed);
   if (queued == 0) {
     spdlog::warn(
         "EVICT_NOTICE for {} lease(s) not sent: their client is not connected; they end at the "
@@ -532,6 +540,20 @@ void Server::DeliverNotice(const EvictionNotice& notice) {
 uint32_t Server::client_count() {
   MutexLock lock(&conns_mu_);
   return static_cast<uint32_t>(clients_.size());
+}
+
+std::map<wire::ClientId, std::string> Server::client_names() {
+  MutexLock lock(&conns_mu_);
+  std::map<wire::ClientId, std::string> names;
+  for (const auto& [id, e] : clients_) names[id] = e.name;
+  return names;
+}
+
+size_t Server::connection_count() {
+  MutexLock lock(&conns_mu_);
+  size_t n = 0;
+  for (const Live& l : conns_) n += l.finished->load() ? 0 : 1;
+  return n;
 }
 
 }  // namespace farmem::daemon

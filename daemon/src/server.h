@@ -66,11 +66,23 @@ struct ServerOptions {
   ReclaimOptions reclaim;
 };
 
+// What the daemon counts for STAT and --metrics-listen (daemon_metrics.cc). Bumped by connection
+// threads with relaxed adds (no ordering between counters is promised); read at any time.
 struct ServerCounters {
-  std::atomic<uint64_t> ops{0};
+  // Opcodes 1..14 by their number; slot 0 collects unknown opcodes.
+  static constexpr size_t kOpcodeSlots = 16;
+  static size_t Slot(uint8_t opcode) { return opcode < kOpcodeSlots - 1 ? opcode : 0; }
+
+  std::atomic<uint64_t> ops{0};  // data operations (a BATCH counts each of its reads and writes)
   std::atomic<uint64_t> bytes_read{0};
   std::atomic<uint64_t> bytes_written{0};
   std::atomic<uint64_t> protocol_errors{0};
+  std::array<std::atomic<uint64_t>, kOpcodeSlots> requests{};       // frames received
+  std::array<std::atomic<uint64_t>, kOpcodeSlots> request_bytes{};  // data moved by them
+  std::array<std::atomic<uint64_t>, RefusalLog::kKinds> refused{};  // by RefusalLog::Kind
+  std::atomic<uint64_t> connections_admitted{0};                    // authenticated
+  std::atomic<uint64_t> evict_notices{0};   // EVICT_NOTICE frames queued to clients
+  std::atomic<uint64_t> leases_noticed{0};  // leases named in them
 };
 
 class Connection;
@@ -91,9 +103,13 @@ class Server final : public NoticeSink {
   const ServerOptions& options() const { return options_; }
   ServerCounters& counters() { return counters_; }
   RdmaListener* rdma() { return rdma_.get(); }  // null: this daemon serves TCP only
-  void ClientConnected(const wire::ClientId& id) EXCLUDES(conns_mu_);
+  void ClientConnected(const wire::ClientId& id, const std::string& name) EXCLUDES(conns_mu_);
   void ClientDisconnected(const wire::ClientId& id) EXCLUDES(conns_mu_);
   uint32_t client_count() EXCLUDES(conns_mu_);
+  // The names (HELLO) of the connected clients, for metrics labels.
+  std::map<wire::ClientId, std::string> client_names() EXCLUDES(conns_mu_);
+  size_t connection_count() EXCLUDES(conns_mu_);
+  size_t pending_handshakes() const { return pending_count_.load(std::memory_order_relaxed); }
 
   // Drain (farmemctl drain, SIGTERM): grant nothing and notice every lease with `grace`; returns
   // how many. Undrain: grant again, lift pending notices.
@@ -163,7 +179,11 @@ class Server final : public NoticeSink {
   };
   Mutex conns_mu_;
   std::vector<Live> conns_ GUARDED_BY(conns_mu_);
-  std::map<wire::ClientId, uint32_t> clients_ GUARDED_BY(conns_mu_);
+  struct ClientEntry {
+    uint32_t connections = 0;
+    std::string name;
+  };
+  std::map<wire::ClientId, ClientEntry> clients_ GUARDED_BY(conns_mu_);
 };
 
 }  // namespace farmem::daemon

@@ -168,6 +168,7 @@ Result<std::vector<wire::LeaseGrant>> SlabPool::Grant(uint32_t count, const wire
     out.push_back({id, options_.slab_size, reinterpret_cast<uint64_t>(addr), rkey});
   }
   if (grant_budget_.has_value()) *grant_budget_ -= count;
+  granted_total_ += count;
   return out;
 }
 
@@ -301,6 +302,7 @@ uint32_t SlabPool::ReclaimExpired() {
       ++reclaimed;
     }
   }
+  expired_total_ += reclaimed;
   return reclaimed;
 }
 
@@ -356,7 +358,19 @@ PoolStats SlabPool::stats() const {
   }
   st.draining = draining_mode_;
   st.holding = grant_budget_.has_value() && *grant_budget_ < free_list_.size();
+  st.expired_leases = expired_total_;
+  st.evicted_leases = evicted_total_;
+  st.granted_leases = granted_total_;
   return st;
+}
+
+std::map<wire::ClientId, uint32_t> SlabPool::LeasesByOwner() const {
+  MutexLock lock(&mu_);
+  std::map<wire::ClientId, uint32_t> held;
+  for (uint32_t i = 0; i < total_; ++i) {
+    if (slabs_[i].lease_id.load(std::memory_order_relaxed) != 0) ++held[slabs_[i].owner];
+  }
+  return held;
 }
 
 void SlabPool::SetGrantBudget(std::optional<uint32_t> slabs) {
@@ -452,6 +466,7 @@ uint32_t SlabPool::EvictDue() {
     EndLease(i);
     ++evicted;
   }
+  evicted_total_ += evicted;
   return evicted;
 }
 

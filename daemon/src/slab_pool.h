@@ -25,6 +25,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <optional>
 #include <span>
@@ -108,6 +109,11 @@ struct PoolStats {
   uint32_t noticed_slabs = 0;  // leased and under an eviction notice
   bool draining = false;
   bool holding = false;  // memory pressure: granting less than what is free, or nothing
+  // Since start: leases ended because their client stopped heartbeating, or at the deadline of
+  // an eviction notice (the client did not free them in time).
+  uint64_t expired_leases = 0;
+  uint64_t evicted_leases = 0;
+  uint64_t granted_leases = 0;
 };
 
 // A leased slab as victim selection sees it (SlabPool::SampleLeases).
@@ -144,6 +150,8 @@ class SlabPool {
                       uint64_t length);
 
   PoolStats stats() const;
+  // Slabs leased per client (metrics: farmem_daemon_client_leased_bytes).
+  std::map<wire::ClientId, uint32_t> LeasesByOwner() const;
 
   // ---- taking memory back (driven by the Reclaimer, reclaimer.h) ----
   // At most `slabs` more grants until the next call; nullopt: no limit but the free slabs.
@@ -216,6 +224,9 @@ class SlabPool {
   LeaseRegistrar* registrar_ GUARDED_BY(mu_) = nullptr;
   std::optional<uint32_t> grant_budget_ GUARDED_BY(mu_);
   bool draining_mode_ GUARDED_BY(mu_) = false;
+  uint64_t expired_total_ GUARDED_BY(mu_) = 0;
+  uint64_t evicted_total_ GUARDED_BY(mu_) = 0;
+  uint64_t granted_total_ GUARDED_BY(mu_) = 0;
   bool warned_mlock_ GUARDED_BY(mu_) = false;
 };
 

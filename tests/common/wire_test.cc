@@ -464,6 +464,57 @@ TEST(WireStat, CarriesWhatThisClientMayTakeBesideThePoolsFree) {
   EXPECT_EQ(FreeForClient(*od), 16u);
 }
 
+// The daemon's version rides at the end of STAT behind kFeatureVersion (issue 14): a reader that
+// predates it stops after the CLIENT_SHARE fields, a daemon that predates it sends none.
+TEST(WireStat, CarriesTheDaemonsVersionAfterTheClientShare) {
+  StatReply m;
+  m.free_slabs = 16;
+  m.features = kFeatureClientShare | kFeatureVersion;
+  m.client_free_slabs = 5;
+  m.client_max_slabs = 8;
+  m.version = "0.1.0 (git v0.1.0-7-gabcdef0)";
+  std::vector<uint8_t> body;
+  EncodeStatReply(m, &body);
+  EXPECT_EQ(body.size(), 80u + 2 + m.version.size());
+  auto d = DecodeStatReply(body);
+  ASSERT_TRUE(d.has_value());
+  EXPECT_EQ(d->version, m.version);
+  EXPECT_EQ(d->client_free_slabs, 5u);
+  // An older reader: the first 80 bytes are all it knows, and they decode the same.
+  StatReply older = m;
+  older.features &= ~kFeatureVersion;
+  std::vector<uint8_t> older_body;
+  EncodeStatReply(older, &older_body);
+  ASSERT_EQ(older_body.size(), 80u);  // features (offset 36) differ, nothing else
+  EXPECT_TRUE(std::equal(older_body.begin(), older_body.begin() + 36, body.begin()));
+  EXPECT_TRUE(std::equal(older_body.begin() + 40, older_body.end(), body.begin() + 40));
+  // Every truncation of the announced version is malformed, never a shorter string.
+  for (size_t n = 80; n < body.size(); ++n) {
+    EXPECT_EQ(CodeOf(DecodeStatReply(std::span(body).first(n))), StatusCode::kProtocolError) << n;
+  }
+  // A length over the limit is refused before anything is read; bytes that are not printable
+  // are shown as '?'.
+  std::vector<uint8_t> bad(body.begin(), body.begin() + 80);
+  Writer w(&bad);
+  w.U16(static_cast<uint16_t>(kMaxVersionString + 1));
+  w.Zeros(kMaxVersionString + 1);
+  EXPECT_EQ(CodeOf(DecodeStatReply(bad)), StatusCode::kProtocolError);
+  std::vector<uint8_t> odd(body.begin(), body.begin() + 80);
+  Writer o(&odd);
+  o.U16(3);
+  o.Bytes(std::vector<uint8_t>{'1', 0x0a, 0xff});
+  auto od = DecodeStatReply(odd);
+  ASSERT_TRUE(od.has_value());
+  EXPECT_EQ(od->version, "1??");
+  // Encoder cuts an overlong version to the limit.
+  m.version.assign(kMaxVersionString + 50, 'v');
+  body.clear();
+  EncodeStatReply(m, &body);
+  auto cut = DecodeStatReply(body);
+  ASSERT_TRUE(cut.has_value());
+  EXPECT_EQ(cut->version.size(), kMaxVersionString);
+}
+
 // ---------------------------------------------------------------- ALLOC / FREE / HEARTBEAT
 
 TEST(WireAlloc, RoundTripsCountsAtTheLimits) {

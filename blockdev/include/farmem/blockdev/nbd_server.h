@@ -32,6 +32,7 @@
 #include <vector>
 
 #include "farmem/blockdev/block_backend.h"
+#include "farmem/blockdev/nbd_metrics.h"
 #include "farmem/blockdev/nbd_protocol.h"
 #include "farmem/common/config.h"
 #include "farmem/common/mutex.h"
@@ -57,6 +58,8 @@ struct NbdServerOptions {
   std::chrono::milliseconds reply_timeout{30000};
   // On Stop(), how long connections get to finish the requests they already received.
   std::chrono::milliseconds drain_timeout{5000};
+  // Borrowed; must outlive the server. Null: requests are not counted (--metrics-listen off).
+  NbdMetrics* metrics = nullptr;
 };
 
 // Takes the sockets passed by systemd socket activation (LISTEN_PID / LISTEN_FDS, fds from 3)

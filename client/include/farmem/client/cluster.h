@@ -103,6 +103,8 @@ struct NodeInfo {
   NodeId id = 0;
   Endpoint endpoint;
   bool alive = false;
+  // Up, but a data-path error was reported within its suspect window (docs/operations.md).
+  bool suspect = false;
   uint64_t daemon_id = 0;               // HELLO node id; 0 until first contact; new after restart
   std::optional<wire::StatReply> stat;  // the last STAT answer, if any
   size_t leases_held = 0;               // leases this client holds there

@@ -62,4 +62,9 @@ void SetUpLogging(const std::string& program, const std::string& level);
 // farmem/common/version.h) on stdout and exits 0, before any other option is checked.
 CLI::Option* AddVersionOption(CLI::App& app, std::string_view program);
 
+// Adds `--metrics-listen HOST:PORT` (serve Prometheus metrics over HTTP there; port 0 picks one)
+// and `--metrics-port-file FILE` (write the port bound) to `app`: the same for farmemd and
+// farmem-nbd (common/metrics.h, docs/operations.md "Metrics").
+void AddMetricsOptions(CLI::App& app, std::string& listen, std::string& port_file);
+
 }  // namespace farmem::cli

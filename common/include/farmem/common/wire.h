@@ -71,7 +71,11 @@ enum Features : uint32_t {
   kStateUnderPressure = 1u << 17,  // its host is short of memory (--reserve)
   // STAT: the reply carries client_free_slabs / client_max_slabs (the asking client's share).
   kFeatureClientShare = 1u << 2,
+  // STAT: the reply ends with the daemon's version string (after the CLIENT_SHARE fields).
+  kFeatureVersion = 1u << 3,
 };
+// Longest version string a STAT reply may carry.
+inline constexpr size_t kMaxVersionString = 128;
 
 struct FrameHeader {
   uint8_t version = kVersion;
@@ -203,6 +207,8 @@ struct StatReply {
   // client asking may still take (free_slabs capped by its --max-client-share), and that cap.
   uint32_t client_free_slabs = 0;
   uint32_t client_max_slabs = 0;
+  // With kFeatureVersion (appended last; empty from daemons without it): "0.1.0 (git ...)".
+  std::string version;
 };
 
 // The slabs the client that asked may still lease: free_slabs capped by the daemon's

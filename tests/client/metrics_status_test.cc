@@ -1,0 +1,316 @@
+// Metrics and status (issue 14): farmemd and farmem-nbd with --metrics-listen on loopback, real
+// I/O through the export (nbdcopy), scraped with a real HTTP client (curl); the exposition must
+// parse strictly (metrics::ParseExposition, what Prometheus accepts) and its numbers must match
+// what the test did. Bad HTTP input gets an error and a close, and both programs keep serving.
+// `farmemctl stat --json` is parsed by a JSON parser nobody here wrote (python3's), and the
+// documented exit codes hold with a daemon down; so do `farmemctl export stat`'s.
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+#include <sys/socket.h>
+
+#include <cctype>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <set>
+
+#include "farmem/common/metrics.h"
+#include "farmem/common/socket.h"
+#include "support/daemon_fixture.h"
+
+namespace farmem {
+namespace {
+
+using std::chrono::milliseconds;
+using std::chrono::seconds;
+using testing::CommandResult;
+using testing::RunCommand;
+using testing::WaitUntil;
+
+constexpr uint64_t kIoBytes = 4 << 20;
+
+uint16_t ReadPort(const std::string& path) {
+  std::ifstream in(path);
+  int port = 0;
+  in >> port;
+  return static_cast<uint16_t>(port);
+}
+
+bool WaitForPortFile(const std::string& path) {
+  return WaitUntil([&] { return ReadPort(path) != 0; }, milliseconds(20000));
+}
+
+// GET /metrics with curl; the parsed samples (the test fails on a malformed exposition).
+std::vector<metrics::Sample> Scrape(uint16_t port) {
+  const CommandResult r = RunCommand({"curl", "-sS", "--fail", "--max-time", "10",
+                                      fmt::format("http://127.0.0.1:{}/metrics", port)},
+                                     seconds(20));
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  auto samples = metrics::ParseExposition(r.out);
+  EXPECT_TRUE(samples.has_value()) << (samples ? "" : samples.error().ToString()) << "\n" << r.out;
+  return samples ? *samples : std::vector<metrics::Sample>{};
+}
+
+double Value(const std::vector<metrics::Sample>& s, const char* name,
+             const metrics::Labels& labels = {}) {
+  auto v = metrics::Find(s, name, labels);
+  EXPECT_TRUE(v.has_value()) << name;
+  return v.value_or(-1);
+}
+
+// Sends raw bytes, returns what came back before the server closed.
+std::string RawHttp(uint16_t port, const std::string& bytes) {
+  auto s = ConnectTcp({"127.0.0.1", port}, DeadlineIn(seconds(5)));
+  if (!s) return "connect failed: " + s.error().ToString();
+  (void)SendAll(s->fd(), {reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size()},
+                DeadlineIn(seconds(5)));
+  ::shutdown(s->fd(), SHUT_WR);
+  std::string out;
+  uint8_t buf[4096];
+  for (;;) {
+    iovec iov{buf, sizeof buf};
+    auto n = RecvSome(s->fd(), &iov, 1, DeadlineIn(seconds(10)));
+    if (!n) break;
+    out.append(reinterpret_cast<char*>(buf), *n);
+  }
+  return out;
+}
+
+void ExpectBadInputIsRefused(uint16_t port) {
+  std::string got = RawHttp(port, "\x16\x03\x01 not http at all\r\n\r\n");
+  EXPECT_TRUE(got.starts_with("HTTP/1.1 400 ")) << got;
+  got = RawHttp(port, "GET /metrics HTTP/1.1\r\n" + std::string(9000, 'x') + "\r\n\r\n");
+  EXPECT_TRUE(got.starts_with("HTTP/1.1 431 ")) << got;
+  got = RawHttp(port, "DELETE /metrics HTTP/1.1\r\n\r\n");
+  EXPECT_TRUE(got.starts_with("HTTP/1.1 405 ")) << got;
+  const CommandResult notfound = RunCommand({"curl", "-s", "-o", "/dev/null", "-w", "%{http_code}",
+                                             fmt::format("http://127.0.0.1:{}/admin", port)},
+                                            seconds(20));
+  EXPECT_EQ(notfound.out, "404");
+}
+
+class MetricsStatusTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    ASSERT_TRUE(dir_.ok());
+    if (!testing::HaveProgram("curl") || !testing::HaveProgram("nbdcopy") ||
+        !testing::HaveProgram("python3")) {
+      GTEST_SKIP() << "needs curl, nbdcopy (libnbd-bin) and python3: deploy/install-deps.sh";
+    }
+  }
+  CommandResult Farmemctl(std::vector<std::string> args, const testing::DaemonSet& d) {
+    args.insert(args.begin(), testing::BinPath("farmemctl"));
+    args.insert(args.end(), {"--secret-file", d.work_dir() + "/secret"});
+    return RunCommand(args, seconds(30));
+  }
+  // Runs python3 on `json` (written to a file) with `script`, which prints what the test checks.
+  std::string Python(const std::string& json, const std::string& script) {
+    const std::string f = dir_.File("out.json");
+    std::ofstream(f) << json;
+    const CommandResult r = RunCommand(
+        {"python3", "-c", "import json,sys\nd=json.load(open(sys.argv[1]))\n" + script, f});
+    EXPECT_EQ(r.exit_code, 0) << r.err << "\n" << json;
+    return r.out;
+  }
+  testing::TempDir dir_;
+};
+
+TEST_F(MetricsStatusTest, DaemonAndExportMetricsMoveWithIoAndSurviveBadHttp) {
+  const std::string dport = dir_.File("farmemd.mport"), nport = dir_.File("nbd.mport");
+  testing::DaemonSet daemons(
+      {.capacity = "64M",
+       .slab_size = "8M",
+       .extra_args = {"--no-mlock", "--memory-source", "off", "--metrics-listen", "127.0.0.1:0",
+                      "--metrics-port-file", dport}});
+  ASSERT_TRUE(daemons.Start(1).ok()) << daemons.Logs();
+  ASSERT_TRUE(WaitForPortFile(dport)) << daemons.Logs();
+  const uint16_t daemon_port = ReadPort(dport);
+  auto before = Scrape(daemon_port);
+  EXPECT_EQ(Value(before, "farmem_daemon_lent_bytes"), 0);
+  EXPECT_EQ(Value(before, "farmem_daemon_capacity_bytes"), 64 << 20);
+
+  // A wrong secret is an auth failure the daemon counts.
+  const std::string wrong = dir_.File("wrong-secret");
+  ASSERT_TRUE(testing::WritePrivateFile(wrong, "not-the-secret-of-these-daemons-at-all").ok());
+  const CommandResult refused =
+      RunCommand({testing::BinPath("farmemctl"), "stat", "--peers",
+                  daemons[0].endpoint().ToString(), "--secret-file", wrong});
+  EXPECT_EQ(refused.exit_code, 1) << "a wrong secret is an error of the command, not a daemon "
+                                     "down: "
+                                  << refused.out << refused.err;
+  EXPECT_TRUE(WaitUntil(
+      [&] { return Value(Scrape(daemon_port), "farmem_daemon_auth_failures_total") == 1; },
+      milliseconds(10000)));
+
+  const std::string sock = dir_.File("nbd.sock");
+  auto nbd =
+      testing::ChildProcess::Spawn({testing::BinPath("farmem-nbd"),
+                                    "--backend",
+                                    "farmem",
+                                    "--peers",
+                                    daemons[0].endpoint().ToString(),
+                                    "--secret-file",
+                                    daemons.work_dir() + "/secret",
+                                    "--resilience",
+                                    "none",
+                                    "--size",
+                                    "32M",
+                                    "--unix",
+                                    sock,
+                                    "--no-swap-safe",
+                                    "--heartbeat-ms",
+                                    "100",
+                                    "--failure-timeout-ms",
+                                    "1000",
+                                    "--metrics-listen",
+                                    "127.0.0.1:0",
+                                    "--metrics-port-file",
+                                    nport},
+                                   {.stderr_path = dir_.File("nbd.log"), .kill_with_parent = true});
+  ASSERT_TRUE(nbd.has_value()) << nbd.error().ToString();
+  ASSERT_TRUE(WaitForPortFile(nport)) << testing::ReadFile(dir_.File("nbd.log"));
+  const uint16_t nbd_port = ReadPort(nport);
+  auto idle = Scrape(nbd_port);
+  EXPECT_EQ(Value(idle, "farmem_export_requests_total", {{"op", "write"}}), 0);
+  EXPECT_EQ(Value(idle, "farmem_export_size_bytes"), 32 << 20);
+
+  // I/O: 4 MiB written through the export and read back.
+  const std::string in = dir_.File("in.bin"), out = dir_.File("out.bin");
+  {
+    std::ofstream f(in, std::ios::binary);
+    for (uint64_t i = 0; i < kIoBytes / 8; ++i) {
+      const uint64_t v = i * 0x9e3779b97f4a7c15ull;
+      f.write(reinterpret_cast<const char*>(&v), 8);
+    }
+  }
+  const std::string uri = "nbd+unix:///?socket=" + sock;
+  CommandResult w = RunCommand({"nbdcopy", in, uri});
+  ASSERT_EQ(w.exit_code, 0) << w.err;
+  CommandResult r = RunCommand({"nbdcopy", uri, out});  // the whole 32 MiB export
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(testing::ReadFile(in), testing::ReadFile(out).substr(0, kIoBytes));
+
+  auto e = Scrape(nbd_port);
+  const double writes = Value(e, "farmem_export_requests_total", {{"op", "write"}});
+  EXPECT_GT(writes, 0);
+  EXPECT_EQ(Value(e, "farmem_export_bytes_total", {{"op", "write"}}), kIoBytes);
+  EXPECT_GE(Value(e, "farmem_export_bytes_total", {{"op", "read"}}), kIoBytes);
+  EXPECT_EQ(Value(e, "farmem_export_errors_total", {{"op", "write"}}), 0);
+  EXPECT_EQ(Value(e, "farmem_export_request_duration_seconds_count", {{"op", "write"}}), writes);
+  EXPECT_EQ(Value(e, "farmem_export_lost_bytes_total"), 0);
+  EXPECT_EQ(Value(e, "farmem_export_degraded_extents"), 0);
+  EXPECT_GE(Value(e, "farmem_export_extents_mapped"), 1);
+  const std::string daemon = daemons[0].endpoint().ToString();
+  EXPECT_EQ(Value(e, "farmem_export_daemon_state", {{"daemon", daemon}, {"state", "up"}}), 1);
+  EXPECT_GE(Value(e, "farmem_export_daemon_leased_bytes", {{"daemon", daemon}}), 8 << 20);
+
+  auto d = Scrape(daemon_port);
+  EXPECT_GE(Value(d, "farmem_daemon_lent_bytes"), 8 << 20);
+  EXPECT_EQ(Value(d, "farmem_daemon_lent_bytes") + Value(d, "farmem_daemon_free_bytes"), 64 << 20);
+  EXPECT_GE(Value(d, "farmem_daemon_data_bytes_total", {{"direction", "write"}}), kIoBytes);
+  EXPECT_GE(Value(d, "farmem_daemon_data_bytes_total", {{"direction", "read"}}), kIoBytes);
+  EXPECT_GE(Value(d, "farmem_daemon_leases_granted_total"), 1);
+  EXPECT_GE(Value(d, "farmem_daemon_requests_total", {{"opcode", "ALLOC"}}), 1);
+  EXPECT_GE(Value(d, "farmem_daemon_requests_total", {{"opcode", "BATCH"}}) +
+                Value(d, "farmem_daemon_requests_total", {{"opcode", "WRITE"}}),
+            1);
+  EXPECT_EQ(Value(d, "farmem_daemon_client_leased_bytes", {{"name", "farmem-nbd"}}),
+            Value(d, "farmem_daemon_lent_bytes"));
+  EXPECT_EQ(Value(d, "farmem_daemon_draining"), 0);
+
+  // Every metric the Grafana dashboard (deploy/grafana/farmem.json) queries is served.
+  {
+    const char* src = std::getenv("FARMEM_SOURCE_DIR");
+    ASSERT_NE(src, nullptr);
+    const std::string dash = testing::ReadFile(std::string(src) + "/deploy/grafana/farmem.json");
+    ASSERT_FALSE(dash.empty());
+    std::set<std::string> served;
+    for (const auto* samples : {&d, &e}) {
+      for (const metrics::Sample& x : *samples) served.insert(x.name);
+    }
+    size_t checked = 0;
+    for (size_t at = dash.find("farmem_"); at != std::string::npos;
+         at = dash.find("farmem_", at + 1)) {
+      if (at > 0 && (std::isalnum(static_cast<unsigned char>(dash[at - 1])) ||
+                     dash[at - 1] == '_' || dash[at - 1] == '-')) {
+        continue;  // part of another word ("farmem-overview")
+      }
+      size_t end = at;
+      while (end < dash.size() &&
+             (std::isalnum(static_cast<unsigned char>(dash[end])) || dash[end] == '_'))
+        ++end;
+      const std::string name = dash.substr(at, end - at);
+      EXPECT_TRUE(served.count(name))
+          << "the dashboard queries " << name << ", which nobody serves";
+      ++checked;
+    }
+    EXPECT_GT(checked, 20u);
+  }
+
+  ExpectBadInputIsRefused(daemon_port);
+  ExpectBadInputIsRefused(nbd_port);
+  EXPECT_TRUE(daemons[0].running());
+  EXPECT_TRUE(nbd->running());
+  Scrape(daemon_port);  // still served
+  Scrape(nbd_port);
+
+  // farmemctl export stat: whole (exit 0) and its JSON parses; with the one daemon down the
+  // export is degraded (exit 3).
+  CommandResult es = RunCommand({testing::BinPath("farmemctl"), "export", "stat",
+                                 fmt::format("127.0.0.1:{}", nbd_port), "--json"});
+  EXPECT_EQ(es.exit_code, 0) << es.out << es.err;
+  EXPECT_EQ(Python(es.out,
+                   "print(d['health'], d['lost_bytes'], d['rebuild_percent'], "
+                   "d['daemons'][0]['state'], d['daemons'][0]['leased_bytes'] > 0)"),
+            "whole 0 100.0 up True\n");
+  daemons[0].Kill();
+  EXPECT_TRUE(WaitUntil(
+      [&] {
+        return RunCommand({testing::BinPath("farmemctl"), "export", "stat",
+                           fmt::format("127.0.0.1:{}", nbd_port)})
+                   .exit_code == 3;
+      },
+      milliseconds(20000)));
+}
+
+TEST_F(MetricsStatusTest, StatJsonShowsEveryFieldAndExitCodesSayWhenADaemonIsDown) {
+  testing::DaemonSet daemons({.extra_args = {"--no-mlock", "--memory-source", "off"}});
+  ASSERT_TRUE(daemons.Start(2).ok()) << daemons.Logs();
+  const std::string peers =
+      daemons[0].endpoint().ToString() + "," + daemons[1].endpoint().ToString();
+  const CommandResult version = RunCommand({testing::BinPath("farmemd"), "--version"});
+  ASSERT_EQ(version.exit_code, 0);
+  const std::string want_version = version.out.substr(8, version.out.size() - 9);  // "farmemd "
+
+  CommandResult st = Farmemctl({"stat", "--peers", peers, "--json"}, daemons);
+  ASSERT_EQ(st.exit_code, 0) << st.out << st.err;
+  EXPECT_EQ(Python(st.out,
+                   "print(d['down'], len(d['daemons']))\n"
+                   "for x in d['daemons']:\n"
+                   "  print(x['state'], x['version'], x['capacity_bytes'], x['clients'],"
+                   " x['ops'], x['bytes_read'], x['transports'], x['lent_bytes'])"),
+            fmt::format("0 2\nup {0} 16777216 1 0 0 ['tcp'] 0\nup {0} 16777216 1 0 0 ['tcp'] 0\n",
+                        want_version));
+  // The table: one row per daemon with the columns it used to drop.
+  st = Farmemctl({"stat", "--peers", peers}, daemons);
+  ASSERT_EQ(st.exit_code, 0) << st.err;
+  for (const char* column : {"version", "clients", "ops", "read", "written", "transport"}) {
+    EXPECT_NE(st.out.find(column), std::string::npos) << column << "\n" << st.out;
+  }
+
+  daemons[1].Kill();
+  st = Farmemctl({"stat", "--peers", peers, "--json"}, daemons);
+  EXPECT_EQ(st.exit_code, 3) << "a daemon down: exit 3 (docs/operations.md)\n" << st.out;
+  EXPECT_EQ(Python(st.out, "print(d['down'], [x['state'] for x in d['daemons']])"),
+            "1 ['up', 'down']\n");
+  daemons[0].Kill();
+  st = Farmemctl({"stat", "--peers", peers}, daemons);
+  EXPECT_EQ(st.exit_code, 3) << "every daemon down is a daemon down too\n" << st.out << st.err;
+  // An error of the command itself (here an unreadable secret file) is exit 1.
+  st = RunCommand({testing::BinPath("farmemctl"), "stat", "--peers", peers, "--secret-file",
+                   dir_.File("no-such-file")});
+  EXPECT_EQ(st.exit_code, 1) << st.out << st.err;
+}
+
+}  // namespace
+}  // namespace farmem
