@@ -43,7 +43,8 @@ struct BackendConfig {
   std::string kind = "memory";
   std::string size = "1G";
   // --backend farmem: the remote page store on farmemd daemons.
-  std::string peers, peers_dns, secret_file, resilience = "ec:4+2", backup, transport = "auto";
+  std::string peers, peers_dns, secret_file, key_file, resilience = "ec:4+2", backup,
+                                                       transport = "auto";
   uint32_t heartbeat_ms = 500, failure_timeout_ms = 2000, peer_wait_ms = 5000;
   bool overcommit = false;
   std::unique_ptr<farmem::client::Cluster> cluster;  // outlives the page store (declared first)
@@ -64,7 +65,12 @@ void AddBackendFlags(CLI::App& app, BackendConfig* cfg) {
   app.add_option("--peers-dns", cfg->peers_dns,
                  "farmem: a name:port whose every address is a "
                  "daemon");
-  app.add_option("--secret-file", cfg->secret_file, "farmem: the daemons' shared secret");
+  app.add_option("--secret-file", cfg->secret_file,
+                 "farmem: the cluster secret (authenticates as the administrator identity "
+                 "'cluster'; prefer --key-file)");
+  app.add_option("--key-file", cfg->key_file,
+                 "farmem: the key file of this client's identity (farmemctl key issue); its "
+                 "leases are bound to that name");
   app.add_option("--resilience", cfg->resilience,
                  "farmem: none, replicate:N or ec:k+r (each 4 KiB page split into k fragments "
                  "plus r parity, on k+r daemons)")
@@ -103,8 +109,8 @@ Status CheckFlagsApply(const CLI::App& app, const BackendConfig& cfg) {
   if (cfg.kind == "farmem") return Status::Ok();
   return farmem::cli::RejectGiven(
       app,
-      {"--peers", "--peers-dns", "--secret-file", "--resilience", "--backup", "--transport",
-       "--heartbeat-ms", "--failure-timeout-ms", "--overcommit", "--peer-wait-ms"},
+      {"--peers", "--peers-dns", "--secret-file", "--key-file", "--resilience", "--backup",
+       "--transport", "--heartbeat-ms", "--failure-timeout-ms", "--overcommit", "--peer-wait-ms"},
       "only to --backend farmem, and this is --backend " + cfg.kind +
           " (the device lives in this process's RAM): add --backend farmem, or leave "
           "them out");
@@ -204,9 +210,10 @@ Result<std::unique_ptr<BlockBackend>> OpenBackend(BackendConfig& cfg) {
     co.client_name = "farmem-nbd";
     co.heartbeat_interval = std::chrono::milliseconds(cfg.heartbeat_ms);
     co.failure_timeout = std::chrono::milliseconds(cfg.failure_timeout_ms);
-    if (!cfg.secret_file.empty()) {
-      FARMEM_ASSIGN_OR_RETURN(co.secret, farmem::auth::LoadSecretFile(cfg.secret_file));
-    }
+    FARMEM_ASSIGN_OR_RETURN(farmem::auth::ClientKeyFile cred,
+                            farmem::auth::LoadClientCredentials(cfg.secret_file, cfg.key_file));
+    co.secret = std::move(cred.key);
+    co.identity = std::move(cred.identity);
     if (co.peers.empty() && co.peers_dns.empty()) {
       return farmem::Err(farmem::InvalidArgument("--backend farmem needs --peers or --peers-dns"));
     }

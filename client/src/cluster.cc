@@ -40,6 +40,15 @@ Status ValidateOptions(const ClusterOptions& o) {
   if (o.peers.empty() && o.peers_dns.empty()) {
     return InvalidArgument("no peers: set ClusterOptions.peers or peers_dns");
   }
+  if (!o.identity.empty()) {
+    FARMEM_RETURN_IF_ERROR(auth::ValidateIdentity(o.identity));
+    if (o.secret.empty()) {
+      return InvalidArgument(
+          fmt::format("identity '{}' without its key: set ClusterOptions.secret to the key "
+                      "(auth::LoadClientKeyFile of `farmemctl key issue {}`)",
+                      o.identity, o.identity));
+    }
+  }
   if (o.heartbeat_interval.count() <= 0) {
     return InvalidArgument("heartbeat_interval must be positive");
   }
@@ -138,6 +147,7 @@ Status Cluster::Start() {
 Status Cluster::InitCredentials() {
   FARMEM_RETURN_IF_ERROR(auth::RandomBytes(client_id_));
   credentials_.secret = options_.secret;
+  credentials_.identity = options_.identity;
   credentials_.client_id = client_id_;
   credentials_.client_name = options_.client_name.empty()
                                  ? fmt::format("farmem-client-{}", ::getpid())

@@ -8,15 +8,22 @@
 //       the daemon grants nothing more and gives every client notice to move its data
 //       (docs/operations.md "Drain"); --wait returns once it holds no lease
 //   farmemctl undrain HOST:PORT [--secret-file F]     grant again, lift pending notices
-//   farmemctl demo --peers h:p,h:p [--secret-file F] [--size 384M]
+//   farmemctl demo --peers h:p,h:p [--secret-file F | --key-file K] [--size 384M]
 //       borrows slabs by power-of-two-choices, writes patterned data across the daemons,
 //       reads it all back verified, shows per-daemon usage, frees everything.
+//   farmemctl key issue NAME --secret-file F --out K
+//       writes the key of identity NAME (derived from the cluster secret, docs/operations.md
+//       "Security") to K, mode 0600; a client given --key-file K authenticates as NAME.
+// stat and demo take --key-file K instead of --secret-file to act as one identity.
+#include <fcntl.h>
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>
+#include <unistd.h>
 
 #include <CLI/CLI.hpp>
 #include <algorithm>
 #include <chrono>
+#include <cstring>
 #include <map>
 #include <optional>
 #include <thread>
@@ -33,7 +40,7 @@ using Sec = std::chrono::duration<double>;
 namespace {
 
 struct Common {
-  std::string peers, peers_dns, secret_file, transport = "auto";
+  std::string peers, peers_dns, secret_file, key_file, transport = "auto";
 };
 
 Result<std::unique_ptr<client::Cluster>> ConnectCluster(const Common& c, const char* name) {
@@ -42,9 +49,10 @@ Result<std::unique_ptr<client::Cluster>> ConnectCluster(const Common& c, const c
   o.peers_dns = c.peers_dns;
   o.transport = c.transport;
   o.client_name = name;
-  if (!c.secret_file.empty()) {
-    FARMEM_ASSIGN_OR_RETURN(o.secret, auth::LoadSecretFile(c.secret_file));
-  }
+  FARMEM_ASSIGN_OR_RETURN(auth::ClientKeyFile cred,
+                          auth::LoadClientCredentials(c.secret_file, c.key_file));
+  o.secret = std::move(cred.key);
+  o.identity = std::move(cred.identity);
   if (o.peers.empty() && o.peers_dns.empty()) {
     return Err(InvalidArgument("give the daemons with --peers host:port,... or --peers-dns"));
   }
@@ -544,6 +552,46 @@ int DrainCmd(const Common& c, const std::string& target, bool drain, uint32_t gr
   return 0;
 }
 
+// farmemctl key issue: the key of one identity, derived from the cluster secret (auth.h).
+int KeyIssueCmd(const std::string& secret_file, const std::string& name, const std::string& out) {
+  if (Status s = auth::ValidateIdentity(name); !s.ok()) {
+    fmt::print(stderr, "farmemctl key issue: {}\n", s.message());
+    return 2;
+  }
+  if (name == auth::kClusterIdentity) {
+    fmt::print(stderr,
+               "farmemctl key issue: '{}' is the built-in identity of the cluster secret itself; "
+               "give its holders --secret-file\n",
+               name);
+    return 2;
+  }
+  auto secret = auth::LoadSecretFile(secret_file);
+  if (!secret) {
+    fmt::print(stderr, "farmemctl key issue: --secret-file: {}\n", secret.error().ToString());
+    return 1;
+  }
+  const std::string text = auth::FormatClientKeyFile({name, auth::ClientKey(*secret, name)});
+  // Created 0600 and never widened: the key is as good as the name's password.
+  const int fd = ::open(out.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+  if (fd < 0) {
+    fmt::print(stderr, "farmemctl key issue: cannot create {}: {}{}\n", out, strerror(errno),
+               errno == EEXIST ? " (remove it first: a key file is never overwritten)" : "");
+    return 1;
+  }
+  const bool ok = ::write(fd, text.data(), text.size()) == static_cast<ssize_t>(text.size());
+  ::close(fd);
+  if (!ok) {
+    fmt::print(stderr, "farmemctl key issue: writing {} failed\n", out);
+    ::unlink(out.c_str());
+    return 1;
+  }
+  fmt::print(
+      "wrote the key of identity '{}' to {} (mode 0600); give it to that client with "
+      "--key-file {}\n",
+      name, out, out);
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -555,6 +603,8 @@ int main(int argc, char** argv) {
     sub->add_option("--peers", c.peers, "Daemons: host:port,host:port (port defaults to 7411)");
     sub->add_option("--peers-dns", c.peers_dns, "A name:port whose every address is a daemon");
     sub->add_option("--secret-file", c.secret_file, "Shared secret the daemons require");
+    sub->add_option("--key-file", c.key_file,
+                    "Authenticate as one identity: its key file (farmemctl key issue)");
     sub->add_option("--transport", c.transport, "tcp, verbs or auto")
         ->capture_default_str()
         ->check(cli::OneOf(kTransports));
@@ -586,6 +636,7 @@ int main(int argc, char** argv) {
       "drain", "Make one daemon grant nothing and give its clients notice to move their data");
   drain->add_option("target", target, "The daemon, host:port")->required();
   drain->add_option("--secret-file", c.secret_file, "Shared secret the daemon requires");
+  drain->add_option("--key-file", c.key_file, "An identity's key file (DRAIN needs the secret)");
   drain->add_option("--grace-ms", grace_ms, "How long clients have to move their data")
       ->capture_default_str();
   drain->add_flag("--wait", wait,
@@ -598,11 +649,20 @@ int main(int argc, char** argv) {
       "demo", "Borrow slabs, write patterned data, read it back verified, free it");
   add_common(demo);
   demo->add_option("--size", size, "How much memory to borrow and fill")->capture_default_str();
+  CLI::App* key = app.add_subcommand("key", "Client identities (docs/operations.md \"Security\")");
+  key->require_subcommand(1);
+  CLI::App* key_issue = key->add_subcommand(
+      "issue", "Write the key of one identity, derived from the cluster secret, to a new file");
+  std::string key_name, key_out;
+  key_issue->add_option("name", key_name, "The identity: letters, digits and . _ @ -")->required();
+  key_issue->add_option("--secret-file", c.secret_file, "The cluster secret")->required();
+  key_issue->add_option("--out", key_out, "The key file to create (mode 0600)")->required();
   CLI11_PARSE(app, argc, argv);
   cli::SetUpLogging("farmemctl", log_level);
   if (*stat) return StatCmd(c, json);
   if (*exp) return ExportStatCmd(export_target, json);
   if (*drain) return DrainCmd(c, target, true, grace_ms, wait);
   if (*undrain) return DrainCmd(c, target, false, 0, false);
+  if (*key) return KeyIssueCmd(c.secret_file, key_name, key_out);
   return Demo(c, size);
 }

@@ -116,6 +116,11 @@ void EncodeHello(const HelloRequest& m, std::vector<uint8_t>* out) {
   w.Bytes(m.client_nonce);
   w.Bytes({reinterpret_cast<const uint8_t*>(m.client_name.data()),
            std::min(m.client_name.size(), kMaxClientName)});
+  if (!m.identity.empty()) {  // optional trailer: u8 length, then the name
+    const size_t n = std::min(m.identity.size(), kMaxIdentity);
+    w.U8(static_cast<uint8_t>(n));
+    w.Bytes({reinterpret_cast<const uint8_t*>(m.identity.data()), n});
+  }
 }
 
 Result<HelloRequest> DecodeHello(std::span<const uint8_t> body) {
@@ -126,13 +131,21 @@ Result<HelloRequest> DecodeHello(std::span<const uint8_t> body) {
   const uint16_t name_len = r.U16();
   ReadArray(r, &m.client_id);
   ReadArray(r, &m.client_nonce);
-  if (!r.ok() || name_len > kMaxClientName || r.remaining() != name_len) {
+  if (!r.ok() || name_len > kMaxClientName || r.remaining() < name_len) {
     return Err(Malformed("HELLO", body));
   }
   auto name = r.Bytes(name_len);
   m.client_name.assign(reinterpret_cast<const char*>(name.data()), name.size());
   for (char& c : m.client_name) {
     if (c < 0x20 || c > 0x7e) c = '?';  // names end up in logs
+  }
+  if (r.remaining() > 0) {  // the identity trailer: u8 length (1..kMaxIdentity), the name
+    const uint8_t id_len = r.U8();
+    if (id_len == 0 || id_len > kMaxIdentity || r.remaining() != id_len) {
+      return Err(Malformed("HELLO", body));
+    }
+    auto id = r.Bytes(id_len);
+    m.identity.assign(reinterpret_cast<const char*>(id.data()), id.size());
   }
   if (m.min_version > m.max_version) {
     return Err(ProtocolError(

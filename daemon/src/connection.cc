@@ -8,6 +8,7 @@
 #include <cstring>
 
 #include "farmem/common/version.h"
+#include "farmem/common/auth.h"
 #include "handshake.h"
 #include "server.h"
 
@@ -20,17 +21,20 @@ static_assert(kRecvBuffer >= kHandshakeBuffer);  // a connection's early bytes f
 static_assert(kRecvBuffer >= wire::kHeaderSize + 8 + wire::kMaxOpsPerBatch * wire::kBatchOpSize);
 }  // namespace
 
-Connection::Connection(Server* server, Socket socket, std::string peer,
-                       const wire::ClientId& client_id, std::string client_name,
+Connection::Connection(Server* server, Socket socket, std::string peer, const Handshake& handshake,
                        std::span<const uint8_t> early)
     : server_(server),
       socket_(std::move(socket)),
       peer_(std::move(peer)),
       counted_client_(true),
-      client_id_(client_id),
-      client_name_(std::move(client_name)),
-      offload_(server, client_id_, client_name_) {
-  server_->ClientConnected(client_id_, client_name_);
+      client_id_(handshake.client_id()),
+      identity_(handshake.identity()),
+      owner_(handshake.owner()),
+      client_name_(identity_ == auth::kClusterIdentity
+                       ? handshake.client_name()
+                       : fmt::format("{}/{}", identity_, handshake.client_name())),
+      offload_(server, client_id_, identity_, owner_, client_name_) {
+  server_->ClientConnected(owner_, client_name_);
   server_->counters().connections_admitted.fetch_add(1, std::memory_order_relaxed);
   rbuf_.resize(kRecvBuffer);
   std::memcpy(rbuf_.data(), early.data(), early.size());  // at most kHandshakeBuffer bytes
@@ -39,7 +43,7 @@ Connection::Connection(Server* server, Socket socket, std::string peer,
 }
 
 Connection::~Connection() {
-  if (counted_client_) server_->ClientDisconnected(client_id_);
+  if (counted_client_) server_->ClientDisconnected(owner_);
 }
 
 void Connection::Shutdown() { socket_.Shutdown(); }
@@ -51,7 +55,7 @@ void Connection::Serve() {
   socket_.Shutdown();
   if (counted_client_) {
     counted_client_ = false;
-    server_->ClientDisconnected(client_id_);
+    server_->ClientDisconnected(owner_);
   }
 }
 
@@ -213,7 +217,7 @@ Connection::Next Connection::HandleControl(const wire::FrameHeader& h,
       r.slab_size = ps.slab_size;
       r.total_slabs = ps.total_slabs;
       r.free_slabs = ps.free_slabs;
-      const SlabPool::ClientRoom room = pool.RoomFor(client_id_);
+      const SlabPool::ClientRoom room = pool.RoomFor(owner_);
       r.client_free_slabs = room.may_take;
       r.client_max_slabs = room.limit;
       r.clients = server_->client_count();
@@ -239,12 +243,12 @@ Connection::Next Connection::HandleControl(const wire::FrameHeader& h,
         return Next::kContinue;
       }
       control_.store(true, std::memory_order_relaxed);
-      Result<std::vector<wire::LeaseGrant>> leases = pool.Grant(req->count, client_id_);
+      Result<std::vector<wire::LeaseGrant>> leases = pool.Grant(req->count, owner_);
       if (!leases.has_value()) {
         ReplyError(h, leases.error());
         return Next::kContinue;
       }
-      pool.Renew(client_id_);
+      pool.Renew(owner_);
       spdlog::info("granted {} slab(s) to {} ({})", leases->size(), client_name_, peer_);
       wire::EncodeAllocReply({std::move(*leases)}, &body_);
       break;
@@ -255,8 +259,9 @@ Connection::Next Connection::HandleControl(const wire::FrameHeader& h,
         ReplyError(h, req.error());
         return Next::kContinue;
       }
-      Status s = pool.Release(req->lease_ids, client_id_);
+      Status s = pool.Release(req->lease_ids, owner_);
       if (!s.ok()) {
+        NoteRefusal(s);
         ReplyError(h, s);
         return Next::kContinue;
       }
@@ -270,7 +275,7 @@ Connection::Next Connection::HandleControl(const wire::FrameHeader& h,
       }
       control_.store(true, std::memory_order_relaxed);
       wire::HeartbeatReply r;
-      r.leases_held = pool.Renew(client_id_);
+      r.leases_held = pool.Renew(owner_);
       r.lease_ttl_ms = static_cast<uint64_t>(pool.lease_ttl().count());
       wire::EncodeHeartbeatReply(r, &body_);
       break;
@@ -285,7 +290,7 @@ Connection::Next Connection::HandleControl(const wire::FrameHeader& h,
                                   "device): use the tcp transport"));
         return Next::kContinue;
       }
-      Result<wire::RdmaTokenReply> token = server_->rdma()->IssueToken(client_id_);
+      Result<wire::RdmaTokenReply> token = server_->rdma()->IssueToken(owner_);
       if (!token.has_value()) {
         ReplyError(h, token.error());
         return Next::kContinue;
@@ -297,6 +302,14 @@ Connection::Next Connection::HandleControl(const wire::FrameHeader& h,
       Result<wire::DrainRequest> req = wire::DecodeDrain(body);
       if (!req.has_value()) {
         ReplyError(h, req.error());
+        return Next::kContinue;
+      }
+      // Draining takes memory from every client: the administrator's (the cluster secret's).
+      if (!server_->options().secret.empty() && identity_ != auth::kClusterIdentity) {
+        ReplyError(h, PermissionDenied(fmt::format(
+                          "DRAIN is for the cluster administrator: identity '{}' may not; use "
+                          "the cluster secret (farmemctl drain --secret-file)",
+                          identity_)));
         return Next::kContinue;
       }
       spdlog::warn("{} ({}) asks to {}", client_name_, peer_, req->drain ? "drain" : "undrain");
@@ -329,8 +342,9 @@ Connection::Next Connection::HandleRead(const wire::FrameHeader& h, std::span<co
     ReplyError(h, op.error());
     return Next::kContinue;
   }
-  Result<Pin> pin = server_->pool().Acquire(op->lease_id, client_id_, op->offset, op->length);
+  Result<Pin> pin = server_->pool().Acquire(op->lease_id, owner_, op->offset, op->length);
   if (!pin.has_value()) {
+    NoteRefusal(pin.error());
     ReplyError(h, pin.error());
     return Next::kContinue;
   }
@@ -365,8 +379,9 @@ Connection::Next Connection::HandleWrite(const wire::FrameHeader& h) {
   }
   if (!pins_.empty() && !FlushReplies()) return Next::kClose;
   Consume(wire::kHeaderSize + wire::kDataOpSize);
-  Result<Pin> pin = server_->pool().Acquire(op->lease_id, client_id_, op->offset, op->length);
+  Result<Pin> pin = server_->pool().Acquire(op->lease_id, owner_, op->offset, op->length);
   if (!pin.has_value()) {
+    NoteRefusal(pin.error());
     if (!TakePayload(nullptr, op->length)) return Next::kClose;
     ReplyError(h, pin.error());
     return Next::kContinue;
@@ -406,7 +421,8 @@ Connection::Next Connection::HandleBatch(const wire::FrameHeader& h) {
   auto& counters = server_->counters();
   for (size_t i = 0; i < n; ++i) {
     const wire::BatchOp& op = d->ops[i];
-    Result<Pin> pin = server_->pool().Acquire(op.lease_id, client_id_, op.offset, op.length);
+    Result<Pin> pin = server_->pool().Acquire(op.lease_id, owner_, op.offset, op.length);
+    if (!pin.has_value()) NoteRefusal(pin.error());
     uint16_t code = pin.has_value() ? 0 : static_cast<uint16_t>(pin.error().code());
     if (op.op == wire::Opcode::kWrite) {
       if (!TakePayload(pin.has_value() ? pin->data() + op.offset : nullptr, op.length)) {
@@ -496,6 +512,18 @@ void Connection::ReplyError(const wire::FrameHeader& req, const Status& status) 
   const size_t at = wbuf_.size();
   AppendErrorReply(req, status, &wbuf_);
   pieces_.push_back({at, nullptr, wbuf_.size() - at});
+}
+
+void Connection::NoteRefusal(const Status& status) {
+  if (status.code() != StatusCode::kPermissionDenied) return;
+  server_->foreign_lease_refusals().fetch_add(1, std::memory_order_relaxed);
+  ++foreign_unlogged_;
+  const Clock::time_point now = Clock::now();
+  if (now - foreign_logged_ < std::chrono::seconds(1)) return;
+  spdlog::warn("{} ({}, identity '{}'): {} lease operation(s) refused: {}", peer_, client_name_,
+               identity_, foreign_unlogged_, status.message());
+  foreign_logged_ = now;
+  foreign_unlogged_ = 0;
 }
 
 void Connection::AddExternal(const uint8_t* data, size_t len, Pin pin) {

@@ -23,6 +23,7 @@
 #include "farmem/common/mutex.h"
 #include "farmem/common/socket.h"
 #include "farmem/common/wire.h"
+#include "handshake.h"
 #include "offload.h"
 #include "slab_pool.h"
 
@@ -34,15 +35,18 @@ class Connection {
  public:
   // `early`: bytes the client sent after the frame that authenticated it (its first requests).
   // Counts the client as connected (STAT) from here on.
-  Connection(Server* server, Socket socket, std::string peer, const wire::ClientId& client_id,
-             std::string client_name, std::span<const uint8_t> early);
+  // `handshake` says who the client proved to be: every lease operation acts as its owner().
+  Connection(Server* server, Socket socket, std::string peer, const Handshake& handshake,
+             std::span<const uint8_t> early);
   ~Connection();
   void Serve();     // runs until the peer leaves, the framing breaks, or Shutdown()
   void Shutdown();  // from another thread: unblocks Serve()
 
   // Eviction notices (reclaimer.h). From any thread: `frame` (a whole PUSH frame) goes out
   // ahead of the next replies this connection sends.
-  const wire::ClientId& client_id() const { return client_id_; }
+  // The lease owner this connection acts as (auth::LeaseOwner of identity and client id).
+  const wire::ClientId& owner() const { return owner_; }
+  const std::string& identity() const { return identity_; }
   bool is_control() const { return control_.load(std::memory_order_relaxed); }
   void QueuePush(std::vector<uint8_t> frame) EXCLUDES(push_mu_);
 
@@ -68,6 +72,9 @@ class Connection {
 
   void Reply(const wire::FrameHeader& req, std::span<const uint8_t> body);
   void ReplyError(const wire::FrameHeader& req, const Status& status);
+  // Counts (and logs, at most once a second) an operation on a lease of another owner: another
+  // identity, or another client id of this one. `status` is the pool's answer.
+  void NoteRefusal(const Status& status);
   void AddExternal(const uint8_t* data, size_t len, Pin pin);
   bool FlushReplies();
   void Consume(size_t n) { pos_ += n; }
@@ -78,8 +85,13 @@ class Connection {
   Socket socket_;
   std::string peer_;
   bool counted_client_ = false;
-  wire::ClientId client_id_{};
+  wire::ClientId client_id_{};  // as the client declared it: a label under its identity
+  std::string identity_;        // authenticated (handshake.h)
+  wire::ClientId owner_{};      // whose leases this connection may touch
   std::string client_name_;
+  // The once-a-second log of lease operations refused for a foreign lease (see NoteForeign).
+  Clock::time_point foreign_logged_{};
+  uint64_t foreign_unlogged_ = 0;
   // When the frame at the front of rbuf_ must have arrived in full (set when its first bytes do).
   Deadline frame_deadline_ = kNoDeadline;
 

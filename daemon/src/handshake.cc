@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <cstring>
+#include <optional>
 
 #include "farmem/common/auth.h"
 
@@ -79,6 +80,16 @@ Handshake::Outcome Handshake::OnHello(const wire::FrameHeader& h, std::span<cons
   client_id_ = req->client_id;
   client_nonce_ = req->client_nonce;
   client_name_ = req->client_name;
+  if (!req->identity.empty()) {
+    if (Status s = auth::ValidateIdentity(req->identity); !s.ok()) {
+      return Fail(h, s.WithContext("HELLO"));
+    }
+  }
+  identity_ = std::string(auth::CanonicalIdentity(req->identity));
+  if (config_->revoked.contains(identity_)) {
+    return Fail(h, PermissionDenied(fmt::format(
+                       "identity '{}' is revoked on this daemon (--revoked-file)", identity_)));
+  }
   wire::HelloReply reply;
   reply.node_id = config_->node_id;
   reply.server_nonce = server_nonce_;
@@ -94,18 +105,36 @@ Handshake::Outcome Handshake::OnAuth(const wire::FrameHeader& h, std::span<const
   if (!hello_done_) return Fail(h, ProtocolError("AUTH before HELLO"));
   Result<wire::AuthRequest> req = wire::DecodeAuth(body);
   if (!req.has_value()) return Fail(h, req.error());
-  const std::string& secret = config_->secret;
-  const wire::Mac expected = auth::ClientProof(secret, server_nonce_, client_nonce_, client_id_);
-  if (!auth::MacEqual(expected, req->client_mac)) {
-    return Fail(h, PermissionDenied("authentication failed: wrong secret"));
+  if (config_->revoked.contains(identity_)) {  // revoked between HELLO and AUTH (SIGHUP)
+    return Fail(h, PermissionDenied(fmt::format(
+                       "identity '{}' is revoked on this daemon (--revoked-file)", identity_)));
+  }
+  // The current secret, then those of a rotation window. The key of a name is derived from each.
+  std::optional<std::string> key;
+  for (size_t i = 0; i <= config_->old_secrets.size() && !key; ++i) {
+    std::string k =
+        auth::ClientKey(i == 0 ? config_->secret : config_->old_secrets[i - 1], identity_);
+    const wire::Mac expected =
+        auth::ClientProof(k, server_nonce_, client_nonce_, client_id_, identity_);
+    if (auth::MacEqual(expected, req->client_mac)) key = std::move(k);
+  }
+  if (!key) {
+    return Fail(h, PermissionDenied(
+                       identity_ == auth::kClusterIdentity
+                           ? std::string("authentication failed: wrong secret")
+                           : fmt::format("authentication failed: wrong secret or key for identity "
+                                         "'{}' (issue it with `farmemctl key issue {}`)",
+                                         identity_, identity_)));
   }
   wire::AuthReply reply;
-  reply.server_mac = auth::ServerProof(secret, server_nonce_, client_nonce_, client_id_);
+  reply.server_mac = auth::ServerProof(*key, server_nonce_, client_nonce_, client_id_, identity_);
   std::vector<uint8_t> body_out;
   wire::EncodeAuthReply(reply, &body_out);
   AppendReply(h, body_out, &out_);
   return Outcome::kAuthenticated;
 }
+
+wire::ClientId Handshake::owner() const { return auth::LeaseOwner(identity_, client_id_); }
 
 Handshake::Outcome Handshake::Fail(const wire::FrameHeader& h, Status status) {
   AppendErrorReply(h, status, &out_);

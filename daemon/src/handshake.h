@@ -3,8 +3,9 @@
 //
 // The admission loop (server.cc) owns one Handshake per connection that has not authenticated
 // yet, feeds it whatever bytes arrived and sends what it produced; no thread waits on such a
-// connection. Only once the client has proved it knows the secret (or said HELLO to a daemon
-// without one) does the connection get a thread of its own (Connection). A handshake frame is
+// connection. Only once the client has proved it holds the key of the identity it names in HELLO
+// (auth.h; the cluster secret, or a key derived from it for one name) — or said HELLO to a daemon
+// without a secret — does the connection get a thread of its own (Connection). A handshake frame is
 // small: a body over kMaxHandshakeBody is refused from its header, so a connection being admitted
 // never buffers more than kHandshakeBuffer bytes.
 //
@@ -14,6 +15,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <set>
 #include <span>
 #include <string>
 #include <vector>
@@ -35,9 +37,13 @@ void AppendErrorReply(const wire::FrameHeader& req, const Status& status,
                       std::vector<uint8_t>* out);
 
 struct HandshakeConfig {
-  std::string secret;  // empty: HELLO alone admits
+  std::string secret;  // the cluster secret; empty: HELLO alone admits
   uint64_t node_id = 0;
   uint32_t features = 0;  // HELLO reply features besides AUTH_REQUIRED
+  // Key rotation (--old-secret-file): proofs made from these are accepted too.
+  std::vector<std::string> old_secrets;
+  // Identities refused at HELLO (--revoked-file).
+  std::set<std::string, std::less<>> revoked;
 };
 
 class Handshake {
@@ -64,6 +70,11 @@ class Handshake {
   bool hello_done() const { return hello_done_; }
   const wire::ClientId& client_id() const { return client_id_; }
   const std::string& client_name() const { return client_name_; }
+  // The identity the client proved (auth::kClusterIdentity when it sent none), and the lease
+  // owner it acts as (auth::LeaseOwner of that identity and its client id). Without a secret the
+  // identity is whatever the client declared: nothing is authenticated then.
+  const std::string& identity() const { return identity_; }
+  wire::ClientId owner() const;
 
  private:
   Outcome Fail(const wire::FrameHeader& h, Status status);
@@ -77,6 +88,7 @@ class Handshake {
   wire::Nonce client_nonce_{};
   wire::Nonce server_nonce_{};
   std::string client_name_;
+  std::string identity_;
   std::vector<uint8_t> out_;
   Status failure_;
 };

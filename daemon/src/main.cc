@@ -52,6 +52,16 @@ int main(int argc, char** argv) {
                  "File with the shared secret clients must prove they know (chmod 600). "
                  "Without it the daemon is open to anyone who can reach it")
       ->check(CLI::ExistingFile);
+  // Identities, rotation, revocation (docs/operations.md "Security"); re-read on SIGHUP.
+  daemon::AuthFiles auth_files;
+  app.add_option("--old-secret-file", auth_files.old_secret_file,
+                 "Key rotation: a previous cluster secret (and the keys derived from it) still "
+                 "accepted. Remove the file and send SIGHUP to stop accepting it")
+      ->check(CLI::ExistingFile);
+  app.add_option("--revoked-file", auth_files.revoked_file,
+                 "Identities refused, one name per line (# comments). Re-read on SIGHUP: "
+                 "connections of a newly revoked name are closed")
+      ->check(CLI::ExistingFile);
   app.add_option("--lease-ttl-ms", lease_ttl_ms,
                  "A lease whose client sends no heartbeat for this long is reclaimed and zeroed")
       ->capture_default_str()
@@ -201,10 +211,16 @@ int main(int argc, char** argv) {
     if (!rep) return fail(rep.error().WithContext("--rdma-listen"));
     server_opts.rdma_listen = *rep;
   }
-  if (!secret_file.empty()) {
-    auto secret = auth::LoadSecretFile(secret_file);
-    if (!secret) return fail(secret.error().WithContext("--secret-file"));
-    server_opts.secret = *secret;
+  auth_files.secret_file = secret_file;
+  if (secret_file.empty() && !auth_files.old_secret_file.empty()) {
+    return fail(InvalidArgument("--old-secret-file needs --secret-file (the current secret)"));
+  }
+  {
+    auto policy = daemon::LoadAuthPolicy(auth_files, /*reload=*/false);
+    if (!policy) return fail(policy.error());
+    server_opts.secret = std::move(policy->secret);
+    server_opts.old_secrets = std::move(policy->old_secrets);
+    server_opts.revoked = std::move(policy->revoked);
   }
 
   // Signals are taken by sigwait below; every thread started from here on inherits the mask.
@@ -212,6 +228,7 @@ int main(int argc, char** argv) {
   sigemptyset(&sigs);
   sigaddset(&sigs, SIGINT);
   sigaddset(&sigs, SIGTERM);
+  sigaddset(&sigs, SIGHUP);  // reload the authentication files
   pthread_sigmask(SIG_BLOCK, &sigs, nullptr);
   signal(SIGPIPE, SIG_IGN);
 
@@ -250,7 +267,11 @@ int main(int argc, char** argv) {
                        st.total_slabs);
   });
   int sig = 0;
-  sigwait(&sigs, &sig);
+  while (sigwait(&sigs, &sig) == 0 && sig == SIGHUP) {
+    auto policy = daemon::LoadAuthPolicy(auth_files, /*reload=*/true);
+    Status s = policy ? server.ReloadAuth(std::move(*policy)) : policy.error();
+    if (!s.ok()) spdlog::error("SIGHUP: {}; the previous policy stays in force", s.ToString());
+  }
   systemd::NotifyStopping(fmt::format(
       "{}: {}", strsignal(sig),
       sig == SIGTERM && drain_timeout_ms > 0 ? "draining, then shutting down" : "shutting down"));
@@ -263,7 +284,8 @@ int main(int argc, char** argv) {
                  noticed, drain_timeout_ms);
     const timespec tick{0, 100'000'000};
     while ((*pool)->stats().leased_slabs > 0 && std::chrono::steady_clock::now() < deadline) {
-      if (sigtimedwait(&sigs, nullptr, &tick) > 0) break;  // a second signal: stop now
+      const int again = sigtimedwait(&sigs, nullptr, &tick);
+      if (again > 0 && again != SIGHUP) break;  // a second SIGINT/SIGTERM: stop now
     }
     const uint32_t left = (*pool)->stats().leased_slabs;
     if (left > 0) {

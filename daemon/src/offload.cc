@@ -8,8 +8,13 @@
 
 namespace farmem::daemon {
 
-Offload::Offload(Server* server, const wire::ClientId& client_id, std::string client_name)
-    : server_(server), client_id_(client_id), client_name_(std::move(client_name)) {}
+Offload::Offload(Server* server, const wire::ClientId& client_id, std::string identity,
+                 const wire::ClientId& owner, std::string client_name)
+    : server_(server),
+      client_id_(client_id),
+      identity_(std::move(identity)),
+      owner_(owner),
+      client_name_(std::move(client_name)) {}
 
 Offload::~Offload() = default;
 
@@ -18,7 +23,7 @@ Status Offload::ParityEncode(const wire::ParityEncodeRequest& req) {
   const uint32_t len = req.length;
   // The target is checked before anything is read: a cell we could not store is not computed.
   {
-    Result<Pin> pin = pool.Acquire(req.lease_id, client_id_, req.offset, len);
+    Result<Pin> pin = pool.Acquire(req.lease_id, owner_, req.offset, len);
     if (!pin.has_value()) return pin.error().WithContext("PARITY_ENCODE target");
   }
   auto& codec = codecs_[{req.k, req.r}];
@@ -51,7 +56,7 @@ Status Offload::ParityEncode(const wire::ParityEncodeRequest& req) {
         static_cast<int>(i), req.parity_index, cells_.data(), parity_.data(), len));
   }
   // Stored only once complete: a failed request leaves the old cell as it was.
-  Result<Pin> pin = pool.Acquire(req.lease_id, client_id_, req.offset, len);
+  Result<Pin> pin = pool.Acquire(req.lease_id, owner_, req.offset, len);
   if (!pin.has_value()) return pin.error().WithContext("PARITY_ENCODE target");
   std::memcpy(pin->data() + req.offset, parity_.data(), len);
   pin->Reset();
@@ -64,7 +69,7 @@ Status Offload::ParityEncode(const wire::ParityEncodeRequest& req) {
 
 PeerReader& Offload::Peers() {
   if (peers_ == nullptr) {
-    peers_ = std::make_unique<PeerReader>(server_->options().secret, client_id_,
+    peers_ = std::make_unique<PeerReader>(server_->Secrets(), identity_, client_id_,
                                           fmt::format("farmemd offload for {}", client_name_));
   }
   return *peers_;
@@ -74,7 +79,7 @@ Status Offload::GatherCell(const wire::GatherCellRequest& req) {
   SlabPool& pool = server_->pool();
   const uint32_t len = req.length;
   {
-    Result<Pin> pin = pool.Acquire(req.lease_id, client_id_, req.offset, len);
+    Result<Pin> pin = pool.Acquire(req.lease_id, owner_, req.offset, len);
     if (!pin.has_value()) return pin.error().WithContext("GATHER_CELL target");
   }
   const size_t n = req.sources.size();
@@ -100,7 +105,7 @@ Status Offload::GatherCell(const wire::GatherCellRequest& req) {
     std::memcpy(parity_.data() + c.dst_offset,
                 cells_.data() + size_t{c.source} * len + c.src_offset, c.length);
   }
-  Result<Pin> pin = pool.Acquire(req.lease_id, client_id_, req.offset, len);
+  Result<Pin> pin = pool.Acquire(req.lease_id, owner_, req.offset, len);
   if (!pin.has_value()) return pin.error().WithContext("GATHER_CELL target");
   std::memcpy(pin->data() + req.offset, parity_.data(), len);
   pin->Reset();

@@ -24,7 +24,10 @@ class Server;
 
 class Offload {
  public:
-  Offload(Server* server, const wire::ClientId& client_id, std::string client_name);
+  // `client_id` and `identity`: who the client is (what PeerReader presents to other daemons);
+  // `owner`: the lease owner they make (auth::LeaseOwner), for this daemon's own leases.
+  Offload(Server* server, const wire::ClientId& client_id, std::string identity,
+          const wire::ClientId& owner, std::string client_name);
   ~Offload();
   Offload(const Offload&) = delete;
   Offload& operator=(const Offload&) = delete;
@@ -37,6 +40,8 @@ class Offload {
 
   Server* const server_;
   const wire::ClientId client_id_;
+  const std::string identity_;
+  const wire::ClientId owner_;
   const std::string client_name_;
   std::unique_ptr<PeerReader> peers_;
   std::map<std::pair<int, int>, std::unique_ptr<ec::ReedSolomon>> codecs_;  // by (k, r)

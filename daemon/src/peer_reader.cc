@@ -4,6 +4,8 @@
 
 #include <algorithm>
 
+#include "farmem/common/auth.h"
+
 namespace farmem::daemon {
 
 namespace {
@@ -21,12 +23,17 @@ Result<PeerReader::Link*> PeerReader::LinkFor(const wire::PeerCell& cell, Deadli
   if (link.conn == nullptr) {
     transport::ChannelOptions o;
     o.endpoint = ep;
-    o.credentials.secret = secret_;
+    o.credentials.identity = identity_;
     o.credentials.client_id = client_id_;
     o.credentials.client_name = client_name_;
-    o.connect_timeout = Left(deadline);
-    o.op_timeout = Left(deadline);
-    Result<transport::TcpConnection> c = transport::TcpConnection::Connect(o);
+    Result<transport::TcpConnection> c = Err(Internal("no secret to connect with"));
+    for (const std::string& secret : secrets_) {  // a peer mid-rotation may know only one
+      o.credentials.secret = secret.empty() ? secret : auth::ClientKey(secret, identity_);
+      o.connect_timeout = Left(deadline);
+      o.op_timeout = Left(deadline);
+      c = transport::TcpConnection::Connect(o);
+      if (c.has_value() || c.error().code() != StatusCode::kPermissionDenied) break;
+    }
     if (!c.has_value()) {
       links_.erase(name);
       return Err(c.error().WithContext("connecting to " + name));

@@ -3,10 +3,11 @@
 //
 // The problem: to compute a parity cell next to where it is stored, a daemon needs the k data
 // cells of its span set, which live on k other daemons and belong to the same client. The daemon
-// connects to those daemons as that client (same client id, authenticated with the cluster's
-// shared secret: a daemon that knows the secret may act for any client, as any holder of the
-// secret can) and reads the cells with ordinary READ frames. Connections are kept per peer
-// address and reused by later requests of the same client connection.
+// connects to those daemons as that client (same identity and client id, authenticated with the
+// identity's key, which it derives from the cluster secret: a daemon that knows the secret may act
+// for any client, as any holder of the secret can) and reads the cells with ordinary READ frames.
+// During a key rotation the peer may know only the old or only the new secret: each is tried.
+// Connections are kept per peer address and reused by later requests of the same client connection.
 //
 // Reads are pipelined: Start() sends one READ to every source, then Finish() receives each reply
 // straight into the caller's buffer, so the k daemons work at the same time.
@@ -29,8 +30,13 @@ namespace farmem::daemon {
 
 class PeerReader {
  public:
-  PeerReader(std::string secret, wire::ClientId client_id, std::string client_name)
-      : secret_(std::move(secret)), client_id_(client_id), client_name_(std::move(client_name)) {}
+  // `secrets`: the cluster secrets to try, current first (Server::Secrets()).
+  PeerReader(std::vector<std::string> secrets, std::string identity, wire::ClientId client_id,
+             std::string client_name)
+      : secrets_(std::move(secrets)),
+        identity_(std::move(identity)),
+        client_id_(client_id),
+        client_name_(std::move(client_name)) {}
 
   // Sends a READ of cells[i] (length bytes each) to its daemon. Fails without sending anything
   // more on the first source that cannot be reached; every connection that has a request in
@@ -48,7 +54,8 @@ class PeerReader {
   Result<Link*> LinkFor(const wire::PeerCell& cell, Deadline deadline);
   static constexpr size_t kMaxLinks = 64;
 
-  std::string secret_;
+  std::vector<std::string> secrets_;
+  std::string identity_;
   wire::ClientId client_id_;
   std::string client_name_;
   std::map<std::string, Link> links_;  // by "host:port"

@@ -114,6 +114,12 @@ Status Server::Start() {
         options_.listen.host, port_);
   }
   handshake_config_.secret = options_.secret;
+  handshake_config_.old_secrets = options_.old_secrets;
+  handshake_config_.revoked = options_.revoked;
+  {
+    MutexLock lock(&auth_mu_);
+    auth_ = {options_.secret, options_.old_secrets, options_.revoked};
+  }
   handshake_config_.node_id = node_id_;
   handshake_config_.features = rdma_ != nullptr ? uint32_t{wire::kFeatureVerbs} : 0u;
   if (!SetNonBlocking(listener_.fd())) {
@@ -313,6 +319,7 @@ void Server::OnReadable(uint64_t serial) {
     return;
   }
   p.len += static_cast<size_t>(n);
+  RefreshHandshakeConfig();
   size_t consumed = 0;
   switch (p.handshake.Feed({p.buf.data(), p.len}, &consumed)) {
     case Handshake::Outcome::kNeedMore:
@@ -365,7 +372,7 @@ void Server::Admit(PendingList::iterator it, size_t consumed) {
   const int fd = p.socket.fd();
   // The client counts as connected (STAT) before it sees the handshake's last reply.
   auto conn = std::make_unique<Connection>(
-      this, std::move(p.socket), p.peer, p.handshake.client_id(), p.handshake.client_name(),
+      this, std::move(p.socket), p.peer, p.handshake,
       std::span<const uint8_t>(p.buf).subspan(consumed, p.len - consumed));
   if (!SendWithoutBlocking(fd, p.handshake.output())) {
     conn.reset();
@@ -514,7 +521,7 @@ void Server::DeliverNotice(const EvictionNotice& notice) {
     MutexLock lock(&conns_mu_);
     std::vector<Connection*> mine, control;
     for (const Live& l : conns_) {
-      if (l.finished->load() || l.conn->client_id() != notice.owner) continue;
+      if (l.finished->load() || l.conn->owner() != notice.owner) continue;
       mine.push_back(l.conn.get());
       if (l.conn->is_control()) control.push_back(l.conn.get());
     }
@@ -535,6 +542,55 @@ void Server::DeliverNotice(const EvictionNotice& notice) {
         "EVICT_NOTICE for {} lease(s) queued on {} connection(s) of their client; grace {} ms",
         notice.lease_ids.size(), queued, notice.grace_ms);
   }
+}
+
+// ---- authentication policy (SIGHUP) ----
+
+Status Server::ReloadAuth(AuthPolicy policy) {
+  if (options_.secret.empty() != policy.secret.empty()) {
+    return InvalidArgument(
+        "authentication cannot be switched on or off by a reload: restart farmemd with or "
+        "without --secret-file");
+  }
+  std::set<std::string, std::less<>> revoked = policy.revoked;
+  const size_t old_count = policy.old_secrets.size();
+  {
+    MutexLock lock(&auth_mu_);
+    auth_ = std::move(policy);
+  }
+  auth_generation_.fetch_add(1, std::memory_order_release);
+  // The admission thread takes it up before it feeds any handshake the next bytes.
+  size_t closed = 0;
+  {
+    MutexLock lock(&conns_mu_);
+    for (const Live& l : conns_) {
+      if (l.finished->load() || !revoked.contains(l.conn->identity())) continue;
+      l.conn->Shutdown();
+      ++closed;
+    }
+  }
+  spdlog::info(
+      "authentication policy reloaded: {} old secret(s) accepted, {} identit{} revoked; closed {} "
+      "connection(s) of revoked identities",
+      old_count, revoked.size(), revoked.size() == 1 ? "y" : "ies", closed);
+  return Status::Ok();
+}
+
+std::vector<std::string> Server::Secrets() {
+  MutexLock lock(&auth_mu_);
+  std::vector<std::string> out{auth_.secret};
+  out.insert(out.end(), auth_.old_secrets.begin(), auth_.old_secrets.end());
+  return out;
+}
+
+void Server::RefreshHandshakeConfig() {
+  const uint64_t gen = auth_generation_.load(std::memory_order_acquire);
+  if (gen == applied_auth_generation_) return;
+  MutexLock lock(&auth_mu_);
+  handshake_config_.secret = auth_.secret;
+  handshake_config_.old_secrets = auth_.old_secrets;
+  handshake_config_.revoked = auth_.revoked;
+  applied_auth_generation_ = gen;
 }
 
 uint32_t Server::client_count() {

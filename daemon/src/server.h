@@ -26,11 +26,13 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <set>
 #include <string>
 #include <thread>
 #include <unordered_map>
 #include <vector>
 
+#include "auth_policy.h"
 #include "farmem/common/config.h"
 #include "farmem/common/mutex.h"
 #include "farmem/common/socket.h"
@@ -44,7 +46,10 @@ namespace farmem::daemon {
 
 struct ServerOptions {
   Endpoint listen{"127.0.0.1", kDefaultPort};
-  std::string secret;              // empty: no authentication (the daemon says so loudly)
+  std::string secret;  // empty: no authentication (the daemon says so loudly)
+  // Identities and rotation (auth_policy.h): accepted old secrets, refused identities.
+  std::vector<std::string> old_secrets;
+  std::set<std::string, std::less<>> revoked;
   uint32_t max_connections = 256;  // authenticated connections served at once (one thread each)
   // Connections still in HELLO/AUTH; when full, the oldest is dropped for the newest, so a flood
   // of sockets without the secret cannot keep a client with it out.
@@ -119,6 +124,15 @@ class Server final : public NoticeSink {
   // HEARTBEAT or ALLOC; all its connections if none did).
   void DeliverNotice(const EvictionNotice& notice) override EXCLUDES(conns_mu_);
 
+  // Authentication policy (SIGHUP): new secrets and revocations apply to the next handshake step;
+  // connections of a revoked identity are closed now. A daemon started without a secret cannot
+  // get one this way (InvalidArgument: restart it with --secret-file).
+  Status ReloadAuth(AuthPolicy policy) EXCLUDES(auth_mu_, conns_mu_);
+  // The current secret, then the old ones: what the daemon proves itself with to its peers.
+  std::vector<std::string> Secrets() EXCLUDES(auth_mu_);
+  // Data operations and FREEs refused because the lease belongs to another owner.
+  std::atomic<uint64_t>& foreign_lease_refusals() { return foreign_lease_refusals_; }
+
  private:
   // A connection in HELLO/AUTH, owned by the admission thread.
   struct Pending {
@@ -144,6 +158,8 @@ class Server final : public NoticeSink {
   void HousekeepingLoop() EXCLUDES(stop_mu_);
   void ReapFinished() EXCLUDES(conns_mu_);
   void TrimAfterBurst() EXCLUDES(conns_mu_);
+  // Admission thread: takes up a policy ReloadAuth stored.
+  void RefreshHandshakeConfig() EXCLUDES(auth_mu_);
 
   ServerOptions options_;
   SlabPool* pool_;
@@ -184,6 +200,12 @@ class Server final : public NoticeSink {
     std::string name;
   };
   std::map<wire::ClientId, ClientEntry> clients_ GUARDED_BY(conns_mu_);
+
+  Mutex auth_mu_;
+  AuthPolicy auth_ GUARDED_BY(auth_mu_);
+  std::atomic<uint64_t> auth_generation_{0};
+  uint64_t applied_auth_generation_ = 0;  // admission thread
+  std::atomic<uint64_t> foreign_lease_refusals_{0};
 };
 
 }  // namespace farmem::daemon

@@ -124,6 +124,7 @@ Status Heap::Start() {
   co.peers = options_.peers;
   co.peers_dns = options_.peers_dns;
   co.secret = options_.secret;
+  co.identity = options_.identity;
   co.client_name = fmt::format("farptr-{}", ::getpid());
   co.heartbeat_interval = options_.heartbeat_interval;
   co.failure_timeout = options_.failure_timeout;

@@ -119,6 +119,66 @@ TEST(AuthRandomBytes, FillsWithFreshBytes) {
   EXPECT_TRUE(RandomBytes(empty).ok());
 }
 
+// ---- identities ----
+
+// HKDF-SHA256 per RFC 5869 (no salt: a zero-filled HashLen salt), computed here from HMAC alone.
+std::string DocumentedClientKey(std::string_view secret, std::string_view name) {
+  unsigned char prk[32], okm[32];
+  unsigned int len = 0;
+  const unsigned char zeros[32] = {};
+  HMAC(EVP_sha256(), zeros, sizeof(zeros), reinterpret_cast<const unsigned char*>(secret.data()),
+       secret.size(), prk, &len);
+  std::string info = "farmem client key v1";
+  info.append(name);
+  info.push_back('\x01');
+  HMAC(EVP_sha256(), prk, sizeof(prk), reinterpret_cast<const unsigned char*>(info.data()),
+       info.size(), okm, &len);
+  return std::string(reinterpret_cast<char*>(okm), sizeof(okm));
+}
+
+TEST(ClientKey, IsTheDocumentedHkdfOfTheSecretAndTheName) {
+  EXPECT_EQ(ClientKey("the cluster secret", "alice"),
+            DocumentedClientKey("the cluster secret", "alice"));
+  EXPECT_EQ(ClientKey("the cluster secret", "alice").size(), kClientKeyBytes);
+  EXPECT_NE(ClientKey("the cluster secret", "alice"), ClientKey("the cluster secret", "alicf"));
+  EXPECT_NE(ClientKey("the cluster secret", "alice"), ClientKey("the cluster secreu", "alice"));
+  // The built-in identity is the cluster secret itself.
+  EXPECT_EQ(ClientKey("the cluster secret", "cluster"), "the cluster secret");
+  EXPECT_EQ(ClientKey("the cluster secret", ""), "the cluster secret");
+}
+
+TEST(ClientKey, NamedProofBindsTheNameAndClusterProofIsTheV1One) {
+  const Inputs in = SampleInputs();
+  const std::string key = ClientKey("s3cret-s3cret-s3cret", "alice");
+  const wire::Mac a = ClientProof(key, in.server_nonce, in.client_nonce, in.client_id, "alice");
+  EXPECT_NE(a, ClientProof(key, in.server_nonce, in.client_nonce, in.client_id, "alicf"));
+  EXPECT_NE(a, ClientProof(key, in.server_nonce, in.client_nonce, in.client_id));
+  EXPECT_NE(a, ServerProof(key, in.server_nonce, in.client_nonce, in.client_id, "alice"));
+  EXPECT_EQ(ClientProof("s3cret", in.server_nonce, in.client_nonce, in.client_id, "cluster"),
+            DocumentedProof("farmem-auth-v1 client", "s3cret", in));
+}
+
+TEST(LeaseOwner, DependsOnNameAndClientId) {
+  wire::ClientId a{}, b{};
+  b[0] = 1;
+  EXPECT_NE(LeaseOwner("alice", a), LeaseOwner("bob", a));
+  EXPECT_NE(LeaseOwner("alice", a), LeaseOwner("alice", b));
+  EXPECT_EQ(LeaseOwner("alice", a), LeaseOwner("alice", a));
+  EXPECT_EQ(LeaseOwner("", a), LeaseOwner("cluster", a));
+  // Length-prefixed: moving bytes between name and id does not collide.
+  EXPECT_NE(LeaseOwner("ab", a), LeaseOwner("a", a));
+}
+
+TEST(ValidateIdentity, AcceptsNamesAndRefusesTheRest) {
+  for (const char* ok : {"alice", "team-7.prod", "svc_a@eu-west", "X"}) {
+    EXPECT_TRUE(ValidateIdentity(ok).ok()) << ok;
+  }
+  for (std::string bad : {std::string(""), std::string(65, 'a'), std::string("a b"),
+                          std::string("a/b"), std::string("a\nb"), std::string("\xff")}) {
+    EXPECT_EQ(ValidateIdentity(bad).code(), StatusCode::kInvalidArgument) << bad;
+  }
+}
+
 class SecretFileTest : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -214,6 +274,57 @@ TEST_F(SecretFileTest, ShortSecretIsRefusedWithTheCommandThatMakesAGoodOne) {
   auto ok = LoadSecretFile(Write("sixteen", std::string(kMinSecretBytes, 'x') + "\n"));
   ASSERT_TRUE(ok.has_value()) << ok.error().ToString();
   EXPECT_EQ(ok->size(), kMinSecretBytes);
+}
+
+}  // namespace
+}  // namespace farmem::auth
+
+namespace farmem::auth {
+namespace {
+
+TEST_F(SecretFileTest, KeyFileRoundTripsAndIsCheckedLikeASecretFile) {
+  const std::string key = ClientKey("the cluster secret", "alice");
+  const std::string path = Write("alice.key", FormatClientKeyFile({"alice", key}));
+  auto k = LoadClientKeyFile(path);
+  ASSERT_TRUE(k.has_value()) << k.error().ToString();
+  EXPECT_EQ(k->identity, "alice");
+  EXPECT_EQ(k->key, key);
+
+  const std::string loose = Write("loose.key", FormatClientKeyFile({"alice", key}), 0640);
+  auto l = LoadClientKeyFile(loose);
+  ASSERT_FALSE(l.has_value());
+  EXPECT_THAT(l.error().message(), HasSubstr("chmod 600"));
+
+  auto short_key = LoadClientKeyFile(
+      Write("short.key", "name alice\nkey 00112233445566778899aabbccddee\n"));  // 15 bytes
+  ASSERT_FALSE(short_key.has_value());
+  EXPECT_THAT(short_key.error().message(), HasSubstr("at least 16"));
+  auto bad_name = LoadClientKeyFile(
+      Write("bad.key",
+            "name a b\nkey 00112233445566778899aabbccddeeff00112233445566778899aabbccddeeff\n"));
+  ASSERT_FALSE(bad_name.has_value());
+  EXPECT_THAT(bad_name.error().message(), HasSubstr("identity name"));
+  auto not_hex = LoadClientKeyFile(
+      Write("hex.key",
+            "name alice\nkey zz112233445566778899aabbccddeeff00112233445566778899aabbccddeeff\n"));
+  ASSERT_FALSE(not_hex.has_value());
+  EXPECT_THAT(not_hex.error().message(), HasSubstr("hexadecimal"));
+}
+
+TEST_F(SecretFileTest, ClientCredentialsAreTheSecretOrAKeyNeverBoth) {
+  const std::string secret = Write("secret", kSecret);
+  const std::string key = Write("k", FormatClientKeyFile({"bob", ClientKey(kSecret, "bob")}));
+  auto s = LoadClientCredentials(secret, "");
+  ASSERT_TRUE(s.has_value());
+  EXPECT_EQ(s->identity, "");
+  EXPECT_EQ(s->key, kSecret);
+  auto k = LoadClientCredentials("", key);
+  ASSERT_TRUE(k.has_value());
+  EXPECT_EQ(k->identity, "bob");
+  EXPECT_FALSE(LoadClientCredentials(secret, key).has_value());
+  auto none = LoadClientCredentials("", "");
+  ASSERT_TRUE(none.has_value());
+  EXPECT_TRUE(none->key.empty());
 }
 
 }  // namespace

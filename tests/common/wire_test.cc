@@ -1223,3 +1223,37 @@ TEST(WireGatherCell, RoundTripsAndChecksEveryCopy) {
 
 }  // namespace
 }  // namespace farmem::wire
+
+namespace farmem::wire {
+namespace {
+
+TEST(WireHello, IdentityTrailerRoundTripsAndIsOptional) {
+  HelloRequest m;
+  m.client_name = "n";
+  m.identity = "alice";
+  std::vector<uint8_t> b;
+  EncodeHello(m, &b);
+  auto d = DecodeHello(b);
+  ASSERT_TRUE(d.has_value());
+  EXPECT_EQ(d->identity, "alice");
+  EXPECT_EQ(d->client_name, "n");
+  m.identity.clear();
+  std::vector<uint8_t> plain;
+  EncodeHello(m, &plain);
+  EXPECT_EQ(plain.size() + 6, b.size());
+  auto p = DecodeHello(plain);
+  ASSERT_TRUE(p.has_value());
+  EXPECT_TRUE(p->identity.empty());
+  // A trailer of length 0, or one whose length disagrees with what follows, is malformed.
+  std::vector<uint8_t> zero = plain;
+  zero.push_back(0);
+  EXPECT_FALSE(DecodeHello(zero).has_value());
+  std::vector<uint8_t> cut(b.begin(), b.end() - 1);
+  EXPECT_FALSE(DecodeHello(cut).has_value());
+  std::vector<uint8_t> longer = b;
+  longer.push_back('x');
+  EXPECT_FALSE(DecodeHello(longer).has_value());
+}
+
+}  // namespace
+}  // namespace farmem::wire

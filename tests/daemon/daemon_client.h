@@ -44,9 +44,12 @@ inline transport::ChannelOptions ClientOptions(const Endpoint& ep, const std::st
 // One client of one daemon: a control connection and, on demand, data channels.
 class DaemonClient {
  public:
+  // `identity` empty: `secret` is the cluster secret; else `secret` is that identity's key.
   static Result<DaemonClient> Connect(const Endpoint& ep, const std::string& secret,
-                                      const wire::ClientId& id = RandomClientId()) {
+                                      const wire::ClientId& id = RandomClientId(),
+                                      const std::string& identity = "") {
     DaemonClient c(ClientOptions(ep, secret, id));
+    c.options_.credentials.identity = identity;
     FARMEM_ASSIGN_OR_RETURN(auto conn, transport::TcpConnection::Connect(c.options_));
     c.control_ = std::make_unique<transport::TcpConnection>(std::move(conn));
     return c;

@@ -147,5 +147,80 @@ TEST(Handshake, WithoutASecretHelloAloneAdmits) {
   EXPECT_EQ(replies[0].request_id, 1u);
 }
 
+// Identities: the name in HELLO picks the key the proof is checked against (derived from the
+// current or an old secret); a revoked or malformed name is refused at HELLO; the lease owner
+// depends on the name.
+struct HelloResult {
+  Handshake::Outcome outcome;
+  wire::Nonce server_nonce{};
+};
+HelloResult SendHello(Handshake& hs, const wire::HelloRequest& hello) {
+  std::vector<uint8_t> body;
+  wire::EncodeHello(hello, &body);
+  size_t consumed = 0;
+  HelloResult r{hs.Feed(Frame(wire::Opcode::kHello, body, 1), &consumed)};
+  auto replies = Replies(hs.output());
+  if (r.outcome == Handshake::Outcome::kNeedMore && replies.size() == 1) {
+    auto d = wire::DecodeHelloReply(
+        std::span(hs.output()).subspan(wire::kHeaderSize, replies[0].body_len));
+    if (d) r.server_nonce = d->server_nonce;
+  }
+  hs.output().clear();
+  return r;
+}
+Handshake::Outcome SendAuth(Handshake& hs, const wire::Mac& mac) {
+  std::vector<uint8_t> body;
+  wire::EncodeAuth({mac}, &body);
+  size_t consumed = 0;
+  return hs.Feed(Frame(wire::Opcode::kAuth, body, 2), &consumed);
+}
+
+TEST(Handshake, IdentityKeysFromCurrentAndOldSecretsAdmitAndRevokedNamesAreRefused) {
+  HandshakeConfig config{.secret = kSecret,
+                         .node_id = 7,
+                         .features = 0,
+                         .old_secrets = {"the-old-handshake-secret"},
+                         .revoked = {"mallory"}};
+  for (const std::string& secret : {kSecret, std::string("the-old-handshake-secret")}) {
+    Handshake hs(&config);
+    wire::HelloRequest hello;
+    hello.client_id = testing::RandomClientId();
+    hello.identity = "alice";
+    HelloResult h = SendHello(hs, hello);
+    ASSERT_EQ(h.outcome, Handshake::Outcome::kNeedMore);
+    const wire::Mac mac = auth::ClientProof(auth::ClientKey(secret, "alice"), h.server_nonce,
+                                            hello.client_nonce, hello.client_id, "alice");
+    ASSERT_EQ(SendAuth(hs, mac), Handshake::Outcome::kAuthenticated) << secret;
+    EXPECT_EQ(hs.identity(), "alice");
+    EXPECT_EQ(hs.owner(), auth::LeaseOwner("alice", hello.client_id));
+    EXPECT_NE(hs.owner(), hello.client_id);
+  }
+  {  // bob's key for alice's name
+    Handshake hs(&config);
+    wire::HelloRequest hello;
+    hello.identity = "alice";
+    HelloResult h = SendHello(hs, hello);
+    const wire::Mac mac = auth::ClientProof(auth::ClientKey(kSecret, "bob"), h.server_nonce,
+                                            hello.client_nonce, hello.client_id, "alice");
+    EXPECT_EQ(SendAuth(hs, mac), Handshake::Outcome::kRefused);
+    EXPECT_EQ(hs.failure().code(), StatusCode::kPermissionDenied);
+  }
+  for (const std::string& name : {std::string("mallory"), std::string("a b")}) {
+    Handshake hs(&config);
+    wire::HelloRequest hello;
+    hello.identity = name;
+    EXPECT_EQ(SendHello(hs, hello).outcome, Handshake::Outcome::kRefused) << name;
+  }
+  {  // no name: the cluster secret, as before identities
+    Handshake hs(&config);
+    wire::HelloRequest hello;
+    HelloResult h = SendHello(hs, hello);
+    const wire::Mac mac =
+        auth::ClientProof(kSecret, h.server_nonce, hello.client_nonce, hello.client_id);
+    ASSERT_EQ(SendAuth(hs, mac), Handshake::Outcome::kAuthenticated);
+    EXPECT_EQ(hs.identity(), "cluster");
+  }
+}
+
 }  // namespace
 }  // namespace farmem::daemon

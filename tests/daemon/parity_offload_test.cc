@@ -4,6 +4,7 @@
 // parity; lost data cells decode from offloaded parity. GATHER_CELL: the cell a daemon assembles
 // is exactly the named pieces over zeros. Every bad request gets the documented error reply and
 // leaves the target cell alone, without hurting the daemon.
+#include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
 #include <cstring>
@@ -12,6 +13,7 @@
 #include <vector>
 
 #include "daemon_client.h"
+#include "farmem/common/auth.h"
 #include "farmem/ec/reed_solomon.h"
 #include "support/daemon_fixture.h"
 
@@ -25,13 +27,16 @@ constexpr uint64_t kRowOffset = 3 * kCell;  // a row in the middle of the slab
 
 class ParityOffloadTest : public ::testing::Test {
  protected:
-  void SetUp() override {
+  void SetUp() override { SetUpAs(""); }
+  // `identity` empty: the client authenticates with the cluster secret.
+  void SetUpAs(const std::string& identity) {
     daemons_ = std::make_unique<DaemonSet>(DaemonConfig{
         .capacity = "8M", .slab_size = "1M", .log_level = "warn", .extra_args = {"--no-mlock"}});
     ASSERT_TRUE(daemons_->Start(kK + kR).ok());
     id_ = RandomClientId();  // one client, as far as every daemon is concerned
     for (int m = 0; m < kK + kR; ++m) {
-      auto c = DaemonClient::Connect((*daemons_)[m].endpoint(), daemons_->secret(), id_);
+      auto c = DaemonClient::Connect((*daemons_)[m].endpoint(),
+                                     auth::ClientKey(daemons_->secret(), identity), id_, identity);
       ASSERT_TRUE(c.has_value()) << c.error().ToString();
       clients_.push_back(std::make_unique<DaemonClient>(std::move(*c)));
       auto grants = clients_.back()->Alloc(1);
@@ -312,6 +317,59 @@ TEST_F(ParityOffloadTest, GatherBuildsACellFromPiecesOfOtherCells) {
   ASSERT_TRUE(channels_[2]->Read(slabs_[2], target_off, got).ok());
   EXPECT_TRUE(got == std::vector<uint8_t>(kCell, 0));
   EXPECT_TRUE(ProcessAlive((*daemons_)[2].pid())) << daemons_->Logs();
+}
+
+}  // namespace
+}  // namespace farmem::testing
+
+namespace farmem::testing {
+namespace {
+
+// With identities (issue 16): the offloading daemon reads the source cells as the client's own
+// identity (it derives the key from the cluster secret), so offload works for a named client —
+// and a client of another name cannot use PARITY_ENCODE to have a daemon read someone else's
+// cells into its own lease.
+class ParityOffloadAsIdentityTest : public ParityOffloadTest {
+ protected:
+  void SetUp() override { SetUpAs("tenant-a"); }
+};
+
+TEST_F(ParityOffloadAsIdentityTest, OffloadWorksForANamedClient) {
+  ASSERT_TRUE(WriteData().ok());
+  for (int j = 0; j < kR; ++j) {
+    Status s = Offload(j, Request(j));
+    ASSERT_TRUE(s.ok()) << s.ToString() << daemons_->Logs();
+  }
+  auto want = Expected();
+  for (int j = 0; j < kR; ++j) EXPECT_TRUE(ReadCell(kK + j) == want[j]) << "parity " << j;
+}
+
+TEST_F(ParityOffloadAsIdentityTest, AnotherNameCannotOffloadFromThisNamesCells) {
+  ASSERT_TRUE(WriteData().ok());
+  // "tenant-b", with tenant-a's client id, leases a target on the parity daemon and asks it to
+  // encode tenant-a's data cells into it.
+  const int target = kK;
+  auto b = DaemonClient::Connect((*daemons_)[target].endpoint(),
+                                 auth::ClientKey(daemons_->secret(), "tenant-b"), id_, "tenant-b");
+  ASSERT_TRUE(b.has_value()) << b.error().ToString();
+  auto grant = b->Alloc(1);
+  ASSERT_TRUE(grant.has_value()) << grant.error().ToString();
+  wire::ParityEncodeRequest req = Request(0);
+  req.lease_id = (*grant)[0].lease_id;
+  std::vector<uint8_t> body;
+  wire::EncodeParityEncode(req, &body);
+  auto reply = b->control().Call(wire::Opcode::kParityEncode, body, kCallTimeout);
+  ASSERT_FALSE(reply.has_value()) << "tenant-b had tenant-a's cells encoded into its lease";
+  // The source daemon refused the read (the offloading daemon reports its sources as
+  // Unavailable: the client falls back to moving bytes itself).
+  EXPECT_THAT(reply.error().message(), ::testing::HasSubstr("belongs to another client"))
+      << reply.error().ToString();
+  // What tenant-b can read back of its lease is zeros, not parity of tenant-a's data.
+  auto ch = b->OpenChannel();
+  ASSERT_TRUE(ch.has_value());
+  std::vector<uint8_t> got(kCell);
+  ASSERT_TRUE((*ch)->Read(transport::RemoteSlab::From((*grant)[0]), kRowOffset, got).ok());
+  EXPECT_EQ(got, std::vector<uint8_t>(kCell, 0));
 }
 
 }  // namespace

@@ -55,6 +55,9 @@ void Hello(Bytes body) {
   FUZZ_CHECK(e->client_id == d->client_id && e->client_nonce == d->client_nonce);
   FUZZ_CHECK(e->client_name == d->client_name);
   FUZZ_CHECK(e->min_version == d->min_version && e->max_version == d->max_version);
+  // The identity trailer: absent, or 1..kMaxIdentity bytes, and it survives re-encoding.
+  FUZZ_CHECK(d->identity.size() <= kMaxIdentity);
+  FUZZ_CHECK(e->identity == d->identity);
 }
 
 void HelloReplyBody(Bytes body) {

@@ -3,7 +3,8 @@
 //
 // Input: byte 0 picks the daemon's configuration (bit 0: a secret, so AUTH is required; bit 1:
 // the daemon refuses the connection once the handshake is half fed, as when --max-connections
-// are served), byte 1 how the rest arrives (0: all at once, else in reads of that many bytes).
+// are served; bit 2: a secret with an old one of a rotation window and the identity "mallory"
+// revoked), byte 1 how the rest arrives (0: all at once, else in reads of that many bytes).
 // The rest is fed the way the admission loop (daemon/src/server.cc, Server::OnReadable) does:
 // into a buffer of kHandshakeBuffer bytes, Feed, drop what was consumed, send and clear output().
 //
@@ -14,7 +15,8 @@
 //     REPLY flag, a decodable HELLO/AUTH reply or error message);
 //   - a refused handshake has no failure, or its last frame is not an error reply carrying it;
 //   - a connection is admitted without HELLO, or with a secret configured (no input can know
-//     the MAC of a random server nonce).
+//     the MAC of a random server nonce), or as a revoked identity, or as a name that is not valid;
+//   - the lease owner of an admitted connection is not the one its identity and client id make.
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
@@ -22,6 +24,7 @@
 #include <span>
 #include <vector>
 
+#include "farmem/common/auth.h"
 #include "farmem/common/status.h"
 #include "farmem/common/wire.h"
 #include "fuzz_check.h"
@@ -69,7 +72,14 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const uint8_t mode = data[0];
   const size_t read_size = data[1] == 0 ? kHandshakeBuffer : data[1];
   const std::span<const uint8_t> in(data + 2, size - 2);
-  const HandshakeConfig* config = (mode & 1) != 0 ? &kSecret : &kOpen;
+  static const HandshakeConfig kRotating{"0123456789abcdef0123456789abcdef",
+                                         0x9abc,
+                                         0,
+                                         {"fedcba9876543210fedcba9876543210"},
+                                         {"mallory"}};
+  const HandshakeConfig* config = (mode & 4) != 0   ? &kRotating
+                                  : (mode & 1) != 0 ? &kSecret
+                                                    : &kOpen;
   const bool refuse_midway = (mode & 2) != 0;
 
   Handshake hs(config);
@@ -110,6 +120,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     case Handshake::Outcome::kAuthenticated:
       FUZZ_CHECK(hs.hello_done());
       FUZZ_CHECK(config->secret.empty());
+      FUZZ_CHECK(!config->revoked.contains(hs.identity()));
+      FUZZ_CHECK(farmem::auth::ValidateIdentity(hs.identity()).ok());
+      FUZZ_CHECK(hs.owner() == farmem::auth::LeaseOwner(hs.identity(), hs.client_id()));
       farmem::daemon::CheckReplies(hs.output());
       break;
   }

@@ -62,6 +62,13 @@ inline SeedFrames MakeSeedFrames() {
   wire::EncodeHello(hello, &b);
   const std::vector<uint8_t> hello_body = b;
   seeds.emplace_back("hello_request", Frame(Opcode::kHello, 0, 1, b));
+  {  // with the identity trailer (a client authenticating as a name)
+    wire::HelloRequest named = hello;
+    named.identity = "tenant-a";
+    std::vector<uint8_t> nb;
+    wire::EncodeHello(named, &nb);
+    seeds.emplace_back("hello_request_identity", Frame(Opcode::kHello, 0, 1, nb));
+  }
 
   wire::HelloReply hello_reply;
   hello_reply.features = wire::kFeatureAuthRequired;

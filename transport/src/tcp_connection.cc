@@ -26,6 +26,11 @@ Status TcpConnection::Handshake(const ChannelOptions& options) {
   wire::HelloRequest hello;
   hello.client_id = cred.client_id;
   hello.client_name = cred.client_name;
+  const std::string_view identity = auth::CanonicalIdentity(cred.identity);
+  if (identity != auth::kClusterIdentity) {
+    FARMEM_RETURN_IF_ERROR(auth::ValidateIdentity(identity));
+    hello.identity = std::string(identity);
+  }
   FARMEM_RETURN_IF_ERROR(auth::RandomBytes(hello.client_nonce));
   std::vector<uint8_t> body;
   wire::EncodeHello(hello, &body);
@@ -47,16 +52,19 @@ Status TcpConnection::Handshake(const ChannelOptions& options) {
         "(--secret-file)");
   }
   wire::AuthRequest auth_req;
-  auth_req.client_mac =
-      auth::ClientProof(cred.secret, hello_.server_nonce, hello.client_nonce, cred.client_id);
+  auth_req.client_mac = auth::ClientProof(cred.secret, hello_.server_nonce, hello.client_nonce,
+                                          cred.client_id, hello.identity);
   body.clear();
   wire::EncodeAuth(auth_req, &body);
   FARMEM_ASSIGN_OR_RETURN(reply, Call(wire::Opcode::kAuth, body, options.connect_timeout));
   FARMEM_ASSIGN_OR_RETURN(auto auth_reply, wire::DecodeAuthReply(reply));
-  const wire::Mac expected =
-      auth::ServerProof(cred.secret, hello_.server_nonce, hello.client_nonce, cred.client_id);
+  const wire::Mac expected = auth::ServerProof(cred.secret, hello_.server_nonce, hello.client_nonce,
+                                               cred.client_id, hello.identity);
   if (!auth::MacEqual(expected, auth_reply.server_mac)) {
-    return PermissionDenied("daemon failed to prove it knows the shared secret");
+    return PermissionDenied(hello.identity.empty()
+                                ? "daemon failed to prove it knows the shared secret"
+                                : "daemon failed to prove it knows the cluster secret (it could "
+                                  "not derive this identity's key)");
   }
   return Status::Ok();
 }

@@ -60,7 +60,10 @@ struct RuntimeOptions {
   // The daemons (client::ClusterOptions has the details).
   std::vector<Endpoint> peers;
   std::string peers_dns;
+  // The key to authenticate with: the cluster secret (identity empty), or the key of `identity`
+  // (auth::LoadClientKeyFile of a `farmemctl key issue` file; auth::LoadClientCredentials).
   std::string secret;
+  std::string identity;
   // Local memory for object data. Objects beyond it live remote. Metadata (16-32 bytes per
   // object, ~100 bytes per span) is not counted.
   uint64_t local_budget = 256ull << 20;

@@ -69,7 +69,11 @@ struct ClusterOptions {
   // new daemons join the table. Two addresses that reach the same daemon (same HELLO node id,
   // e.g. "localhost" giving both 127.0.0.1 and ::1) are one node. May be combined with `peers`.
   std::string peers_dns;
-  std::string secret;       // shared secret; empty = daemons run without authentication
+  // The key this client authenticates with: the cluster secret (identity empty: the built-in
+  // administrator identity "cluster"), or the key of `identity` (farmemctl key issue;
+  // auth::LoadClientCredentials reads either). Empty: daemons run without authentication.
+  std::string secret;
+  std::string identity;     // the name leases are bound to; empty: "cluster"
   std::string client_name;  // shown in daemon logs; default "farmem-client-<pid>"
   std::chrono::milliseconds heartbeat_interval{500};
   // A daemon that has not answered for this long, or whose connection broke and cannot be

@@ -35,6 +35,8 @@ inline constexpr uint32_t kMaxControlBodyLen = 64u << 10;
 inline constexpr uint32_t kMaxLeasesPerCall = 1024;
 inline constexpr size_t kMaxErrorMessage = 1024;
 inline constexpr size_t kMaxClientName = 64;
+// An identity (the name a client authenticates as, docs/wire-protocol.md "Identities").
+inline constexpr size_t kMaxIdentity = 64;
 inline constexpr size_t kNonceSize = 32;
 inline constexpr size_t kMacSize = 32;  // HMAC-SHA256
 inline constexpr size_t kClientIdSize = 16;
@@ -177,6 +179,10 @@ struct HelloRequest {
   ClientId client_id{};
   Nonce client_nonce{};
   std::string client_name;  // for logs only, <= kMaxClientName bytes
+  // The name the client authenticates as (AUTH proves it holds that name's key). Empty: not sent,
+  // which means the built-in name "cluster" (the cluster secret itself). Not sanitized here:
+  // auth::ValidateIdentity decides what a name may be.
+  std::string identity;
 };
 struct HelloReply {
   uint8_t version = kVersion;

@@ -122,8 +122,12 @@ class Channel {
 
 // Who we are, for the daemon's authentication.
 struct Credentials {
-  std::string secret;  // empty: connect without authenticating (daemon must be open)
-  wire::ClientId client_id{};
+  // The key of `identity`: the cluster secret for the built-in identity "cluster" (identity
+  // empty), else the name's key (auth::ClientKey, farmemctl key issue). Empty: connect without
+  // authenticating (the daemon must be open).
+  std::string secret;
+  std::string identity;        // the name to authenticate as; empty: "cluster"
+  wire::ClientId client_id{};  // a label under the identity: leases are per (identity, id)
   std::string client_name;
 };
 
