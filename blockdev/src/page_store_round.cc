@@ -279,45 +279,35 @@ Status RunCopyOps(const RoundParams& params, client::Cluster* cluster, Worker& w
   for (size_t i = 0; i < ops.size(); ++i) {
     CopyOp& o = ops[i];
     o.done = false;
-    Status cs;
-    transport::Channel* ch = w.channels.Get(o.node, &cs);
-    if (ch == nullptr) {
-      complete(o, cs);
-      continue;
-    }
     transport::Op op = o.op;
     op.user_data = i;
-    if (Status ps = ch->Post(op); !ps.ok()) complete(o, ps);
+    if (Status ps = w.channels.Post(o.node, op); !ps.ok()) complete(o, ps);
   }
   w.channels.FlushAll();
   auto pending = [&] {
     return std::any_of(ops.begin(), ops.end(), [](const CopyOp& o) { return !o.done; });
   };
+  // The wait is Round::Run's: the set cuts it at a daemon declared down, by the clock.
   const Deadline deadline = DeadlineIn(params.op_timeout);
-  Deadline next_check = DeadlineIn(kDownCheck);  // by the clock, as in Round::Run
   while (pending()) {
-    if (Clock::now() >= next_check) {
-      w.channels.DropDown([&](client::NodeId n) {
-        for (CopyOp& o : ops) {
-          if (!o.done && o.node == n) {
-            complete(o, Unavailable(fmt::format("{} was declared down while the op was in flight",
-                                                cluster->node(n).endpoint.ToString())));
-          }
+    const client::ChannelSet::Waited got = w.channels.WaitAny(deadline);
+    for (const transport::Completion& c : got.completions) {
+      if (c.user_data < ops.size()) complete(ops[c.user_data], c.status);
+    }
+    for (client::NodeId n : got.down) {
+      for (CopyOp& o : ops) {
+        if (!o.done && o.node == n) {
+          complete(o, Unavailable(fmt::format("{} was declared down while the op was in flight",
+                                              cluster->node(n).endpoint.ToString())));
         }
-      });
-      next_check = DeadlineIn(kDownCheck);
-      continue;
+      }
     }
-    if (!w.channels.AnyOutstanding()) {
-      // Dropped with its channel (a reopen of a broken one): it will never complete.
-      for (CopyOp& o : ops) complete(o, Unavailable("its channel was dropped"));
-      break;
-    }
-    if (!w.channels.Poll(std::min(deadline, next_check), [&](const transport::Completion& c) {
-          if (c.user_data < ops.size()) complete(ops[c.user_data], c.status);
-        })) {
-      if (Clock::now() < deadline) continue;  // the check above is due
-      for (CopyOp& o : ops) complete(o, DeadlineExceeded("daemon did not answer in time"));
+    if (got.deadline || got.idle) {
+      // Timed out, or dropped with its channel (a reopen of a broken one): it will never complete.
+      for (CopyOp& o : ops) {
+        complete(o, got.idle ? Unavailable("its channel was dropped")
+                             : DeadlineExceeded("daemon did not answer in time"));
+      }
       w.channels.ResetStuck();  // nothing may land in the caller's buffers after we return
       break;
     }
