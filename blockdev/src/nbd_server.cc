@@ -51,8 +51,10 @@ bool IsTcp(int fd) {
   return ss.ss_family == AF_INET || ss.ss_family == AF_INET6;
 }
 
-// Runs (*body)() on a new thread with a stack of `stack_size` bytes. Returns 0 or an errno value.
-int StartThread(pthread_t* thread, size_t stack_size, std::function<void()>* body) {
+// Runs (*body)() on a new thread named `name` (top -H, /proc/PID/task/*/comm) with a stack of
+// `stack_size` bytes. Returns 0 or an errno value.
+int StartThread(pthread_t* thread, const char* name, size_t stack_size,
+                std::function<void()>* body) {
   pthread_attr_t attr;
   pthread_attr_init(&attr);
   pthread_attr_setstacksize(&attr, stack_size);
@@ -64,6 +66,7 @@ int StartThread(pthread_t* thread, size_t stack_size, std::function<void()>* bod
       },
       body);
   pthread_attr_destroy(&attr);
+  if (rc == 0) pthread_setname_np(*thread, name);  // cosmetic: a failure changes nothing
   return rc;
 }
 
@@ -192,7 +195,8 @@ Status NbdServer::Start() {
   }
   for (const Listener& l : listeners_) spdlog::info("nbd: listening on {}", l.description);
   accept_body_ = [this] { AcceptLoop(); };
-  if (const int rc = StartThread(&accept_thread_, kThreadStackSize, &accept_body_); rc != 0) {
+  if (const int rc = StartThread(&accept_thread_, "nbd-accept", kThreadStackSize, &accept_body_);
+      rc != 0) {
     return ErrnoStatus(StatusCode::kResourceExhausted, "starting the accept thread", rc);
   }
   accept_started_ = true;
@@ -297,7 +301,7 @@ Status NbdServer::AddConnection(int fd, std::string peer) {
     raw->done.store(true);
     Wake();
   };
-  const int rc = StartThread(&raw->thread, kThreadStackSize, &raw->body);
+  const int rc = StartThread(&raw->thread, "nbd-conn", kThreadStackSize, &raw->body);
   if (rc != 0) {
     ::close(fd);
     return ErrnoStatus(StatusCode::kResourceExhausted, "starting a connection thread", rc);
