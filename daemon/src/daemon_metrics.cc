@@ -153,6 +153,12 @@ void RegisterDaemonMetrics(metrics::Registry* r, Server* server, SlabPool* pool)
                      emit({{"reason", RefusalReason(k)}}, load(c->refused[k]));
                    }
                  });
+  r->AddCallback(
+      "farmem_daemon_foreign_lease_refusals_total",
+      "Lease operations refused because the lease belongs to another identity (name, client).",
+      Type::kCounter, [server](const Emit& emit) {
+        emit({}, server->foreign_lease_refusals().load(std::memory_order_relaxed));
+      });
   r->AddCallback("farmem_daemon_connections_admitted_total",
                  "Connections that completed the handshake and were served.", Type::kCounter,
                  [c, load](const Emit& emit) { emit({}, load(c->connections_admitted)); });
