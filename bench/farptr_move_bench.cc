@@ -32,6 +32,7 @@
 #include "farmem/far_ptr.h"
 #include "farmem/runtime.h"
 #include "support/daemon_fixture.h"
+#include "support/fake_cgroup.h"
 #include "support/object_pattern.h"
 #include "support/process.h"
 
@@ -58,27 +59,6 @@ struct Args {
   int seconds = 3;
   int warmup = 5;
   uint32_t span = 65536;
-};
-
-// A cgroup v2 memory directory whose usage the benchmark sets (farmemd --memory-source cgroup:DIR).
-class FakeCgroup {
- public:
-  explicit FakeCgroup(std::filesystem::path dir) : dir_(std::move(dir)) {
-    std::filesystem::create_directories(dir_);
-    Put("memory.max", std::to_string(kLimit));
-    Put("memory.events", "max 0\noom 0\n");
-    SetAvailable(kLimit / 2);
-  }
-  void SetAvailable(uint64_t bytes) { Put("memory.current", std::to_string(kLimit - bytes)); }
-  const std::filesystem::path& dir() const { return dir_; }
-
- private:
-  void Put(const std::string& name, const std::string& text) {
-    const auto tmp = dir_ / (name + ".tmp");
-    std::ofstream(tmp) << text << "\n";
-    std::filesystem::rename(tmp, dir_ / name);
-  }
-  std::filesystem::path dir_;
 };
 
 // One read: when it ended (since the run's start) and how long it took.
@@ -147,7 +127,7 @@ size_t LeasesOn(farmem::Runtime& rt, const farmem::Endpoint& ep) {
 
 void RunOne(const Args& a, const std::string& resilience) {
   farmem::testing::TempDir tmp;
-  FakeCgroup cgroup(std::filesystem::path(tmp.path()) / "cgroup");
+  farmem::testing::FakeCgroup cgroup(std::filesystem::path(tmp.path()) / "cgroup", kLimit);
   farmem::testing::DaemonConfig others_cfg;
   others_cfg.capacity = "512M";
   others_cfg.slab_size = "4M";

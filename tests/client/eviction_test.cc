@@ -13,6 +13,7 @@
 
 #include "farmem/client/cluster.h"
 #include "support/daemon_fixture.h"
+#include "support/fake_cgroup.h"
 
 namespace farmem::client {
 namespace {
@@ -24,27 +25,6 @@ using testing::WaitUntil;
 constexpr uint64_t kMiB = 1 << 20;
 constexpr uint64_t kLimit = 1024 * kMiB;
 constexpr milliseconds kGrace{1500};
-
-// A cgroup v2 memory directory with a 1 GiB limit whose usage the test sets.
-class FakeCgroup {
- public:
-  explicit FakeCgroup(std::filesystem::path dir) : dir_(std::move(dir)) {
-    std::filesystem::create_directories(dir_);
-    Put("memory.max", std::to_string(kLimit));
-    Put("memory.events", "max 0\noom 0\n");
-    SetAvailable(kLimit / 2);
-  }
-  void SetAvailable(uint64_t bytes) { Put("memory.current", std::to_string(kLimit - bytes)); }
-  const std::filesystem::path& dir() const { return dir_; }
-
- private:
-  void Put(const std::string& name, const std::string& text) {  // atomic for the daemon's reads
-    const auto tmp = dir_ / (name + ".tmp");
-    std::ofstream(tmp) << text << "\n";
-    std::filesystem::rename(tmp, dir_ / name);
-  }
-  std::filesystem::path dir_;
-};
 
 class Events {
  public:
@@ -84,7 +64,7 @@ std::set<uint64_t> Ids(const std::vector<Lease>& leases) {
 
 TEST(EvictionTest, IgnoredNoticeLosesTheLeaseFreedInTimeSeesNoErrorOthersUntouched) {
   testing::TempDir tmp;
-  FakeCgroup cgroup(std::filesystem::path(tmp.path()) / "cgroup");
+  testing::FakeCgroup cgroup(std::filesystem::path(tmp.path()) / "cgroup", kLimit);
   DaemonSet daemons(
       {.capacity = "16M",
        .slab_size = "1M",
