@@ -481,7 +481,9 @@ TEST(Cluster, FreeingLeasesLostWithAHungDaemonDoesNotWaitForItsReconnect) {
     const auto t0 = Clock::now();
     Status s = c->Free({&lost, 1});
     slowest = std::max(slowest, Clock::now() - t0);
-    if (calls++ == 0) EXPECT_TRUE(s.ok()) << s.ToString();
+    if (calls++ == 0) {
+      EXPECT_TRUE(s.ok()) << s.ToString();
+    }
   }
   daemons[1].Resume();
   EXPECT_LT(slowest, milliseconds(500))

@@ -79,7 +79,9 @@ TEST_F(FarFaultInjectionTest, HeldMemberTimesOutOnceThenIsReadDegraded) {
   EXPECT_GT(st.degraded_reads, 0u);
   EXPECT_EQ(st.spans_lost, 0u);
   for (const client::NodeInfo& n : rt_->cluster().nodes()) {
-    if (n.endpoint == victim) EXPECT_TRUE(n.alive) << "the held daemon was declared down";
+    if (n.endpoint == victim) {
+      EXPECT_TRUE(n.alive) << "the held daemon was declared down";
+    }
   }
   faults_->Release(victim);
   ASSERT_TRUE(rt_->WaitForRecovery().ok());
