@@ -10,6 +10,7 @@
 #include <iterator>
 #include <list>
 #include <numeric>
+#include <ostream>
 #include <queue>
 #include <random>
 #include <ranges>
@@ -28,6 +29,7 @@ struct Item {
   uint64_t key;
   uint64_t pad[7];
   bool operator==(const Item& o) const { return key == o.key && pad[6] == o.pad[6]; }
+  friend void PrintTo(const Item& i, std::ostream* os) { *os << "Item{" << i.key << "}"; }
 };
 Item MakeItem(uint64_t k) { return Item{k, {0, 0, 0, 0, 0, 0, k * 31 + 7}}; }
 

@@ -160,8 +160,9 @@ class far_list {
   // far_list(rt, l.begin(), l.end()).
   far_list(const far_list&) = delete;
   far_list& operator=(const far_list&) = delete;
-  // Moves take the chunks (iterators stay valid and now belong to the new list, as std::list's);
-  // the moved-from list is empty and stays usable (same runtime).
+  // Moves take the chunks; the moved-from list is empty and stays usable (same runtime). Unlike
+  // std::list's, iterators do not survive a move or swap (they hold their list's end); proxies
+  // do.
   far_list(far_list&& o) noexcept
       : rt_(o.rt_), segs_(std::move(o.segs_)), size_(std::exchange(o.size_, 0)) {
     o.segs_.clear();
