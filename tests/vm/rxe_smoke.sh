@@ -41,29 +41,38 @@ wait_tcp_listen 18515 || { cat /tmp/srv.log; fail "ib_write_bw server did not li
 timeout $T ib_write_bw -d rxe0 -x 1 -s 65536 -n 200 -F "$a0" || fail "ib_write_bw client"
 wait $srv || { cat /tmp/srv.log; fail "ib_write_bw server"; }
 
+# rdma_cm has no socket to wait for: the client is retried until the listener is up. A server that
+# exited meanwhile is started again: perftest's client can crash half-way through a connect made
+# too early (seen: ib_read_lat -R segfaulted, and its server then rejected every later attempt).
+cm_pair() {  # NAME "SERVER COMMAND" "CLIENT COMMAND" (split on spaces)
+  local name=$1 server=$2 client=$3 srv ok=0
+  for _ in $(seq 5); do
+    timeout $T $server >/tmp/srv.log 2>&1 &
+    srv=$!
+    for _ in $(seq 50); do
+      kill -0 "$srv" 2>/dev/null || break
+      if timeout $T $client >/tmp/cli.log 2>&1; then ok=1; break; fi
+      sleep 0.1
+    done
+    if ((ok)); then
+      tail -n 4 /tmp/cli.log
+      wait "$srv" || { cat /tmp/srv.log; fail "$name server"; }
+      return 0
+    fi
+    say "$name: no connection with this server; starting it again"
+    kill "$srv" 2>/dev/null || true
+    wait "$srv" 2>/dev/null || true
+  done
+  cat /tmp/cli.log /tmp/srv.log
+  fail "$name client"
+}
+
 step "rping through rdma_cm to $a0"
-timeout $T rping -s -a "$a0" -C 10 >/tmp/srv.log 2>&1 &
-srv=$!
-ok=0
-for _ in $(seq 50); do  # the rdma_cm listener has no socket to wait for: retry the client
-  if timeout $T rping -c -a "$a0" -C 10 -S 64 -v >/tmp/cli.log 2>&1; then ok=1; break; fi
-  sleep 0.1
-done
-cat /tmp/cli.log | tail -n 3
-((ok)) || { cat /tmp/srv.log; fail "rping client"; }
-wait $srv || { cat /tmp/srv.log; fail "rping server"; }
+cm_pair rping "rping -s -a $a0 -C 10" "rping -c -a $a0 -C 10 -S 64 -v"
 
 step "ib_read_lat -R (rdma_cm) to the second address $a1"
-timeout $T ib_read_lat -d rxe0 -R -s 4096 -n 200 -F >/tmp/srv.log 2>&1 &
-srv=$!
-ok=0
-for _ in $(seq 50); do
-  if timeout $T ib_read_lat -d rxe0 -R -s 4096 -n 200 -F "$a1" >/tmp/cli.log 2>&1; then ok=1; break; fi
-  sleep 0.1
-done
-cat /tmp/cli.log
-((ok)) || { cat /tmp/srv.log; fail "ib_read_lat -R client"; }
-wait $srv || { cat /tmp/srv.log; fail "ib_read_lat -R server"; }
+cm_pair "ib_read_lat -R" "ib_read_lat -d rxe0 -R -s 4096 -n 200 -F" \
+  "ib_read_lat -d rxe0 -R -s 4096 -n 200 -F $a1"
 
 echo
 say "PASS in $(awk -v a="$start" -v b="$(date +%s.%N)" 'BEGIN { printf "%.1f", b - a }') s"
