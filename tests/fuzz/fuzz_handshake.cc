@@ -66,9 +66,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   using farmem::daemon::HandshakeConfig;
   using farmem::daemon::kHandshakeBuffer;
   if (size < 2) return 0;
-  static const HandshakeConfig kOpen{"", 0x1234, 0};
-  static const HandshakeConfig kSecret{"0123456789abcdef0123456789abcdef", 0x5678,
-                                       farmem::wire::kFeatureVerbs};
+  static const HandshakeConfig kOpen{"", 0x1234, 0, {}, {}};
+  static const HandshakeConfig kSecret{
+      "0123456789abcdef0123456789abcdef", 0x5678, farmem::wire::kFeatureVerbs, {}, {}};
   const uint8_t mode = data[0];
   const size_t read_size = data[1] == 0 ? kHandshakeBuffer : data[1];
   const std::span<const uint8_t> in(data + 2, size - 2);

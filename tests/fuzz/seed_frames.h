@@ -90,7 +90,7 @@ inline SeedFrames MakeSeedFrames() {
   seeds.emplace_back("auth_reply", Frame(Opcode::kAuth, kReply, 2, b));
 
   seeds.emplace_back("stat_request", Frame(Opcode::kStat, 0, 3, {}));
-  wire::StatReply stat{7, 1ull << 30, 64ull << 20, 16, 5, 2, 1, 1000, 4096, 8192, 4791};
+  wire::StatReply stat{7, 1ull << 30, 64ull << 20, 16, 5, 2, 1, 1000, 4096, 8192, 4791, 0, 0, {}};
   b.clear();
   wire::EncodeStatReply(stat, &b);
   seeds.emplace_back("stat_reply", Frame(Opcode::kStat, kReply, 3, b));
