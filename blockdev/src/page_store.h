@@ -55,8 +55,8 @@
 // Files: page_store.cc (setup, the BlockBackend entry points, splitting requests into pieces),
 // page_store_extents.cc (the extent map), page_store_round.{h,cc} (the I/O round: a worker's
 // channels, Round, RunPieces), page_store_rebuild.cc (failures, rebuild, re-protection, the
-// capacity check), page_store_internal.h (the types they share); resilience parsing is
-// client/resilience.h, shared with far_ptr.
+// capacity check), page_store_move.cc (member copies, eviction moves), page_store_internal.h (the
+// types they share); resilience parsing is client/resilience.h, shared with far_ptr.
 #pragma once
 
 #include <atomic>
@@ -225,6 +225,8 @@ class PageStore final : public BlockBackend {
   // path), returns at once if another member copy of the extent is running: that copy redoes
   // what the caller wrote.
   Status RebuildExtent(Worker& w, uint64_t index, bool wait = true);
+  void OnClusterEvent(const client::Event& ev) EXCLUDES(rebuild_mu_);
+  // ---- member copies, shared by rebuild and moves (page_store_move.cc) ----
   // Reads [offset, offset+len) of the members `which` at once (one op on each member's channel,
   // all in flight together); member m's bytes land at base + m * len.
   Status ReadMembers(Worker& w, Extent& e, std::span<const int> which, uint64_t offset,
@@ -243,8 +245,7 @@ class PageStore final : public BlockBackend {
   Status CopyPages(Worker& w, uint64_t index, Extent& e, size_t j, const client::Lease& fresh,
                    std::span<const uint64_t> pages, bool skip_unwritten, std::vector<uint8_t>& buf,
                    uint64_t* bytes);
-  void OnClusterEvent(const client::Event& ev) EXCLUDES(rebuild_mu_);
-  // ---- eviction notices (page_store_rebuild.cc) ----
+  // ---- eviction notices (page_store_move.cc) ----
   struct NoticedLease {
     client::NodeId node;
     uint64_t id;

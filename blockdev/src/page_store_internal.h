@@ -3,6 +3,7 @@
 //   page_store_extents.cc  the extent map: mapping (also degraded), unmapping
 //   page_store_round.{h,cc} the I/O round: a worker, Round, RunPieces
 //   page_store_rebuild.cc  failures, rebuild and re-protection, the capacity check
+//   page_store_move.cc     member copies (shared by rebuild and moves), eviction moves
 // Nothing here is part of the page store's interface.
 #pragma once
 
@@ -74,7 +75,7 @@ struct Extent {
   Mutex copy_mu ACQUIRED_BEFORE(mu);
   // I/O holds it shared for a round; unmap holds it exclusively, and a member copy holds it
   // shared while it copies and exclusively only to redo what was written meanwhile and swap the
-  // member in (page_store_rebuild.cc).
+  // member in (page_store_move.cc).
   SharedMutex mu;
   std::atomic<bool> mapped{false};
   // Written before `mapped` is published (MapExtent, under the store's map lock, which nothing
@@ -117,6 +118,15 @@ struct Extent {
     return all & ~failed.load(std::memory_order_acquire);
   }
 };
+
+inline bool SameLease(const client::Lease& a, const client::Lease& b) {
+  return a.node == b.node && a.id() == b.id();
+}
+// Whether member j of `e` is still the lease `l` (mu held): not unmapped, trimmed or replaced.
+inline bool StillMember(const Extent& e, size_t j, const client::Lease& l) {
+  return e.mapped.load(std::memory_order_acquire) && j < e.members.size() &&
+         SameLease(e.members[j], l);
+}
 
 // One piece: whole pages of one extent.
 struct Piece {

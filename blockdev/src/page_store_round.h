@@ -124,7 +124,7 @@ class Round {
   std::vector<uint32_t>& per_node_;  // ops per daemon in this round
 };
 
-// One remote operation of a member copy (rebuild or move, page_store_rebuild.cc).
+// One remote operation of a member copy (rebuild or move, page_store_move.cc).
 struct CopyOp {
   client::NodeId node = 0;
   transport::Op op;

@@ -1,13 +1,13 @@
 // Handshake: the HELLO / AUTH exchange that admits one connection to farmemd
 // (docs/wire-protocol.md, "HELLO" and "AUTH"), as a state machine that does no I/O.
 //
-// The admission loop (server.cc) owns one Handshake per connection that has not authenticated
-// yet, feeds it whatever bytes arrived and sends what it produced; no thread waits on such a
-// connection. Only once the client has proved it holds the key of the identity it names in HELLO
-// (auth.h; the cluster secret, or a key derived from it for one name) — or said HELLO to a daemon
-// without a secret — does the connection get a thread of its own (Connection). A handshake frame is
-// small: a body over kMaxHandshakeBody is refused from its header, so a connection being admitted
-// never buffers more than kHandshakeBuffer bytes.
+// The admission loop (server_admission.cc) owns one Handshake per connection that has not
+// authenticated yet, feeds it whatever bytes arrived and sends what it produced; no thread waits on
+// such a connection. Only once the client has proved it holds the key of the identity it names in
+// HELLO (auth.h; the cluster secret, or a key derived from it for one name) — or said HELLO to a
+// daemon without a secret — does the connection get a thread of its own (Connection). A handshake
+// frame is small: a body over kMaxHandshakeBody is refused from its header, so a connection being
+// admitted never buffers more than kHandshakeBuffer bytes.
 //
 // Threading: a Handshake belongs to the thread that feeds it. The reply helpers at the end are
 // pure and shared with Connection, so every reply of the daemon is framed in one place.

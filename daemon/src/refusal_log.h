@@ -6,7 +6,7 @@
 // counted; at the end of the interval one line per kind says how many more there were and where
 // the last came from.
 //
-// Threading: owned by the admission thread (server.cc).
+// Threading: owned by the admission thread (server_admission.cc).
 #pragma once
 
 #include <spdlog/spdlog.h>

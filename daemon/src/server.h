@@ -146,7 +146,13 @@ class Server final : public NoticeSink {
   };
   using PendingList = std::list<Pending>;  // oldest (earliest deadline) first
 
+  // epoll keys: the listener, the stop eventfd, then one serial per pending connection.
+  static constexpr uint64_t kListenerKey = 0;
+  static constexpr uint64_t kWakeKey = 1;
+  static constexpr uint64_t kFirstConnectionKey = 2;
+
   Status StartRdma();
+  // Admission (server_admission.cc).
   void AdmissionLoop();
   void AcceptAll();
   void OnReadable(uint64_t serial);

@@ -13,7 +13,8 @@
 // Why our own and not prometheus-cpp (Debian's libprometheus-cpp-dev): its pull side brings an
 // embedded web server (civetweb) and zlib to two daemons that otherwise have no HTTP, and its
 // Counter::Increment is a compare-exchange loop on an atomic<double>; ours is one fetch_add on an
-// atomic<uint64_t>. The whole exposition is this header and metrics.cc (docs/operations.md).
+// atomic<uint64_t>. The whole exposition is this header, metrics.cc and metrics_http.cc
+// (docs/operations.md).
 //
 // Threading: Add*() at setup (any thread, under the registry's lock); Counter::Add and
 // Histogram::Observe from any thread at any time; Render() from any thread (the HTTP thread):
