@@ -47,7 +47,11 @@ case $mode in
 esac
 drain_ms=20000  # drain: farmemd --drain-timeout
 daemon_args=(--log-level warn)
-[[ $mode == drain ]] && daemon_args=(--log-level info --drain-timeout "$drain_ms")
+failure_ms=600
+# drain: nothing is killed, so failure detection need not be fast; 600 ms once (1 run in 4, a second
+# guest on the loaded host) declared a live daemon down ~30 s after the drain, and `none` then lost
+# its extents there (EIO): that is not what this test is about.
+[[ $mode == drain ]] && daemon_args=(--log-level info --drain-timeout "$drain_ms") failure_ms=2000
 mib=${FARMEM_NBD_SWAP_MIB:-$mib}
 limit=${FARMEM_NBD_SWAP_LIMIT:-$limit}
 passes=${FARMEM_NBD_SWAP_PASSES:-2}
@@ -102,7 +106,7 @@ say "$daemons farmemd daemons up at $(elapsed) s: $peer_list"
 export NBD_SOCK=$work/nbd.sock
 "$bin/farmem-nbd" --backend farmem --peers "$peer_list" --secret-file "$work/secret" \
   --resilience "$resilience" --transport tcp --size 256M --unix "$NBD_SOCK" \
-  --max-connections 2 --heartbeat-ms 100 --failure-timeout-ms 600 2>"$work/nbd.log" &
+  --max-connections 2 --heartbeat-ms 100 --failure-timeout-ms "$failure_ms" 2>"$work/nbd.log" &
 nbd_pid=$!
 for _ in $(seq 400); do [[ -S $NBD_SOCK ]] && break; sleep 0.05; done
 [[ -S $NBD_SOCK ]] || fail "farmem-nbd did not start"
