@@ -1,0 +1,315 @@
+// Drain of a daemon that holds data for two clients while both run verified I/O (issue 12, tests):
+// four farmemd on loopback, started with --drain-timeout; client A is farmem-nbd (two exports, one
+// replicate:2 and one none, each under a writer that reads back every write), client B a far_ptr
+// Runtime in this process whose writer rewrites and evicts objects. One daemon that holds members
+// of all three gets SIGTERM mid-run. It must exit cleanly within its grace period with every lease
+// freed (the borrowers moved their data in time), and every byte of both clients reads back as
+// last written: the whole of both exports and every far object.
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <memory>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "farmem/client/cluster.h"
+#include "farmem/far_ptr.h"
+#include "farmem/runtime.h"
+#include "nbd_test_client.h"
+#include "support/daemon_fixture.h"
+#include "support/object_pattern.h"
+#include "support/wait.h"
+#include "test_process.h"
+
+namespace farmem::blockdev {
+namespace {
+
+using std::chrono::milliseconds;
+using testing::FarmemNbd;
+using testing::NbdTestClient;
+using testing::Pattern;
+using Clock = std::chrono::steady_clock;
+
+constexpr uint32_t kGraceMs = 20000;     // farmemd --drain-timeout
+constexpr uint64_t kExportMiB = 16;      // 16 extents of one 1 MiB slab each
+constexpr uint32_t kChunk = 256u << 10;  // the NBD writer's unit
+constexpr uint64_t kChunks = (kExportMiB << 20) / kChunk;
+constexpr size_t kObjects = 3000;
+constexpr size_t kObjectSize = 700;  // ~2 MiB of 16 KiB spans: several 1 MiB slab groups
+
+size_t Count(const std::string& text, const std::string& needle) {
+  size_t n = 0;
+  for (size_t pos = text.find(needle); pos != std::string::npos;
+       pos = text.find(needle, pos + needle.size())) {
+    ++n;
+  }
+  return n;
+}
+
+// One farmem-nbd export under a verifying writer: fills the export, then rewrites chunk after
+// chunk (a new generation each time) and reads each write back, until stopped.
+class VerifiedExport {
+ public:
+  VerifiedExport(std::string resilience, std::unique_ptr<FarmemNbd> nbd)
+      : resilience_(std::move(resilience)), nbd_(std::move(nbd)) {}
+  ~VerifiedExport() { Stop(); }
+
+  Status Fill() {
+    testing::ClientOptions o;
+    o.timeout = std::chrono::seconds(30);
+    FARMEM_ASSIGN_OR_RETURN(NbdTestClient c, NbdTestClient::Connect(nbd_->socket_path(), o));
+    client_.emplace(std::move(c));
+    expected_.resize(kChunks);
+    for (uint64_t i = 0; i < kChunks; ++i) {
+      expected_[i] = Seed(i);
+      FARMEM_RETURN_IF_ERROR(client_->Write(i * kChunk, Pattern(kChunk, expected_[i])));
+    }
+    return Status::Ok();
+  }
+
+  void StartWriter() {
+    thread_ = std::thread([this] {
+      for (uint64_t gen = 1; !stop_.load(); ++gen) {
+        const uint64_t i = (gen * 7) % kChunks;
+        const uint64_t seed = Seed(gen * kChunks + i);
+        if (Status s = client_->Write(i * kChunk, Pattern(kChunk, seed)); !s.ok()) {
+          error_ = "writing chunk " + std::to_string(i) + ": " + s.ToString();
+          return;
+        }
+        expected_[i] = seed;
+        auto back = client_->Read(i * kChunk, kChunk);
+        if (!back.has_value()) {
+          error_ = "reading chunk " + std::to_string(i) + ": " + back.error().ToString();
+          return;
+        }
+        if (*back != Pattern(kChunk, seed)) {
+          error_ = "chunk " + std::to_string(i) + " read back wrong right after its write";
+          return;
+        }
+        rounds_.fetch_add(1);
+      }
+    });
+  }
+  void Stop() {
+    stop_ = true;
+    if (thread_.joinable()) thread_.join();
+  }
+
+  // After Stop(): the whole export holds what was last written.
+  void ExpectIntact() {
+    ASSERT_TRUE(error_.empty()) << resilience_ << ": " << error_ << "\n" << nbd_->log();
+    for (uint64_t i = 0; i < kChunks; ++i) {
+      auto back = client_->Read(i * kChunk, kChunk);
+      ASSERT_TRUE(back.has_value())
+          << resilience_ << ": chunk " << i << ": " << back.error().ToString();
+      ASSERT_TRUE(*back == Pattern(kChunk, expected_[i]))
+          << resilience_ << ": chunk " << i << " LOST or wrong after the drain";
+    }
+  }
+
+  uint64_t rounds() const { return rounds_.load(); }
+  const std::string& resilience() const { return resilience_; }
+  std::string log() const { return nbd_->log(); }
+  bool alive() { return nbd_->process().Alive(); }
+
+ private:
+  uint64_t Seed(uint64_t n) const { return (resilience_.size() << 40) + n; }
+
+  std::string resilience_;
+  std::unique_ptr<FarmemNbd> nbd_;
+  std::optional<NbdTestClient> client_;
+  std::vector<uint64_t> expected_;  // the writer's; read by the main thread after Stop()
+  std::thread thread_;
+  std::atomic<bool> stop_{false};
+  std::atomic<uint64_t> rounds_{0};
+  std::string error_;
+};
+
+TEST(DrainTwoClients, SigtermDrainWhileNbdAndFarPtrRunVerifiedIoLosesNothing) {
+  farmem::testing::DaemonSet daemons({.capacity = "40M",
+                                      .slab_size = "1M",
+                                      .extra_args = {"--no-mlock", "--memory-source", "off",
+                                                     "--drain-timeout", std::to_string(kGraceMs)}});
+  ASSERT_TRUE(daemons.Start(4).ok()) << daemons.Logs();
+  std::string peers;
+  for (const Endpoint& ep : daemons.endpoints()) {
+    peers += (peers.empty() ? "" : ",") + ep.ToString();
+  }
+
+  // Client A: farmem-nbd, one export per resilience mode.
+  std::vector<std::unique_ptr<VerifiedExport>> exports;
+  for (const std::string mode : {"replicate:2", "none"}) {
+    auto nbd = FarmemNbd::Launch({"--backend", "farmem", "--peers", peers, "--secret-file",
+                                  daemons.work_dir() + "/secret", "--resilience", mode, "--size",
+                                  std::to_string(kExportMiB) + "M", "--heartbeat-ms", "100",
+                                  "--failure-timeout-ms", "3000"});
+    ASSERT_TRUE(nbd.has_value()) << nbd.error().ToString();
+    exports.push_back(std::make_unique<VerifiedExport>(mode, std::move(*nbd)));
+    Status s = exports.back()->Fill();
+    ASSERT_TRUE(s.ok()) << mode << ": " << s.ToString() << "\n" << exports.back()->log();
+  }
+
+  // Client B: a far_ptr runtime (no redundancy: whatever it holds on the drained daemon must move).
+  RuntimeOptions o;
+  o.peers = daemons.endpoints();
+  o.secret = daemons.secret();
+  o.resilience = "none";
+  o.local_budget = 256u << 10;
+  o.span_size = 16384;
+  o.heartbeat_interval = milliseconds(100);
+  o.failure_timeout = milliseconds(3000);
+  o.op_timeout = milliseconds(2000);
+  o.reconcile_interval = milliseconds(500);
+  o.auto_compact = false;  // compaction could empty the drained daemon's groups before the notice
+  auto rt_or = Runtime::Create(o);
+  ASSERT_TRUE(rt_or.has_value()) << rt_or.error().ToString();
+  std::unique_ptr<Runtime> rt = std::move(*rt_or);
+  std::vector<far_bytes> objs;
+  std::vector<uint64_t> versions;
+  for (size_t i = 0; i < kObjects; ++i) {
+    far_bytes b = make_far_bytes_in(*rt, kObjectSize);
+    {
+      DerefScope s;
+      farmem::testing::FillObject(b.deref_mut(s), i, 1);
+    }
+    objs.push_back(std::move(b));
+    versions.push_back(1);
+  }
+  ASSERT_TRUE(rt->EvictUntil(0).ok());
+
+  // The daemon to drain: the one holding the first member of the runtime's first (full) group.
+  const std::vector<std::vector<Endpoint>> layout = rt->span_set_layout();
+  ASSERT_FALSE(layout.empty());
+  ASSERT_FALSE(layout[0].empty());
+  size_t d = daemons.size();
+  for (size_t i = 0; i < daemons.size(); ++i) {
+    if (daemons[i].endpoint() == layout[0][0]) d = i;
+  }
+  ASSERT_LT(d, daemons.size());
+  const Endpoint drained = daemons[d].endpoint();
+  auto leases_on_drained = [&] {
+    for (const client::NodeInfo& n : rt->cluster().nodes()) {
+      if (n.endpoint == drained) return n.leases_held;
+    }
+    return size_t{0};
+  };
+  ASSERT_GT(leases_on_drained(), 0u);
+
+  // The far_ptr writer: rewrites every seventh object (checking the previous version) and evicts.
+  std::atomic<bool> stop_far{false};
+  std::atomic<uint64_t> far_rounds{0};
+  std::string far_error;
+  std::thread far_writer([&] {
+    while (!stop_far.load()) {
+      for (size_t i = 0; i < objs.size() && !stop_far.load(); i += 7) {
+        DerefScope s;
+        auto got = objs[i].try_deref_mut(s);
+        if (!got) {
+          far_error = "object " + std::to_string(i) + ": " + got.error().ToString();
+          return;
+        }
+        std::vector<std::byte> want(got->size());
+        farmem::testing::FillObject(want, i, versions[i]);
+        if (std::memcmp(want.data(), got->data(), want.size()) != 0) {
+          far_error = "object " + std::to_string(i) + " came back wrong during the drain";
+          return;
+        }
+        farmem::testing::FillObject(*got, i, ++versions[i]);
+      }
+      if (Status e = rt->EvictUntil(0); !e.ok() && e.code() != StatusCode::kResourceExhausted) {
+        far_error = "evicting during the drain: " + e.ToString();
+        return;
+      }
+      far_rounds.fetch_add(1);
+    }
+  });
+  struct Joiner {
+    std::atomic<bool>* stop;
+    std::thread* t;
+    ~Joiner() {
+      *stop = true;
+      if (t->joinable()) t->join();
+    }
+  } joiner{&stop_far, &far_writer};
+  for (auto& e : exports) e->StartWriter();
+
+  // All three are doing I/O before the SIGTERM.
+  ASSERT_TRUE(farmem::testing::WaitUntil(
+      [&] {
+        return far_rounds.load() >= 2 && exports[0]->rounds() >= 20 && exports[1]->rounds() >= 20;
+      },
+      milliseconds(30000)))
+      << "the workloads did not get going: far rounds " << far_rounds.load() << ", nbd rounds "
+      << exports[0]->rounds() << "/" << exports[1]->rounds();
+
+  const std::string daemon_log_path = daemons[d].log_path();
+  const auto t0 = Clock::now();
+  Status stopped = daemons[d].Stop(milliseconds(kGraceMs + 10000));
+  const auto took = std::chrono::duration_cast<milliseconds>(Clock::now() - t0);
+  const std::string daemon_log = farmem::testing::ReadFile(daemon_log_path);
+  std::printf("SIGTERM to %s (--drain-timeout %u): exited after %lld ms\n",
+              drained.ToString().c_str(), kGraceMs, static_cast<long long>(took.count()));
+  EXPECT_TRUE(stopped.ok()) << stopped.ToString() << "\n" << daemon_log;
+  EXPECT_LT(took, milliseconds(kGraceMs)) << "the daemon did not exit within its grace period";
+  EXPECT_EQ(Count(daemon_log, "drain: every lease was freed"), 1u)
+      << "the borrowers did not free every lease in time\n"
+      << daemon_log;
+
+  // I/O goes on after the daemon is gone, then everything is read back.
+  const uint64_t far_after = far_rounds.load();
+  const uint64_t nbd_after[2] = {exports[0]->rounds(), exports[1]->rounds()};
+  EXPECT_TRUE(farmem::testing::WaitUntil(
+      [&] {
+        return far_rounds.load() >= far_after + 2 && exports[0]->rounds() >= nbd_after[0] + 20 &&
+               exports[1]->rounds() >= nbd_after[1] + 20;
+      },
+      milliseconds(30000)))
+      << "I/O stalled after the drain";
+  stop_far = true;
+  far_writer.join();
+  for (auto& e : exports) e->Stop();
+
+  ASSERT_TRUE(far_error.empty()) << far_error << "\n" << daemons.Logs(1500);
+  for (size_t i = 0; i < objs.size(); ++i) {
+    DerefScope s;
+    auto got = objs[i].try_deref(s);
+    ASSERT_TRUE(got.has_value()) << "far object " << i << ": " << got.error().ToString();
+    std::vector<std::byte> want(got->size());
+    farmem::testing::FillObject(want, i, versions[i]);
+    ASSERT_EQ(std::memcmp(want.data(), got->data(), want.size()), 0)
+        << "far object " << i << " LOST or wrong after the drain";
+  }
+  for (auto& e : exports) ASSERT_NO_FATAL_FAILURE(e->ExpectIntact());
+
+  // Both clients held data on the drained daemon and moved it (nothing was rebuilt as lost).
+  const RuntimeStats st = rt->stats();
+  std::printf("far_ptr: %lu member(s) moved, longest %lu ms, least slack %lu ms; rounds %lu\n",
+              static_cast<unsigned long>(st.members_moved),
+              static_cast<unsigned long>(st.move_max_ms),
+              static_cast<unsigned long>(st.move_min_slack_ms),
+              static_cast<unsigned long>(far_rounds.load()));
+  EXPECT_GT(st.members_moved, 0u);
+  EXPECT_EQ(st.members_failed, 0u);
+  EXPECT_EQ(st.spans_lost, 0u);
+  EXPECT_EQ(st.unrecoverable_span_sets, 0u);
+  EXPECT_EQ(leases_on_drained(), 0u);
+  for (auto& e : exports) {
+    const std::string log = e->log();
+    const size_t moved = Count(log, "moved off " + drained.ToString());
+    std::printf("farmem-nbd %s: %zu member(s) moved off %s; %lu verified write+read rounds\n",
+                e->resilience().c_str(), moved, drained.ToString().c_str(),
+                static_cast<unsigned long>(e->rounds()));
+    EXPECT_GT(moved, 0u) << e->resilience() << " held nothing on the drained daemon\n" << log;
+    EXPECT_EQ(Count(log, "not moved before"), 0u) << log;
+    EXPECT_EQ(Count(log, "LOST"), 0u) << log;
+    EXPECT_TRUE(e->alive());
+  }
+}
+
+}  // namespace
+}  // namespace farmem::blockdev
