@@ -38,7 +38,8 @@ std::vector<wire::FrameHeader> Replies(const std::vector<uint8_t>& out) {
 const std::string kSecret = "handshake-test-secret";
 
 TEST(Handshake, ByteByByteThenAdmittedLeavingTheFirstRequestUnread) {
-  HandshakeConfig config{.secret = kSecret, .node_id = 7, .features = 0};
+  HandshakeConfig config{
+      .secret = kSecret, .node_id = 7, .features = 0, .old_secrets = {}, .revoked = {}};
   Handshake hs(&config);
   wire::HelloRequest hello;
   hello.client_id = testing::RandomClientId();
@@ -91,7 +92,8 @@ TEST(Handshake, ByteByByteThenAdmittedLeavingTheFirstRequestUnread) {
 }
 
 TEST(Handshake, EveryBrokenHandshakeIsRefusedWithOneErrorReply) {
-  HandshakeConfig config{.secret = kSecret, .node_id = 7, .features = 0};
+  HandshakeConfig config{
+      .secret = kSecret, .node_id = 7, .features = 0, .old_secrets = {}, .revoked = {}};
   wire::HelloRequest hello;
   hello.client_id = testing::RandomClientId();
   std::vector<uint8_t> hello_body;
@@ -131,7 +133,11 @@ TEST(Handshake, EveryBrokenHandshakeIsRefusedWithOneErrorReply) {
 }
 
 TEST(Handshake, WithoutASecretHelloAloneAdmits) {
-  HandshakeConfig config{.secret = "", .node_id = 7, .features = wire::kFeatureVerbs};
+  HandshakeConfig config{.secret = "",
+                         .node_id = 7,
+                         .features = wire::kFeatureVerbs,
+                         .old_secrets = {},
+                         .revoked = {}};
   Handshake hs(&config);
   wire::HelloRequest hello;
   std::vector<uint8_t> body;

@@ -39,7 +39,13 @@ class MemoryOnDemandTest : public ::testing::Test {
 
 TEST_F(MemoryOnDemandTest, StartsSmallGrowsWithLeasesAndGivesMemoryBack) {
   const uint64_t idle = RssBytes(pid());
-  EXPECT_LT(idle, 64 * kMiB) << "an idle daemon with --capacity 4G holds its capacity";
+#if defined(__SANITIZE_ADDRESS__)
+  // ASan's shadow memory, allocator and quarantine: 72 MiB idle in the fresh-clone ASan run.
+  constexpr uint64_t kIdleBound = 192 * kMiB;
+#else
+  constexpr uint64_t kIdleBound = 64 * kMiB;
+#endif
+  EXPECT_LT(idle, kIdleBound) << "an idle daemon with --capacity 4G holds its capacity";
 
   auto leases = client_->Alloc(8);
   ASSERT_TRUE(leases.has_value()) << leases.error().ToString();
