@@ -58,7 +58,8 @@ class FarEvictNoticeTest : public FarptrTest {
       objs_.push_back(std::move(b));
       versions_.push_back(1);
     }
-    ASSERT_TRUE(rt_->EvictUntil(0).ok());
+    const Status evicted = rt_->EvictUntil(0);
+    ASSERT_TRUE(evicted.ok()) << evicted.ToString();
   }
 
   // Leases the runtime holds on daemon d (the client's own bookkeeping).
