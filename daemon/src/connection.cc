@@ -7,8 +7,8 @@
 
 #include <cstring>
 
-#include "farmem/common/version.h"
 #include "farmem/common/auth.h"
+#include "farmem/common/version.h"
 #include "handshake.h"
 #include "server.h"
 

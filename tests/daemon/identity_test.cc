@@ -184,7 +184,8 @@ TEST(IdentityTest, WrongKeyIsRefused) {
   for (const Case& c : cases) {
     auto t = Tenant::Connect(ep, c.key, c.identity, RandomClientId());
     ASSERT_FALSE(t.has_value()) << c.why << " was accepted";
-    EXPECT_EQ(t.error().code(), StatusCode::kPermissionDenied) << c.why << ": " << t.error().ToString();
+    EXPECT_EQ(t.error().code(), StatusCode::kPermissionDenied)
+        << c.why << ": " << t.error().ToString();
     EXPECT_THAT(t.error().message(), HasSubstr("wrong secret")) << c.why;
   }
   auto ok =
