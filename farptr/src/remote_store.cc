@@ -470,21 +470,7 @@ void RemoteStore::RecoveryLoop() {
     // leaves its group degraded.
     if (!tick) {
       if (std::optional<PendingMove> mv = TakeDueMoveLocked(Clock::now())) {
-        Group* g = mv->group;
-        g->in_recovery = true;
-        recovering_ = true;
-        lock.Unlock();
-        Move(io, *mv);
-        lock.Lock();
-        g->in_recovery = false;
-        recovering_ = false;
-        if (g->used_rows == 0 && g->release_wanted) {
-          std::vector<client::Lease> to_free = RemoveGroupLocked(g);
-          lock.Unlock();
-          if (!to_free.empty()) (void)cluster_->Free(to_free);
-          lock.Lock();
-        }
-        recovery_cv_.SignalAll();
+        RecoverGroupLocked(mv->group, [&] { Move(io, *mv); });
         continue;
       }
     }
@@ -515,25 +501,29 @@ void RemoteStore::RecoveryLoop() {
       recovery_cv_.SignalAll();
       continue;
     }
-    g->in_recovery = true;
-    recovering_ = true;
-    lock.Unlock();
-    Reprotect(io, g);
-    lock.Lock();
-    g->in_recovery = false;
-    recovering_ = false;
     // A group still missing members (no eligible daemon yet) is not retried in a loop: the next
     // node-up event or reconcile tick queues it again.
-    // Emptied meanwhile (Release left it to us). A group that never had a row stays: it was
-    // just made for a writer that is about to take one.
-    if (g->used_rows == 0 && g->release_wanted) {
-      std::vector<client::Lease> to_free = RemoveGroupLocked(g);
-      lock.Unlock();
-      if (!to_free.empty()) (void)cluster_->Free(to_free);
-      lock.Lock();
-    }
-    recovery_cv_.SignalAll();
+    RecoverGroupLocked(g, [&] { Reprotect(io, g); });
   }
+}
+
+void RemoteStore::RecoverGroupLocked(Group* g, const std::function<void()>& work) {
+  g->in_recovery = true;
+  recovering_ = true;
+  mu_.Unlock();
+  work();
+  mu_.Lock();
+  g->in_recovery = false;
+  recovering_ = false;
+  // Emptied meanwhile (Release left it to us). A group that never had a row stays: it was
+  // just made for a writer that is about to take one.
+  if (g->used_rows == 0 && g->release_wanted) {
+    std::vector<client::Lease> to_free = RemoveGroupLocked(g);
+    mu_.Unlock();
+    if (!to_free.empty()) (void)cluster_->Free(to_free);
+    mu_.Lock();
+  }
+  recovery_cv_.SignalAll();
 }
 
 }  // namespace farmem::farptr_internal

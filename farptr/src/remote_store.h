@@ -42,6 +42,7 @@
 #include <array>
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -300,6 +301,9 @@ class RemoteStore {
   // says is down or restarted (in case an event did not reach us).
   void ReconcileMembers();
   void Reprotect(IoContext& io, Group* g);
+  // Runs `work` (a move or a re-protection of g) with mu_ released and g marked in recovery; then
+  // frees g if it was emptied meanwhile, and wakes the waiters.
+  void RecoverGroupLocked(Group* g, const std::function<void()>& work) REQUIRES(mu_);
   // Takes g out of the store and returns its placed leases, to be freed (g has no rows).
   std::vector<client::Lease> RemoveGroupLocked(Group* g) REQUIRES(mu_);
   // Endpoint of member m's daemon, or "(never placed)".
