@@ -259,18 +259,10 @@ TEST_F(FarEvictNoticeTest, NoRoomElsewhereRunsDegradedAndGivesTheMemoryBack) {
 TEST_F(FarEvictNoticeTest, NoneWaitsForRoomUntilTheDeadlineThenLosesOnlyWhatLivedThere) {
   ASSERT_NO_FATAL_FAILURE(Start(2));
   // Fill daemon 1 from another client, so the runtime's groups all land on daemon 0.
-  client::ClusterOptions co;
-  co.peers = {(*daemons_)[1].endpoint()};
-  co.secret = daemons_->secret();
-  co.client_name = "filler";
-  auto filler = client::Cluster::Connect(co);
-  ASSERT_TRUE(filler.has_value()) << filler.error().ToString();
+  std::unique_ptr<client::Cluster> filler = ConnectFiller(1);
+  ASSERT_TRUE(filler);
   std::vector<client::Lease> held;
-  for (;;) {
-    auto got = (*filler)->Allocate(1);
-    if (!got) break;
-    held.push_back(got->front());
-  }
+  TakeAllRoom(*filler, &held);
   ASSERT_GT(held.size(), 1u);
   ASSERT_NO_FATAL_FAILURE(OpenWith("none"));
   ASSERT_EQ(LeasesOn(1), 0u);
@@ -284,7 +276,7 @@ TEST_F(FarEvictNoticeTest, NoneWaitsForRoomUntilTheDeadlineThenLosesOnlyWhatLive
   ASSERT_TRUE(
       testing::WaitUntil([&] { return rt_->stats().moves_pending > 0; }, std::chrono::seconds(10)));
   EXPECT_EQ(rt_->stats().members_moved, 0u) << "moved to where?";
-  ASSERT_TRUE((*filler)->Free(held).ok());
+  ASSERT_TRUE(filler->Free(held).ok());
   held.clear();
   ASSERT_TRUE(testing::WaitUntil([&] { return LeasesOn(0) == 0; }, std::chrono::seconds(20)))
       << "not moved once the other daemon had room: " << daemons_->Logs(1500);
@@ -302,11 +294,7 @@ TEST_F(FarEvictNoticeTest, NoneWaitsForRoomUntilTheDeadlineThenLosesOnlyWhatLive
   }
   ASSERT_TRUE(rt_->EvictUntil(0).ok());
   ASSERT_GT(LeasesOn(0), 0u) << "nothing went back to daemon 0";
-  for (;;) {  // and daemon 1 full again
-    auto got = (*filler)->Allocate(1);
-    if (!got) break;
-    held.push_back(got->front());
-  }
+  TakeAllRoom(*filler, &held);  // and daemon 1 full again
   r = Farmemctl({"drain", (*daemons_)[0].endpoint().ToString(), "--grace-ms", "1500"});
   ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
   ASSERT_TRUE(testing::WaitUntil([&] { return rt_->stats().unrecoverable_span_sets > 0; },

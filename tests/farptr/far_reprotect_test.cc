@@ -165,18 +165,10 @@ TEST_F(FarReprotectTest, WritesDegradedWhileADaemonIsDownAndReprotectsWhenItStar
 // loses nothing.
 TEST_F(FarReprotectTest, DaemonThatFreedMemoryIsFoundByTheReconcile) {
   ASSERT_NO_FATAL_FAILURE(StartDaemons(4, "16M"));
-  client::ClusterOptions co;
-  co.peers = {(*daemons_)[3].endpoint()};
-  co.secret = daemons_->secret();
-  co.client_name = "filler";
-  auto filler = client::Cluster::Connect(co);
-  ASSERT_TRUE(filler.has_value()) << filler.error().ToString();
+  std::unique_ptr<client::Cluster> filler = ConnectFiller(3);
+  ASSERT_TRUE(filler);
   std::vector<client::Lease> held;
-  for (;;) {
-    auto got = (*filler)->Allocate(1);
-    if (!got) break;
-    held.push_back(got->front());
-  }
+  TakeAllRoom(*filler, &held);
   ASSERT_GT(held.size(), 0u);
   ASSERT_NO_FATAL_FAILURE(OpenEc("ec:2+1"));
   ASSERT_NO_FATAL_FAILURE(MakeObjects());
@@ -188,7 +180,7 @@ TEST_F(FarReprotectTest, DaemonThatFreedMemoryIsFoundByTheReconcile) {
       WaitFor([&] { return rt_->stats().degraded_span_sets > 0; }, std::chrono::seconds(15)))
       << "the kill was not noticed";
   EXPECT_EQ(rt_->stats().members_reprotected, reprotected_before) << "re-protected onto what?";
-  ASSERT_TRUE((*filler)->Free(held).ok());
+  ASSERT_TRUE(filler->Free(held).ok());
   const auto freed = steady_clock::now();
   ASSERT_TRUE(
       WaitFor([&] { return rt_->stats().degraded_span_sets == 0; }, std::chrono::seconds(15)))

@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "farmem/client/cluster.h"
 #include "farmem/far_ptr.h"
 #include "farmem/runtime.h"
 #include "support/daemon_fixture.h"
@@ -102,6 +103,25 @@ class FarptrTest : public ::testing::Test {
                    s.objects_relocated, s.degraded_reads, s.spans_lost, s.compactions,
                    s.compaction_spans_in, s.compaction_spans_out, s.remote_set_bytes,
                    s.remote_leased_bytes, s.remote_object_bytes);
+    }
+  }
+
+  // Another client ("filler") connected to daemon d only, so that it can take that daemon's room.
+  std::unique_ptr<client::Cluster> ConnectFiller(size_t d) {
+    client::ClusterOptions co;
+    co.peers = {(*daemons_)[d].endpoint()};
+    co.secret = daemons_->secret();
+    co.client_name = "filler";
+    auto filler = client::Cluster::Connect(co);
+    EXPECT_TRUE(filler.has_value()) << filler.error().ToString();
+    return filler.has_value() ? std::move(*filler) : nullptr;
+  }
+  // Leases slabs through `filler` until its daemon has no room left; appends them to *held.
+  static void TakeAllRoom(client::Cluster& filler, std::vector<client::Lease>* held) {
+    for (;;) {
+      auto got = filler.Allocate(1);
+      if (!got) break;
+      held->push_back(got->front());
     }
   }
 
