@@ -19,9 +19,9 @@ NbdConnection::NbdConnection(int fd, std::string peer, BlockBackend* backend,
       peer_(std::move(peer)),
       backend_(backend),
       info_(info),
-      metrics_(metrics),
       handshake_timeout_(handshake_timeout),
-      reply_timeout_(reply_timeout) {}
+      reply_timeout_(reply_timeout),
+      metrics_(metrics) {}
 
 void NbdConnection::Run() {
   spdlog::debug("nbd: connection from {}", peer_);

@@ -11,7 +11,6 @@
 #include <openssl/sha.h>
 #include <sys/stat.h>
 
-#include <cctype>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -60,6 +59,36 @@ Status RandomBytes(std::span<uint8_t> out) {
     return Internal("OpenSSL RAND_bytes failed: no entropy source");
   }
   return Status::Ok();
+}
+
+std::string EncodeHex(std::span<const uint8_t> bytes) {
+  static constexpr char kDigits[] = "0123456789abcdef";
+  std::string hex;
+  hex.reserve(bytes.size() * 2);
+  for (uint8_t b : bytes) {
+    hex.push_back(kDigits[b >> 4]);
+    hex.push_back(kDigits[b & 15]);
+  }
+  return hex;
+}
+
+Result<std::string> DecodeHex(std::string_view hex) {
+  const auto nibble = [](char c) -> int {
+    if (c >= '0' && c <= '9') return c - '0';
+    if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+    if (c >= 'A' && c <= 'F') return c - 'A' + 10;
+    return -1;
+  };
+  if (hex.size() % 2 != 0) return Err(InvalidArgument("odd number of hexadecimal digits"));
+  std::string out;
+  out.reserve(hex.size() / 2);
+  for (size_t i = 0; i < hex.size(); i += 2) {
+    const int hi = nibble(hex[i]);
+    const int lo = nibble(hex[i + 1]);
+    if (hi < 0 || lo < 0) return Err(InvalidArgument("not a hexadecimal digit"));
+    out.push_back(static_cast<char>(hi << 4 | lo));
+  }
+  return out;
 }
 
 Status ValidateIdentity(std::string_view name) {
@@ -128,8 +157,7 @@ wire::ClientId LeaseOwner(std::string_view identity, const wire::ClientId& clien
 }
 
 std::string FormatClientKeyFile(const ClientKeyFile& k) {
-  std::string hex;
-  for (unsigned char c : k.key) hex += fmt::format("{:02x}", c);
+  const std::string hex = EncodeHex({reinterpret_cast<const uint8_t*>(k.key.data()), k.key.size()});
   return fmt::format(
       "# farmem client key (farmemctl key issue): authenticates as the name below. Keep it\n"
       "# private (chmod 600); give it with --key-file.\nname {}\nkey {}\n",
@@ -150,20 +178,12 @@ Result<ClientKeyFile> LoadClientKeyFile(const std::string& path) {
     if (line.starts_with("name ")) {
       k.identity = line.substr(5);
     } else if (line.starts_with("key ")) {
-      const std::string hex = line.substr(4);
-      if (hex.size() % 2 != 0) {
+      auto raw = DecodeHex(std::string_view(line).substr(4));
+      if (!raw) {
         return Err(
             InvalidArgument(fmt::format("key file {}: the key is not hexadecimal; {}", path, fix)));
       }
-      for (size_t i = 0; i < hex.size(); i += 2) {
-        unsigned v = 0;
-        if (std::sscanf(hex.c_str() + i, "%2x", &v) != 1 || !std::isxdigit(hex[i]) ||
-            !std::isxdigit(hex[i + 1])) {
-          return Err(InvalidArgument(
-              fmt::format("key file {}: the key is not hexadecimal; {}", path, fix)));
-        }
-        k.key.push_back(static_cast<char>(v));
-      }
+      k.key = std::move(*raw);
       have_key = true;
     } else {
       return Err(InvalidArgument(

@@ -10,6 +10,7 @@
 // them.
 #pragma once
 
+#include <span>
 #include <string>
 #include <string_view>
 
@@ -30,6 +31,11 @@ Result<std::string> LoadSecretFile(const std::string& path);
 
 // Fills `out` with cryptographically strong random bytes.
 Status RandomBytes(std::span<uint8_t> out);
+
+// Lower-case hexadecimal of `bytes`, and back (InvalidArgument for odd length or a non-hex
+// character). The one hex codec of the key files.
+std::string EncodeHex(std::span<const uint8_t> bytes);
+Result<std::string> DecodeHex(std::string_view hex);
 
 // ---- identities ----
 
