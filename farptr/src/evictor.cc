@@ -17,6 +17,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <thread>
 
 #include "heap.h"
 
@@ -115,8 +116,16 @@ Status Heap::EvictUntil(uint64_t target_bytes) {
   }
   const size_t target = static_cast<size_t>(target_bytes / span_size_);
   MutexLock round(&evict_round_mu_);
-  for (int i = 0; i < 1000 && frames_in_use_.load() > target; ++i) {
-    if (EvictRound(target, target == 0) == 0) break;
+  // A round can come back empty while another thread holds a span's lock for a moment (the sweep
+  // only try-locks): give up only after a few empty rounds in a row.
+  int empty_rounds = 0;
+  for (int i = 0; i < 1000 && empty_rounds < 3 && frames_in_use_.load() > target; ++i) {
+    if (EvictRound(target, target == 0) == 0) {
+      ++empty_rounds;
+      std::this_thread::yield();
+    } else {
+      empty_rounds = 0;
+    }
   }
   if (frames_in_use_.load() > target) {
     return ResourceExhausted(fmt::format(
@@ -132,6 +141,7 @@ Status Heap::EvictUntil(uint64_t target_bytes) {
 size_t Heap::PickVictims(size_t need, bool force, std::vector<Span*>* victims,
                          std::vector<Relocation>* relocations) NO_THREAD_SAFETY_ANALYSIS {
   size_t total = 0;
+  size_t released = 0;
   {
     MutexLock lock(&resident_mu_);
     total = resident_.size();
@@ -160,7 +170,14 @@ size_t Heap::PickVictims(size_t need, bool force, std::vector<Span*>* victims,
         o->word.fetch_and(~kHot, std::memory_order_relaxed);
       }
     }
-    if (live == 0) continue;
+    if (live == 0) {
+      // Nobody holds an empty resident span: an allocation fills a new span before it unlocks
+      // it. This one is a hot span whose relocations were called off (their source became a
+      // victim, or was freed): its frame would otherwise stay in use for good.
+      ReleaseLocalLocked(s);
+      ++released;
+      continue;
+    }
     if (hot > 0 && !force) {
       // Carbink's hot/cold separation: a mostly cold span hands its few hot objects to the hot
       // span of its class, and leaves as a whole at a later sweep.
@@ -179,7 +196,7 @@ size_t Heap::PickVictims(size_t need, bool force, std::vector<Span*>* victims,
     }
     victims->push_back(s);
   }
-  return victims->size();
+  return released;
 }
 
 // NO_THREAD_SAFETY_ANALYSIS: locks two spans in address order (which is first is decided at run
@@ -248,8 +265,8 @@ size_t Heap::EvictRound(size_t target_frames, bool force, std::chrono::nanosecon
   need = (need + k - 1) / k * k;
   std::vector<Span*> victims;
   std::vector<Relocation> relocations;
-  PickVictims(need, force, &victims, &relocations);
-  if (victims.empty() && relocations.empty()) return 0;
+  const size_t released = PickVictims(need, force, &victims, &relocations);
+  if (victims.empty() && relocations.empty()) return released;
   if (!WaitForScopesToDrainFor(drain_limit)) {
     // Give the round up: every mark goes, as if derefs had cancelled them.
     for (Span* s : victims) {
@@ -267,7 +284,7 @@ size_t Heap::EvictRound(size_t target_frames, bool force, std::chrono::nanosecon
         r.entry->word.fetch_and(~kEvacuating, std::memory_order_seq_cst);
       }
     }
-    return 0;
+    return released;
   }
   const size_t relocated_before = objects_relocated_.load();
   Relocate(relocations);
@@ -294,7 +311,7 @@ size_t Heap::EvictRound(size_t target_frames, bool force, std::chrono::nanosecon
   }
   // Progress is memory given back: relocating hot objects frees nothing by itself.
   (void)relocated;
-  return clean + WriteOut(committed);
+  return released + clean + WriteOut(committed);
 }
 
 void Heap::EvictCleanLocked(Span* s) {

@@ -193,6 +193,8 @@ class Heap {
     uint32_t slot;
     ObjectEntry* entry;
   };
+  // Returns the number of frames it gave back itself: resident spans with no object left (a hot
+  // span whose relocations were all called off) are released on sight.
   size_t PickVictims(size_t need, bool force, std::vector<Span*>* victims,
                      std::vector<Relocation>* relocations);
   void Relocate(const std::vector<Relocation>& relocations);
