@@ -2,6 +2,16 @@
 #                 [TIMEOUT <seconds>])
 # Builds one GoogleTest executable and registers it with ctest under the given labels.
 # Test binaries find farmemd and friends through the FARMEM_BIN_DIR environment variable.
+
+# ctest -j starts tests in descending COST. Without timings of its own (a fresh clone has no
+# Testing/Temporary/CTestCostData.txt) it would start the longest ones last, in declaration order,
+# and the stage would end with one of them running alone on two cores (far_stress_test started
+# 52nd of 59 in a fresh CI run). These are the longest, with their seconds in a release build
+# (docs/testing.md); once ctest has timed a test, its own figures take over.
+set(kFarmemLongTestCost
+  far_stress_test 160 far_containers_test 90 page_store_test 40 daemon_admission_test 22
+  far_ptr_test 15 client_cluster_test 15 far_parity_offload_test 15 far_list_queue_test 15
+  nbd_stalled_client_test 12 daemon_regression_test 10)
 function(farmem_add_test)
   cmake_parse_arguments(T "" "NAME;TIMEOUT" "SOURCES;LIBS;LABELS" ${ARGN})
   add_executable(${T_NAME} ${T_SOURCES})
@@ -12,4 +22,10 @@ function(farmem_add_test)
   endif()
   set_tests_properties(${T_NAME} PROPERTIES LABELS "${T_LABELS}" TIMEOUT ${T_TIMEOUT}
     ENVIRONMENT "FARMEM_BIN_DIR=${CMAKE_BINARY_DIR}/bin;FARMEM_SOURCE_DIR=${CMAKE_SOURCE_DIR}")
+  list(FIND kFarmemLongTestCost ${T_NAME} i)
+  if(i GREATER_EQUAL 0)
+    math(EXPR i "${i} + 1")
+    list(GET kFarmemLongTestCost ${i} cost)
+    set_tests_properties(${T_NAME} PROPERTIES COST ${cost})
+  endif()
 endfunction()

@@ -56,13 +56,17 @@ function(farmem_add_vm_test)
   add_test(NAME ${T_NAME}
     COMMAND bash ${CMAKE_SOURCE_DIR}/deploy/vm/run ${args} -- ${T_COMMAND}
     WORKING_DIRECTORY ${CMAKE_CURRENT_BINARY_DIR})
+  # A guest keeps one host core busy per vCPU (TCG runs each vCPU on a host thread): it counts as
+  # that many ctest jobs. Under `ctest -j2` (tests/run) a two-vCPU guest runs alone and two
+  # one-vCPU guests (the swap tests) run side by side, each on a core of its own.
+  if(NOT T_SMP)
+    set(T_SMP 2)
+  endif()
   set_tests_properties(${T_NAME} PROPERTIES
     LABELS "vm;${T_LABELS}"
     TIMEOUT ${T_TIMEOUT}
     SKIP_RETURN_CODE 77
-    # A guest keeps both cores busy (TCG, -smp 2): never two at once, and count it as 2 jobs.
-    PROCESSORS 2
-    RESOURCE_LOCK farmem_vm
+    PROCESSORS ${T_SMP}
     ENVIRONMENT "FARMEM_BIN_DIR=${CMAKE_BINARY_DIR}/bin;FARMEM_SOURCE_DIR=${CMAKE_SOURCE_DIR}")
   if(T_CPU)
     set_property(TEST ${T_NAME} APPEND PROPERTY ENVIRONMENT "FARMEM_VM_CPU=${T_CPU}")
