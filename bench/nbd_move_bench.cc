@@ -188,7 +188,12 @@ void RunOne(const Args& a, const std::string& mode) {
   if (auto s = lender.Start(1); !s.ok()) Die(s.ToString());
   const pid_t lender_pid = lender[0].pid();
   if (!cg.Join(lender_pid)) Die("cannot move farmemd into " + cg.dir().string());
-  const uint16_t lender_port = ReadPortFile(lender_port_file);
+  // The metrics port file may come a moment after the daemon listens.
+  uint16_t lender_port = 0;
+  for (int i = 0; i < 10000 && (lender_port = ReadPortFile(lender_port_file)) == 0; ++i) {
+    std::this_thread::sleep_for(milliseconds(1));
+  }
+  if (lender_port == 0) Die("farmemd wrote no metrics port");
   const farmem::Endpoint lender_ep = lender[0].endpoint();
 
   // The others hold the other g-1 members of each group, and then what the lender gives back.
@@ -236,7 +241,7 @@ void RunOne(const Args& a, const std::string& mode) {
   const double lent_now = Value(before, "farmem_daemon_lent_bytes");
   const long rss_before_kib = RssKiB(lender_pid);
   const uint64_t usage = cg.Usage();
-  if (lent_now <= 0) Die("the export put nothing on the lender");
+  if (lent_now <= 0) Die(fmt::format("the export put nothing on the lender (lent {})", lent_now));
   const uint64_t lent_bytes = static_cast<uint64_t>(lent_now);
   if (limit < usage + reserve - lent_bytes) Die("the cgroup is already short of the reserve");
   const uint64_t hog_bytes = limit - usage - reserve + lent_bytes + 64 * kMiB;

@@ -127,6 +127,7 @@ TEST(LenderPressure, HogInTheLendersCgroupMovesEveryBorrowerOffAndNothingIsLost)
   const pid_t lender_pid = lender[0].pid();
   ASSERT_TRUE(cg.Join(lender_pid)) << "cannot move farmemd into " << cg.dir();
   const Endpoint lender_ep = lender[0].endpoint();
+  ASSERT_TRUE(WaitUntil([&] { return ReadPortFile(lender_metrics) != 0; }, milliseconds(10000)));
   const uint16_t lender_port = ReadPortFile(lender_metrics);
   ASSERT_NE(lender_port, 0) << lender.Logs();
   // Seven more small ones: room for everything the lender holds, on enough nodes for ec:4+2.
