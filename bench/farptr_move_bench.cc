@@ -31,6 +31,7 @@
 #include "farmem/client/cluster.h"
 #include "farmem/far_ptr.h"
 #include "farmem/runtime.h"
+#include "latency_window.h"
 #include "support/daemon_fixture.h"
 #include "support/fake_cgroup.h"
 #include "support/object_pattern.h"
@@ -61,55 +62,10 @@ struct Args {
   uint32_t span = 65536;
 };
 
-// One read: when it ended (since the run's start) and how long it took.
-struct Sample {
-  int64_t end_us;
-  int64_t took_us;
-};
-
-struct Window {
-  double ops_per_s = 0, p50_us = 0, p99_us = 0, max_us = 0;
-  double median_ops_per_s = 0;  // median over 250 ms buckets: less swayed by a stalled CPU
-  size_t n = 0;
-};
-
-Window Summarize(const std::vector<Sample>& all, int64_t from_us, int64_t to_us) {
-  std::vector<int64_t> lat;
-  for (const Sample& s : all) {
-    if (s.end_us >= from_us && s.end_us < to_us) lat.push_back(s.took_us);
-  }
-  Window w;
-  w.n = lat.size();
-  if (lat.empty() || to_us <= from_us) return w;
-
-  constexpr int64_t kBucketUs = 250000;
-  std::vector<double> buckets;
-  for (int64_t b = from_us; b + kBucketUs <= to_us; b += kBucketUs) {
-    size_t in = 0;
-    for (const Sample& smp : all) in += smp.end_us >= b && smp.end_us < b + kBucketUs;
-    buckets.push_back(static_cast<double>(in) * 1e6 / kBucketUs);
-  }
-  if (!buckets.empty()) {
-    std::sort(buckets.begin(), buckets.end());
-    w.median_ops_per_s = buckets[buckets.size() / 2];
-  }
-  std::sort(lat.begin(), lat.end());
-  w.ops_per_s = static_cast<double>(lat.size()) * 1e6 / static_cast<double>(to_us - from_us);
-  w.p50_us = static_cast<double>(lat[lat.size() / 2]);
-  w.p99_us = static_cast<double>(lat[std::min(lat.size() - 1, lat.size() * 99 / 100)]);
-  w.max_us = static_cast<double>(lat.back());
-  return w;
-}
-
-std::string Row(const char* what, const Window& w, const Window* base) {
-  auto pct = [&](double v, double b) { return base != nullptr && b > 0 ? (v / b - 1) * 100 : 0.0; };
-  return fmt::format(
-      "    {:<18} {:>6.0f} reads/s ({:+6.1f}%), median of 250 ms buckets {:>6.0f} ({:+6.1f}%); "
-      "p50 {:>5.0f} us  p99 {:>6.0f} us  max {:>7.0f} us  ({} reads)",
-      what, w.ops_per_s, pct(w.ops_per_s, base ? base->ops_per_s : 0), w.median_ops_per_s,
-      pct(w.median_ops_per_s, base ? base->median_ops_per_s : 0), w.p50_us, w.p99_us, w.max_us,
-      w.n);
-}
+using farmem::bench::Row;
+using farmem::bench::Sample;
+using farmem::bench::Summarize;
+using farmem::bench::Window;
 
 std::string LoadAverage() {
   std::ifstream in("/proc/loadavg");

@@ -336,6 +336,34 @@ Result<FreeRequest> DecodeFree(std::span<const uint8_t> body) {
   return FreeRequest{std::move(ids)};
 }
 
+void EncodeHeartbeat(const HeartbeatRequest& m, std::vector<uint8_t>* out) {
+  if (m.reports.empty()) return;
+  Writer w(out);
+  w.U32(static_cast<uint32_t>(m.reports.size()));
+  w.U32(0);
+  for (const AccessReport& a : m.reports) {
+    w.U64(a.lease_id);
+    w.U64(a.accesses);
+  }
+}
+
+Result<HeartbeatRequest> DecodeHeartbeat(std::span<const uint8_t> body) {
+  HeartbeatRequest m;
+  if (body.empty()) return m;
+  Reader r(body);
+  const uint32_t count = r.U32();
+  r.U32();
+  if (!r.ok() || count == 0 || count > kMaxLeasesPerCall || r.remaining() != size_t{count} * 16) {
+    return Err(Malformed("HEARTBEAT access report", body));
+  }
+  m.reports.resize(count);
+  for (AccessReport& a : m.reports) {
+    a.lease_id = r.U64();
+    a.accesses = r.U64();
+  }
+  return m;
+}
+
 void EncodeHeartbeatReply(const HeartbeatReply& m, std::vector<uint8_t>* out) {
   Writer w(out);
   w.U32(m.leases_held);

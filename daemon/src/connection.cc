@@ -269,11 +269,16 @@ Connection::Next Connection::HandleControl(const wire::FrameHeader& h,
       break;
     }
     case wire::Opcode::kHeartbeat: {
-      if (!body.empty()) {
-        ReplyError(h, InvalidArgument("HEARTBEAT carries no body"));
+      // Empty, or the client's counts of its RDMA accesses (kFeatureAccessReports): credited to
+      // its leases for victim choice, since one-sided verbs never reach this CPU.
+      Result<wire::HeartbeatRequest> req = wire::DecodeHeartbeat(body);
+      if (!req.has_value()) {
+        server_->counters().protocol_errors++;
+        ReplyError(h, req.error());
         return Next::kContinue;
       }
       control_.store(true, std::memory_order_relaxed);
+      if (!req->reports.empty()) (void)pool.CreditAccesses(owner_, req->reports);
       wire::HeartbeatReply r;
       r.leases_held = pool.Renew(owner_);
       r.lease_ttl_ms = static_cast<uint64_t>(pool.lease_ttl().count());

@@ -84,7 +84,10 @@ Status Server::Start() {
     auth_ = {options_.secret, options_.old_secrets, options_.revoked};
   }
   handshake_config_.node_id = node_id_;
-  handshake_config_.features = rdma_ != nullptr ? uint32_t{wire::kFeatureVerbs} : 0u;
+  // Access reports are accepted whatever the transport (a client counts only what the daemon
+  // cannot see: its one-sided RDMA operations).
+  handshake_config_.features = (rdma_ != nullptr ? uint32_t{wire::kFeatureVerbs} : 0u) |
+                               uint32_t{wire::kFeatureAccessReports};
   if (!SetNonBlocking(listener_.fd())) {
     return ErrnoStatus(StatusCode::kInternal, "O_NONBLOCK on the listening socket", errno);
   }

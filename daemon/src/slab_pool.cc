@@ -417,6 +417,25 @@ std::vector<LeaseActivity> SlabPool::SampleLeases(uint32_t n, uint64_t seed) {
   return out;
 }
 
+uint32_t SlabPool::CreditAccesses(const wire::ClientId& owner,
+                                  std::span<const wire::AccessReport> reports) {
+  MutexLock lock(&mu_);  // the owner check reads Slab::owner, written under mu_ at grant
+  uint32_t credited = 0;
+  for (const wire::AccessReport& r : reports) {
+    const uint32_t index = wire::LeaseSlab(r.lease_id);
+    // Epoch 0 was never granted (and a free slab's id is 0).
+    if (wire::LeaseEpoch(r.lease_id) == 0 || index >= total_ || r.accesses == 0) continue;
+    Slab& s = slabs_[index];
+    if (s.lease_id.load(std::memory_order_relaxed) != r.lease_id || s.owner != owner) continue;
+    // Saturating: a hostile count must not wrap the slab to "idle".
+    const uint64_t now = s.accesses.load(std::memory_order_relaxed);
+    const uint64_t add = std::min(r.accesses, UINT64_MAX - now);
+    s.accesses.fetch_add(add, std::memory_order_relaxed);
+    ++credited;
+  }
+  return credited;
+}
+
 std::vector<EvictionNotice> SlabPool::NoticeEviction(
     std::optional<std::span<const uint64_t>> lease_ids,
     std::chrono::steady_clock::time_point deadline) {

@@ -162,6 +162,11 @@ class SlabPool {
   // Up to `n` distinct leased slabs not yet under notice, chosen at random, each with its access
   // count since it was last sampled (the count restarts from here).
   std::vector<LeaseActivity> SampleLeases(uint32_t n, uint64_t seed);
+  // Adds a client's own count of accesses the daemon did not see (one-sided RDMA, reported on
+  // HEARTBEAT) to its leases, so that SampleLeases weighs them like TCP operations. Reports for
+  // leases `owner` does not hold (ended meanwhile, or someone else's) are ignored. Returns how
+  // many reports were credited.
+  uint32_t CreditAccesses(const wire::ClientId& owner, std::span<const wire::AccessReport> reports);
   // Marks the named leases (those still held and not yet noticed) to end at `deadline`, and
   // returns one notice per owner. nullopt ids: every held lease (drain).
   std::vector<EvictionNotice> NoticeEviction(std::optional<std::span<const uint64_t>> lease_ids,

@@ -25,20 +25,19 @@
 #include "support/object_pattern.h"
 #include "support/wait.h"
 #include "test_process.h"
+#include "verified_export.h"
 
 namespace farmem::blockdev {
 namespace {
 
 using std::chrono::milliseconds;
 using testing::FarmemNbd;
-using testing::NbdTestClient;
-using testing::Pattern;
+using testing::VerifiedExport;
 using Clock = std::chrono::steady_clock;
 
 constexpr uint32_t kGraceMs = 20000;     // farmemd --drain-timeout
 constexpr uint64_t kExportMiB = 16;      // 16 extents of one 1 MiB slab each
 constexpr uint32_t kChunk = 256u << 10;  // the NBD writer's unit
-constexpr uint64_t kChunks = (kExportMiB << 20) / kChunk;
 constexpr size_t kObjects = 3000;
 constexpr size_t kObjectSize = 700;  // ~2 MiB of 16 KiB spans: several 1 MiB slab groups
 
@@ -50,85 +49,6 @@ size_t Count(const std::string& text, const std::string& needle) {
   }
   return n;
 }
-
-// One farmem-nbd export under a verifying writer: fills the export, then rewrites chunk after
-// chunk (a new generation each time) and reads each write back, until stopped.
-class VerifiedExport {
- public:
-  VerifiedExport(std::string resilience, std::unique_ptr<FarmemNbd> nbd)
-      : resilience_(std::move(resilience)), nbd_(std::move(nbd)) {}
-  ~VerifiedExport() { Stop(); }
-
-  Status Fill() {
-    testing::ClientOptions o;
-    o.timeout = std::chrono::seconds(30);
-    FARMEM_ASSIGN_OR_RETURN(NbdTestClient c, NbdTestClient::Connect(nbd_->socket_path(), o));
-    client_.emplace(std::move(c));
-    expected_.resize(kChunks);
-    for (uint64_t i = 0; i < kChunks; ++i) {
-      expected_[i] = Seed(i);
-      FARMEM_RETURN_IF_ERROR(client_->Write(i * kChunk, Pattern(kChunk, expected_[i])));
-    }
-    return Status::Ok();
-  }
-
-  void StartWriter() {
-    thread_ = std::thread([this] {
-      for (uint64_t gen = 1; !stop_.load(); ++gen) {
-        const uint64_t i = (gen * 7) % kChunks;
-        const uint64_t seed = Seed(gen * kChunks + i);
-        if (Status s = client_->Write(i * kChunk, Pattern(kChunk, seed)); !s.ok()) {
-          error_ = "writing chunk " + std::to_string(i) + ": " + s.ToString();
-          return;
-        }
-        expected_[i] = seed;
-        auto back = client_->Read(i * kChunk, kChunk);
-        if (!back.has_value()) {
-          error_ = "reading chunk " + std::to_string(i) + ": " + back.error().ToString();
-          return;
-        }
-        if (*back != Pattern(kChunk, seed)) {
-          error_ = "chunk " + std::to_string(i) + " read back wrong right after its write";
-          return;
-        }
-        rounds_.fetch_add(1);
-      }
-    });
-  }
-  void Stop() {
-    stop_ = true;
-    if (thread_.joinable()) thread_.join();
-  }
-
-  // After Stop(): the whole export holds what was last written.
-  void ExpectIntact() {
-    ASSERT_TRUE(error_.empty()) << resilience_ << ": " << error_ << "\n" << nbd_->log();
-    for (uint64_t i = 0; i < kChunks; ++i) {
-      auto back = client_->Read(i * kChunk, kChunk);
-      ASSERT_TRUE(back.has_value())
-          << resilience_ << ": chunk " << i << ": " << back.error().ToString();
-      ASSERT_TRUE(*back == Pattern(kChunk, expected_[i]))
-          << resilience_ << ": chunk " << i << " LOST or wrong after the drain";
-    }
-  }
-
-  uint64_t rounds() const { return rounds_.load(); }
-  const std::string& resilience() const { return resilience_; }
-  std::string log() const { return nbd_->log(); }
-  bool alive() { return nbd_->process().Alive(); }
-
- private:
-  uint64_t Seed(uint64_t n) const { return (resilience_.size() << 40) + n; }
-
-  std::string resilience_;
-  std::unique_ptr<FarmemNbd> nbd_;
-  std::optional<NbdTestClient> client_;
-  std::vector<uint64_t> expected_;  // the writer's; read by the main thread after Stop()
-  std::thread thread_;
-  std::atomic<bool> stop_{false};
-  std::atomic<uint64_t> rounds_{0};
-  std::string error_;
-};
 
 TEST(DrainTwoClients, SigtermDrainWhileNbdAndFarPtrRunVerifiedIoLosesNothing) {
   farmem::testing::DaemonSet daemons({.capacity = "40M",
@@ -149,7 +69,8 @@ TEST(DrainTwoClients, SigtermDrainWhileNbdAndFarPtrRunVerifiedIoLosesNothing) {
                                   std::to_string(kExportMiB) + "M", "--heartbeat-ms", "100",
                                   "--failure-timeout-ms", "3000"});
     ASSERT_TRUE(nbd.has_value()) << nbd.error().ToString();
-    exports.push_back(std::make_unique<VerifiedExport>(mode, std::move(*nbd)));
+    exports.push_back(
+        std::make_unique<VerifiedExport>(mode, std::move(*nbd), kExportMiB << 20, kChunk));
     Status s = exports.back()->Fill();
     ASSERT_TRUE(s.ok()) << mode << ": " << s.ToString() << "\n" << exports.back()->log();
   }

@@ -846,7 +846,7 @@ TEST_F(BadInputTest, MalformedDataAndControlBodiesKeepTheConnection) {
       {Opcode::kAlloc, std::vector<uint8_t>(12, 0), StatusCode::kProtocolError},
       {Opcode::kFree, free_mismatch, StatusCode::kProtocolError},
       {Opcode::kFree, free_too_many, StatusCode::kProtocolError},
-      {Opcode::kHeartbeat, {1}, StatusCode::kInvalidArgument},
+      {Opcode::kHeartbeat, {1}, StatusCode::kProtocolError},  // not an access report
       {Opcode::kRead, std::vector<uint8_t>(25, 0), StatusCode::kInvalidArgument},
       {Opcode::kRead, DataOpBody(id, 0, 8, /*reserved=*/1), StatusCode::kProtocolError},
       {Opcode::kWrite, WithPayload(DataOpBody(id, 0, 8, /*reserved=*/1), 8, 0xee),

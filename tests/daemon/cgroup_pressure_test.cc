@@ -4,22 +4,14 @@
 // memory of the (ignored) noticed leases back — its RSS drops — and, once the hog is gone, grant
 // again and grow. Skipped where no memory cgroup can be made (not root, no controller).
 #include <gtest/gtest.h>
-#include <signal.h>
-#include <sys/mman.h>
-#include <sys/wait.h>
-#include <unistd.h>
-
-#include <cstring>
-#include <filesystem>
-#include <fstream>
 
 #include "daemon_client.h"
 #include "support/daemon_fixture.h"
+#include "support/memory_cgroup.h"
 
 namespace farmem::testing {
 namespace {
 
-namespace fs = std::filesystem;
 using std::chrono::milliseconds;
 
 constexpr uint64_t kMiB = 1 << 20;
@@ -30,81 +22,8 @@ uint64_t RssBytes(pid_t pid) {
   return static_cast<uint64_t>(std::max(0L, ProcStatus(pid, "VmRSS"))) * 1024;
 }
 
-// A child memory cgroup of this process's own, removed at the end.
-class TestCgroup {
- public:
-  TestCgroup() {
-    std::ifstream in("/proc/self/cgroup");
-    std::string line, v1, v2;
-    while (std::getline(in, line)) {
-      const size_t a = line.find(':'), b = line.find(':', a + 1);
-      const std::string ctl = line.substr(a + 1, b - a - 1), path = line.substr(b + 1);
-      if (line.rfind("0::", 0) == 0) v2 = path;
-      if (ctl == "memory") v1 = path;
-    }
-    const std::string name = "farmem-pressure-" + std::to_string(::getpid());
-    std::error_code ec;
-    if (!v1.empty() && fs::exists("/sys/fs/cgroup/memory/memory.limit_in_bytes")) {
-      dir_ = fs::path("/sys/fs/cgroup/memory") / fs::path(v1).relative_path() / name;
-      limit_file_ = "memory.limit_in_bytes";
-    } else if (fs::exists("/sys/fs/cgroup/cgroup.controllers")) {
-      dir_ = fs::path("/sys/fs/cgroup") / fs::path(v2).relative_path() / name;
-      limit_file_ = "memory.max";
-    } else {
-      why_ = "no memory cgroup controller";
-      return;
-    }
-    if (!fs::create_directory(dir_, ec) && ec) {
-      why_ = "cannot create " + dir_.string() + ": " + ec.message();
-      dir_.clear();
-      return;
-    }
-    if (!Write(limit_file_, std::to_string(kLimit))) {
-      why_ = "cannot set " + (dir_ / limit_file_).string();
-    }
-  }
-  ~TestCgroup() {
-    if (dir_.empty()) return;
-    std::error_code ec;
-    fs::remove(dir_, ec);  // rmdir: every process has left it by now
-  }
-  bool ok() const { return why_.empty(); }
-  const std::string& why() const { return why_; }
-  const fs::path& dir() const { return dir_; }
-  bool Join(pid_t pid) { return Write("cgroup.procs", std::to_string(pid)); }
-
- private:
-  bool Write(const std::string& file, const std::string& value) {
-    std::ofstream out(dir_ / file);
-    out << value << "\n";
-    out.flush();
-    return out.good();
-  }
-  fs::path dir_;
-  std::string limit_file_;
-  std::string why_;
-};
-
-// A process in the cgroup that takes `bytes` and holds them until killed.
-pid_t StartHog(TestCgroup& cg, uint64_t bytes, int ready_fd_out[2]) {
-  if (::pipe(ready_fd_out) != 0) return -1;
-  const pid_t pid = ::fork();
-  if (pid == 0) {
-    ::close(ready_fd_out[0]);
-    if (!cg.Join(::getpid())) _exit(2);
-    void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    if (p == MAP_FAILED) _exit(3);
-    std::memset(p, 1, bytes);
-    const char ok = 1;
-    (void)!::write(ready_fd_out[1], &ok, 1);
-    for (;;) ::pause();
-  }
-  ::close(ready_fd_out[1]);
-  return pid;
-}
-
 TEST(CgroupPressureTest, HogMakesTheDaemonStopGrantingEvictAndShrinkThenGrowBack) {
-  TestCgroup cg;
+  MemoryCgroup cg("farmem-pressure", kLimit);
   if (!cg.ok()) GTEST_SKIP() << cg.why();
   DaemonSet daemons(
       {.capacity = "256M",
@@ -124,21 +43,8 @@ TEST(CgroupPressureTest, HogMakesTheDaemonStopGrantingEvictAndShrinkThenGrowBack
   EXPECT_GE(rss_leased, 8 * kSlab);
 
   // 512 MiB limit: 128 MiB lent + 300 MiB hog leaves < 96 MiB (the reserve) available.
-  int ready[2];
-  pid_t hog = StartHog(cg, 300 * kMiB, ready);
-  ASSERT_GT(hog, 0);
-  struct Reaper {  // the hog must not outlive a failed assertion (it would pin the cgroup)
-    pid_t* pid;
-    ~Reaper() {
-      if (*pid > 0) {
-        ::kill(*pid, SIGKILL);
-        ::waitpid(*pid, nullptr, 0);
-      }
-    }
-  } reaper{&hog};
-  char byte = 0;
-  ASSERT_EQ(::read(ready[0], &byte, 1), 1) << "the hog did not start";
-  ::close(ready[0]);
+  MemoryHog hog;
+  ASSERT_TRUE(hog.Start(cg, 300 * kMiB)) << "the hog did not start";
 
   // Stops granting, then (this client ignores notices) evicts and gives memory back.
   ASSERT_TRUE(WaitUntil(
@@ -163,9 +69,7 @@ TEST(CgroupPressureTest, HogMakesTheDaemonStopGrantingEvictAndShrinkThenGrowBack
   EXPECT_GT(hb->leases_held, 0u) << "evicted more than the deficit\n" << daemons.Logs();
 
   // The hog leaves: the daemon grants again, and grows with what it lends.
-  ::kill(hog, SIGKILL);
-  ::waitpid(hog, nullptr, 0);
-  hog = -1;
+  hog.Stop();
   const uint64_t rss_low = RssBytes(daemon);
   ASSERT_TRUE(WaitUntil([&] { return c->Alloc(2).has_value(); }, milliseconds(10000)))
       << daemons.Logs();

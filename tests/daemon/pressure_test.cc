@@ -346,3 +346,79 @@ TEST_F(ReclaimerTest, FreedInTimeIsNoEvictionAndDrainNoticesEverything) {
 
 }  // namespace
 }  // namespace farmem::daemon
+
+namespace farmem::daemon {
+namespace {
+
+// RDMA accesses in victim choice: one-sided reads and writes never reach the daemon's CPU, so a
+// client that uses verbs reports its per-lease counts on HEARTBEAT (wire::AccessReport,
+// kFeatureAccessReports) and the daemon credits them to its leases.
+TEST(AccessReportTest, HeartbeatBodyRoundTripsAndMalformedOnesAreRefused) {
+  std::vector<uint8_t> empty;
+  wire::EncodeHeartbeat({}, &empty);
+  EXPECT_TRUE(empty.empty()) << "no reports: the empty HEARTBEAT every daemon accepts";
+  auto none = wire::DecodeHeartbeat(empty);
+  ASSERT_TRUE(none.has_value());
+  EXPECT_TRUE(none->reports.empty());
+
+  std::vector<uint8_t> body;
+  wire::EncodeHeartbeat({{{0x100000002ull, 7}, {0x300000004ull, 1ull << 40}}}, &body);
+  EXPECT_EQ(body.size(), 8u + 2 * 16);
+  auto back = wire::DecodeHeartbeat(body);
+  ASSERT_TRUE(back.has_value()) << back.error().ToString();
+  ASSERT_EQ(back->reports.size(), 2u);
+  EXPECT_EQ(back->reports[1].lease_id, 0x300000004ull);
+  EXPECT_EQ(back->reports[1].accesses, 1ull << 40);
+
+  std::vector<uint8_t> short_body = body;
+  short_body.pop_back();
+  EXPECT_EQ(wire::DecodeHeartbeat(short_body).error().code(), StatusCode::kProtocolError);
+  std::vector<uint8_t> says_three = body;
+  says_three[0] = 3;
+  EXPECT_FALSE(wire::DecodeHeartbeat(says_three).has_value());
+  std::vector<uint8_t> zero(8, 0);
+  EXPECT_FALSE(wire::DecodeHeartbeat(zero).has_value()) << "a report of no leases is malformed";
+  std::vector<uint8_t> too_many(8 + size_t{wire::kMaxLeasesPerCall + 1} * 16, 0);
+  too_many[0] = static_cast<uint8_t>((wire::kMaxLeasesPerCall + 1) & 0xff);
+  too_many[1] = static_cast<uint8_t>((wire::kMaxLeasesPerCall + 1) >> 8);
+  EXPECT_FALSE(wire::DecodeHeartbeat(too_many).has_value());
+}
+
+TEST_F(ReclaimerTest, RdmaAccessesReportedOnHeartbeatCountForVictimChoice) {
+  auto r = Make(milliseconds(60000));
+  // Client 1 works on its 2 leases over RDMA only: the daemon sees no operation of it. Client 2
+  // touches its 6 over TCP, 5 operations each. With 6 to evict (the sample, E + 2, is all 8),
+  // the idle-looking RDMA leases would go first unless their reported accesses count.
+  auto rdma = pool_->Grant(2, Client(1));
+  auto tcp = pool_->Grant(6, Client(2));
+  ASSERT_TRUE(rdma.has_value() && tcp.has_value());
+  for (const wire::LeaseGrant& g : *tcp) {
+    for (int i = 0; i < 5; ++i) {
+      ASSERT_TRUE(pool_->Acquire(g.lease_id, Client(2), 0, 1).has_value());
+    }
+  }
+  wire::HeartbeatRequest report;
+  for (const wire::LeaseGrant& g : *rdma) report.reports.push_back({g.lease_id, 100});
+  EXPECT_EQ(pool_->CreditAccesses(Client(1), report.reports), 2u);
+  // Reports for leases the reporter does not hold are ignored: someone else's (which would make
+  // client 2's look busy) and one that never existed.
+  wire::HeartbeatRequest foreign;
+  for (const wire::LeaseGrant& g : *tcp) foreign.reports.push_back({g.lease_id, 1000000});
+  foreign.reports.push_back({0, 1000000});
+  EXPECT_EQ(pool_->CreditAccesses(Client(3), foreign.reports), 0u);
+  EXPECT_EQ(pool_->CreditAccesses(Client(1), foreign.reports), 0u);
+
+  source_->Set(Snap(1024, 100 - 6));
+  (void)r->Poll();
+  EXPECT_EQ(r->Poll(), 6u);
+  std::vector<EvictionNotice> n = sink_.notices();
+  ASSERT_EQ(n.size(), 1u) << "only client 2 is noticed";
+  EXPECT_EQ(n[0].owner, Client(2));
+  std::set<uint64_t> got(n[0].lease_ids.begin(), n[0].lease_ids.end());
+  std::set<uint64_t> want;
+  for (const wire::LeaseGrant& g : *tcp) want.insert(g.lease_id);
+  EXPECT_EQ(got, want);
+}
+
+}  // namespace
+}  // namespace farmem::daemon

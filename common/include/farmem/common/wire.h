@@ -75,6 +75,9 @@ enum Features : uint32_t {
   kFeatureClientShare = 1u << 2,
   // STAT: the reply ends with the daemon's version string (after the CLIENT_SHARE fields).
   kFeatureVersion = 1u << 3,
+  // HELLO: HEARTBEAT requests may carry access reports (HeartbeatRequest): per-lease counts of
+  // the client's one-sided RDMA operations, which the daemon's CPU never sees (victim choice).
+  kFeatureAccessReports = 1u << 4,
 };
 // Longest version string a STAT reply may carry.
 inline constexpr size_t kMaxVersionString = 128;
@@ -241,6 +244,16 @@ struct AllocReply {
 struct FreeRequest {
   std::vector<uint64_t> lease_ids;
 };
+// HEARTBEAT request: empty, or — to a daemon whose HELLO reply set kFeatureAccessReports — how
+// many one-sided (RDMA) reads and writes the client made on each of its leases there since its
+// previous report. At most kMaxLeasesPerCall leases per heartbeat.
+struct AccessReport {
+  uint64_t lease_id = 0;
+  uint64_t accesses = 0;
+};
+struct HeartbeatRequest {
+  std::vector<AccessReport> reports;
+};
 struct HeartbeatReply {
   uint32_t leases_held = 0;
   uint64_t lease_ttl_ms = 0;
@@ -307,6 +320,9 @@ void EncodeAllocReply(const AllocReply& m, std::vector<uint8_t>* out);
 Result<AllocReply> DecodeAllocReply(std::span<const uint8_t> body);
 void EncodeFree(const FreeRequest& m, std::vector<uint8_t>* out);
 Result<FreeRequest> DecodeFree(std::span<const uint8_t> body);
+// No reports: an empty body (what every daemon accepts).
+void EncodeHeartbeat(const HeartbeatRequest& m, std::vector<uint8_t>* out);
+Result<HeartbeatRequest> DecodeHeartbeat(std::span<const uint8_t> body);
 void EncodeHeartbeatReply(const HeartbeatReply& m, std::vector<uint8_t>* out);
 Result<HeartbeatReply> DecodeHeartbeatReply(std::span<const uint8_t> body);
 void EncodeEvictNotice(const EvictNotice& m, std::vector<uint8_t>* out);
