@@ -14,6 +14,11 @@
 #   farmem-mem-metrics, farmem-none-metrics: farmem-mem / farmem-none with --metrics-listen on
 #                 loopback, scraped every second while fio runs (the cost of the metrics; not in
 #                 the default targets)
+#   farmem-none-plain, farmem-ec-plain: farmem-none / farmem-ec with --no-encrypt (pages stored in
+#                 plaintext): the cost of page encryption (docs/security.md) is farmem-none vs
+#                 farmem-none-plain; not in the default targets. With any of them the run also
+#                 prints `openssl speed` for AES-256-GCM on 4 KiB blocks, one core (the raw cost of
+#                 sealing a page) as the baseline.
 #
 # farmem-none and farmem-ec share six farmemd daemons on loopback (tcp transport, 64 MiB slabs).
 # Prints IOPS, mean and p99 latency (submission to completion, fio lat_ns) per target, the ratios
@@ -116,7 +121,8 @@ for t in farmem-mem farmem-mem-metrics; do
     --log-level warn "${farmem_extra[@]}" "${metrics[@]}" 2>"$work/$t.log" &
   pids+=($!)
 done
-if has farmem-none || has farmem-ec || has farmem-none-metrics; then
+if has farmem-none || has farmem-ec || has farmem-none-metrics || has farmem-none-plain ||
+  has farmem-ec-plain; then
   head -c 32 /dev/urandom | base64 >"$work/secret"
   chmod 600 "$work/secret"
   peers=""
@@ -130,18 +136,23 @@ if has farmem-none || has farmem-ec || has farmem-none-metrics; then
     wait_file -s "$work/port$i"
     peers="$peers${peers:+,}127.0.0.1:$(cat "$work/port$i")"
   done
-  for res in none ec:4+2 none-metrics; do
+  for res in none ec:4+2 none-metrics none-plain ec:4+2-plain; do
     t=farmem-${res%%:*}
     [ "$res" = none-metrics ] && t=farmem-none-metrics
+    [ "$res" = none-plain ] && t=farmem-none-plain
+    [ "$res" = ec:4+2-plain ] && t=farmem-ec-plain
     has "$t" || continue
     metrics=()
     if [ "$res" = none-metrics ]; then
       metrics=(--metrics-listen 127.0.0.1:0 --metrics-port-file "$work/$t.mport")
       scrape_ports+=("$work/$t.mport")
     fi
+    crypt=()
+    case $res in *-plain) crypt=(--no-encrypt) ;; esac
+    r=${res%-metrics}
     "$bin/farmem-nbd" --backend farmem --peers "$peers" --secret-file "$work/secret" \
-      --resilience "${res%-metrics}" --transport tcp --size "$size" --unix "$work/$t.sock" \
-      --log-level warn "${farmem_extra[@]}" "${metrics[@]}" 2>"$work/$t.log" &
+      --resilience "${r%-plain}" --transport tcp --size "$size" --unix "$work/$t.sock" \
+      --log-level warn "${farmem_extra[@]}" "${metrics[@]}" "${crypt[@]}" 2>"$work/$t.log" &
     pids+=($!)
   done
 fi
@@ -173,6 +184,12 @@ echo "fio $(fio --version | sed 's/fio-//'), nbdkit $(nbdkit --version | awk '{p
   "$(nproc) CPUs, export $size, ${runtime}s x $repeat per job, swap-safe=$swap_safe," \
   "disk file on $(df --output=source,fstype "$disk_dir" | tail -1 | tr -s ' ')," \
   "load average $(cut -d' ' -f1-3 /proc/loadavg)"
+if has farmem-none-plain || has farmem-ec-plain; then
+  # The raw cost of sealing one page on one core: AES-256-GCM, 4 KiB blocks (openssl's EVP, the
+  # same AES-NI/PCLMUL code farmem-nbd calls). Opening costs the same.
+  echo "baseline: $(openssl speed -seconds 3 -bytes 4096 -evp aes-256-gcm 2>/dev/null |
+    awk 'tolower($1) ~ /^aes-256-gcm/ {kb=$NF; sub(/k$/,"",kb); printf "openssl AES-256-GCM 4 KiB, 1 core: %.0f MB/s = %.2f us per page", kb*1000/1e6, 4096/(kb*1000)*1e6}')"
+fi
 read -r -a tlist <<<"$targets"
 n=${#tlist[@]}
 for rep in $(seq "$repeat"); do
@@ -213,7 +230,8 @@ for rw in ("randread", "randwrite"):
                   f"   {per_run}")
 ratios = [("farmem-none", "nbdkit-nbd"), ("farmem-none", "nbdkit-mem"), ("farmem-ec", "farmem-none"),
           ("farmem-mem", "nbdkit-mem"), ("farmem-none", "disk"), ("farmem-ec", "disk"),
-          ("farmem-mem-metrics", "farmem-mem"), ("farmem-none-metrics", "farmem-none")]
+          ("farmem-mem-metrics", "farmem-mem"), ("farmem-none-metrics", "farmem-none"),
+          ("farmem-none", "farmem-none-plain"), ("farmem-ec", "farmem-ec-plain")]
 ratios = [(a, b) for a, b in ratios if a in targets and b in targets]
 if ratios:
     print()
@@ -224,10 +242,21 @@ if ratios:
         print(f"{a + ' / ' + b:<36}" + "".join(
             f"{res[(a, rw, qd)][0] / res[(b, rw, qd)][0]:>14.2f}"
             for rw in ("randread", "randwrite") for qd in (1, 16)))
+lat = [(a, b) for a, b in (("farmem-none", "farmem-none-plain"), ("farmem-ec", "farmem-ec-plain"))
+       if a in targets and b in targets]
+if lat:
+    print()
+    print("Encryption: added mean latency at qd1, us (target <= 3 us)")
+    for a, b in lat:
+        print(f"{a + ' - ' + b:<36}" + "".join(
+            f"{rw + ' ' + format(res[(a, rw, 1)][1] - res[(b, rw, 1)][1], '+.1f'):>20}"
+            for rw in ("randread", "randwrite")))
 checks = [("farmem-none", "nbdkit-nbd", 3.0, "farmem-none qd16 IOPS >= 3x nbdkit-nbd"),
           ("farmem-none", "nbdkit-mem", 0.6, "farmem-none qd16 IOPS >= 0.6x nbdkit-mem"),
           ("farmem-ec", "farmem-none", 1 / 1.5, "farmem-ec qd16 IOPS within 1.5x of farmem-none"),
-          ("farmem-none-metrics", "farmem-none", 0.98, "metrics on costs <= 2% IOPS (qd16)")]
+          ("farmem-none-metrics", "farmem-none", 0.98, "metrics on costs <= 2% IOPS (qd16)"),
+          ("farmem-none", "farmem-none-plain", 0.90, "none: encryption costs <= 10% IOPS (qd16)"),
+          ("farmem-ec", "farmem-ec-plain", 0.90, "ec:4+2: encryption costs <= 10% IOPS (qd16)")]
 checks = [c for c in checks if c[0] in targets and c[1] in targets]
 if checks:
     print()

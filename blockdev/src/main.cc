@@ -20,6 +20,7 @@
 #include "farmem/blockdev/nbd_server.h"
 #include "farmem/blockdev/swap_safety.h"
 #include "farmem/client/cluster.h"
+#include "farmem/common/aead.h"
 #include "farmem/common/auth.h"
 #include "farmem/common/command_line.h"
 #include "farmem/common/config.h"
@@ -47,6 +48,10 @@ struct BackendConfig {
                                                        transport = "auto";
   uint32_t heartbeat_ms = 500, failure_timeout_ms = 2000, peer_wait_ms = 5000;
   bool overcommit = false;
+  // Page encryption (docs/security.md): on unless --no-encrypt; the key from --data-key-file
+  // (created if absent) or a fresh one per start.
+  bool encrypt = true;
+  std::string data_key_file;
   std::unique_ptr<farmem::client::Cluster> cluster;  // outlives the page store (declared first)
 };
 
@@ -96,6 +101,15 @@ void AddBackendFlags(CLI::App& app, BackendConfig* cfg) {
                "farmem: start even when --size at this --resilience needs more memory than the "
                "daemons have free (writes beyond it then fail with ENOSPC); without it such an "
                "export is refused at start");
+  app.add_flag("--encrypt,!--no-encrypt", cfg->encrypt,
+               "farmem: seal every page with AES-256-GCM before it leaves this process (the "
+               "daemons, parity and --backup hold only ciphertext) and authenticate it on the way "
+               "back. On by default; --no-encrypt (benchmarks only) stores plaintext on the "
+               "lenders and says so in the log");
+  app.add_option("--data-key-file", cfg->data_key_file,
+                 "farmem: the export's data key: loaded if the file exists, else created there "
+                 "(mode 600) with a new key. Without it a new key is drawn at every start and "
+                 "never leaves this process");
   app.add_option("--peer-wait-ms", cfg->peer_wait_ms,
                  "farmem: at start, wait up to this long for the first daemon to answer (then "
                  "fail), and for every peer to answer before checking that the export fits")
@@ -110,10 +124,23 @@ Status CheckFlagsApply(const CLI::App& app, const BackendConfig& cfg) {
   return farmem::cli::RejectGiven(
       app,
       {"--peers", "--peers-dns", "--secret-file", "--key-file", "--resilience", "--backup",
-       "--transport", "--heartbeat-ms", "--failure-timeout-ms", "--overcommit", "--peer-wait-ms"},
+       "--transport", "--heartbeat-ms", "--failure-timeout-ms", "--overcommit", "--peer-wait-ms",
+       "--encrypt", "--data-key-file"},
       "only to --backend farmem, and this is --backend " + cfg.kind +
           " (the device lives in this process's RAM): add --backend farmem, or leave "
           "them out");
+}
+
+// Encryption options that contradict each other fail closed: a key file given with --no-encrypt
+// would suggest the data is protected by it when it is stored in plaintext.
+Status CheckEncryptionFlags(const BackendConfig& cfg) {
+  if (cfg.kind != "farmem" || cfg.encrypt) return Status::Ok();
+  if (!cfg.data_key_file.empty()) {
+    return farmem::InvalidArgument(
+        "--data-key-file applies only with encryption, and --no-encrypt turns it off: leave out "
+        "--no-encrypt (pages are then encrypted with the key in that file) or --data-key-file");
+  }
+  return Status::Ok();
 }
 
 // Refuses an export the cluster cannot hold at its resilience, unless --overcommit; warns when
@@ -230,6 +257,21 @@ Result<std::unique_ptr<BlockBackend>> OpenBackend(BackendConfig& cfg) {
                  std::chrono::duration_cast<std::chrono::milliseconds>(peer_deadline -
                                                                        farmem::Clock::now()))));
     po.backup_path = cfg.backup;
+    po.encrypt = cfg.encrypt;
+    if (!cfg.encrypt) {
+      spdlog::warn(
+          "farmem-nbd: --no-encrypt: pages are stored IN PLAINTEXT on the lenders{} and are not "
+          "authenticated when read back: whoever has root on a lender, or its crash dumps, can "
+          "read and change them. Use it for benchmarks only",
+          cfg.backup.empty() ? "" : " and in the backup file");
+    } else if (!cfg.data_key_file.empty()) {
+      bool created = false;
+      auto key = farmem::aead::LoadOrCreateDataKeyFile(cfg.data_key_file, &created);
+      if (!key) return farmem::Err(key.error().WithContext("--data-key-file"));
+      po.data_key = *key;
+      spdlog::info("farmem-nbd: pages encrypted with the data key {} {}",
+                   created ? "created in" : "from", cfg.data_key_file);
+    }
     FARMEM_ASSIGN_OR_RETURN(auto store,
                             farmem::blockdev::PageStore::Create(cfg.cluster.get(), std::move(po)));
     return std::unique_ptr<BlockBackend>(std::move(store));
@@ -302,6 +344,14 @@ void RegisterExportMetrics(farmem::metrics::Registry* r, BackendConfig* cfg, Blo
   stat("farmem_export_lost_bytes_total",
        "Bytes of written data lost for good (no copy left, no backup). Must stay 0.",
        Type::kCounter, [d](const Stats& s) { return d(s.lost_bytes); });
+  stat("farmem_export_integrity_failures_total",
+       "Reads of a page whose copy failed authentication (changed on a lender or in transit): "
+       "served from other members or the backup file, or an error for that page; never returned.",
+       Type::kCounter, [d](const Stats& s) { return d(s.integrity_failures); });
+  r->AddCallback("farmem_export_encrypted",
+                 "1 when pages are encrypted and authenticated (the default), 0 with --no-encrypt.",
+                 Type::kGauge,
+                 [store](const Emit& emit) { emit({}, store->encrypted() ? 1.0 : 0.0); });
   stat("farmem_export_last_reprotect_seconds",
        "The last degraded episode: how long re-protection took.", Type::kGauge,
        [d](const Stats& s) { return d(s.last_reprotect_ms) / 1000; });
@@ -394,6 +444,7 @@ int main(int argc, char** argv) {
   CLI11_PARSE(app, argc, argv);
   farmem::cli::SetUpLogging("farmem-nbd", log_level);
   if (Status s = CheckFlagsApply(app, backend_cfg); !s.ok()) return Fail(s);
+  if (Status s = CheckEncryptionFlags(backend_cfg); !s.ok()) return Fail(s);
 
   // Signals: SIGINT/SIGTERM are taken synchronously by the main thread (blocked in every thread,
   // which inherit the mask); a vanished client must not kill the server through SIGPIPE.

@@ -101,8 +101,16 @@ Status PageStore::Init() {
     FARMEM_ASSIGN_OR_RETURN(codec_, ec::ReedSolomon::Create(res.k, res.r));
     frag_size_ = static_cast<uint32_t>(kPage / static_cast<uint64_t>(res.k));
   }
-  round_params_ = std::make_unique<RoundParams>(
-      RoundParams{res, codec_.get(), frag_size_, options_.op_timeout});
+  if (options_.encrypt) {
+    aead::Key key{};
+    if (options_.data_key) {
+      key = *options_.data_key;
+    } else {
+      FARMEM_ASSIGN_OR_RETURN(key, aead::GenerateKey());
+    }
+    FARMEM_ASSIGN_OR_RETURN(crypto_,
+                            PageCrypto::Create(key, options_.size / kPage, options_.seal_observer));
+  }
   // Daemons named in --peers are nodes even while down; with --peers-dns more may join later.
   const size_t nodes = cluster_->node_count();
   if (static_cast<size_t>(res.group_size()) > nodes && cluster_->options().peers_dns.empty()) {
@@ -138,6 +146,8 @@ Status PageStore::Init() {
   }
   if (slab_size_ == 0) return Unavailable("no daemon answered STAT: cannot learn the slab size");
   extent_bytes_ = slab_size_ / frag_size_ * kPage;  // pages per slab * page size
+  round_params_ = std::make_unique<RoundParams>(RoundParams{
+      res, codec_.get(), frag_size_, options_.op_timeout, crypto_.get(), extent_bytes_ / kPage});
   const uint64_t n = (options_.size + extent_bytes_ - 1) / extent_bytes_;
   extents_.reserve(n);
   for (uint64_t i = 0; i < n; ++i) {
@@ -157,6 +167,11 @@ Status PageStore::Init() {
     auto w = std::make_unique<Worker>(cluster_, options_.op_timeout);
     if (res.mode == Resilience::Mode::kErasure) w->staging.resize(stage);
     w->Reserve(cluster_->node_count(), static_cast<size_t>(res.group_size()));
+    if (crypto_) {
+      FARMEM_ASSIGN_OR_RETURN(aead::Cipher c, crypto_->NewCipher());
+      w->cipher.emplace(std::move(c));
+      w->sealed.resize(kRoundBytes);  // grown for larger batches, then kept
+    }
     all_workers_.push_back(std::move(w));
   }
   {
@@ -165,9 +180,10 @@ Status PageStore::Init() {
   }
   subscription_ = cluster_->Subscribe([this](const client::Event& ev) { OnClusterEvent(ev); });
   rebuild_thread_ = std::thread([this] { RebuildLoop(); });
-  spdlog::info("page store: {} export, {}, {} extents of {} (slabs of {}){}",
+  spdlog::info("page store: {} export, {}, {} extents of {} (slabs of {}){}, {}",
                FormatSize(options_.size), res.ToString(), n, FormatSize(extent_bytes_),
-               FormatSize(slab_size_), backup_ ? ", backup " + backup_->path() : "");
+               FormatSize(slab_size_), backup_ ? ", backup " + backup_->path() : "",
+               crypto_ ? "pages encrypted (AES-256-GCM)" : "pages NOT encrypted");
   return Status::Ok();
 }
 
@@ -287,8 +303,13 @@ Status PageStore::PartialPage(Worker& w, uint64_t page_offset, uint64_t at,
   FARMEM_RETURN_IF_ERROR(st);
   std::memcpy(page + (at - page_offset), write_from.data(), write_from.size());
   pieces.clear();
+  if (crypto_) {
+    // A new counter for the whole page (never the old one: its nonce must not be reused).
+    FARMEM_RETURN_IF_ERROR(SealPages(w, page_offset, page, kPage, page));
+  }
   SplitPieces(page_offset, kPage, page, true, 0, &pieces);
   RunPieces(w, pieces, {&st, 1}, 0);
+  if (crypto_) EndWrites(page_offset, kPage);
   return st;
 }
 
@@ -315,7 +336,8 @@ Status PageStore::DoRead(Worker& w, uint64_t offset, std::span<uint8_t> buf) {
 }
 
 Status PageStore::DoWrite(Worker& w, uint64_t offset, std::span<const uint8_t> data, bool fua) {
-  if (backup_) FARMEM_RETURN_IF_ERROR(backup_->Write(offset, data));
+  // With encryption the backup file gets the sealed pages (SealPages), not these bytes.
+  if (backup_ && !crypto_) FARMEM_RETURN_IF_ERROR(backup_->Write(offset, data));
   Status st;
   uint64_t at = offset, left = data.size();
   const uint8_t* in = data.data();
@@ -328,8 +350,16 @@ Status PageStore::DoWrite(Worker& w, uint64_t offset, std::span<const uint8_t> d
   const uint64_t middle = left / kPage * kPage;
   if (middle > 0) {
     std::vector<Piece> pieces;
-    SplitPieces(at, middle, const_cast<uint8_t*>(in), true, 0, &pieces);
+    std::vector<uint8_t> sealed;  // not the worker's: a batch's pieces may point into that
+    uint8_t* src = const_cast<uint8_t*>(in);
+    if (crypto_) {
+      sealed.resize(middle);
+      FARMEM_RETURN_IF_ERROR(SealPages(w, at, in, middle, sealed.data()));
+      src = sealed.data();
+    }
+    SplitPieces(at, middle, src, true, 0, &pieces);
     RunPieces(w, pieces, {&st, 1}, 0);
+    if (crypto_) EndWrites(at, middle);
     FARMEM_RETURN_IF_ERROR(st);
     at += middle, in += middle, left -= middle;
   }
@@ -435,6 +465,18 @@ void PageStore::ExecuteBatch(std::span<BlockOp> ops, BatchListener* listener) {
   status.assign(ops.size(), Status::Ok());
   w->pieces_left.assign(ops.size(), 0);
   bool any_fua = false;
+  // Ciphertext of the aligned writes: sized for the whole batch before any piece points into it.
+  uint64_t sealed_at = 0;
+  if (crypto_) {
+    w->op_sealed.assign(ops.size(), 0);
+    uint64_t need = 0;
+    for (const BlockOp& op : ops) {
+      if (op.kind == BlockOp::Kind::kWrite && op.offset % kPage == 0 && op.length % kPage == 0) {
+        need += op.length;
+      }
+    }
+    if (w->sealed.size() < need) w->sealed.resize(need);
+  }
   for (size_t i = 0; i < ops.size(); ++i) {
     BlockOp& op = ops[i];
     if (op.offset > options_.size || op.length > options_.size - op.offset) {
@@ -453,11 +495,16 @@ void PageStore::ExecuteBatch(std::span<BlockOp> ops, BatchListener* listener) {
         break;
       case BlockOp::Kind::kWrite:
         if (aligned) {
-          if (backup_) status[i] = backup_->Write(op.offset, op.data);
-          if (status[i].ok()) {
-            SplitPieces(op.offset, op.length, const_cast<uint8_t*>(op.data.data()), true, i,
-                        &pieces);
+          uint8_t* src = const_cast<uint8_t*>(op.data.data());
+          if (crypto_) {
+            src = w->sealed.data() + sealed_at;
+            sealed_at += op.length;
+            status[i] = SealPages(*w, op.offset, op.data.data(), op.length, src);  // + backup
+            w->op_sealed[i] = status[i].ok() ? 1 : 0;
+          } else if (backup_) {
+            status[i] = backup_->Write(op.offset, op.data);
           }
+          if (status[i].ok()) SplitPieces(op.offset, op.length, src, true, i, &pieces);
           any_fua = any_fua || op.fua;
         } else {
           status[i] = DoWrite(*w, op.offset, op.data, op.fua);
@@ -494,6 +541,11 @@ void PageStore::ExecuteBatch(std::span<BlockOp> ops, BatchListener* listener) {
     Status s = backup_->Flush();
     for (size_t i = 0; i < ops.size(); ++i) {
       if (ops[i].kind == BlockOp::Kind::kWrite && ops[i].fua && status[i].ok()) status[i] = s;
+    }
+  }
+  if (crypto_) {
+    for (size_t i = 0; i < ops.size(); ++i) {
+      if (w->op_sealed[i] != 0) EndWrites(ops[i].offset, ops[i].length);
     }
   }
   for (size_t i = 0; i < ops.size(); ++i) ops[i].status = status[i];

@@ -62,6 +62,7 @@
 #include <atomic>
 #include <deque>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -70,8 +71,10 @@
 #include "farmem/blockdev/block_backend.h"
 #include "farmem/client/cluster.h"
 #include "farmem/client/resilience.h"
+#include "farmem/common/aead.h"
 #include "farmem/common/mutex.h"
 #include "farmem/ec/reed_solomon.h"
+#include "page_crypto.h"
 
 namespace farmem::blockdev {
 
@@ -107,6 +110,12 @@ struct PageStoreOptions {
   // At start, how long to wait for the minimum number of live daemons (k for ec:k+r, else 1)
   // before Create fails.
   std::chrono::milliseconds startup_wait{10000};
+  // Every page is sealed with AES-256-GCM before it leaves the process (remote members, parity
+  // and the backup file hold ciphertext) and authenticated when read (page_crypto.h,
+  // docs/security.md). `data_key`: the export's key (a data key file); empty: a fresh one.
+  bool encrypt = true;
+  std::optional<aead::Key> data_key;
+  PageCrypto::SealObserver seal_observer;  // tests: every (domain, counter, page) sealed
 };
 
 struct PageStoreStats {
@@ -145,6 +154,10 @@ struct PageStoreStats {
   // Since start: bytes of written pages declared lost (their only copies died and nothing could
   // rebuild them). Must stay 0 within the resilience's tolerance.
   uint64_t lost_bytes = 0;
+  // Since start: reads of a page whose copy failed authentication (a lender or the network
+  // changed it), each served from the other members or the backup file, or answered with an
+  // error for exactly that page; never returned.
+  uint64_t integrity_failures = 0;
   // Now (read-only view for status and metrics): the rebuild thread is running a pass or has
   // extents queued; and, in the current degraded episode, how many extents were made whole so far,
   // for how long re-protection has been running and the store degraded (0: not degraded).
@@ -177,6 +190,9 @@ class PageStore final : public BlockBackend {
 
   PageStoreStats stats() const EXCLUDES(stats_mu_);
   const Resilience& resilience() const { return options_.resilience; }
+  bool encrypted() const { return crypto_ != nullptr; }
+  // The export's page encryption (null with encrypt off), for tests.
+  const PageCrypto* crypto() const { return crypto_.get(); }
   uint64_t extent_bytes() const { return extent_bytes_; }
   // Waits until no rebuild is queued or running (for tests and the demo).
   void WaitForRebuilds() EXCLUDES(rebuild_mu_);
@@ -208,6 +224,24 @@ class PageStore final : public BlockBackend {
   // Handles one page that an op covers only partly: read, patch, write back (exclusive lock).
   Status PartialPage(Worker& w, uint64_t page_offset, uint64_t at, std::span<uint8_t> read_into,
                      std::span<const uint8_t> write_from);
+  // ---- page encryption (page_store_integrity.cc) ----
+  // Seals the pages of [offset, offset + len) (page multiples) from `plain` into `out` and writes
+  // `out` to the backup file, if any. On success the pages count as written in flight until
+  // EndWrites; on failure nothing is left in flight.
+  Status SealPages(Worker& w, uint64_t offset, const uint8_t* plain, uint64_t len, uint8_t* out);
+  void EndWrites(uint64_t offset, uint64_t len);
+  // Opens the written pages of a piece read from the backup file in place.
+  Status OpenFromBackup(Worker& w, Piece& p);
+  // A page of a piece of the round that just ran failed authentication (held shared, channels
+  // idle): finds a copy that opens — another replica, a decode without the bad members, the
+  // backup file — into the piece's buffer, marks the members that gave a bad copy failed (they
+  // are re-protected), counts and logs it. An error for exactly that page when no copy opens.
+  Status RecoverPage(Worker& w, Piece& p, uint64_t page);
+  // Candidates for RecoverPage: reads every live member's copy of the page and looks for one
+  // that opens (replicas one by one; ec: each k-subset of the fragments read). On success the
+  // plaintext is in `out` and *bad has the members whose copy disagrees with it.
+  bool FindGoodCopy(Worker& w, Extent& e, uint64_t index, uint64_t page, uint8_t* out,
+                    uint32_t* bad);
   // Appends the page-aligned pieces of [offset, offset+len) (both page multiples).
   void SplitPieces(uint64_t offset, uint64_t len, uint8_t* buf, bool write, size_t op,
                    std::vector<Piece>* out);
@@ -302,6 +336,7 @@ class PageStore final : public BlockBackend {
   // What a Round needs of the store (codec_, resilience, frag_size_, op_timeout), set by Init.
   std::unique_ptr<pagestore::RoundParams> round_params_;
   std::unique_ptr<BackupFile> backup_;
+  std::unique_ptr<PageCrypto> crypto_;  // null: --no-encrypt
   uint64_t slab_size_ = 0;
   uint64_t extent_bytes_ = 0;
   uint32_t frag_size_ = 4096;  // bytes of one page on one member

@@ -143,7 +143,9 @@ struct Piece {
   uint32_t posted_mask = 0;
   int8_t order[kMaxMembers] = {};  // ec read: members in arrival order
   int arrived = 0;
-  bool settled = false;  // its success was handled while the round still waited (early)
+  bool settled = false;   // its success was handled while the round still waited (early)
+  bool finished = false;  // a read's FinishRead ran (it opens pages in place: only once)
+  uint32_t bad = 0;       // pages that failed authentication (RunPieces recovers them)
   Status first_error;
 
   // A write is about to go out (its round holds the extent shared): a member copy running now

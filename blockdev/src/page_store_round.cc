@@ -16,8 +16,9 @@ namespace farmem::blockdev::pagestore {
 // ---------------------------------------------------------------------------------------------
 // Round
 
-Status FinishRead(const RoundParams& params, Piece& p, bool* decoded) {
+Status FinishRead(const RoundParams& params, Worker& w, size_t index, Piece& p, bool* decoded) {
   *decoded = false;
+  if (p.finished) return Status::Ok();
   if (params.codec != nullptr) {
     const int k = params.resilience.k;
     const size_t flen = static_cast<size_t>(p.npages) * params.frag_size;
@@ -41,9 +42,17 @@ Status FinishRead(const RoundParams& params, Piece& p, bool* decoded) {
       }
     }
   }
+  p.finished = true;
   for (uint64_t pg = 0; pg < p.npages; ++pg) {
-    if (!p.extent->Test(p.extent->written, p.first_page + pg)) {
+    const uint64_t page = p.first_page + pg;
+    if (!p.extent->Test(p.extent->written, page)) {
       std::memset(p.buf + pg * kPage, 0, kPage);
+    } else if (params.crypto != nullptr &&
+               !params.crypto
+                    ->Open(*w.cipher, p.index * params.extent_pages + page, p.buf + pg * kPage)
+                    .ok()) {
+      ++p.bad;
+      w.bad_pages.push_back({index, page});
     }
   }
   return Status::Ok();
@@ -60,6 +69,7 @@ Round::Round(const RoundParams& params, client::Cluster* cluster, Worker* w,
       per_node_(w->per_node) {
   ops_.clear();
   per_node_.clear();
+  w->bad_pages.clear();
 }
 
 bool Round::Fits(const Piece& p) const {
@@ -229,8 +239,9 @@ void Round::SettleEarly() {
       const bool enough = params_.codec ? std::popcount(p.ok_mask) >= k : p.ok_mask != 0;
       if (!enough || p.fail_mask != 0) continue;
       bool decoded = false;
-      if (!FinishRead(params_, p, &decoded).ok()) continue;  // RunPieces reports it
+      if (!FinishRead(params_, *w_, i, p, &decoded).ok()) continue;  // RunPieces reports it
       decoded_reads_ += decoded ? 1 : 0;
+      if (p.bad != 0) continue;  // a page failed authentication: RunPieces looks for a good copy
     }
     p.settled = true;
     if (--early_->pieces_left[p.op] == 0) {
@@ -395,6 +406,7 @@ void PageStore::RunPieces(Worker& w, std::vector<Piece>& pieces, std::span<Statu
         if (!p.write && backup_) {
           op_status[p.op] = backup_->Read(p.index * extent_bytes_ + p.first_page * kPage,
                                           {p.buf, p.npages * kPage});
+          if (op_status[p.op].ok() && crypto_) op_status[p.op] = OpenFromBackup(w, p);
           CountStat(&PageStoreStats::backup_reads);
           CountStat(&PageStoreStats::degraded_reads);
         } else if (p.write && backup_) {
@@ -458,8 +470,19 @@ void PageStore::RunPieces(Worker& w, std::vector<Piece>& pieces, std::span<Statu
         continue;
       }
       bool decoded = false;
-      if (Status s = FinishRead(*round_params_, p, &decoded); !s.ok()) op_status[p.op] = s;
+      if (Status s = FinishRead(*round_params_, w, i, p, &decoded); !s.ok()) op_status[p.op] = s;
       if (decoded) CountStat(&PageStoreStats::degraded_reads);
+    }
+    if (!w.bad_pages.empty()) {
+      // Pages that failed authentication: treated as failed members (page_store_integrity.cc),
+      // still under the round's locks; the channels must be idle for the member reads.
+      w.channels.DrainStragglers();
+      for (const BadPage& b : w.bad_pages) {
+        Piece& p = round.piece(b.piece);
+        if (!op_status[p.op].ok()) continue;
+        if (Status s = RecoverPage(w, p, b.page); !s.ok()) op_status[p.op] = s;
+      }
+      w.bad_pages.clear();
     }
     UnlockRound(locked);  // the round is over: its extents may be taken exclusively again
   }
@@ -486,6 +509,8 @@ void PageStore::RunPieces(Worker& w, std::vector<Piece>& pieces, std::span<Statu
     for (Piece& p : retry) {
       p.ok_mask = p.fail_mask = p.posted_mask = 0;
       p.arrived = 0;
+      p.finished = false;
+      p.bad = 0;
       p.first_error = Status();
     }
     for (const Piece& p : retry) (void)RebuildExtent(w, p.index, /*wait=*/false);

@@ -7,6 +7,7 @@
 
 #include <chrono>
 #include <memory>
+#include <optional>
 #include <span>
 #include <vector>
 
@@ -14,7 +15,9 @@
 #include "farmem/client/channel_set.h"
 #include "farmem/client/cluster.h"
 #include "farmem/client/resilience.h"
+#include "farmem/common/aead.h"
 #include "farmem/ec/reed_solomon.h"
+#include "page_crypto.h"
 #include "page_store_internal.h"
 
 namespace farmem::blockdev::pagestore {
@@ -25,6 +28,15 @@ struct RoundParams {
   const ec::ReedSolomon* codec = nullptr;  // ec:k+r only
   uint32_t frag_size = kPage;              // bytes of one page on one member
   std::chrono::milliseconds op_timeout{5000};
+  const PageCrypto* crypto = nullptr;  // null: pages are stored in plaintext (--no-encrypt)
+  uint64_t extent_pages = 0;           // export page number = extent * extent_pages + page
+};
+
+// A page of a round's piece that failed authentication when the read finished (RunPieces looks
+// for a good copy: PageStore::RecoverPage).
+struct BadPage {
+  size_t piece = 0;   // in the round
+  uint64_t page = 0;  // within the extent
 };
 
 // What RunPieces needs to report ops early (ExecuteBatch with a listener).
@@ -64,6 +76,13 @@ struct Worker {
   std::vector<RemoteOp> round_ops;
   std::vector<uint32_t> per_node;
   std::vector<uint32_t> pieces_left;  // per op of the batch (Early)
+  // Page encryption: this worker's cipher, the ciphertext of a batch's aligned writes (grown to
+  // the largest batch, then reused), which ops were sealed, and the pages that failed
+  // authentication in the current round.
+  std::optional<aead::Cipher> cipher;
+  std::vector<uint8_t> sealed;
+  std::vector<uint8_t> op_sealed;
+  std::vector<BadPage> bad_pages;
 
   void Reserve(size_t nodes, size_t group_size) {
     pieces.reserve(1024);
@@ -73,12 +92,16 @@ struct Worker {
     round_ops.reserve(kMaxRoundPieces * group_size);  // one op per member of each piece
     per_node.reserve(nodes);
     channels.Reserve(nodes);
+    op_sealed.reserve(256);
+    bad_pages.reserve(64);
   }
 };
 
 // The success half of a finished ec or plain read: assembles the data (ec: decodes when a data
-// fragment is missing, setting *decoded) and zero-fills never-written pages.
-Status FinishRead(const RoundParams& params, Piece& p, bool* decoded);
+// fragment is missing, setting *decoded), zero-fills never-written pages and, with encryption,
+// opens the written ones in place: those that fail authentication are zeroed and appended to
+// w.bad_pages (as piece `index` of the round) and counted in p.bad. Runs once per piece.
+Status FinishRead(const RoundParams& params, Worker& w, size_t index, Piece& p, bool* decoded);
 
 class Round {
  public:
