@@ -346,12 +346,26 @@ int main(int argc, char** argv) {
   key_issue->add_option("name", key_name, "The identity: letters, digits and . _ @ -")->required();
   key_issue->add_option("--secret-file", c.secret_file, "The cluster secret")->required();
   key_issue->add_option("--out", key_out, "The key file to create (mode 0600)")->required();
+  std::string kmod_size, kmod_dir = "/sys/kernel/farmem";
+  CLI::App* kmod = app.add_subcommand("kmod", "farmem.ko, the kernel paging client (docs/kmod.md)");
+  kmod->require_subcommand(1);
+  CLI::App* kmod_attach = kmod->add_subcommand(
+      "attach",
+      "Lease slabs, hand them to farmem.ko as /dev/farmem0, keep them alive until detach");
+  add_common(kmod_attach);
+  kmod_attach->add_option("--size", kmod_size, "Size of /dev/farmem0 (whole slabs)")->required();
+  CLI::App* kmod_detach = kmod->add_subcommand("detach", "Remove /dev/farmem0");
+  for (CLI::App* sub : {kmod_attach, kmod_detach}) {
+    sub->add_option("--sysfs", kmod_dir, "farmem.ko's control directory")->capture_default_str();
+  }
   CLI11_PARSE(app, argc, argv);
   cli::SetUpLogging("farmemctl", log_level);
   if (*stat) return StatCmd(c, json);
   if (*exp) return ExportStatCmd(export_target, json);
   if (*drain) return DrainCmd(c, target, true, grace_ms, wait);
   if (*undrain) return DrainCmd(c, target, false, 0, false);
+  if (*kmod_attach) return KmodAttachCmd(c, kmod_size, kmod_dir);
+  if (*kmod_detach) return KmodDetachCmd(kmod_dir);
   if (*key) return KeyIssueCmd(c.secret_file, key_name, key_out);
   return Demo(c, size);
 }
