@@ -14,10 +14,13 @@
 //   farmemctl key issue NAME --secret-file F --out K
 //       writes the key of identity NAME (derived from the cluster secret, docs/operations.md
 //       "Security") to K, mode 0600; a client given --key-file K authenticates as NAME.
-// stat and demo take --key-file K instead of --secret-file to act as one identity.
+//   farmemctl kmod attach --peers h:p,h:p [--secret-file F | --key-file K] --size 1G
+//       leases slabs for farmem.ko and hands them over as /dev/farmem0; stays running as the lease
+//       keeper until `farmemctl kmod detach` (or SIGTERM) removes the device (docs/kmod.md)
+// stat, demo and kmod attach take --key-file K instead of --secret-file to act as one identity.
 //
 // This file: main (option parsing), demo, drain, key issue; stat and export stat are
-// farmemctl_stat.cc, what the two share is farmemctl.h.
+// farmemctl_stat.cc, kmod attach/detach farmemctl_kmod.cc, what they share is farmemctl.h.
 #include "farmemctl.h"
 
 #include <fcntl.h>
