@@ -27,6 +27,7 @@
 #define FARMEM_MAX_SEGS 16 /* scatter entries per work request (one request, one WR) */
 #define FARMEM_QUEUE_DEPTH 64 /* per hardware queue */
 #define FARMEM_READ_DEPTH 16 /* RDMA READs we ask to have in flight per QP */
+#define FARMEM_MAX_REPLICAS 3
 
 /* One daemon: one rdma_cm id, one RC queue pair in its own PD, one CQ polled in softirq. */
 struct farmem_peer {
@@ -43,34 +44,59 @@ struct farmem_peer {
 	atomic64_t errors; /* completions with an error status */
 };
 
-/* One leased slab: where device bytes [index * slab_bytes, (index + 1) * slab_bytes) live. */
-struct farmem_slab {
-	struct farmem_peer *peer; /* NULL until add_slab */
+/* One copy of a slab: a lease on one daemon. */
+struct farmem_replica {
+	struct farmem_peer *peer; /* NULL until given with the slab command */
 	u64 lease_id;
 	u64 remote_addr;
 	u32 rkey;
+};
+
+/*
+ * Where device bytes [index * slab_bytes, (index + 1) * slab_bytes) live: `replicas` copies on
+ * distinct daemons. A write goes to every copy that is not stale; a read to the first one that is
+ * not stale and whose daemon is connected, and on an error to the next. A copy that failed a write
+ * (or a read) is stale from then on: it never serves a read again (rebuilding it is left to the
+ * control tool, not done yet).
+ */
+struct farmem_slab {
+	struct farmem_replica r[FARMEM_MAX_REPLICAS];
+	unsigned long stale; /* bit per replica; set_bit/test_bit */
 };
 
 struct farmem_dev {
 	u64 size_bytes;
 	u64 slab_bytes;
 	u32 nslabs;
+	u32 replicas; /* copies per slab, 1..FARMEM_MAX_REPLICAS */
 	struct farmem_slab *slabs;
+	struct ib_device *ibdev; /* every peer's device: requests are DMA-mapped once, for it */
 	struct farmem_peer *peers[FARMEM_MAX_PEERS];
 	struct blk_mq_tag_set tag_set;
 	struct gendisk *disk; /* non-NULL while started */
 	bool tag_set_ready;
 };
 
-/* Per-request state, preallocated by blk-mq (tag_set.cmd_size): nothing is allocated per I/O. */
-struct farmem_cmd {
+/* One work request of a request: to one replica. */
+struct farmem_wr {
 	struct ib_cqe cqe;
-	struct farmem_peer *peer;
-	int nents; /* mapped scatter entries, 0 when nothing is mapped */
-	enum dma_data_direction dir;
-	struct scatterlist sg[FARMEM_MAX_SEGS];
+	int replica;
 	struct ib_sge sge[FARMEM_MAX_SEGS];
 	struct ib_rdma_wr wr;
+};
+
+/* Per-request state, preallocated by blk-mq (tag_set.cmd_size): nothing is allocated per I/O. */
+struct farmem_cmd {
+	struct farmem_dev *dev;
+	struct farmem_slab *slab;
+	u64 off; /* within the slab */
+	int nents; /* scatter entries (mapped: mapped_nents) */
+	int mapped_nents;
+	enum dma_data_direction dir;
+	atomic_t pending; /* work requests not yet completed (writes) */
+	atomic_t ok; /* work requests that succeeded (writes) */
+	struct scatterlist sg[FARMEM_MAX_SEGS];
+	struct farmem_wr w[FARMEM_MAX_REPLICAS];
 };
 
 extern struct mutex farmem_ctl_lock;
@@ -82,7 +108,7 @@ int farmem_peer_connect(struct farmem_peer *peer, const u8 token[FARMEM_TOKEN_BY
 void farmem_peer_destroy(struct farmem_peer *peer);
 
 /* farmem_main.c: the block device. */
-int farmem_dev_create(u64 size_bytes, u64 slab_bytes);
+int farmem_dev_create(u64 size_bytes, u64 slab_bytes, u32 replicas);
 int farmem_dev_start(void);
 void farmem_dev_destroy(void);
 

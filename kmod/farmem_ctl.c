@@ -3,9 +3,12 @@
  * The control interface, /sys/kernel/farmem/ (docs/kmod.md "Interface"):
  *   version  read: the interface version ("1")
  *   control  write: one command per write(), words separated by spaces, first word the version:
- *     1 create SIZE_BYTES SLAB_BYTES           a device of SIZE bytes in slabs of SLAB bytes
+ *     1 create SIZE_BYTES SLAB_BYTES [COPIES]  a device of SIZE bytes in slabs of SLAB bytes,
+ *                                              each kept in COPIES (1..3, default 1) replicas
  *     1 peer INDEX IPV4 PORT TOKEN_HEX64       connect to a daemon's rdma_cm port with its token
- *     1 slab INDEX PEER LEASE_ID RADDR RKEY    slab INDEX lives at RADDR/RKEY on PEER
+ *     1 slab INDEX PEER LEASE_ID RADDR RKEY [REPLICA]
+ *                                              copy REPLICA (default 0) of slab INDEX lives at
+ *                                              RADDR/RKEY on PEER
  *     1 start                                  add /dev/farmem0 (every slab given)
  *     1 remove                                 delete the disk, disconnect, forget everything
  *   status   read: "state=<none|created|running> size=.. slab=.. peers=N connected=N errors=N";
@@ -68,31 +71,44 @@ static int farmem_cmd_peer(char *args)
 	}
 	ret = farmem_peer_connect(peer, token);
 	memzero_explicit(token, sizeof(token));
+	if (!ret && farmem_dev0->ibdev && farmem_dev0->ibdev != peer->cm_id->device) {
+		pr_err("farmem: daemon %s is reached through another RDMA device than the others\n",
+		       ip);
+		ret = -EOPNOTSUPP;
+	}
 	if (ret) {
 		farmem_peer_destroy(peer);
 		return ret;
 	}
+	farmem_dev0->ibdev = peer->cm_id->device;
 	farmem_dev0->peers[index] = peer;
 	return 0;
 }
 
 static int farmem_cmd_slab(char *args)
 {
-	unsigned int index, peer;
+	unsigned int index, peer, replica = 0, r;
 	unsigned long long lease_id, raddr;
 	unsigned int rkey;
-	struct farmem_slab *s;
+	struct farmem_replica *rep;
+	int n;
 
 	if (!farmem_dev0 || farmem_dev0->disk)
 		return -EINVAL;
-	if (sscanf(args, "%u %u %llu %llu %u", &index, &peer, &lease_id, &raddr, &rkey) != 5 ||
-	    index >= farmem_dev0->nslabs || peer >= FARMEM_MAX_PEERS || !farmem_dev0->peers[peer])
+	n = sscanf(args, "%u %u %llu %llu %u %u", &index, &peer, &lease_id, &raddr, &rkey, &replica);
+	if (n < 5 || index >= farmem_dev0->nslabs || peer >= FARMEM_MAX_PEERS ||
+	    !farmem_dev0->peers[peer] || replica >= farmem_dev0->replicas)
 		return -EINVAL;
-	s = &farmem_dev0->slabs[index];
-	s->peer = farmem_dev0->peers[peer];
-	s->lease_id = lease_id;
-	s->remote_addr = raddr;
-	s->rkey = rkey;
+	for (r = 0; r < farmem_dev0->replicas; r++) {
+		/* Copies on one daemon would be lost together. */
+		if (r != replica && farmem_dev0->slabs[index].r[r].peer == farmem_dev0->peers[peer])
+			return -EINVAL;
+	}
+	rep = &farmem_dev0->slabs[index].r[replica];
+	rep->peer = farmem_dev0->peers[peer];
+	rep->lease_id = lease_id;
+	rep->remote_addr = raddr;
+	rep->rkey = rkey;
 	return 0;
 }
 
@@ -120,9 +136,10 @@ static ssize_t control_store(struct kobject *kobj, struct kobj_attribute *attr, 
 	mutex_lock(&farmem_ctl_lock);
 	if (!strcmp(verb, "create")) {
 		unsigned long long size, slab;
+		unsigned int copies = 1;
 
-		if (sscanf(args, "%llu %llu", &size, &slab) == 2)
-			ret = farmem_dev_create(size, slab);
+		if (sscanf(args, "%llu %llu %u", &size, &slab, &copies) >= 2)
+			ret = farmem_dev_create(size, slab, copies);
 	} else if (!strcmp(verb, "peer")) {
 		ret = farmem_cmd_peer(args);
 	} else if (!strcmp(verb, "slab")) {
@@ -147,7 +164,7 @@ static ssize_t control_store(struct kobject *kobj, struct kobj_attribute *attr, 
 static ssize_t status_show(struct kobject *kobj, struct kobj_attribute *attr, char *buf)
 {
 	struct farmem_dev *dev;
-	int i, peers = 0, connected = 0;
+	int i, peers = 0, connected = 0, stale = 0;
 	s64 errors = 0;
 	ssize_t n;
 
@@ -164,9 +181,12 @@ static ssize_t status_show(struct kobject *kobj, struct kobj_attribute *attr, ch
 		connected += READ_ONCE(dev->peers[i]->connected);
 		errors += atomic64_read(&dev->peers[i]->errors);
 	}
-	n = sysfs_emit(buf, "state=%s size=%llu slab=%llu peers=%d connected=%d errors=%lld\n",
-		       dev->disk ? "running" : "created", dev->size_bytes, dev->slab_bytes, peers,
-		       connected, errors);
+	for (i = 0; i < dev->nslabs; i++)
+		stale += hweight_long(READ_ONCE(dev->slabs[i].stale));
+	n = sysfs_emit(buf,
+		       "state=%s size=%llu slab=%llu copies=%u peers=%d connected=%d errors=%lld stale=%d\n",
+		       dev->disk ? "running" : "created", dev->size_bytes, dev->slab_bytes,
+		       dev->replicas, peers, connected, errors, stale);
 	mutex_unlock(&farmem_ctl_lock);
 	return n;
 }

@@ -12,24 +12,96 @@
 
 #include "farmem.h"
 
+static void farmem_rdma_done(struct ib_cq *cq, struct ib_wc *wc);
+
+static inline bool farmem_replica_usable(struct farmem_cmd *cmd, int r)
+{
+	struct farmem_peer *peer = cmd->slab->r[r].peer;
+
+	return peer && READ_ONCE(peer->connected) && !test_bit(r, &cmd->slab->stale);
+}
+
+/* Fills and posts the work request of replica r. */
+static int farmem_post(struct farmem_cmd *cmd, int r)
+{
+	struct farmem_replica *rep = &cmd->slab->r[r];
+	struct farmem_wr *w = &cmd->w[r];
+	const struct ib_send_wr *bad;
+	struct scatterlist *sg;
+	int i;
+
+	for_each_sg(cmd->sg, sg, cmd->mapped_nents, i) {
+		w->sge[i].addr = sg_dma_address(sg);
+		w->sge[i].length = sg_dma_len(sg);
+		w->sge[i].lkey = rep->peer->pd->local_dma_lkey;
+	}
+	w->replica = r;
+	w->cqe.done = farmem_rdma_done;
+	memset(&w->wr, 0, sizeof(w->wr));
+	w->wr.wr.wr_cqe = &w->cqe;
+	w->wr.wr.sg_list = w->sge;
+	w->wr.wr.num_sge = cmd->mapped_nents;
+	w->wr.wr.opcode = cmd->dir == DMA_FROM_DEVICE ? IB_WR_RDMA_READ : IB_WR_RDMA_WRITE;
+	w->wr.wr.send_flags = IB_SEND_SIGNALED;
+	w->wr.remote_addr = rep->remote_addr + cmd->off;
+	w->wr.rkey = rep->rkey;
+	return ib_post_send(rep->peer->qp, &w->wr.wr, &bad);
+}
+
+static void farmem_end(struct farmem_cmd *cmd, blk_status_t status)
+{
+	ib_dma_unmap_sg(cmd->dev->ibdev, cmd->sg, cmd->nents, cmd->dir);
+	blk_mq_end_request(blk_mq_rq_from_pdu(cmd), status);
+}
+
+/* A read goes to the first usable replica after `after`; false if there is none left. */
+static bool farmem_read_next(struct farmem_cmd *cmd, int after)
+{
+	int r;
+
+	for (r = after + 1; r < cmd->dev->replicas; r++) {
+		if (!farmem_replica_usable(cmd, r))
+			continue;
+		if (farmem_post(cmd, r) == 0)
+			return true;
+		set_bit(r, &cmd->slab->stale);
+	}
+	return false;
+}
+
+/* A write's work request to one replica ended (ok or not); the last one ends the request. */
+static void farmem_write_one_done(struct farmem_cmd *cmd, bool ok)
+{
+	if (ok)
+		atomic_inc(&cmd->ok);
+	if (atomic_dec_and_test(&cmd->pending))
+		farmem_end(cmd, atomic_read(&cmd->ok) > 0 ? BLK_STS_OK : BLK_STS_IOERR);
+}
+
 static void farmem_rdma_done(struct ib_cq *cq, struct ib_wc *wc)
 {
-	struct farmem_cmd *cmd = container_of(wc->wr_cqe, struct farmem_cmd, cqe);
+	struct farmem_wr *w = container_of(wc->wr_cqe, struct farmem_wr, cqe);
+	struct farmem_cmd *cmd = container_of(w - w->replica, struct farmem_cmd, w[0]);
+	struct farmem_replica *rep = &cmd->slab->r[w->replica];
 	struct request *rq = blk_mq_rq_from_pdu(cmd);
-	blk_status_t status = BLK_STS_OK;
+	bool ok = wc->status == IB_WC_SUCCESS;
 
-	ib_dma_unmap_sg(cmd->peer->pd->device, cmd->sg, cmd->nents, cmd->dir);
-	cmd->nents = 0;
-	if (unlikely(wc->status != IB_WC_SUCCESS)) {
-		atomic64_inc(&cmd->peer->errors);
-		pr_err_ratelimited("farmem: %s of %u bytes at sector %llu on daemon %pI4:%u failed: %s\n",
+	if (unlikely(!ok)) {
+		atomic64_inc(&rep->peer->errors);
+		/* This copy may now be older than the others: it never serves a read again. */
+		set_bit(w->replica, &cmd->slab->stale);
+		pr_err_ratelimited("farmem: %s of %u bytes at sector %llu on daemon %pI4:%u (replica %d) failed: %s\n",
 				   cmd->dir == DMA_FROM_DEVICE ? "RDMA READ" : "RDMA WRITE",
 				   blk_rq_bytes(rq), (unsigned long long)blk_rq_pos(rq),
-				   &cmd->peer->addr.sin_addr, ntohs(cmd->peer->addr.sin_port),
-				   ib_wc_status_msg(wc->status));
-		status = BLK_STS_IOERR;
+				   &rep->peer->addr.sin_addr, ntohs(rep->peer->addr.sin_port),
+				   w->replica, ib_wc_status_msg(wc->status));
 	}
-	blk_mq_end_request(rq, status);
+	if (cmd->dir == DMA_TO_DEVICE) {
+		farmem_write_one_done(cmd, ok);
+		return;
+	}
+	if (ok || !farmem_read_next(cmd, w->replica))
+		farmem_end(cmd, ok ? BLK_STS_OK : BLK_STS_IOERR);
 }
 
 static blk_status_t farmem_queue_rq(struct blk_mq_hw_ctx *hctx, const struct blk_mq_queue_data *bd)
@@ -37,11 +109,8 @@ static blk_status_t farmem_queue_rq(struct blk_mq_hw_ctx *hctx, const struct blk
 	struct request *rq = bd->rq;
 	struct farmem_dev *dev = hctx->queue->queuedata;
 	struct farmem_cmd *cmd = blk_mq_rq_to_pdu(rq);
-	const struct ib_send_wr *bad;
-	struct farmem_slab *slab;
-	struct scatterlist *sg;
-	u64 pos, off, len;
-	int i, n, ret;
+	int r, n, targets[FARMEM_MAX_REPLICAS], ntargets = 0;
+	u64 pos, len;
 
 	switch (req_op(rq)) {
 	case REQ_OP_FLUSH:
@@ -60,43 +129,40 @@ static blk_status_t farmem_queue_rq(struct blk_mq_hw_ctx *hctx, const struct blk
 	}
 	pos = (u64)blk_rq_pos(rq) << SECTOR_SHIFT;
 	len = blk_rq_bytes(rq);
-	slab = &dev->slabs[div64_u64_rem(pos, dev->slab_bytes, &off)];
-	if (unlikely(pos + len > dev->size_bytes || off + len > dev->slab_bytes || !slab->peer))
+	if (unlikely(pos + len > dev->size_bytes))
 		return BLK_STS_IOERR;
-	cmd->peer = slab->peer;
-	if (unlikely(!READ_ONCE(cmd->peer->connected)))
+	cmd->dev = dev;
+	cmd->slab = &dev->slabs[div64_u64_rem(pos, dev->slab_bytes, &cmd->off)];
+	if (unlikely(cmd->off + len > dev->slab_bytes))
 		return BLK_STS_IOERR;
+	for (r = 0; r < dev->replicas; r++) {
+		if (farmem_replica_usable(cmd, r))
+			targets[ntargets++] = r;
+	}
+	if (unlikely(ntargets == 0))
+		return BLK_STS_IOERR; /* every copy lost: a clean error for exactly this range */
 
 	blk_mq_start_request(rq);
 	sg_init_table(cmd->sg, FARMEM_MAX_SEGS);
-	n = blk_rq_map_sg(hctx->queue, rq, cmd->sg);
-	cmd->nents = n;
-	n = ib_dma_map_sg(cmd->peer->pd->device, cmd->sg, n, cmd->dir);
-	if (unlikely(n == 0)) {
-		cmd->nents = 0;
+	cmd->nents = blk_rq_map_sg(hctx->queue, rq, cmd->sg);
+	n = ib_dma_map_sg(dev->ibdev, cmd->sg, cmd->nents, cmd->dir);
+	if (unlikely(n == 0))
 		return BLK_STS_RESOURCE;
+	cmd->mapped_nents = n;
+	if (cmd->dir == DMA_FROM_DEVICE) {
+		if (farmem_read_next(cmd, -1))
+			return BLK_STS_OK;
+		ib_dma_unmap_sg(dev->ibdev, cmd->sg, cmd->nents, cmd->dir);
+		return BLK_STS_IOERR;
 	}
-	for_each_sg(cmd->sg, sg, n, i) {
-		cmd->sge[i].addr = sg_dma_address(sg);
-		cmd->sge[i].length = sg_dma_len(sg);
-		cmd->sge[i].lkey = cmd->peer->pd->local_dma_lkey;
-	}
-	cmd->cqe.done = farmem_rdma_done;
-	memset(&cmd->wr, 0, sizeof(cmd->wr));
-	cmd->wr.wr.wr_cqe = &cmd->cqe;
-	cmd->wr.wr.sg_list = cmd->sge;
-	cmd->wr.wr.num_sge = n;
-	cmd->wr.wr.opcode = cmd->dir == DMA_FROM_DEVICE ? IB_WR_RDMA_READ : IB_WR_RDMA_WRITE;
-	cmd->wr.wr.send_flags = IB_SEND_SIGNALED;
-	cmd->wr.remote_addr = slab->remote_addr + off;
-	cmd->wr.rkey = slab->rkey;
-	ret = ib_post_send(cmd->peer->qp, &cmd->wr.wr, &bad);
-	if (unlikely(ret)) {
-		ib_dma_unmap_sg(cmd->peer->pd->device, cmd->sg, cmd->nents, cmd->dir);
-		cmd->nents = 0;
-		pr_err_ratelimited("farmem: ib_post_send to %pI4:%u: %d\n",
-				   &cmd->peer->addr.sin_addr, ntohs(cmd->peer->addr.sin_port), ret);
-		return ret == -ENOMEM ? BLK_STS_RESOURCE : BLK_STS_IOERR;
+	/* A write: every usable replica; the request ends when the last one answered. */
+	atomic_set(&cmd->pending, ntargets);
+	atomic_set(&cmd->ok, 0);
+	for (n = 0; n < ntargets; n++) {
+		if (unlikely(farmem_post(cmd, targets[n]))) {
+			set_bit(targets[n], &cmd->slab->stale);
+			farmem_write_one_done(cmd, false);
+		}
 	}
 	return BLK_STS_OK;
 }
@@ -109,13 +175,13 @@ static const struct block_device_operations farmem_fops = {
 	.owner = THIS_MODULE,
 };
 
-int farmem_dev_create(u64 size_bytes, u64 slab_bytes)
+int farmem_dev_create(u64 size_bytes, u64 slab_bytes, u32 replicas)
 {
 	struct farmem_dev *dev;
 
 	if (farmem_dev0)
 		return -EEXIST;
-	if (!size_bytes || !slab_bytes || size_bytes % 4096 || slab_bytes % 4096 ||
+	if (!size_bytes || !slab_bytes || replicas < 1 || replicas > FARMEM_MAX_REPLICAS || size_bytes % 4096 || slab_bytes % 4096 ||
 	    slab_bytes > (u64)UINT_MAX * SECTOR_SIZE || div64_u64(size_bytes, slab_bytes) >= (1u << 24))
 		return -EINVAL;
 	dev = kzalloc(sizeof(*dev), GFP_KERNEL);
@@ -123,6 +189,7 @@ int farmem_dev_create(u64 size_bytes, u64 slab_bytes)
 		return -ENOMEM;
 	dev->size_bytes = size_bytes;
 	dev->slab_bytes = slab_bytes;
+	dev->replicas = replicas;
 	dev->nslabs = div64_u64(size_bytes + slab_bytes - 1, slab_bytes);
 	dev->slabs = kvcalloc(dev->nslabs, sizeof(*dev->slabs), GFP_KERNEL);
 	if (!dev->slabs) {
@@ -137,7 +204,7 @@ int farmem_dev_start(void)
 {
 	struct farmem_dev *dev = farmem_dev0;
 	struct gendisk *disk;
-	u32 i;
+	u32 i, r;
 	int ret;
 
 	if (!dev)
@@ -145,9 +212,12 @@ int farmem_dev_start(void)
 	if (dev->disk)
 		return -EBUSY;
 	for (i = 0; i < dev->nslabs; i++) {
-		if (!dev->slabs[i].peer) {
-			pr_err("farmem: slab %u has no lease: add_slab it before start\n", i);
-			return -EINVAL;
+		for (r = 0; r < dev->replicas; r++) {
+			if (!dev->slabs[i].r[r].peer) {
+				pr_err("farmem: slab %u replica %u has no lease: give it before start\n",
+				       i, r);
+				return -EINVAL;
+			}
 		}
 	}
 	dev->tag_set.ops = &farmem_mq_ops;
@@ -185,8 +255,9 @@ int farmem_dev_start(void)
 		return ret;
 	}
 	dev->disk = disk;
-	pr_info("farmem: farmem0: %llu bytes in %u slabs of %llu bytes\n", dev->size_bytes,
-		dev->nslabs, dev->slab_bytes);
+	pr_info("farmem: farmem0: %llu bytes in %u slabs of %llu bytes, %u cop%s each\n",
+		dev->size_bytes, dev->nslabs, dev->slab_bytes, dev->replicas,
+		dev->replicas == 1 ? "y" : "ies");
 	return 0;
 }
 

@@ -66,6 +66,11 @@ static int farmem_cm_handler(struct rdma_cm_id *id, struct rdma_cm_event *ev)
 				&peer->addr.sin_addr, ntohs(peer->addr.sin_port),
 				rdma_event_msg(ev->event));
 		WRITE_ONCE(peer->connected, false);
+		/* Moves the QP to error now (as iSER does from its handler): work requests still
+		 * outstanding there are flushed with errors at once, and their requests go to another
+		 * copy or fail, instead of waiting on a peer that is gone. */
+		if (ev->event == RDMA_CM_EVENT_DISCONNECTED)
+			rdma_disconnect(id);
 		farmem_ctl_notify();
 		break;
 	default:
@@ -125,7 +130,7 @@ int farmem_peer_connect(struct farmem_peer *peer, const u8 token[FARMEM_TOKEN_BY
 		peer->pd = NULL;
 		return ret;
 	}
-	/* Every request of every hardware queue may be outstanding, plus ib_drain_qp's marker. */
+	/* Every request of every hardware queue may be outstanding, on every copy. */
 	depth = num_possible_cpus() * FARMEM_QUEUE_DEPTH + 1;
 	peer->cq = ib_alloc_cq(dev, peer, depth + 1, 0, IB_POLL_SOFTIRQ);
 	if (IS_ERR(peer->cq)) {
@@ -174,9 +179,10 @@ void farmem_peer_destroy(struct farmem_peer *peer)
 {
 	WRITE_ONCE(peer->connected, false); /* our own disconnect is not news */
 	if (peer->qp) {
+		/* No ib_drain_qp: every work request belongs to a request, and the disk (deleted
+		 * first) waited for all of them; a drain also hung on a dead daemon's QP under 6.1's
+		 * rxe (docs/kmod.md). */
 		rdma_disconnect(peer->cm_id);
-		/* Waits until every posted request has completed (or been flushed). */
-		ib_drain_qp(peer->qp);
 		rdma_destroy_qp(peer->cm_id);
 		peer->qp = NULL;
 	}

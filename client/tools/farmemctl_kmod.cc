@@ -31,6 +31,7 @@ namespace {
 
 constexpr int kIfaceVersion = 1;  // kmod/farmem.h FARMEM_IFACE_VERSION
 constexpr std::chrono::milliseconds kTokenTimeout{5000};
+constexpr size_t kMaxCopies = 3;  // kmod/farmem.h FARMEM_MAX_REPLICAS
 
 Status WriteControl(const std::string& dir, const std::string& line) {
   const std::string path = dir + "/control";
@@ -96,7 +97,9 @@ std::string Hex(std::span<const uint8_t> bytes) {
 }
 
 // Leases the slabs and configures the module; on failure the caller removes the device.
-Status Configure(client::Cluster& cl, const std::string& dir, uint64_t size,
+// copies: 1 (resilience none) or N (replicate:N: every slab's N copies on N distinct daemons).
+// *leases holds slab s's copy r at s * copies + r.
+Status Configure(client::Cluster& cl, const std::string& dir, uint64_t size, size_t copies,
                  std::vector<client::Lease>* leases) {
   uint64_t slab_size = 0;
   for (client::NodeId id = 0; id < cl.node_count() && slab_size == 0; ++id) {
@@ -104,7 +107,15 @@ Status Configure(client::Cluster& cl, const std::string& dir, uint64_t size,
   }
   if (slab_size == 0) return Unavailable("no daemon answered STAT");
   const size_t nslabs = static_cast<size_t>((size + slab_size - 1) / slab_size);
-  FARMEM_ASSIGN_OR_RETURN(*leases, cl.Allocate(nslabs));
+  if (copies == 1) {
+    FARMEM_ASSIGN_OR_RETURN(*leases, cl.Allocate(nslabs));
+  } else {
+    for (size_t i = 0; i < nslabs; ++i) {
+      auto group = cl.AllocateGroup(copies);
+      if (!group) return group.error().WithContext(fmt::format("slab {}'s {} copies", i, copies));
+      leases->insert(leases->end(), group->begin(), group->end());
+    }
+  }
   for (const client::Lease& l : *leases) {
     if (l.grant.length != slab_size) {
       return InvalidArgument(fmt::format(
@@ -118,8 +129,8 @@ Status Configure(client::Cluster& cl, const std::string& dir, uint64_t size,
                       cl.node(l.node).endpoint.ToString()));
     }
   }
-  FARMEM_RETURN_IF_ERROR(WriteControl(
-      dir, fmt::format("{} create {} {}", kIfaceVersion, nslabs * slab_size, slab_size)));
+  FARMEM_RETURN_IF_ERROR(WriteControl(dir, fmt::format("{} create {} {} {}", kIfaceVersion,
+                                                       nslabs * slab_size, slab_size, copies)));
   std::map<client::NodeId, int> peer_index;
   for (const client::Lease& l : *leases) {
     if (peer_index.contains(l.node)) continue;
@@ -140,18 +151,30 @@ Status Configure(client::Cluster& cl, const std::string& dir, uint64_t size,
   for (size_t i = 0; i < leases->size(); ++i) {
     const client::Lease& l = (*leases)[i];
     FARMEM_RETURN_IF_ERROR(WriteControl(
-        dir, fmt::format("{} slab {} {} {} {} {}", kIfaceVersion, i, peer_index[l.node], l.id(),
-                         l.grant.remote_addr, l.grant.rkey)));
+        dir, fmt::format("{} slab {} {} {} {} {} {}", kIfaceVersion, i / copies, peer_index[l.node],
+                         l.id(), l.grant.remote_addr, l.grant.rkey, i % copies)));
   }
   return WriteControl(dir, fmt::format("{} start", kIfaceVersion));
 }
 
 }  // namespace
 
-int KmodAttachCmd(const Common& common, const std::string& size_text, const std::string& dir) {
+int KmodAttachCmd(const Common& common, const std::string& size_text, const std::string& resilience,
+                  const std::string& dir) {
   auto size = ParseSize(size_text);
   if (!size || *size == 0) {
     fmt::print(stderr, "--size: {}\n", size ? "must be > 0" : size.error().ToString());
+    return 2;
+  }
+  size_t copies = 1;
+  if (resilience.starts_with("replicate:")) {
+    copies = std::strtoul(resilience.c_str() + 10, nullptr, 10);
+  } else if (resilience != "none") {
+    copies = 0;
+  }
+  if (copies < 1 || copies > kMaxCopies) {
+    fmt::print(stderr, "--resilience: none or replicate:N (N = 2..{}) for farmem.ko, not '{}'\n",
+               kMaxCopies, resilience);
     return 2;
   }
   if (Status s = CheckVersion(dir); !s.ok()) {
@@ -174,7 +197,7 @@ int KmodAttachCmd(const Common& common, const std::string& size_text, const std:
   }
   client::Cluster& cl = **cluster;
   std::vector<client::Lease> leases;
-  if (Status s = Configure(cl, dir, *size, &leases); !s.ok()) {
+  if (Status s = Configure(cl, dir, *size, copies, &leases); !s.ok()) {
     fmt::print(stderr, "farmemctl kmod attach: {}\n", s.ToString());
     (void)WriteControl(dir, fmt::format("{} remove", kIfaceVersion));
     (void)cl.Close();
@@ -183,9 +206,10 @@ int KmodAttachCmd(const Common& common, const std::string& size_text, const std:
   std::map<client::NodeId, int> per_node;
   for (const auto& l : leases) per_node[l.node]++;
   fmt::print(
-      "attached /dev/farmem0: {} in {} slabs on {} daemons; keeping the leases alive "
+      "attached /dev/farmem0: {} in {} slabs ({}) on {} daemons; keeping the leases alive "
       "(farmemctl kmod detach, or SIGTERM, ends it)\n",
-      FormatSize(leases.size() * leases[0].grant.length), leases.size(), per_node.size());
+      FormatSize(leases.size() / copies * leases[0].grant.length), leases.size() / copies,
+      resilience, per_node.size());
   std::fflush(stdout);
   cl.Subscribe([](const client::Event& e) {
     spdlog::warn("{} {}: {} lease(s) {}", client::EventTypeName(e.type), e.endpoint.ToString(),

@@ -1,10 +1,12 @@
 #!/bin/bash
-# Guest side of the kmod_smoke vm test (issue 15): farmem.ko serves /dev/farmem0 from farmemd
+# Guest side of the kmod_smoke_* vm tests (issue 15): farmem.ko serves /dev/farmem0 from farmemd
 # slabs over soft-RoCE, with farmemctl kmod attach as the control plane (docs/kmod.md).
-#   deploy/vm/run --addrs 1 -- bash tests/vm/kmod_smoke.sh <bin dir> <farmem.ko> <swap_workload>
+#   deploy/vm/run --addrs 2 -- bash tests/vm/kmod_smoke.sh <bin dir> <farmem.ko> <swap_workload> [none|replicate]
 #
-# Two farmemd daemons with --rdma on, on 10.0.2.15 and 10.0.2.16 (rxe0); insmod farmem.ko;
-# farmemctl kmod attach leases 64 MiB (2 MiB slabs over both daemons) and keeps it; then
+# none: two farmemd daemons with --rdma on, on 10.0.2.15 and 10.0.2.16 (rxe0); replicate: three
+# (.15, .16, .17), --resilience replicate:2, and one daemon SIGKILLed while the swap workload reads
+# its pages back (reads go to the surviving copy; nothing may be lost). insmod farmem.ko;
+# farmemctl kmod attach leases 64 MiB (2 MiB slabs) and keeps it; then
 #   1. dd: 8 MiB of random bytes written with O_DIRECT in 64 KiB blocks across slab boundaries and
 #      read back with 4 KiB and 1 MiB blocks: byte-identical;
 #   2. fio --verify=crc32c, random 4 KiB at depth 32 and 64 KiB at depth 1;
@@ -26,21 +28,28 @@ fail() {
 bin=${1:?usage: kmod_smoke.sh <bin dir> <farmem.ko> <swap_workload>}
 ko=${2:?farmem.ko path}
 workload=${3:?swap_workload path}
+mode=${4:-none}
+case $mode in
+  none) daemons=2 resilience=none capacity=48M victim="" ;;
+  replicate) daemons=3 resilience=replicate:2 capacity=64M victim=1 ;;
+  *) fail "mode must be none or replicate, not $mode" ;;
+esac
 if [[ ! -f $ko ]]; then
   say "SKIP: $ko was not built (no kernel headers for the guest: deploy/install-deps.sh --vm)"
   exit 77
 fi
 read -r -a addrs <<<"${FARMEM_VM_ADDRS:-10.0.2.15}"
-((${#addrs[@]} >= 2)) || fail "needs two guest addresses (--addrs 1)"
+((${#addrs[@]} >= daemons)) || fail "needs $daemons guest addresses (--addrs $((daemons - 1)))"
 mib=${KMOD_SWAP_MIB:-32}
 limit=${KMOD_SWAP_LIMIT:-8M}
 start=$(date +%s.%N)
 elapsed() { awk -v a="$start" -v b="$(date +%s.%N)" 'BEGIN { printf "%.1f", b - a }'; }
 vmstat() { awk -v k="$1" '$1 == k { print $2 }' /proc/vmstat; }
 mkdir -p "$work"
-pids=() attach=""
+pids=() attach="" killer=""
 cleanup() {
   set +e
+  [[ -n $killer ]] && kill "$killer" 2>/dev/null
   swapoff /dev/farmem0 2>/dev/null
   [[ -n $attach ]] && kill "$attach" 2>/dev/null && wait "$attach" 2>/dev/null
   for p in "${pids[@]}"; do kill -9 "$p" 2>/dev/null; done
@@ -52,14 +61,14 @@ dmesg -C
 # ---- the daemons: RDMA on rxe0, one per address ----------------------------------------------------
 head -c 32 /dev/urandom | base64 >"$work/secret"
 chmod 600 "$work/secret"
-for i in 0 1; do
-  "$bin/farmemd" --listen "${addrs[$i]}:0" --port-file "$work/port$i" --capacity 48M \
+for ((i = 0; i < daemons; i++)); do
+  "$bin/farmemd" --listen "${addrs[$i]}:0" --port-file "$work/port$i" --capacity "$capacity" \
     --slab-size 2M --max-client-share 1 --rdma on --secret-file "$work/secret" \
     --log-level warn 2>"$work/farmemd$i.log" &
   pids+=($!)
 done
 peers=()
-for i in 0 1; do
+for ((i = 0; i < daemons; i++)); do
   for _ in $(seq 400); do [[ -s $work/port$i ]] && break; sleep 0.05; done
   [[ -s $work/port$i ]] || fail "farmemd $i did not start"
   peers+=("${addrs[$i]}:$(cat "$work/port$i")")
@@ -71,7 +80,7 @@ say "farmemd up at $(elapsed) s: $peer_list"
 insmod "$ko" || fail "insmod $ko"
 [[ $(cat /sys/kernel/farmem/version) == 1 ]] || fail "unexpected interface version"
 "$bin/farmemctl" --log-level info kmod attach --peers "$peer_list" --secret-file "$work/secret" \
-  --size 64M >"$work/attach.log" 2>&1 &
+  --size 64M --resilience "$resilience" >"$work/attach.log" 2>&1 &
 attach=$!
 for _ in $(seq 600); do
   grep -q '^state=running' /sys/kernel/farmem/status 2>/dev/null && break
@@ -116,6 +125,21 @@ cg=/sys/fs/cgroup/kmod_smoke
 mkdir -p "$cg"
 echo "$limit" >"$cg/memory.max"
 out0=$(vmstat pswpout) in0=$(vmstat pswpin)
+if [[ -n $victim ]]; then
+  # SIGKILL one daemon once a quarter of the working set was swapped back in: well into the
+  # first verify pass, long before its end.
+  (
+    while (($(vmstat pswpin) - in0 < mib * 256 / 4)); do sleep 0.2; done
+    kill -9 "${pids[$victim]}"
+    echo "[kmod_smoke] SIGKILL farmemd $victim after $(($(vmstat pswpin) - in0)) pages swapped in"
+    touch "$work/killed"
+    # What the module sees after the kill, for the log of a run that then hangs or fails.
+    sleep 10
+    echo "[kmod_smoke] 10 s after the kill: $(cat /sys/kernel/farmem/status)"
+    dmesg | grep farmem | tail -n 8
+  ) &
+  killer=$!
+fi
 rc=0
 bash -c 'echo $$ >"$1/cgroup.procs" && shift && exec "$@"' _ "$cg" "$workload" -m "$mib" -p 2 -r ||
   rc=$?
@@ -124,11 +148,20 @@ say "swap: pswpout +$out pages, pswpin +$in pages at $(elapsed) s"
 ((rc == 0)) || fail "swap_workload exited with $rc"
 min=$(((mib * 256) / 2))
 ((out >= min && in >= min)) || fail "too little went through swap (want >= $min pages each way)"
+if [[ -n $victim ]]; then
+  [[ -e $work/killed ]] || fail "the workload ended before the daemon was killed"
+  killer=""
+  say "after the kill: $(cat /sys/kernel/farmem/status)"
+  grep -q 'connected=2 ' /sys/kernel/farmem/status || fail "the killed daemon is still connected"
+fi
 swapoff /dev/farmem0 || fail "swapoff"
 rmdir "$cg" 2>/dev/null || true
 
 # ---- 4. detach, rmmod, a clean kernel log -----------------------------------------------------------
-grep -q 'errors=0' /sys/kernel/farmem/status || fail "completion errors: $(cat /sys/kernel/farmem/status)"
+if [[ -z $victim ]]; then
+  grep -q 'errors=0 stale=0' /sys/kernel/farmem/status ||
+    fail "completion errors: $(cat /sys/kernel/farmem/status)"
+fi
 "$bin/farmemctl" kmod detach || fail "farmemctl kmod detach"
 rc=0
 wait "$attach" || rc=$?
@@ -137,7 +170,10 @@ attach=""
 [[ ! -e /dev/farmem0 ]] || fail "/dev/farmem0 still there after detach"
 rmmod farmem || fail "rmmod farmem"
 # (The taint notices "module verification failed" of an unsigned out-of-tree module are expected.)
-if dmesg | grep -v 'module verification failed' | grep -E 'WARNING|BUG|Oops|farmem: .*(failed|error|disconnected)'; then
+# With a daemon killed, its failed operations and its disconnect are expected in the log.
+bad='WARNING|BUG|Oops|farmem: .*(failed|error|disconnected)'
+[[ -n $victim ]] && bad='WARNING|BUG|Oops'
+if dmesg | grep -v 'module verification failed' | grep -E "$bad"; then
   fail "the kernel log has warnings or farmem errors (above)"
 fi
 say "PASS in $(elapsed) s"
