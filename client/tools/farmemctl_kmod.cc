@@ -66,7 +66,9 @@ Result<std::string> ReadFile(const std::string& path) {
 }
 
 Status CheckVersion(const std::string& dir) {
-  FARMEM_ASSIGN_OR_RETURN(std::string v, ReadFile(dir + "/version"));
+  auto read = ReadFile(dir + "/version");
+  if (!read) return read.error().WithContext("is farmem.ko loaded? (insmod farmem.ko)");
+  const std::string& v = *read;
   if (std::atoi(v.c_str()) != kIfaceVersion) {
     return ProtocolError(fmt::format(
         "farmem.ko speaks control interface version {}, this farmemctl speaks {}: use the "
