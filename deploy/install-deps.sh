@@ -20,6 +20,8 @@ tool_pkgs=(
 vm_pkgs=(
   qemu-system-x86 busybox-static kmod cpio rdma-core ibverbs-providers ibverbs-utils
   rdmacm-utils perftest
+  "linux-headers-$(apt-cache depends linux-image-amd64 2>/dev/null |
+    awk '$1 == "Depends:" && $2 ~ /^linux-image-[0-9]/ { sub(/^linux-image-/, "", $2); print $2; exit }')"  # kmod/: farmem.ko for the guest's kernel
 )
 
 want=("${build_pkgs[@]}" "${tool_pkgs[@]}")

@@ -14,10 +14,14 @@
 //   farmemctl key issue NAME --secret-file F --out K
 //       writes the key of identity NAME (derived from the cluster secret, docs/operations.md
 //       "Security") to K, mode 0600; a client given --key-file K authenticates as NAME.
-// stat and demo take --key-file K instead of --secret-file to act as one identity.
+//   farmemctl kmod attach --peers h:p,h:p [--secret-file F | --key-file K] --size 1G
+//       [--resilience none|replicate:N]
+//       leases slabs for farmem.ko and hands them over as /dev/farmem0; stays running as the lease
+//       keeper until `farmemctl kmod detach` (or SIGTERM) removes the device (docs/kmod.md)
+// stat, demo and kmod attach take --key-file K instead of --secret-file to act as one identity.
 //
 // This file: main (option parsing), demo, drain, key issue; stat and export stat are
-// farmemctl_stat.cc, what the two share is farmemctl.h.
+// farmemctl_stat.cc, kmod attach/detach farmemctl_kmod.cc, what they share is farmemctl.h.
 #include "farmemctl.h"
 
 #include <fcntl.h>
@@ -346,12 +350,28 @@ int main(int argc, char** argv) {
   key_issue->add_option("name", key_name, "The identity: letters, digits and . _ @ -")->required();
   key_issue->add_option("--secret-file", c.secret_file, "The cluster secret")->required();
   key_issue->add_option("--out", key_out, "The key file to create (mode 0600)")->required();
+  std::string kmod_size, kmod_resilience = "none", kmod_dir = "/sys/kernel/farmem";
+  CLI::App* kmod = app.add_subcommand("kmod", "farmem.ko, the kernel paging client (docs/kmod.md)");
+  kmod->require_subcommand(1);
+  CLI::App* kmod_attach = kmod->add_subcommand(
+      "attach",
+      "Lease slabs, hand them to farmem.ko as /dev/farmem0, keep them alive until detach");
+  add_common(kmod_attach);
+  kmod_attach->add_option("--size", kmod_size, "Size of /dev/farmem0 (whole slabs)")->required();
+  kmod_attach->add_option("--resilience", kmod_resilience, "none or replicate:N (N <= 3)")
+      ->capture_default_str();
+  CLI::App* kmod_detach = kmod->add_subcommand("detach", "Remove /dev/farmem0");
+  for (CLI::App* sub : {kmod_attach, kmod_detach}) {
+    sub->add_option("--sysfs", kmod_dir, "farmem.ko's control directory")->capture_default_str();
+  }
   CLI11_PARSE(app, argc, argv);
   cli::SetUpLogging("farmemctl", log_level);
   if (*stat) return StatCmd(c, json);
   if (*exp) return ExportStatCmd(export_target, json);
   if (*drain) return DrainCmd(c, target, true, grace_ms, wait);
   if (*undrain) return DrainCmd(c, target, false, 0, false);
+  if (*kmod_attach) return KmodAttachCmd(c, kmod_size, kmod_resilience, kmod_dir);
+  if (*kmod_detach) return KmodDetachCmd(kmod_dir);
   if (*key) return KeyIssueCmd(c.secret_file, key_name, key_out);
   return Demo(c, size);
 }

@@ -26,4 +26,9 @@ void PrintNodes(client::Cluster& cluster, const std::map<client::NodeId, uint64_
 int StatCmd(const Common& c, bool json);
 int ExportStatCmd(const std::string& target, bool json);
 
+// `farmemctl kmod attach` and `farmemctl kmod detach` (farmemctl_kmod.cc, docs/kmod.md).
+int KmodAttachCmd(const Common& c, const std::string& size, const std::string& resilience,
+                  const std::string& sysfs_dir);
+int KmodDetachCmd(const std::string& sysfs_dir);
+
 }  // namespace farmem::ctl
