@@ -515,6 +515,115 @@ TEST(WireStat, CarriesTheDaemonsVersionAfterTheClientShare) {
   EXPECT_EQ(cut->version.size(), kMaxVersionString);
 }
 
+// HELLO carries versions both ways behind kFeatureVersion (issue 14): the daemon's at the end of
+// its HELLO reply, the client's at the end of AUTH, which a client sends only to a daemon whose
+// HELLO reply had the bit. Readers that predate it see what they always saw.
+TEST(WireHelloVersion, ReplyCarriesTheDaemonsVersionAndOlderReadersIgnoreIt) {
+  HelloReply m;
+  m.features = kFeatureAuthRequired | kFeatureVersion;
+  m.node_id = 42;
+  m.server_nonce.fill(7);
+  m.daemon_version = "1.4.2 (git v1.4.2-3-g0123abc)";
+  std::vector<uint8_t> body;
+  EncodeHelloReply(m, &body);
+  constexpr size_t kFixed = 16 + kNonceSize;
+  ASSERT_EQ(body.size(), kFixed + 2 + m.daemon_version.size());
+  auto d = DecodeHelloReply(body);
+  ASSERT_TRUE(d.has_value());
+  EXPECT_EQ(d->daemon_version, m.daemon_version);
+  EXPECT_EQ(d->node_id, 42u);
+  EXPECT_EQ(d->server_nonce, m.server_nonce);
+  // Without the bit nothing is appended, and a reply without it decodes with no version.
+  HelloReply old = m;
+  old.features &= ~kFeatureVersion;
+  std::vector<uint8_t> old_body;
+  EncodeHelloReply(old, &old_body);
+  ASSERT_EQ(old_body.size(), kFixed);
+  auto od = DecodeHelloReply(old_body);
+  ASSERT_TRUE(od.has_value());
+  EXPECT_EQ(od->daemon_version, "");
+  // An older client reads the fixed part and ignores the trailer: the fixed part is unchanged
+  // but for the feature bit.
+  EXPECT_TRUE(std::equal(old_body.begin() + 8, old_body.end(), body.begin() + 8));
+  // Every truncation of the trailer is malformed, never a shorter version.
+  for (size_t n = kFixed; n < body.size(); ++n) {
+    EXPECT_EQ(CodeOf(DecodeHelloReply(std::span(body).first(n))), StatusCode::kProtocolError) << n;
+  }
+  // Bytes past the trailer are a later version's trailers: ignored.
+  std::vector<uint8_t> longer = body;
+  longer.insert(longer.end(), {1, 2, 3});
+  auto ld = DecodeHelloReply(longer);
+  ASSERT_TRUE(ld.has_value());
+  EXPECT_EQ(ld->daemon_version, m.daemon_version);
+  // Over the limit: refused; not printable: '?'; an overlong string is cut by the encoder.
+  std::vector<uint8_t> bad(body.begin(), body.begin() + kFixed);
+  Writer w(&bad);
+  w.U16(static_cast<uint16_t>(kMaxVersionString + 1));
+  w.Zeros(kMaxVersionString + 1);
+  EXPECT_EQ(CodeOf(DecodeHelloReply(bad)), StatusCode::kProtocolError);
+  std::vector<uint8_t> odd(body.begin(), body.begin() + kFixed);
+  Writer o(&odd);
+  o.U16(2);
+  o.Bytes(std::vector<uint8_t>{'2', 0x1b});
+  auto odd_d = DecodeHelloReply(odd);
+  ASSERT_TRUE(odd_d.has_value());
+  EXPECT_EQ(odd_d->daemon_version, "2?");
+  m.daemon_version.assign(kMaxVersionString + 9, 'v');
+  body.clear();
+  EncodeHelloReply(m, &body);
+  auto cut = DecodeHelloReply(body);
+  ASSERT_TRUE(cut.has_value());
+  EXPECT_EQ(cut->daemon_version.size(), kMaxVersionString);
+}
+
+TEST(WireHelloVersion, AuthCarriesTheClientsVersionAsAnExactTrailer) {
+  AuthRequest m;
+  m.client_mac.fill(0x5a);
+  m.client_version = "1.4.2";
+  std::vector<uint8_t> body;
+  EncodeAuth(m, &body);
+  ASSERT_EQ(body.size(), kMacSize + 2 + 5);
+  auto d = DecodeAuth(body);
+  ASSERT_TRUE(d.has_value());
+  EXPECT_EQ(d->client_mac, m.client_mac);
+  EXPECT_EQ(d->client_version, "1.4.2");
+  // Without a version, exactly the proof, as older daemons expect.
+  AuthRequest bare = m;
+  bare.client_version.clear();
+  std::vector<uint8_t> bare_body;
+  EncodeAuth(bare, &bare_body);
+  EXPECT_EQ(bare_body.size(), kMacSize);
+  auto bd = DecodeAuth(bare_body);
+  ASSERT_TRUE(bd.has_value());
+  EXPECT_EQ(bd->client_version, "");
+  // Every truncation between the proof and the end of the trailer is malformed.
+  for (size_t n = kMacSize + 1; n < body.size(); ++n) {
+    EXPECT_EQ(CodeOf(DecodeAuth(std::span(body).first(n))), StatusCode::kProtocolError) << n;
+  }
+  // A byte after the trailer, a zero-length trailer, or a length over the limit: malformed.
+  std::vector<uint8_t> extra = body;
+  extra.push_back(0);
+  EXPECT_EQ(CodeOf(DecodeAuth(extra)), StatusCode::kProtocolError);
+  std::vector<uint8_t> empty(body.begin(), body.begin() + kMacSize);
+  Writer(&empty).U16(0);
+  EXPECT_EQ(CodeOf(DecodeAuth(empty)), StatusCode::kProtocolError);
+  std::vector<uint8_t> big(body.begin(), body.begin() + kMacSize);
+  Writer bw(&big);
+  bw.U16(static_cast<uint16_t>(kMaxVersionString + 1));
+  bw.Zeros(kMaxVersionString + 1);
+  EXPECT_EQ(CodeOf(DecodeAuth(big)), StatusCode::kProtocolError);
+}
+
+TEST(WireHelloVersion, MajorVersionOfAVersionString) {
+  EXPECT_EQ(VersionMajor("0.1.0 (git v0.1.0-7-gabcdef0)"), 0u);
+  EXPECT_EQ(VersionMajor("12.3"), 12u);
+  EXPECT_EQ(VersionMajor("3"), 3u);
+  EXPECT_EQ(VersionMajor(""), std::nullopt);
+  EXPECT_EQ(VersionMajor("v1.0"), std::nullopt);
+  EXPECT_EQ(VersionMajor("?"), std::nullopt);
+  EXPECT_EQ(VersionMajor("99999999999999.0"), 999999999u);  // bounded, no overflow
+}
+
 // ---------------------------------------------------------------- ALLOC / FREE / HEARTBEAT
 
 TEST(WireAlloc, RoundTripsCountsAtTheLimits) {
