@@ -77,7 +77,7 @@ TEST_F(AuthTest, RightSecretWorks) {
 // level when it admits the connection).
 TEST(HelloVersion, ClientAndDaemonLearnEachOthersVersion) {
   DaemonConfig config = Daemon("hello version secret");
-  config.extra_args.insert(config.extra_args.end(), {"--log-level", "debug"});
+  config.log_level = "debug";
   DaemonSet daemons(config);
   ASSERT_TRUE(daemons.Start(1).ok()) << daemons.Logs();
   auto c = Dial(daemons[0].endpoint(), daemons.secret());
