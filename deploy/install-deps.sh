@@ -16,6 +16,7 @@ tool_pkgs=(
   curl python3  # tests/client/metrics_status_test: scrape /metrics, parse farmemctl --json
   docker-compose shellcheck systemd  # tests/deploy: lint deploy/docker, verify deploy/systemd
   help2man dpkg-dev file  # man pages from --help; the .deb (cpack: dpkg-shlibdeps, file)
+  python3-yaml  # tests/deploy/k8s_check.py: parse deploy/k8s
 )
 vm_pkgs=(
   qemu-system-x86 busybox-static kmod cpio rdma-core ibverbs-providers ibverbs-utils

@@ -12,6 +12,7 @@
 #include <utility>
 
 #include "farmem/common/auth.h"
+#include "farmem/common/version.h"
 #include "farmem/transport/verbs.h"
 #include "node.h"
 
@@ -30,6 +31,16 @@ std::string FormatLeaseIds(std::span<const uint64_t> ids) {
   }
   if (ids.size() > kShown) out += fmt::format(" and {} more", ids.size() - kShown);
   return out;
+}
+
+void WarnOnVersionMismatch(const Endpoint& ep, const wire::HelloReply& hello) {
+  const std::optional<uint32_t> theirs = wire::VersionMajor(hello.daemon_version);
+  const std::optional<uint32_t> ours = wire::VersionMajor(kVersion);
+  if (!theirs || !ours || *theirs == *ours) return;  // the same, or a daemon that does not say
+  spdlog::warn(
+      "farmem client: {} runs farmemd {} but this client is farmem {}: major versions {} and {} "
+      "differ; upgrade one side so that both run the same major version",
+      ep.ToString(), hello.daemon_version, kVersionString, *theirs, *ours);
 }
 
 }  // namespace internal
@@ -253,6 +264,7 @@ Status Cluster::AdoptDialed(const std::vector<DialTarget>& targets,
       n->alive = true;
       n->daemon_id = daemon_id;
       n->features = r->hello().features;  // OpenChannel picks verbs from these
+      internal::WarnOnVersionMismatch(ep, r->hello());
       n->last_contact = now;
       n->reconnect_backoff = reconnect_interval_;
       adopted.emplace_back(n, std::move(*r));

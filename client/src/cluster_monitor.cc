@@ -258,6 +258,7 @@ bool Cluster::Adopt(Node& node, TcpConnection conn) {
   }
   node.daemon_id = daemon_id;
   node.features = conn.hello().features;
+  internal::WarnOnVersionMismatch(node.endpoint, conn.hello());
   node.alive = true;
   node.last_contact = now;
   node.last_error = Status::Ok();

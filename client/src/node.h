@@ -97,5 +97,9 @@ inline bool IsTransportFailure(const Status& s, const transport::TcpConnection& 
 // "0x11, 0x100000012" (hex, as daemons log them; at most 16, then "and N more").
 std::string FormatLeaseIds(std::span<const uint64_t> ids);
 
+// Logs a warning when the daemon's version (HELLO, docs/wire-protocol.md) has another major
+// version than this client's; silent for a daemon that does not send its version.
+void WarnOnVersionMismatch(const Endpoint& ep, const wire::HelloReply& hello);
+
 }  // namespace internal
 }  // namespace farmem::client

@@ -105,7 +105,38 @@ void ReadArray(Reader& r, std::array<uint8_t, N>* out) {
   if (b.size() == N) std::memcpy(out->data(), b.data(), N);
 }
 
+// A version string field (STAT and HELLO replies, AUTH): `version_len u16, version`, at most
+// kMaxVersionString bytes (longer strings are cut).
+void PutVersion(Writer& w, std::string_view v) {
+  const size_t n = std::min(v.size(), kMaxVersionString);
+  w.U16(static_cast<uint16_t>(n));
+  w.Bytes({reinterpret_cast<const uint8_t*>(v.data()), n});
+}
+
+// False when the length is over kMaxVersionString or the bytes are not all there. For display,
+// anything but printable ASCII becomes '?'.
+bool GetVersion(Reader& r, std::string* out) {
+  const uint16_t n = r.U16();
+  if (n > kMaxVersionString) return false;
+  std::span<const uint8_t> v = r.Bytes(n);
+  if (!r.ok()) return false;
+  out->clear();
+  out->reserve(n);
+  for (uint8_t c : v) *out += (c >= 0x20 && c < 0x7f) ? static_cast<char>(c) : '?';
+  return true;
+}
+
 }  // namespace
+
+std::optional<uint32_t> VersionMajor(std::string_view version) {
+  uint32_t major = 0;
+  size_t i = 0;
+  for (; i < version.size() && i < 9 && version[i] >= '0' && version[i] <= '9'; ++i) {
+    major = major * 10 + static_cast<uint32_t>(version[i] - '0');
+  }
+  if (i == 0) return std::nullopt;
+  return major;
+}
 
 void EncodeHello(const HelloRequest& m, std::vector<uint8_t>* out) {
   Writer w(out);
@@ -161,6 +192,7 @@ void EncodeHelloReply(const HelloReply& m, std::vector<uint8_t>* out) {
   w.U32(m.features);
   w.U64(m.node_id);
   w.Bytes(m.server_nonce);
+  if ((m.features & kFeatureVersion) != 0) PutVersion(w, m.daemon_version);
 }
 
 Result<HelloReply> DecodeHelloReply(std::span<const uint8_t> body) {
@@ -172,17 +204,29 @@ Result<HelloReply> DecodeHelloReply(std::span<const uint8_t> body) {
   m.node_id = r.U64();
   ReadArray(r, &m.server_nonce);
   if (!r.ok()) return Err(Malformed("HELLO reply", body));
+  // Trailers, in the order of their feature bits; bytes past those this build knows are ignored.
+  if ((m.features & kFeatureVersion) != 0 && !GetVersion(r, &m.daemon_version)) {
+    return Err(Malformed("HELLO reply", body));
+  }
   return m;
 }
 
 void EncodeAuth(const AuthRequest& m, std::vector<uint8_t>* out) {
-  Writer(out).Bytes(m.client_mac);
+  Writer w(out);
+  w.Bytes(m.client_mac);
+  if (!m.client_version.empty()) PutVersion(w, m.client_version);  // optional trailer
 }
 
 Result<AuthRequest> DecodeAuth(std::span<const uint8_t> body) {
-  if (body.size() != kMacSize) return Err(Malformed("AUTH", body));
+  Reader r(body);
   AuthRequest m;
-  std::memcpy(m.client_mac.data(), body.data(), kMacSize);
+  ReadArray(r, &m.client_mac);
+  if (!r.ok()) return Err(Malformed("AUTH", body));
+  // The version trailer, if any: 1..kMaxVersionString bytes that end the body exactly.
+  if (r.remaining() > 0 &&
+      (!GetVersion(r, &m.client_version) || m.client_version.empty() || r.remaining() != 0)) {
+    return Err(Malformed("AUTH", body));
+  }
   return m;
 }
 
@@ -215,11 +259,7 @@ void EncodeStatReply(const StatReply& m, std::vector<uint8_t>* out) {
     w.U32(m.client_free_slabs);
     w.U32(m.client_max_slabs);
   }
-  if ((m.features & kFeatureVersion) != 0) {
-    const size_t n = std::min(m.version.size(), kMaxVersionString);
-    w.U16(static_cast<uint16_t>(n));
-    w.Bytes({reinterpret_cast<const uint8_t*>(m.version.data()), n});
-  }
+  if ((m.features & kFeatureVersion) != 0) PutVersion(w, m.version);
 }
 
 // Newer daemons may append fields: anything past what this build knows is ignored.
@@ -245,14 +285,8 @@ Result<StatReply> DecodeStatReply(std::span<const uint8_t> body) {
     m.client_max_slabs = r.U32();
     if (!r.ok()) return Err(Malformed("STAT reply", body));
   }
-  if ((m.features & kFeatureVersion) != 0) {
-    const uint16_t n = r.U16();
-    if (n > kMaxVersionString) return Err(Malformed("STAT reply", body));
-    std::span<const uint8_t> v = r.Bytes(n);
-    if (!r.ok()) return Err(Malformed("STAT reply", body));
-    // For display: anything but printable ASCII becomes '?'.
-    m.version.reserve(n);
-    for (uint8_t c : v) m.version += (c >= 0x20 && c < 0x7f) ? static_cast<char>(c) : '?';
+  if ((m.features & kFeatureVersion) != 0 && !GetVersion(r, &m.version)) {
+    return Err(Malformed("STAT reply", body));
   }
   return m;
 }

@@ -6,6 +6,7 @@
 #include <optional>
 
 #include "farmem/common/auth.h"
+#include "farmem/common/version.h"
 
 namespace farmem::daemon {
 
@@ -93,7 +94,8 @@ Handshake::Outcome Handshake::OnHello(const wire::FrameHeader& h, std::span<cons
   wire::HelloReply reply;
   reply.node_id = config_->node_id;
   reply.server_nonce = server_nonce_;
-  reply.features = config_->features;
+  reply.features = config_->features | wire::kFeatureVersion;
+  reply.daemon_version = std::string(kVersionString);
   if (!config_->secret.empty()) reply.features |= wire::kFeatureAuthRequired;
   std::vector<uint8_t> body_out;
   wire::EncodeHelloReply(reply, &body_out);
@@ -126,6 +128,7 @@ Handshake::Outcome Handshake::OnAuth(const wire::FrameHeader& h, std::span<const
                                          "'{}' (issue it with `farmemctl key issue {}`)",
                                          identity_, identity_)));
   }
+  client_version_ = std::move(req->client_version);
   wire::AuthReply reply;
   reply.server_mac = auth::ServerProof(*key, server_nonce_, client_nonce_, client_id_, identity_);
   std::vector<uint8_t> body_out;

@@ -25,7 +25,7 @@
 
 namespace farmem::daemon {
 
-// Largest HELLO or AUTH body accepted (a HELLO is at most 116 bytes today).
+// Largest HELLO or AUTH body accepted (a HELLO is at most 181 bytes today, an AUTH 162).
 inline constexpr uint32_t kMaxHandshakeBody = 1024;
 inline constexpr size_t kHandshakeBuffer = wire::kHeaderSize + kMaxHandshakeBody;
 
@@ -75,6 +75,9 @@ class Handshake {
   // identity is whatever the client declared: nothing is authenticated then.
   const std::string& identity() const { return identity_; }
   wire::ClientId owner() const;
+  // The client's farmem version from AUTH's trailer; empty when it did not say (a client that
+  // predates it, or a daemon without a secret: no AUTH).
+  const std::string& client_version() const { return client_version_; }
 
  private:
   Outcome Fail(const wire::FrameHeader& h, Status status);
@@ -89,6 +92,7 @@ class Handshake {
   wire::Nonce server_nonce_{};
   std::string client_name_;
   std::string identity_;
+  std::string client_version_;
   std::vector<uint8_t> out_;
   Status failure_;
 };

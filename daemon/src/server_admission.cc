@@ -256,6 +256,10 @@ void Server::Admit(PendingList::iterator it, size_t consumed) {
     MutexLock lock(&conns_mu_);
     conns_.push_back({std::move(conn), std::move(t), finished});
   }
+  spdlog::debug(
+      "admitted {} ({}, identity '{}', farmem {})", p.peer, p.handshake.client_name(),
+      p.handshake.identity(),
+      p.handshake.client_version().empty() ? "version not sent" : p.handshake.client_version());
   pending_by_serial_.erase(p.serial);
   pending_.erase(it);
   pending_count_.store(pending_.size(), std::memory_order_relaxed);

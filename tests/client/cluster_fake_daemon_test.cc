@@ -1,6 +1,8 @@
 // Cluster against a scripted in-process daemon: the daemon behaviours a real farmemd rarely shows
 // on demand (eviction notices, malformed pushes, replies that grant the wrong thing).
 #include <gtest/gtest.h>
+#include <spdlog/sinks/ringbuffer_sink.h>
+#include <spdlog/spdlog.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -13,6 +15,7 @@
 
 #include "farmem/client/cluster.h"
 #include "farmem/common/socket.h"
+#include "farmem/common/version.h"
 #include "farmem/common/wire.h"
 #include "support/wait.h"
 
@@ -52,6 +55,7 @@ class FakeDaemon {
   };
   std::vector<uint64_t> freed;
   uint32_t free_slabs = 4;
+  std::string hello_version;  // sent in HELLO (kFeatureVersion) when not empty
 
   static wire::LeaseGrant Grant(uint32_t slab) {
     return {wire::MakeLeaseId(7, slab), 1u << 20, 0, 0};
@@ -102,7 +106,11 @@ class FakeDaemon {
         switch (op) {
           case wire::Opcode::kHello:
             wire::EncodeHelloReply(
-                {.version = wire::kVersion, .features = 0, .node_id = 0xfeed, .server_nonce = {}},
+                {.version = wire::kVersion,
+                 .features = hello_version.empty() ? 0u : uint32_t{wire::kFeatureVersion},
+                 .node_id = 0xfeed,
+                 .server_nonce = {},
+                 .daemon_version = hello_version},
                 &reply);
             break;
           case wire::Opcode::kStat: {
@@ -185,6 +193,46 @@ TEST(ClusterWithFakeDaemon, EvictNoticeBecomesAnEventAndBadPushesAreIgnored) {
   EXPECT_EQ(events[0].lease_ids, std::vector<uint64_t>{(*leases)[1].id()});
   EXPECT_EQ(events[0].grace_ms, 750u);
   EXPECT_TRUE((*c)->node(0).alive);
+}
+
+// The client learns the daemon's version from HELLO and warns when the major versions differ
+// (issue 14); a daemon of the same major version, or one that does not say, is not warned about.
+TEST(ClusterWithFakeDaemon, WarnsWhenTheDaemonsMajorVersionDiffers) {
+  // Added before any Cluster runs and removed after the last is gone: no thread logs meanwhile.
+  auto sink = std::make_shared<spdlog::sinks::ringbuffer_sink_mt>(1024);
+  spdlog::default_logger()->sinks().push_back(sink);
+  auto warnings = [&] {
+    std::vector<std::string> out;
+    for (const std::string& line : sink->last_formatted()) {
+      if (line.find("major versions") != std::string::npos) out.push_back(line);
+    }
+    return out;
+  };
+  const uint32_t ours = *wire::VersionMajor(kVersion);
+  const std::string other = std::to_string(ours + 1) + ".0.0 (fake)";
+  for (const std::string& version : {other, std::string(kVersionString), std::string()}) {
+    const size_t before = warnings().size();
+    FakeDaemon daemon;
+    {
+      std::lock_guard lock(daemon.mu);
+      daemon.hello_version = version;
+    }
+    auto c = Cluster::Connect(FakeOptions(daemon));
+    ASSERT_TRUE(c.has_value()) << c.error().ToString();
+    const std::vector<std::string> w = warnings();
+    if (version == other) {
+      ASSERT_EQ(w.size(), before + 1);
+      EXPECT_NE(w.back().find(daemon.endpoint().ToString() + " runs farmemd " + other),
+                std::string::npos)
+          << w.back();
+      EXPECT_NE(w.back().find(fmt::format("major versions {} and {} differ", ours + 1, ours)),
+                std::string::npos)
+          << w.back();
+    } else {
+      EXPECT_EQ(w.size(), before) << "warned about version '" << version << "'";
+    }
+  }
+  spdlog::default_logger()->sinks().pop_back();
 }
 
 TEST(ClusterWithFakeDaemon, AllocReplyWithExtraLeasesKeepsOneAndFreesTheExtras) {

@@ -464,6 +464,48 @@ TEST(WireStat, CarriesWhatThisClientMayTakeBesideThePoolsFree) {
   EXPECT_EQ(FreeForClient(*od), 16u);
 }
 
+// The version field of STAT, the HELLO reply and AUTH (`version_len u16, version`), one encoding
+// for the three: `encode(v)` makes a body ending in version v after `fixed` bytes, `decode` gives
+// back the version or the error. Every truncation inside the field is malformed (never a shorter
+// version), a length over the limit is refused, bytes that are not printable are shown as '?',
+// and the encoder cuts an overlong version to the limit.
+template <typename Encode, typename Decode>
+void ExpectVersionField(const char* what, size_t fixed, Encode encode, Decode decode) {
+  SCOPED_TRACE(what);
+  const std::string v = "0.1.0 (git v0.1.0-7-gabcdef0)";
+  const std::vector<uint8_t> body = encode(v);
+  ASSERT_EQ(body.size(), fixed + 2 + v.size());
+  Result<std::string> d = decode(std::span<const uint8_t>(body));
+  ASSERT_TRUE(d.has_value()) << d.error().ToString();
+  EXPECT_EQ(*d, v);
+  for (size_t n = fixed + 1; n < body.size(); ++n) {
+    EXPECT_EQ(CodeOf(decode(std::span(body).first(n))), StatusCode::kProtocolError) << n;
+  }
+  std::vector<uint8_t> bad(body.begin(), body.begin() + static_cast<ptrdiff_t>(fixed));
+  Writer w(&bad);
+  w.U16(static_cast<uint16_t>(kMaxVersionString + 1));
+  w.Zeros(kMaxVersionString + 1);
+  EXPECT_EQ(CodeOf(decode(std::span<const uint8_t>(bad))), StatusCode::kProtocolError);
+  std::vector<uint8_t> odd(body.begin(), body.begin() + static_cast<ptrdiff_t>(fixed));
+  Writer o(&odd);
+  o.U16(3);
+  o.Bytes(std::vector<uint8_t>{'1', 0x0a, 0xff});
+  Result<std::string> od = decode(std::span<const uint8_t>(odd));
+  ASSERT_TRUE(od.has_value());
+  EXPECT_EQ(*od, "1??");
+  const std::vector<uint8_t> long_body = encode(std::string(kMaxVersionString + 50, 'v'));
+  Result<std::string> cut = decode(std::span<const uint8_t>(long_body));
+  ASSERT_TRUE(cut.has_value());
+  EXPECT_EQ(cut->size(), kMaxVersionString);
+}
+
+// The decoded version of a message, or its error.
+template <typename M>
+Result<std::string> VersionOf(const Result<M>& d, std::string M::*field) {
+  if (!d.has_value()) return Err(d.error());
+  return (*d).*field;
+}
+
 // The daemon's version rides at the end of STAT behind kFeatureVersion (issue 14): a reader that
 // predates it stops after the CLIENT_SHARE fields, a daemon that predates it sends none.
 TEST(WireStat, CarriesTheDaemonsVersionAfterTheClientShare) {
@@ -475,10 +517,8 @@ TEST(WireStat, CarriesTheDaemonsVersionAfterTheClientShare) {
   m.version = "0.1.0 (git v0.1.0-7-gabcdef0)";
   std::vector<uint8_t> body;
   EncodeStatReply(m, &body);
-  EXPECT_EQ(body.size(), 80u + 2 + m.version.size());
   auto d = DecodeStatReply(body);
   ASSERT_TRUE(d.has_value());
-  EXPECT_EQ(d->version, m.version);
   EXPECT_EQ(d->client_free_slabs, 5u);
   // An older reader: the first 80 bytes are all it knows, and they decode the same.
   StatReply older = m;
@@ -488,31 +528,119 @@ TEST(WireStat, CarriesTheDaemonsVersionAfterTheClientShare) {
   ASSERT_EQ(older_body.size(), 80u);  // features (offset 36) differ, nothing else
   EXPECT_TRUE(std::equal(older_body.begin(), older_body.begin() + 36, body.begin()));
   EXPECT_TRUE(std::equal(older_body.begin() + 40, older_body.end(), body.begin() + 40));
-  // Every truncation of the announced version is malformed, never a shorter string.
-  for (size_t n = 80; n < body.size(); ++n) {
-    EXPECT_EQ(CodeOf(DecodeStatReply(std::span(body).first(n))), StatusCode::kProtocolError) << n;
-  }
-  // A length over the limit is refused before anything is read; bytes that are not printable
-  // are shown as '?'.
-  std::vector<uint8_t> bad(body.begin(), body.begin() + 80);
-  Writer w(&bad);
-  w.U16(static_cast<uint16_t>(kMaxVersionString + 1));
-  w.Zeros(kMaxVersionString + 1);
-  EXPECT_EQ(CodeOf(DecodeStatReply(bad)), StatusCode::kProtocolError);
-  std::vector<uint8_t> odd(body.begin(), body.begin() + 80);
-  Writer o(&odd);
-  o.U16(3);
-  o.Bytes(std::vector<uint8_t>{'1', 0x0a, 0xff});
-  auto od = DecodeStatReply(odd);
+  // With the bit set, no version at all is malformed too.
+  EXPECT_EQ(CodeOf(DecodeStatReply(std::span(body).first(80))), StatusCode::kProtocolError);
+  ExpectVersionField(
+      "STAT", 80,
+      [&](const std::string& v) {
+        m.version = v;
+        std::vector<uint8_t> b;
+        EncodeStatReply(m, &b);
+        return b;
+      },
+      [](std::span<const uint8_t> b) {
+        return VersionOf(DecodeStatReply(b), &StatReply::version);
+      });
+}
+
+// HELLO carries versions both ways behind kFeatureVersion (issue 14): the daemon's at the end of
+// its HELLO reply, the client's at the end of AUTH, which a client sends only to a daemon whose
+// HELLO reply had the bit. Readers that predate it see what they always saw.
+TEST(WireHelloVersion, ReplyCarriesTheDaemonsVersionAndOlderReadersIgnoreIt) {
+  HelloReply m;
+  m.features = kFeatureAuthRequired | kFeatureVersion;
+  m.node_id = 42;
+  m.server_nonce.fill(7);
+  m.daemon_version = "1.4.2 (git v1.4.2-3-g0123abc)";
+  std::vector<uint8_t> body;
+  EncodeHelloReply(m, &body);
+  constexpr size_t kFixed = 16 + kNonceSize;
+  auto d = DecodeHelloReply(body);
+  ASSERT_TRUE(d.has_value());
+  EXPECT_EQ(d->daemon_version, m.daemon_version);
+  EXPECT_EQ(d->node_id, 42u);
+  EXPECT_EQ(d->server_nonce, m.server_nonce);
+  // Without the bit nothing is appended, and a reply without it decodes with no version.
+  HelloReply old = m;
+  old.features &= ~kFeatureVersion;
+  std::vector<uint8_t> old_body;
+  EncodeHelloReply(old, &old_body);
+  ASSERT_EQ(old_body.size(), kFixed);
+  auto od = DecodeHelloReply(old_body);
   ASSERT_TRUE(od.has_value());
-  EXPECT_EQ(od->version, "1??");
-  // Encoder cuts an overlong version to the limit.
-  m.version.assign(kMaxVersionString + 50, 'v');
-  body.clear();
-  EncodeStatReply(m, &body);
-  auto cut = DecodeStatReply(body);
-  ASSERT_TRUE(cut.has_value());
-  EXPECT_EQ(cut->version.size(), kMaxVersionString);
+  EXPECT_EQ(od->daemon_version, "");
+  // An older client reads the fixed part and ignores the trailer: the fixed part is unchanged
+  // but for the feature bit.
+  EXPECT_TRUE(std::equal(old_body.begin() + 8, old_body.end(), body.begin() + 8));
+  // With the bit set, no version at all is malformed.
+  EXPECT_EQ(CodeOf(DecodeHelloReply(std::span(body).first(kFixed))), StatusCode::kProtocolError);
+  // Bytes past the trailer are a later version's trailers: ignored.
+  std::vector<uint8_t> longer = body;
+  longer.insert(longer.end(), {1, 2, 3});
+  auto ld = DecodeHelloReply(longer);
+  ASSERT_TRUE(ld.has_value());
+  EXPECT_EQ(ld->daemon_version, m.daemon_version);
+  ExpectVersionField(
+      "HELLO reply", kFixed,
+      [&](const std::string& v) {
+        m.daemon_version = v;
+        std::vector<uint8_t> b;
+        EncodeHelloReply(m, &b);
+        return b;
+      },
+      [](std::span<const uint8_t> b) {
+        return VersionOf(DecodeHelloReply(b), &HelloReply::daemon_version);
+      });
+}
+
+TEST(WireHelloVersion, AuthCarriesTheClientsVersionAsAnExactTrailer) {
+  AuthRequest m;
+  m.client_mac.fill(0x5a);
+  m.client_version = "1.4.2";
+  std::vector<uint8_t> body;
+  EncodeAuth(m, &body);
+  ASSERT_EQ(body.size(), kMacSize + 2 + 5);
+  auto d = DecodeAuth(body);
+  ASSERT_TRUE(d.has_value());
+  EXPECT_EQ(d->client_mac, m.client_mac);
+  EXPECT_EQ(d->client_version, "1.4.2");
+  // Without a version, exactly the proof, as older daemons expect.
+  AuthRequest bare = m;
+  bare.client_version.clear();
+  std::vector<uint8_t> bare_body;
+  EncodeAuth(bare, &bare_body);
+  EXPECT_EQ(bare_body.size(), kMacSize);
+  auto bd = DecodeAuth(bare_body);
+  ASSERT_TRUE(bd.has_value());
+  EXPECT_EQ(bd->client_version, "");
+  // A byte after the trailer, or a zero-length trailer: malformed.
+  std::vector<uint8_t> extra = body;
+  extra.push_back(0);
+  EXPECT_EQ(CodeOf(DecodeAuth(extra)), StatusCode::kProtocolError);
+  std::vector<uint8_t> empty(body.begin(), body.begin() + kMacSize);
+  Writer(&empty).U16(0);
+  EXPECT_EQ(CodeOf(DecodeAuth(empty)), StatusCode::kProtocolError);
+  ExpectVersionField(
+      "AUTH", kMacSize,
+      [&](const std::string& v) {
+        m.client_version = v;
+        std::vector<uint8_t> b;
+        EncodeAuth(m, &b);
+        return b;
+      },
+      [](std::span<const uint8_t> b) {
+        return VersionOf(DecodeAuth(b), &AuthRequest::client_version);
+      });
+}
+
+TEST(WireHelloVersion, MajorVersionOfAVersionString) {
+  EXPECT_EQ(VersionMajor("0.1.0 (git v0.1.0-7-gabcdef0)"), 0u);
+  EXPECT_EQ(VersionMajor("12.3"), 12u);
+  EXPECT_EQ(VersionMajor("3"), 3u);
+  EXPECT_EQ(VersionMajor(""), std::nullopt);
+  EXPECT_EQ(VersionMajor("v1.0"), std::nullopt);
+  EXPECT_EQ(VersionMajor("?"), std::nullopt);
+  EXPECT_EQ(VersionMajor("99999999999999.0"), 999999999u);  // bounded, no overflow
 }
 
 // ---------------------------------------------------------------- ALLOC / FREE / HEARTBEAT

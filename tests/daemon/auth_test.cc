@@ -3,6 +3,7 @@
 // PermissionDenied and a message that says what to do; a client with a secret refuses a daemon
 // that does not ask for one, or that cannot prove it knows the secret; proofs cannot be replayed
 // or moved to another client id.
+#include <fmt/format.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <poll.h>
@@ -11,8 +12,10 @@
 #include <thread>
 
 #include "daemon_client.h"
+#include "farmem/common/version.h"
 #include "support/daemon_fixture.h"
 #include "support/raw_client.h"
+#include "support/wait.h"
 
 namespace farmem::testing {
 namespace {
@@ -69,6 +72,26 @@ TEST_F(AuthTest, RightSecretWorks) {
   EXPECT_EQ(stat->node_id, c->hello().node_id);
 }
 
+// Versions in the handshake (issue 14): the client learns the daemon's version from HELLO, and
+// the daemon, which asked for AUTH, learns the client's from AUTH's trailer (it logs it at debug
+// level when it admits the connection).
+TEST(HelloVersion, ClientAndDaemonLearnEachOthersVersion) {
+  DaemonConfig config = Daemon("hello version secret");
+  config.log_level = "debug";
+  DaemonSet daemons(config);
+  ASSERT_TRUE(daemons.Start(1).ok()) << daemons.Logs();
+  auto c = Dial(daemons[0].endpoint(), daemons.secret());
+  ASSERT_TRUE(c.has_value()) << c.error().ToString();
+  EXPECT_NE(c->hello().features & wire::kFeatureVersion, 0u);
+  EXPECT_EQ(c->hello().daemon_version, std::string(kVersionString));
+  const std::string admitted =
+      fmt::format("(auth_test, identity 'cluster', farmem {})", kVersionString);
+  EXPECT_TRUE(WaitUntil([&] { return daemons.Logs(1 << 20).find(admitted) != std::string::npos; },
+                        std::chrono::seconds(10)))
+      << "no '" << admitted << "' in\n"
+      << daemons.Logs(1 << 20);
+}
+
 TEST_F(AuthTest, DaemonProvesItKnowsTheSecret) {
   auto c = RawClient::Connect(endpoint());
   ASSERT_TRUE(c.has_value());
@@ -76,7 +99,7 @@ TEST_F(AuthTest, DaemonProvesItKnowsTheSecret) {
   const wire::Mac client_proof =
       auth::ClientProof(secret(), c->hello().server_nonce, c->client_nonce(), c->client_id());
   std::vector<uint8_t> body;
-  wire::EncodeAuth({client_proof}, &body);
+  wire::EncodeAuth({.client_mac = client_proof, .client_version = {}}, &body);
   auto f = c->Call(Opcode::kAuth, body);
   ASSERT_TRUE(f.has_value()) << f.error().ToString();
   ASSERT_TRUE(f->status().ok()) << f->status().ToString();
@@ -136,8 +159,10 @@ TEST_F(AuthTest, ReplayedProofIsRefused) {
   auto challenge = wire::DecodeHelloReply(r->body);
   ASSERT_TRUE(challenge.has_value());
   std::vector<uint8_t> auth_body;
-  wire::EncodeAuth({auth::ClientProof(secret(), challenge->server_nonce, hello.client_nonce, id)},
-                   &auth_body);
+  wire::EncodeAuth(
+      {.client_mac = auth::ClientProof(secret(), challenge->server_nonce, hello.client_nonce, id),
+       .client_version = {}},
+      &auth_body);
   r = first->Call(Opcode::kAuth, auth_body);
   ASSERT_TRUE(r.has_value());
   ASSERT_TRUE(r->status().ok()) << r->status().ToString();

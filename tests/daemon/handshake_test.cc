@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 
 #include "farmem/common/auth.h"
+#include "farmem/common/version.h"
 #include "support/raw_client.h"
 
 namespace farmem::daemon {
@@ -89,6 +90,42 @@ TEST(Handshake, ByteByByteThenAdmittedLeavingTheFirstRequestUnread) {
   EXPECT_EQ(auth_reply[0].status, 0);
   EXPECT_EQ(hs.client_id(), hello.client_id);
   EXPECT_EQ(hs.client_name(), "t");
+}
+
+// Versions (issue 14): the HELLO reply carries the daemon's (kFeatureVersion), and AUTH may carry
+// the client's; a client that sends none (one that predates it) is admitted all the same.
+TEST(Handshake, HelloReplyCarriesTheDaemonsVersionAndAuthTheClients) {
+  HandshakeConfig config{
+      .secret = kSecret, .node_id = 7, .features = 0, .old_secrets = {}, .revoked = {}};
+  for (const std::string client_version : {"3.2.1 (git v3.2.1)", ""}) {
+    Handshake hs(&config);
+    wire::HelloRequest hello;
+    hello.client_id = testing::RandomClientId();
+    hello.client_nonce.fill(5);
+    std::vector<uint8_t> body;
+    wire::EncodeHello(hello, &body);
+    size_t consumed = 0;
+    ASSERT_EQ(hs.Feed(Frame(wire::Opcode::kHello, body, 1), &consumed),
+              Handshake::Outcome::kNeedMore);
+    auto reply = Replies(hs.output());
+    ASSERT_EQ(reply.size(), 1u);
+    auto decoded = wire::DecodeHelloReply(
+        std::span(hs.output()).subspan(wire::kHeaderSize, reply[0].body_len));
+    ASSERT_TRUE(decoded.has_value());
+    EXPECT_NE(decoded->features & wire::kFeatureVersion, 0u);
+    EXPECT_EQ(decoded->daemon_version, std::string(kVersionString));
+    hs.output().clear();
+    wire::AuthRequest auth;
+    auth.client_mac =
+        auth::ClientProof(kSecret, decoded->server_nonce, hello.client_nonce, hello.client_id);
+    auth.client_version = client_version;
+    body.clear();
+    wire::EncodeAuth(auth, &body);
+    ASSERT_EQ(hs.Feed(Frame(wire::Opcode::kAuth, body, 2), &consumed),
+              Handshake::Outcome::kAuthenticated)
+        << hs.failure().ToString();
+    EXPECT_EQ(hs.client_version(), client_version);
+  }
 }
 
 TEST(Handshake, EveryBrokenHandshakeIsRefusedWithOneErrorReply) {
@@ -176,7 +213,7 @@ HelloResult SendHello(Handshake& hs, const wire::HelloRequest& hello) {
 }
 Handshake::Outcome SendAuth(Handshake& hs, const wire::Mac& mac) {
   std::vector<uint8_t> body;
-  wire::EncodeAuth({mac}, &body);
+  wire::EncodeAuth({.client_mac = mac, .client_version = {}}, &body);
   size_t consumed = 0;
   return hs.Feed(Frame(wire::Opcode::kAuth, body, 2), &consumed);
 }

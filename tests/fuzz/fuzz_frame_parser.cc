@@ -70,6 +70,8 @@ void HelloReplyBody(Bytes body) {
   FUZZ_CHECK(e.has_value());
   FUZZ_CHECK(e->version == d->version && e->features == d->features);
   FUZZ_CHECK(e->node_id == d->node_id && e->server_nonce == d->server_nonce);
+  FUZZ_CHECK(e->daemon_version == d->daemon_version);
+  FUZZ_CHECK(d->daemon_version.size() <= kMaxVersionString && Printable(d->daemon_version));
 }
 
 void Auth(Bytes body) {
@@ -85,7 +87,13 @@ void Auth(Bytes body) {
     EncodeAuthReply(*r, &out);
     FUZZ_CHECK(out.size() == body.size() && std::memcmp(out.data(), body.data(), kMacSize) == 0);
   }
-  FUZZ_CHECK(d.has_value() == (body.size() == kMacSize));
+  // Exactly the proof always decodes; more only as the proof and a 1..128-byte version trailer.
+  if (body.size() == kMacSize) FUZZ_CHECK(d.has_value());
+  if (d.has_value()) {
+    FUZZ_CHECK(body.size() == kMacSize ||
+               body.size() == kMacSize + 2 + d->client_version.size());
+    FUZZ_CHECK(d->client_version.size() <= kMaxVersionString && Printable(d->client_version));
+  }
 }
 
 void Stat(Bytes body) {

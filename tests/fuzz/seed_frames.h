@@ -79,6 +79,14 @@ inline SeedFrames MakeSeedFrames() {
   b.clear();
   wire::EncodeHelloReply(hello_reply, &b);
   seeds.emplace_back("hello_reply", Frame(Opcode::kHello, kReply, 1, b));
+  {  // with the daemon's version (kFeatureVersion)
+    wire::HelloReply versioned = hello_reply;
+    versioned.features |= wire::kFeatureVersion;
+    versioned.daemon_version = "0.1.0 (git v0.1.0-7-gabcdef0)";
+    std::vector<uint8_t> vb;
+    wire::EncodeHelloReply(versioned, &vb);
+    seeds.emplace_back("hello_reply_version", Frame(Opcode::kHello, kReply, 1, vb));
+  }
 
   wire::AuthRequest auth;
   for (size_t i = 0; i < auth.client_mac.size(); ++i)
@@ -88,6 +96,13 @@ inline SeedFrames MakeSeedFrames() {
   const std::vector<uint8_t> auth_body = b;
   seeds.emplace_back("auth_request", Frame(Opcode::kAuth, 0, 2, b));
   seeds.emplace_back("auth_reply", Frame(Opcode::kAuth, kReply, 2, b));
+  {  // with the client's version trailer
+    wire::AuthRequest versioned = auth;
+    versioned.client_version = "0.1.0";
+    std::vector<uint8_t> vb;
+    wire::EncodeAuth(versioned, &vb);
+    seeds.emplace_back("auth_request_version", Frame(Opcode::kAuth, 0, 2, vb));
+  }
 
   seeds.emplace_back("stat_request", Frame(Opcode::kStat, 0, 3, {}));
   wire::StatReply stat{7, 1ull << 30, 64ull << 20, 16, 5, 2, 1, 1000, 4096, 8192, 4791, 0, 0, {}};

@@ -220,7 +220,7 @@ class RawClient {
   // Sends AUTH with the given proof; when `secret` is given, checks the daemon's proof too.
   Status Auth(const wire::Mac& proof, std::string_view secret = {}) {
     std::vector<uint8_t> body;
-    wire::EncodeAuth({proof}, &body);
+    wire::EncodeAuth({.client_mac = proof, .client_version = {}}, &body);
     FARMEM_ASSIGN_OR_RETURN(RawFrame f, Call(wire::Opcode::kAuth, body));
     FARMEM_RETURN_IF_ERROR(f.status());
     FARMEM_ASSIGN_OR_RETURN(wire::AuthReply reply, wire::DecodeAuthReply(f.body));

@@ -63,7 +63,12 @@ class ScriptedDaemon {
       if (!conn.valid()) return;
       Frame hello = ReadFrame(conn.fd());
       std::vector<uint8_t> reply;
-      wire::EncodeHelloReply({.version = wire::kVersion, .features = 0, .node_id = 1}, &reply);
+      wire::EncodeHelloReply({.version = wire::kVersion,
+                              .features = 0,
+                              .node_id = 1,
+                              .server_nonce = {},
+                              .daemon_version = {}},
+                             &reply);
       Answer(conn.fd(), hello, reply);
       script(conn.fd());
       // Hold the connection until the client is done with it.

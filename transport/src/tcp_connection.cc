@@ -8,6 +8,7 @@
 #include <cstring>
 
 #include "farmem/common/auth.h"
+#include "farmem/common/version.h"
 
 namespace farmem::transport {
 
@@ -54,6 +55,9 @@ Status TcpConnection::Handshake(const ChannelOptions& options) {
   wire::AuthRequest auth_req;
   auth_req.client_mac = auth::ClientProof(cred.secret, hello_.server_nonce, hello.client_nonce,
                                           cred.client_id, hello.identity);
+  // Only a daemon that sends its version takes ours (older ones expect exactly the proof).
+  if (hello_.features & wire::kFeatureVersion)
+    auth_req.client_version = std::string(kVersionString);
   body.clear();
   wire::EncodeAuth(auth_req, &body);
   FARMEM_ASSIGN_OR_RETURN(reply, Call(wire::Opcode::kAuth, body, options.connect_timeout));

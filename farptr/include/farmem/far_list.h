@@ -30,7 +30,6 @@
 #pragma once
 
 #include <algorithm>
-#include <compare>
 #include <concepts>
 #include <cstddef>
 #include <cstdint>
@@ -41,6 +40,7 @@
 #include <utility>
 
 #include "farmem/far_ptr.h"
+#include "farmem/internal/element_ref.h"
 
 namespace farmem {
 
@@ -69,9 +69,19 @@ class far_list {
   using Segs = std::list<Seg>;
   using SegIt = typename Segs::iterator;
   using SegCIt = typename Segs::const_iterator;
+  struct Slot {  // element items[off] of one chunk, for `reference`
+    SegIt seg;
+    uint32_t off;
+    const T& read(const DerefScope& s) const { return seg->chunk.deref(s).items[off]; }
+    T& write(const DerefScope& s) const { return seg->chunk.deref_mut(s).items[off]; }
+  };
 
  public:
-  class reference;
+  // What `*it`, front() and back() of a non-const list return: stands for one element
+  // (farmem/internal/element_ref.h). Reading converts to T (one deref), assigning writes;
+  // assigning one proxy to another copies the value. Valid as long as an iterator to the element
+  // would be.
+  using reference = farptr_internal::element_ref<T, Slot>;
   using value_type = T;
   using size_type = size_t;
   using difference_type = std::ptrdiff_t;
@@ -80,71 +90,6 @@ class far_list {
   using const_iterator = basic_iterator<true>;
   using reverse_iterator = std::reverse_iterator<iterator>;
   using const_reverse_iterator = std::reverse_iterator<const_iterator>;
-
-  // What `*it`, front() and back() of a non-const list return: stands for one element. Reading
-  // converts to T (one deref), assigning writes; assigning one proxy to another copies the
-  // value. Valid as long as an iterator to the element would be.
-  class reference {
-   public:
-    reference(const reference&) = default;
-    operator T() const { return get(); }  // NOLINT(google-explicit-constructor)
-    T get() const {
-      DerefScope s;
-      return seg_->chunk.deref(s).items[off_];
-    }
-    const reference& operator=(const T& x) const {
-      DerefScope s;
-      seg_->chunk.deref_mut(s).items[off_] = x;
-      return *this;
-    }
-    const reference& operator=(const reference& o) const { return *this = o.get(); }
-
-    // Read-modify-write under one scope.
-    template <typename U>
-    const reference& operator+=(const U& x) const requires requires(T& t) {
-      t += x;
-    }
-    {
-      DerefScope s;
-      seg_->chunk.deref_mut(s).items[off_] += x;
-      return *this;
-    }
-    template <typename U>
-    const reference& operator-=(const U& x) const requires requires(T& t) {
-      t -= x;
-    }
-    {
-      DerefScope s;
-      seg_->chunk.deref_mut(s).items[off_] -= x;
-      return *this;
-    }
-
-    friend void swap(reference a, reference b) {
-      T t = a.get();
-      a = b.get();
-      b = t;
-    }
-    friend bool operator==(const reference& a,
-                           const reference& b) requires std::equality_comparable<T> {
-      return a.get() == b.get();
-    }
-    friend bool operator==(const reference& a, const T& b) requires std::equality_comparable<T> {
-      return a.get() == b;
-    }
-    friend auto operator<=>(const reference& a,
-                            const reference& b) requires std::three_way_comparable<T> {
-      return a.get() <=> b.get();
-    }
-    friend auto operator<=>(const reference& a, const T& b) requires std::three_way_comparable<T> {
-      return a.get() <=> b;
-    }
-
-   private:
-    friend class far_list;
-    reference(SegIt seg, uint32_t off) : seg_(seg), off_(off) {}
-    SegIt seg_;
-    uint32_t off_;
-  };
 
   explicit far_list(Runtime& rt) : rt_(&rt) {}
   far_list(Runtime& rt, size_t n, const T& value = T()) : far_list(rt) {
@@ -191,9 +136,9 @@ class far_list {
   size_t chunk_count() const { return segs_.size(); }
 
   // --- Element access (no check for an empty list, as std::list). ---
-  reference front() { return reference(segs_.begin(), segs_.front().lo); }
+  reference front() { return reference(Slot{segs_.begin(), segs_.front().lo}); }
   T front() const { return Get(segs_.begin(), segs_.front().lo); }
-  reference back() { return reference(std::prev(segs_.end()), segs_.back().hi - 1); }
+  reference back() { return reference(Slot{std::prev(segs_.end()), segs_.back().hi - 1}); }
   T back() const { return Get(std::prev(segs_.end()), segs_.back().hi - 1); }
 
   // --- Iterators: bidirectional; see `reference`. ---
@@ -395,10 +340,7 @@ class far_list {
   friend size_t erase_if(far_list& l, auto pred) { return l.remove_if(pred); }
 
  private:
-  struct arrow_proxy {
-    T value;
-    const T* operator->() const { return &value; }
-  };
+  using arrow_proxy = farptr_internal::arrow_proxy<T>;
 
   template <bool kConst>
   class basic_iterator {
@@ -425,7 +367,7 @@ class far_list {
       if constexpr (kConst) {
         return Get(seg_, off_);
       } else {
-        return reference(seg_, off_);
+        return reference(Slot{seg_, off_});
       }
     }
     arrow_proxy operator->() const {
@@ -472,10 +414,7 @@ class far_list {
       return Get(it.seg_, it.off_);
     }
     friend void iter_swap(const basic_iterator& a, const basic_iterator& b) requires(!kConst) {
-      const typename far_list::reference ra = *a, rb = *b;
-      const T t = ra;
-      ra = rb;
-      rb = t;
+      farptr_internal::swap_elements(a, b);
     }
 
    private:

@@ -32,7 +32,6 @@
 #include <algorithm>
 #include <atomic>
 #include <compare>
-#include <concepts>
 #include <cstddef>
 #include <cstdint>
 #include <initializer_list>
@@ -43,6 +42,7 @@
 #include <vector>
 
 #include "farmem/far_ptr.h"
+#include "farmem/internal/element_ref.h"
 
 namespace farmem {
 
@@ -61,7 +61,20 @@ class far_vector {
     T items[kPerChunk];
   };
 
-  class reference;
+ private:
+  struct Slot {  // element i of *v, for `reference`
+    far_vector* v;
+    size_t i;
+    const T& read(const DerefScope& s) const { return v->at(i, s); }
+    T& write(const DerefScope& s) const { return v->at_mut(i, s); }
+  };
+
+ public:
+  // What `v[i]`, `*it`, front() and back() of a non-const vector return: stands for element i of
+  // the vector (farmem/internal/element_ref.h). Reading converts to T, assigning writes;
+  // assigning one proxy to another copies the value, it does not rebind. Valid while the vector
+  // lives and has more than i elements (growth does not invalidate it: chunks never move).
+  using reference = farptr_internal::element_ref<T, Slot>;
   using value_type = T;
   using size_type = size_t;
   using difference_type = std::ptrdiff_t;
@@ -70,88 +83,6 @@ class far_vector {
   using const_iterator = basic_iterator<true>;
   using reverse_iterator = std::reverse_iterator<iterator>;
   using const_reverse_iterator = std::reverse_iterator<const_iterator>;
-
-  // What `v[i]`, `*it`, front() and back() of a non-const vector return: stands for element i of
-  // the vector. Reading converts to T (one get), assigning writes (one set); assigning one proxy
-  // to another copies the value, it does not rebind. Comparisons compare the values. Valid while
-  // the vector lives and has more than i elements (growth does not invalidate it: chunks never
-  // move).
-  class reference {
-   public:
-    reference(const reference&) = default;
-    operator T() const { return v_->get(i_); }  // NOLINT(google-explicit-constructor)
-    T get() const { return v_->get(i_); }
-
-    const reference& operator=(const T& x) const {
-      v_->set(i_, x);
-      return *this;
-    }
-    const reference& operator=(const reference& o) const { return *this = o.get(); }
-
-    // Read-modify-write under one scope.
-    template <typename U>
-    const reference& operator+=(const U& x) const requires requires(T& t) {
-      t += x;
-    }
-    {
-      DerefScope s;
-      v_->at_mut(i_, s) += x;
-      return *this;
-    }
-    template <typename U>
-    const reference& operator-=(const U& x) const requires requires(T& t) {
-      t -= x;
-    }
-    {
-      DerefScope s;
-      v_->at_mut(i_, s) -= x;
-      return *this;
-    }
-
-    friend void swap(reference a, reference b) {
-      T t = a.get();
-      a = b.get();
-      b = t;
-    }
-
-    friend bool operator==(const reference& a,
-                           const reference& b) requires std::equality_comparable<T> {
-      return a.get() == b.get();
-    }
-    friend bool operator==(const reference& a, const T& b) requires std::equality_comparable<T> {
-      return a.get() == b;
-    }
-    friend auto operator<=>(const reference& a,
-                            const reference& b) requires std::three_way_comparable<T> {
-      return a.get() <=> b.get();
-    }
-    friend auto operator<=>(const reference& a, const T& b) requires std::three_way_comparable<T> {
-      return a.get() <=> b;
-    }
-    // For a T that only has operator< (what std::sort needs).
-    friend bool operator<(const reference& a,
-                          const reference& b) requires(!std::three_way_comparable<T>) &&
-        requires(const T& x) {
-      x < x;
-    }
-    { return a.get() < b.get(); }
-    friend bool operator<(const reference& a, const T& b) requires(!std::three_way_comparable<T>) &&
-        requires(const T& x) {
-      x < x;
-    }
-    { return a.get() < b; }
-    friend bool operator<(const T& a, const reference& b) requires(!std::three_way_comparable<T>) &&
-        requires(const T& x) {
-      x < x;
-    }
-    { return a < b.get(); }
-
-   private:
-    friend class far_vector;
-    reference(far_vector* v, size_t i) : v_(v), i_(i) {}
-    far_vector* v_;
-    size_t i_;
-  };
 
   explicit far_vector(Runtime& rt, size_t n = 0, const T& value = T()) : rt_(&rt) {
     // Eight spans' worth of chunks ahead of the scan: the prefetcher reads up to eight spans at
@@ -228,11 +159,11 @@ class far_vector {
     DerefScope s;
     at_mut(i, s) = v;
   }
-  reference operator[](size_t i) { return reference(this, i); }
+  reference operator[](size_t i) { return reference(Slot{this, i}); }
   T operator[](size_t i) const { return get(i); }
-  reference front() { return reference(this, 0); }
+  reference front() { return reference(Slot{this, 0}); }
   T front() const { return get(0); }
-  reference back() { return reference(this, size_ - 1); }
+  reference back() { return reference(Slot{this, size_ - 1}); }
   T back() const { return get(size_ - 1); }
 
   // --- Iterators: random access; see `reference`. Not invalidated by growth. ---
@@ -358,12 +289,7 @@ class far_vector {
   void set_prefetch_distance(size_t chunks) { prefetch_distance_ = chunks; }
 
  private:
-  // What `operator->` of an iterator returns: a copy of the element, read-only (writing a field
-  // through it would write the copy: assign the whole element through `*it` instead).
-  struct arrow_proxy {
-    T value;
-    const T* operator->() const { return &value; }
-  };
+  using arrow_proxy = farptr_internal::arrow_proxy<T>;
 
   // iterator (kConst false) and const_iterator. A position: the vector and an index.
   template <bool kConst>
@@ -391,7 +317,7 @@ class far_vector {
       if constexpr (kConst) {
         return v_->get(i_);
       } else {
-        return reference(v_, i_);
+        return reference(Slot{v_, i_});
       }
     }
     reference operator[](difference_type n) const { return *(*this + n); }
@@ -436,11 +362,7 @@ class far_vector {
     // What std::ranges algorithms use to move and swap elements: by value.
     friend T iter_move(const basic_iterator& it) { return it.v_->get(it.i_); }
     friend void iter_swap(const basic_iterator& a, const basic_iterator& b) requires(!kConst) {
-      // (Not `swap(*a, *b)`: inside far_vector that name is the member swap.)
-      const typename far_vector::reference ra = *a, rb = *b;
-      const T t = ra;
-      ra = rb;
-      rb = t;
+      farptr_internal::swap_elements(a, b);
     }
 
     size_t index() const { return i_; }

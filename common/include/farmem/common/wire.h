@@ -11,8 +11,10 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <optional>
 #include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "farmem/common/status.h"
@@ -73,14 +75,18 @@ enum Features : uint32_t {
   kStateUnderPressure = 1u << 17,  // its host is short of memory (--reserve)
   // STAT: the reply carries client_free_slabs / client_max_slabs (the asking client's share).
   kFeatureClientShare = 1u << 2,
-  // STAT: the reply ends with the daemon's version string (after the CLIENT_SHARE fields).
+  // STAT and HELLO: the reply ends with the daemon's version string (in STAT after the
+  // CLIENT_SHARE fields). In HELLO it also says the daemon takes the client's version in AUTH.
   kFeatureVersion = 1u << 3,
   // HELLO: HEARTBEAT requests may carry access reports (HeartbeatRequest): per-lease counts of
   // the client's one-sided RDMA operations, which the daemon's CPU never sees (victim choice).
   kFeatureAccessReports = 1u << 4,
 };
-// Longest version string a STAT reply may carry.
+// Longest version string a STAT or HELLO reply, or an AUTH request, may carry.
 inline constexpr size_t kMaxVersionString = 128;
+// The major version of a version string as --version prints it ("1.2.3 (git ...)" -> 1);
+// nullopt when it does not start with a number (e.g. empty: the peer did not say).
+std::optional<uint32_t> VersionMajor(std::string_view version);
 
 struct FrameHeader {
   uint8_t version = kVersion;
@@ -192,9 +198,14 @@ struct HelloReply {
   uint32_t features = 0;
   uint64_t node_id = 0;  // random per daemon start: a restart is a different node
   Nonce server_nonce{};  // the challenge
+  // With kFeatureVersion (a trailer; empty from daemons without it): "0.1.0 (git ...)".
+  std::string daemon_version;
 };
 struct AuthRequest {
   Mac client_mac{};
+  // The client's version, an optional trailer: sent only to a daemon whose HELLO reply has
+  // kFeatureVersion (older daemons take exactly the proof). Empty: not sent.
+  std::string client_version;
 };
 struct AuthReply {
   Mac server_mac{};  // proves the daemon knows the secret too
