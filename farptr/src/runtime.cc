@@ -128,6 +128,9 @@ Status Heap::Start() {
       if (created) spdlog::info("far memory: new data key in {}", options_.data_key_file);
     } else if (options_.data_key) {
       key = *options_.data_key;
+      // Only the derived key is kept: options() no longer shows the data key.
+      options_.data_key->fill(0);
+      options_.data_key.reset();
     } else {
       FARMEM_ASSIGN_OR_RETURN(key, aead::GenerateKey());
     }
