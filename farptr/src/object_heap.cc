@@ -500,7 +500,7 @@ Status Heap::OpenCellLocked(Span* s, uint8_t* frame, IoContext& io) {
                   res_.ToString()));
   if (log) {
     spdlog::error(
-        "far memory: {} object(s) of {} lost ({} such cells so far; logged at most "
+        "far memory: {} object(s) lost: {} ({} such cells so far; logged at most "
         "every 5 s)",
         failed.size(), lost.message(), auth_failures_.load());
   }
