@@ -10,8 +10,10 @@
 //           100%
 //   compact remote bytes before/after compaction of a churned heap, and the bytes the client
 //           moved to do it
+//   crypto  raw AES-256-GCM seal/open of a span's worth of 64 B / 4 KiB / span-sized objects, and
+//           the deref miss with encryption off vs on (same run)
 //
-//   farptr_bench [--mode all|local|miss|tput|compact] [--daemons 6] [--span 65536]
+//   farptr_bench [--mode all|local|miss|tput|compact|crypto] [--daemons 6] [--span 65536]
 //
 // Starts its own farmemd processes (next to this binary, or $FARMEM_BIN_DIR).
 #include <unistd.h>
@@ -21,6 +23,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -30,6 +33,7 @@
 #include <vector>
 
 #include "farmem/client/cluster.h"
+#include "farmem/common/aead.h"
 #include "farmem/common/version.h"
 #include "farmem/far_hash_map.h"
 #include "farmem/far_ptr.h"
@@ -63,8 +67,10 @@ double Ns(Clock::duration d) { return std::chrono::duration<double, std::nano>(d
 [[gnu::noinline]] uint64_t RawDerefOne(const uint64_t* p) { return *p; }
 
 std::unique_ptr<farmem::Runtime> OpenRuntime(farmem::testing::DaemonSet& d, uint64_t budget,
-                                             uint32_t span, const std::string& res = "ec:4+2") {
+                                             uint32_t span, const std::string& res = "ec:4+2",
+                                             bool encrypt = true) {
   farmem::RuntimeOptions o;
+  o.encrypt = encrypt;
   o.peers = d.endpoints();
   o.secret = d.secret();
   o.local_budget = budget;
@@ -164,6 +170,86 @@ void BenchMiss(farmem::testing::DaemonSet& d, const Args& a) {
         "deref miss (%s, %u B span, %zu misses): median %.1f us p99 %.1f us | bare "
         "transport read %u B: median %.1f us p99 %.1f us | ratio median %.2fx p99 %.2fx\n",
         res, a.span, miss_us.size(), mm, mp, a.span, rm, rp, mm / rm, mp / rp);
+  }
+}
+
+// Encryption (issue 16): the raw AES-256-GCM cost of sealing / opening one span's worth of
+// objects one by one (what the runtime does per span: each object on its own nonce), next to one
+// seal of the whole span; then the deref miss path with encryption off and on in the same run,
+// for spans of 64-byte objects, of 4 KiB objects and of one span-sized object.
+void BenchCrypto(farmem::testing::DaemonSet& d, const Args& a) {
+  auto key = farmem::aead::GenerateKey();
+  if (!key) Die(key.error().ToString());
+  auto cipher = farmem::aead::Cipher::Create(*key);
+  if (!cipher) Die(cipher.error().ToString());
+  std::vector<uint8_t> plain(a.span, 0x5a), sealed(a.span);
+  std::vector<farmem::aead::Tag> tags(a.span / 16);
+  uint64_t seq = 1;
+  for (uint32_t obj : {64u, 4096u, a.span}) {
+    const uint32_t n = a.span / obj;
+    constexpr int kReps = 2000;
+    auto t0 = Clock::now();
+    for (int r = 0; r < kReps; ++r) {
+      for (uint32_t i = 0; i < n; ++i) {
+        (void)cipher->Seal(farmem::aead::MakeNonce(1, seq++), {}, {plain.data() + i * obj, obj},
+                           {sealed.data() + i * obj, obj}, &tags[i]);
+      }
+    }
+    const double seal_us = Ns(Clock::now() - t0) / 1000 / kReps;
+    const uint64_t first = seq - n;
+    t0 = Clock::now();
+    for (int r = 0; r < kReps; ++r) {
+      for (uint32_t i = 0; i < n; ++i) {
+        if (!cipher
+                 ->Open(farmem::aead::MakeNonce(1, first + i), {}, {sealed.data() + i * obj, obj},
+                        {plain.data() + i * obj, obj}, tags[i])
+                 .ok()) {
+          Die("open failed");
+        }
+        // Re-seal what was opened in place, so the next repetition opens valid ciphertext.
+        (void)cipher->Seal(farmem::aead::MakeNonce(1, first + i), {}, {plain.data() + i * obj, obj},
+                           {sealed.data() + i * obj, obj}, &tags[i]);
+      }
+    }
+    const double open_us = Ns(Clock::now() - t0) / 1000 / kReps - seal_us;
+    std::printf(
+        "raw AES-256-GCM, one %u B span as %u objects of %u B: seal %.2f us (%.0f ns/object, "
+        "%.2f GB/s), open %.2f us\n",
+        a.span, n, obj, seal_us, seal_us * 1000 / n, a.span / seal_us / 1000, open_us);
+  }
+  constexpr size_t kSpans = 256;
+  constexpr int kRounds = 3;
+  for (uint32_t obj : {64u, 4096u, a.span}) {
+    double med[2] = {}, p99[2] = {};
+    for (bool enc : {false, true}) {
+      auto rt = OpenRuntime(d, 64u << 20, a.span, "ec:4+2", enc);
+      const size_t per_span = a.span / obj;
+      std::vector<farmem::far_bytes> objs;
+      for (size_t i = 0; i < kSpans * per_span; ++i) {
+        objs.push_back(farmem::make_far_bytes_in(*rt, obj));
+        DerefScope s;
+        std::memset(objs.back().deref_mut(s).data(), static_cast<int>(i), obj);
+      }
+      std::vector<double> miss_us;
+      for (int round = 0; round < kRounds; ++round) {
+        if (auto s = rt->EvictUntil(0); !s.ok()) Die(s.ToString());
+        // One deref per span (objects fill spans in allocation order): each a swap-in.
+        for (size_t i = 0; i < objs.size(); i += per_span) {
+          if (objs[i].is_local()) continue;
+          const auto t0 = Clock::now();
+          DerefScope s;
+          auto bytes = objs[i].deref(s);
+          miss_us.push_back(Ns(Clock::now() - t0) / 1000);
+          if (bytes.size() != obj) Die("bad size");
+        }
+      }
+      Percentiles(miss_us, &med[enc], &p99[enc]);
+      objs.clear();
+    }
+    std::printf(
+        "deref miss (ec:4+2, %u B span of %u B objects): encryption off median %.1f us p99 %.1f "
+        "us | on median %.1f us p99 %.1f us | added median %+.1f us\n",
+        a.span, obj, med[0], p99[0], med[1], p99[1], med[1] - med[0]);
   }
 }
 
@@ -432,7 +518,8 @@ int main(int argc, char** argv) {
     else if (k == "--span")
       a.span = static_cast<uint32_t>(std::stoul(val()));
     else
-      Die("usage: farptr_bench [--mode all|local|miss|tput|compact] [--daemons N] [--span B] "
+      Die("usage: farptr_bench [--mode all|local|miss|tput|compact|crypto] [--daemons N] [--span "
+          "B] "
           "[--version]");
   }
   if (std::getenv("FARMEM_BIN_DIR") == nullptr) {
@@ -449,5 +536,6 @@ int main(int argc, char** argv) {
   if (a.mode == "all" || a.mode == "miss") BenchMiss(d, a);
   if (a.mode == "all" || a.mode == "tput") BenchThroughput(d, a);
   if (a.mode == "all" || a.mode == "compact") BenchCompact(d, a);
+  if (a.mode == "all" || a.mode == "crypto") BenchCrypto(d, a);
   return 0;
 }

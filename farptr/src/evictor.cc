@@ -345,16 +345,32 @@ size_t Heap::WriteOut(std::vector<Span*>& spans) {
   const size_t k = static_cast<size_t>(res_.k);
   size_t written = 0;
   IoContext* io = CheckoutIo();
+  // With encryption the spans go out as sealed images (span_crypto.h): each live object sealed
+  // on its own, everything else zero. The frames keep the plaintext (a failed write leaves the
+  // spans local).
+  thread_local std::vector<uint8_t> sealed;
+  if (crypto_ && sealed.size() < k * span_size_) sealed.resize(k * span_size_);
   size_t i = 0;
   for (; i < spans.size(); i += k) {
     const size_t n = std::min(k, spans.size() - i);
     const uint8_t* data[kMaxSetWidth];
     Span* members[kMaxSetWidth];
+    Status seal_error;
     for (size_t j = 0; j < n; ++j) {
       members[j] = spans[i + j];
       // The span is kWriting: nobody writes its frame (derefs wait), frees only touch metadata.
       MutexLock sl(&members[j]->mu);
       data[j] = members[j]->frame;
+      if (crypto_ && seal_error.ok()) {
+        uint8_t* image = sealed.data() + j * span_size_;
+        seal_error = crypto_->SealSpan(members[j]->frame, members[j]->cls->size, span_size_,
+                                       members[j]->owner, image);
+        data[j] = image;
+      }
+    }
+    if (!seal_error.ok()) {
+      if (ShouldLog()) spdlog::error("far memory: cannot seal spans: {}", seal_error.ToString());
+      break;
     }
     Result<SpanSet*> set = store_->WriteSet(*io, {data, n}, {members, n});
     if (!set && set.error().code() == StatusCode::kResourceExhausted) {

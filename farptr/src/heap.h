@@ -41,8 +41,10 @@
 #include "farmem/client/cluster.h"
 #include "farmem/common/mutex.h"
 #include "farmem/internal/object.h"
+#include "farmem/internal/seal_observer.h"
 #include "farmem/runtime.h"
 #include "remote_store.h"
+#include "span_crypto.h"
 
 namespace farmem::farptr_internal {
 
@@ -129,6 +131,8 @@ class Heap {
   void Free(ObjectEntry* e);
   Result<void*> Deref(ObjectEntry* e, bool mut);
   void Prefetch(ObjectEntry* e);
+  // Where a remote object's bytes lie (LocateObjectForTest).
+  Result<std::vector<ObjectPlace>> Locate(ObjectEntry* e);
 
   // Evictor (evictor.cc).
   Status EvictUntil(uint64_t target_bytes);
@@ -155,6 +159,16 @@ class Heap {
   Status SwapInLocked(Span* s, bool prefetch) REQUIRES(s->mu);
   // The second half of a swap-in, once `frame` holds the span's bytes.
   void FinishSwapInLocked(Span* s, uint8_t* frame, bool prefetch) REQUIRES(s->mu);
+  // Opens the objects of a cell just read into `frame` (a no-op without encryption). Objects
+  // whose tag fails: with redundancy to spare the member is reported corrupt (failed, so it is
+  // re-protected) and the cell read again from the others; what still fails is lost, object by
+  // object (LoseObjectsLocked). OK: the frame holds the span's objects (those lost excepted).
+  // DataLoss: every object of the span was lost (the span is kLost). Other errors: the re-read
+  // failed; nothing changed.
+  Status OpenCellLocked(Span* s, uint8_t* frame, IoContext& io) REQUIRES(s->mu);
+  // Moves the objects in `slots` of s (remote) to a new kLost span that says `why`.
+  void LoseObjectsLocked(Span* s, std::span<const uint32_t> slots, const Status& why)
+      REQUIRES(s->mu);
   // A swap-in that failed: says which span, marks it lost on DataLoss.
   Status SwapInFailedLocked(Span* s, Status st) REQUIRES(s->mu);
   // Frees a local span that has no live object.
@@ -217,6 +231,7 @@ class Heap {
   SpanResilience res_;
   std::unique_ptr<client::Cluster> cluster_;
   std::unique_ptr<RemoteStore> store_;
+  std::unique_ptr<SpanCrypto> crypto_;  // null: encryption off
   uint32_t span_size_ = 0;
   size_t budget_frames_ = 0, high_frames_ = 0, low_frames_ = 0;
   std::vector<std::unique_ptr<SizeClass>> classes_;
@@ -272,6 +287,8 @@ class Heap {
   std::atomic<uint64_t> compaction_cpu_ns_{0}, compaction_offloaded_sets_{0};
   std::atomic<uint64_t> compaction_offload_fallbacks_{0};
   std::atomic<uint64_t> bytes_read_{0}, bytes_written_{0};
+  std::atomic<uint64_t> auth_failures_{0}, auth_failed_objects_{0}, auth_lost_objects_{0};
+  std::atomic<int64_t> last_auth_log_ms_{-100000};
 };
 
 // Scopes and grace periods (scope.cc).

@@ -404,6 +404,8 @@ Result<void*> Heap::Deref(ObjectEntry* e, bool mut) {
         continue;
       case SpanState::kRemote: {
         FARMEM_RETURN_IF_ERROR(SwapInLocked(s, false));
+        // This very object may have failed authentication and moved to a kLost span.
+        if (e->span.load(std::memory_order_acquire) != s) continue;
         add_partial = !s->free_slots.empty();
         break;
       }
@@ -424,13 +426,131 @@ Status Heap::SwapInLocked(Span* s, bool prefetch) {
   uint8_t* frame = GetFrame();
   IoContext* io = CheckoutIo();
   Status st = store_->ReadSpan(*io, s->set, s->member, frame);
-  ReturnIo(io);
   if (!st.ok()) {
+    ReturnIo(io);
     PutFrame(frame);
     return SwapInFailedLocked(s, st);
   }
+  st = OpenCellLocked(s, frame, *io);
+  ReturnIo(io);
+  if (!st.ok()) {
+    PutFrame(frame);
+    // DataLoss: every object failed and the span is kLost already.
+    return st.code() == StatusCode::kDataLoss ? st : SwapInFailedLocked(s, st);
+  }
   FinishSwapInLocked(s, frame, prefetch);
   return Status::Ok();
+}
+
+Status Heap::OpenCellLocked(Span* s, uint8_t* frame, IoContext& io) {
+  if (!crypto_) return Status::Ok();
+  std::vector<uint32_t> failed;
+  crypto_->OpenSpan(frame, s->cls->size, s->owner, &failed);
+  if (failed.empty()) return Status::Ok();
+  // A failed tag means the cell's bytes are not what this process sealed: corrupted (a bit flip
+  // in the lender's memory) or tampered with. Treat the member like a failed one.
+  auth_failures_.fetch_add(1, std::memory_order_relaxed);
+  auth_failed_objects_.fetch_add(failed.size(), std::memory_order_relaxed);
+  SpanSet* set = s->set;
+  const int member = s->member;
+  const Status why = DataLoss(fmt::format(
+      "{} of its objects failed authentication (AES-GCM tag) when read back from span set "
+      "member {}: its bytes on the daemon were corrupted or tampered with",
+      failed.size(), member));
+  const bool reread = store_->ReportCorrupt(set, member, why);
+  bool recovered = false;
+  if (reread) {
+    Status st = store_->ReadSpan(io, set, member, frame);
+    if (st.ok()) {
+      std::vector<uint32_t> again;
+      crypto_->OpenSpan(frame, s->cls->size, s->owner, &again);
+      recovered = again.empty();
+      if (!recovered) {
+        auth_failures_.fetch_add(1, std::memory_order_relaxed);
+        failed = std::move(again);
+      }
+    } else if (st.code() != StatusCode::kDataLoss) {
+      return st;  // unreadable for now: a later deref reads it again (degraded)
+    } else {
+      failed.clear();  // the frame holds nothing trustworthy: every object is lost
+      for (uint32_t i = 0; i < s->owner.size(); ++i) {
+        if (s->owner[i] != nullptr) failed.push_back(i);
+      }
+    }
+  }
+  const int64_t now =
+      std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now().time_since_epoch())
+          .count();
+  int64_t last = last_auth_log_ms_.load(std::memory_order_relaxed);
+  const bool log = now - last >= 5000 &&
+                   last_auth_log_ms_.compare_exchange_strong(last, now, std::memory_order_relaxed);
+  if (recovered) {
+    if (log) {
+      spdlog::error(
+          "far memory: {}: {}; read it from the other members, the member is being "
+          "re-protected ({} such cells so far; logged at most every 5 s)",
+          Describe(s), why.message(), auth_failures_.load());
+    }
+    return Status::Ok();
+  }
+  auth_lost_objects_.fetch_add(failed.size(), std::memory_order_relaxed);
+  const Status lost = DataLoss(
+      fmt::format("{} is lost: {}{}; resilience {} has no other copy to read it from", Describe(s),
+                  why.message(), reread ? " (and again when rebuilt from the other members)" : "",
+                  res_.ToString()));
+  if (log) {
+    spdlog::error(
+        "far memory: {} object(s) lost: {} ({} such cells so far; logged at most "
+        "every 5 s)",
+        failed.size(), lost.message(), auth_failures_.load());
+  }
+  if (failed.size() == s->live.load(std::memory_order_relaxed)) {
+    MarkLostLocked(s, lost);
+    return lost;
+  }
+  LoseObjectsLocked(s, failed, lost);
+  return Status::Ok();
+}
+
+void Heap::LoseObjectsLocked(Span* s, std::span<const uint32_t> slots, const Status& why) {
+  // A span of their own, kLost, so that each deref of them says why and frees retire it.
+  Span* lost = NewSpan(s->cls, SpanState::kLost);
+  MutexLock ll(&lost->mu);  // nobody else can reach it until the entries point to it
+  lost->lost = why;
+  lost->free_slots.clear();
+  for (uint32_t slot : slots) {
+    ObjectEntry* e = s->owner[slot];
+    s->owner[slot] = nullptr;
+    s->free_slots.push_back(slot);
+    s->live.fetch_sub(1, std::memory_order_relaxed);
+    lost->owner[slot] = e;
+    lost->live.fetch_add(1, std::memory_order_relaxed);
+    e->word.store(0, std::memory_order_release);
+    e->span.store(lost, std::memory_order_release);
+  }
+  remote_object_bytes_.fetch_sub(static_cast<uint64_t>(slots.size()) * s->cls->size,
+                                 std::memory_order_relaxed);
+  spans_lost_.fetch_add(1, std::memory_order_relaxed);
+}
+
+Result<std::vector<ObjectPlace>> Heap::Locate(ObjectEntry* e) {
+  for (;;) {
+    Span* s = e->span.load(std::memory_order_acquire);
+    MutexLock lock(&s->mu);
+    if (e->span.load(std::memory_order_acquire) != s) continue;
+    if (s->set == nullptr) return Err(NotFound("the object has no remote cell"));
+    const uint64_t slot_off =
+        static_cast<uint64_t>(e->slot.load(std::memory_order_relaxed)) * s->cls->size;
+    std::vector<ObjectPlace> out;
+    for (auto& [lease, off] : store_->CellPlaces(s->set, s->member)) {
+      out.push_back({lease, off + slot_off, e->size});
+    }
+    return out;
+  }
+}
+
+Result<std::vector<ObjectPlace>> LocateObjectForTest(ObjectEntry* e) {
+  return e->span.load(std::memory_order_acquire)->heap->Locate(e);
 }
 
 Status Heap::SwapInFailedLocked(Span* s, Status st) {
@@ -538,20 +658,27 @@ void Heap::PrefetchLoop() NO_THREAD_SAFETY_ANALYSIS {
       }
       IoContext* io = CheckoutIo();
       store_->ReadSpans(*io, {sets, n}, {members, n}, {frames, n}, {results, n});
-      ReturnIo(io);
       for (size_t i = 0; i < n; ++i) {
         Span* s = spans[i];
         bool partial = false;
-        if (results[i].ok()) {
-          FinishSwapInLocked(s, frames[i], true);
-          partial = !s->free_slots.empty();
+        Status st = results[i];
+        if (st.ok()) {
+          st = OpenCellLocked(s, frames[i], *io);
+          if (st.ok()) {
+            FinishSwapInLocked(s, frames[i], true);
+            partial = !s->free_slots.empty();
+          } else {
+            PutFrame(frames[i]);
+            // DataLoss: the span is kLost already. Otherwise a deref reads it again.
+          }
         } else {
           PutFrame(frames[i]);
-          (void)SwapInFailedLocked(s, results[i]);  // a deref reports it
+          (void)SwapInFailedLocked(s, st);  // a deref reports it
         }
         locks[i].unlock();
         if (partial) AddPartial(s);
       }
+      ReturnIo(io);
     }
   }
 }

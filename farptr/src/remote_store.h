@@ -188,6 +188,15 @@ class RemoteStore {
   // ReadSpan (degraded if needed). results[i] is the status of read i.
   void ReadSpans(IoContext& io, std::span<SpanSet* const> sets, std::span<const int> members,
                  std::span<uint8_t* const> dsts, std::span<Status> results);
+  // A cell read from data member `member` of `set` failed authentication
+  // (remote_store_integrity.cc). If the group can lose that member and still produce the span, the
+  // member is marked failed — re-protected like a lost one — and true returned: ReadSpan then
+  // rebuilds the cell from the other members. False (none, or no redundancy left): the caller loses
+  // what failed.
+  bool ReportCorrupt(SpanSet* set, int member, const Status& why);
+  // Where data member `member` of `set` lies: (lease, byte offset of the cell) for the member
+  // and, with replicate, for every copy. For tests (LocateObjectForTest).
+  std::vector<std::pair<client::Lease, uint64_t>> CellPlaces(const SpanSet* set, int member) const;
   // Makes data member `member` a hole; frees the row / group when nothing is left.
   void Release(SpanSet* set, int member);
   // True if `set`'s group has no failed or lost member: a clean local span whose copy is cell

@@ -120,6 +120,31 @@ Status Heap::Start() {
     class_of_[q] = static_cast<uint16_t>(ci);
   }
 
+  if (options_.encrypt) {
+    aead::Key key{};
+    if (!options_.data_key_file.empty()) {
+      bool created = false;
+      FARMEM_ASSIGN_OR_RETURN(key, aead::LoadOrCreateDataKeyFile(options_.data_key_file, &created));
+      if (created) spdlog::info("far memory: new data key in {}", options_.data_key_file);
+    } else if (options_.data_key) {
+      key = *options_.data_key;
+      // Only the derived key is kept: options() no longer shows the data key.
+      options_.data_key->fill(0);
+      options_.data_key.reset();
+    } else {
+      FARMEM_ASSIGN_OR_RETURN(key, aead::GenerateKey());
+    }
+    Result<std::unique_ptr<SpanCrypto>> crypto = SpanCrypto::Create(key);
+    std::fill(key.begin(), key.end(), uint8_t{0});
+    if (!crypto) return crypto.error().WithContext("far memory encryption");
+    crypto_ = std::move(*crypto);
+  } else {
+    spdlog::warn(
+        "far memory: encryption is OFF (RuntimeOptions::encrypt = false): objects sit in "
+        "plaintext in the lenders' memory, readable by their root, and corruption there is not "
+        "detected. Use this for benchmarks only");
+  }
+
   client::ClusterOptions co;
   co.peers = options_.peers;
   co.peers_dns = options_.peers_dns;
@@ -138,9 +163,10 @@ Status Heap::Start() {
   for (int i = 0; i < options_.prefetch_threads; ++i) {
     prefetchers_.emplace_back([this] { PrefetchLoop(); });
   }
-  spdlog::info("far memory: {} local budget, spans of {}, {} size classes, resilience {}",
-               FormatSize(options_.local_budget), FormatSize(span_size_), classes_.size(),
-               res_.ToString());
+  spdlog::info(
+      "far memory: {} local budget, spans of {}, {} size classes, resilience {}, encryption {}",
+      FormatSize(options_.local_budget), FormatSize(span_size_), classes_.size(), res_.ToString(),
+      crypto_ ? "on (AES-256-GCM per object)" : "OFF");
   return Status::Ok();
 }
 
@@ -226,6 +252,9 @@ RuntimeStats Heap::stats() const {
   s.compaction_cpu_ns = compaction_cpu_ns_.load();
   s.compaction_offloaded_sets = compaction_offloaded_sets_.load();
   s.compaction_offload_fallbacks = compaction_offload_fallbacks_.load();
+  s.auth_failures = auth_failures_.load();
+  s.auth_failed_objects = auth_failed_objects_.load();
+  s.auth_lost_objects = auth_lost_objects_.load();
   s.bytes_read = bytes_read_.load();
   s.bytes_written = bytes_written_.load();
   return s;

@@ -21,11 +21,13 @@
 #include <chrono>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
 
 #include "farmem/client/resilience.h"
+#include "farmem/common/aead.h"
 #include "farmem/common/config.h"
 #include "farmem/common/status.h"
 
@@ -87,6 +89,17 @@ struct RuntimeOptions {
   // this process and still lets the daemons compute parity; failing that too, parity is computed
   // here. The daemons must reach each other at the addresses in `peers`. See docs/farptr.md.
   bool parity_offload = true;
+  // Encryption and authentication of every object before it leaves this process (AES-256-GCM,
+  // each object sealed on its own; docs/farptr.md, "Encryption", and docs/security-farptr.md).
+  // The daemons only ever hold ciphertext; an object whose tag fails is read from the other
+  // members of its span set, or is DataLoss — never wrong bytes. Off (for benchmarks) logs a
+  // warning.
+  bool encrypt = true;
+  // The data key. With data_key_file set, the key in that file (aead::LoadOrCreateDataKeyFile:
+  // created, mode 600, if it does not exist); else data_key if set; else a fresh random key. It
+  // never leaves this process: each runtime derives its own key from it.
+  std::optional<aead::Key> data_key;
+  std::string data_key_file;
   // Background prefetch threads (far_vector's sequential prefetch). 0 disables prefetching.
   int prefetch_threads = 1;
   // Failure detection and control calls (client::ClusterOptions).
@@ -160,8 +173,13 @@ struct RuntimeStats {
                                                   // (and, unless after a fallback, data)
   uint64_t compaction_offload_fallbacks = 0;      // offload errors that sent the work back to
                                                   // this process (a pass, or a set's parity)
-  uint64_t bytes_read = 0;                        // all remote reads
-  uint64_t bytes_written = 0;                     // all remote writes
+  // Encryption (docs/farptr.md, "Encryption").
+  uint64_t auth_failures = 0;        // cells read back whose tags did not all verify (each then
+                                     // read from the other members, or its objects lost)
+  uint64_t auth_failed_objects = 0;  // objects whose tag failed on such a read (before any retry)
+  uint64_t auth_lost_objects = 0;    // ... of those that could not be produced: DataLoss
+  uint64_t bytes_read = 0;           // all remote reads
+  uint64_t bytes_written = 0;        // all remote writes
 };
 
 class Runtime {

@@ -42,6 +42,11 @@ struct ObjectEntry {
   std::atomic<Span*> span{nullptr};
   std::atomic<uint32_t> slot{0};
   uint32_t size = 0;  // bytes the program asked for; set once at allocation
+  // Encryption (farptr/src/span_crypto.h): the seal number and GCM tag of the object's bytes in
+  // its remote cell, written when its span is sealed for swap-out and read when that cell is
+  // opened. Both only under the lock of the span the entry points to. Unused without encryption.
+  uint64_t seal = 0;
+  uint8_t tag[16] = {};
 };
 
 // Memory order of `word`: loads on the deref fast path are seq_cst (a plain load on x86) and pair

@@ -1,0 +1,43 @@
+// RemoteStore and encryption: a cell whose objects failed authentication is treated like a
+// failed member (see span_crypto.h, docs/farptr.md "Encryption").
+#include <bit>
+
+#include "remote_store.h"
+
+namespace farmem::farptr_internal {
+
+bool RemoteStore::ReportCorrupt(SpanSet* set, int member, const Status& why) {
+  Group* g = nullptr;
+  uint64_t lease_id = 0;
+  {
+    MutexLock lock(&mu_);
+    if (res_.mode == SpanResilience::Mode::kNone) return false;
+    g = set->group;
+    const uint32_t bit = 1u << member;
+    const uint32_t bad = g->failed_mask | g->lost_mask;
+    // Already failed: the cell came from a degraded read, nothing else to read it from.
+    if ((bad & bit) != 0) return false;
+    const int tolerance = res_.width() - MinMembers();
+    if (std::popcount(bad | bit) > tolerance) return false;
+    lease_id = g->members[static_cast<size_t>(member)].id();
+  }
+  MarkFailed(g, member, lease_id, why);
+  MutexLock lock(&mu_);
+  return ((g->failed_mask >> member) & 1) != 0;
+}
+
+std::vector<std::pair<client::Lease, uint64_t>> RemoteStore::CellPlaces(const SpanSet* set,
+                                                                        int member) const {
+  MutexLock lock(&mu_);
+  std::vector<std::pair<client::Lease, uint64_t>> out;
+  const Group* g = set->group;
+  const uint64_t off = static_cast<uint64_t>(set->row) * span_size_;
+  for (int m = 0; m < res_.width(); ++m) {
+    if (m != member && res_.mode != SpanResilience::Mode::kReplicate) continue;
+    const client::Lease& l = g->members[static_cast<size_t>(m)];
+    if (!Vacant(l)) out.emplace_back(l, off);
+  }
+  return out;
+}
+
+}  // namespace farmem::farptr_internal

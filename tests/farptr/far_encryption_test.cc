@@ -1,0 +1,369 @@
+// far_ptr encryption (issue 16, item 2): what the lenders hold is ciphertext, corruption there is
+// detected and served around, and no nonce is ever sealed under twice.
+//
+// 1. LenderMemoryHoldsNoPlaintext: objects with a recognisable text (64 B and 4 KiB ones, many
+//    times the local budget, so they live on the daemons; compacted with offload, so GATHER_CELL
+//    moved some) are searched for in the whole writable memory of every farmemd, read as root
+//    through /proc/PID/mem. We read the daemons' memory rather than the leases through a second
+//    client: that is what a lender's root (or a crash dump) sees, and it covers more than the
+//    slabs — the daemon's receive buffers and GATHER_CELL / PARITY_ENCODE scratch too. The same
+//    scan with encryption off must find the text (PlaintextIsVisibleWithoutEncryption): the scan
+//    can see what it looks for.
+// 2. FlippedBit*: one bit flipped in a daemon's slab under an object (written through the
+//    runtime's own lease, as a corrupting lender would) is detected: replicate:2 and ec:2+1 serve
+//    the right bytes and re-protect the member, none gives DataLoss for exactly that object; the
+//    counters say so.
+// 3. NoncesNeverRepeat: a recording hook sees every nonce sealed across overwrites, eviction
+//    cycles, compaction with offload on and off, relocations and moves on an eviction notice;
+//    none repeats under one key, moves and compaction seal nothing, and two runtimes given the
+//    same data key file seal under different keys.
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <set>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <utility>
+
+#include "farmem/internal/seal_observer.h"
+#include "farptr_fixture.h"
+#include "support/process.h"
+
+namespace farmem::farptr_test {
+namespace {
+
+constexpr char kMarker[] = "FARPTR-PLAINTEXT-";
+constexpr uint32_t kSpan = 16384;
+
+// Text that shows in a memory dump: "FARPTR-PLAINTEXT-<id>-<version>." repeated.
+void FillText(std::span<std::byte> out, uint64_t id, uint64_t version) {
+  const std::string unit =
+      std::string(kMarker) + std::to_string(id) + "-" + std::to_string(version) + ".";
+  for (size_t i = 0; i < out.size(); ++i) out[i] = static_cast<std::byte>(unit[i % unit.size()]);
+}
+bool TextMatches(std::span<const std::byte> got, uint64_t id, uint64_t version) {
+  std::vector<std::byte> want(got.size());
+  FillText(want, id, version);
+  return std::memcmp(want.data(), got.data(), got.size()) == 0;
+}
+
+// Occurrences of kMarker in every readable, writable mapping of process `pid` (as root, through
+// /proc/PID/mem). *scanned gets the bytes read.
+size_t CountMarkerInProcess(pid_t pid, uint64_t* scanned) {
+  *scanned = 0;
+  std::ifstream maps("/proc/" + std::to_string(pid) + "/maps");
+  const int mem = ::open(("/proc/" + std::to_string(pid) + "/mem").c_str(), O_RDONLY);
+  EXPECT_GE(mem, 0) << "cannot open /proc/" << pid << "/mem (this test needs root)";
+  if (mem < 0) return 0;
+  size_t found = 0;
+  std::string line;
+  std::vector<char> buf;
+  const size_t mlen = std::strlen(kMarker);
+  while (std::getline(maps, line)) {
+    std::istringstream in(line);
+    std::string range, perms;
+    in >> range >> perms;
+    if (perms.size() < 2 || perms[0] != 'r' || perms[1] != 'w') continue;
+    if (line.find("[vvar]") != std::string::npos || line.find("[vsyscall]") != std::string::npos)
+      continue;
+    const uint64_t lo = std::stoull(range.substr(0, range.find('-')), nullptr, 16);
+    const uint64_t hi = std::stoull(range.substr(range.find('-') + 1), nullptr, 16);
+    constexpr size_t kChunk = 1 << 20;
+    for (uint64_t a = lo; a < hi; a += kChunk) {
+      const size_t n = static_cast<size_t>(std::min<uint64_t>(kChunk + mlen, hi - a));
+      buf.resize(n);
+      const ssize_t got = ::pread(mem, buf.data(), n, static_cast<off_t>(a));
+      if (got <= 0) continue;
+      *scanned += static_cast<uint64_t>(std::min<ssize_t>(got, kChunk));
+      const char* p = buf.data();
+      const char* end = buf.data() + got;
+      while (p < end) {
+        const void* hit = ::memmem(p, static_cast<size_t>(end - p), kMarker, mlen);
+        if (hit == nullptr) break;
+        const char* h = static_cast<const char*>(hit);
+        if (h - buf.data() < static_cast<ptrdiff_t>(kChunk)) ++found;  // not twice at chunk ends
+        p = h + 1;
+      }
+    }
+  }
+  ::close(mem);
+  return found;
+}
+
+class FarEncryptionTest : public FarptrTest {
+ protected:
+  // 64-byte and 4 KiB objects, ~2.5 MiB in all, with a 256 KiB budget: nearly all of it remote.
+  void WriteObjects(size_t small, size_t large) {
+    for (size_t i = 0; i < small + large; ++i) {
+      objs_.push_back(make_far_bytes_in(*rt_, i < small ? 64 : 4096));
+      versions_.push_back(0);
+      DerefScope s;
+      FillText(objs_.back().deref_mut(s), i, 0);
+    }
+  }
+  void Overwrite(size_t i) {
+    if (!objs_[i]) return;  // freed
+    DerefScope s;
+    FillText(objs_[i].deref_mut(s), i, ++versions_[i]);
+  }
+  void ExpectIntact(const char* when) {
+    for (size_t i = 0; i < objs_.size(); ++i) {
+      if (!objs_[i]) continue;
+      DerefScope s;
+      auto got = objs_[i].try_deref(s);
+      ASSERT_TRUE(got.has_value()) << when << ": object " << i << ": " << got.error().ToString();
+      ASSERT_TRUE(TextMatches(*got, i, versions_[i])) << when << ": object " << i << " is wrong";
+    }
+  }
+  size_t MarkersOnDaemons() {
+    size_t found = 0;
+    for (size_t d = 0; d < daemons_->size(); ++d) {
+      uint64_t scanned = 0;
+      const size_t n = CountMarkerInProcess((*daemons_)[d].pid(), &scanned);
+      std::fprintf(stderr, "daemon %zu: %zu plaintext markers in %.1f MiB of writable memory\n", d,
+                   n, static_cast<double>(scanned) / (1 << 20));
+      EXPECT_GT(scanned, 16u << 20) << "the scan did not read the slabs of daemon " << d;
+      found += n;
+    }
+    return found;
+  }
+  // Writes, evicts everything, frees every third object and compacts (offload on: the daemons
+  // gather the survivors), overwrites some, evicts again.
+  void Churn() {
+    WriteObjects(24000, 200);
+    ASSERT_TRUE(rt_->EvictUntil(0).ok());
+    for (size_t i = 0; i < objs_.size(); i += 3) objs_[i] = far_bytes();
+    ASSERT_TRUE(rt_->Compact().ok());
+    for (size_t i = 1; i < objs_.size(); i += 7) Overwrite(i);
+    ASSERT_TRUE(rt_->EvictUntil(0).ok());
+    const RuntimeStats st = rt_->stats();
+    ASSERT_GT(st.remote_object_bytes, 1u << 20);
+    std::fprintf(stderr, "remote %lu B of objects, %lu sets offloaded by compaction\n",
+                 static_cast<unsigned long>(st.remote_object_bytes),
+                 static_cast<unsigned long>(st.compaction_offloaded_sets));
+  }
+
+  std::vector<far_bytes> objs_;
+  std::vector<uint64_t> versions_;
+};
+
+TEST_F(FarEncryptionTest, LenderMemoryHoldsNoPlaintext) {
+  ASSERT_NO_FATAL_FAILURE(StartDaemons(3, "32M", "1M"));
+  ASSERT_NO_FATAL_FAILURE(Open(Options("ec:2+1", 256 << 10, kSpan)));
+  ASSERT_NO_FATAL_FAILURE(Churn());
+  EXPECT_GT(rt_->stats().compaction_offloaded_sets, 0u) << "GATHER_CELL moved nothing";
+  EXPECT_EQ(MarkersOnDaemons(), 0u) << "plaintext of far objects sits in a lender's memory";
+  ASSERT_NO_FATAL_FAILURE(ExpectIntact("after the scan"));
+  objs_.clear();
+}
+
+// The control for the test above: the same scan finds the objects when they go out in plaintext.
+TEST_F(FarEncryptionTest, PlaintextIsVisibleWithoutEncryption) {
+  ASSERT_NO_FATAL_FAILURE(StartDaemons(3, "32M", "1M"));
+  RuntimeOptions o = Options("ec:2+1", 256 << 10, kSpan);
+  o.encrypt = false;
+  ASSERT_NO_FATAL_FAILURE(Open(o));
+  ASSERT_NO_FATAL_FAILURE(Churn());
+  EXPECT_GT(MarkersOnDaemons(), 1000u);
+  objs_.clear();
+}
+
+// One bit of object `victim`'s bytes flipped in the first daemon that holds them.
+void FlipBitUnder(Runtime& rt, const far_bytes& obj, uint32_t byte) {
+  auto places = farptr_internal::LocateObjectForTest(obj.entry());
+  ASSERT_TRUE(places.has_value()) << places.error().ToString();
+  ASSERT_FALSE(places->empty());
+  const farptr_internal::ObjectPlace& p = places->front();
+  auto ch = rt.cluster().OpenChannel(p.lease.node);
+  ASSERT_TRUE(ch.has_value()) << ch.error().ToString();
+  uint8_t b = 0;
+  ASSERT_TRUE((*ch)->Read(p.lease.slab(), p.offset + byte, {&b, 1}).ok());
+  b ^= 0x10;
+  ASSERT_TRUE((*ch)->Write(p.lease.slab(), p.offset + byte, {&b, 1}).ok());
+}
+
+class FarBitFlipTest : public FarEncryptionTest,
+                       public ::testing::WithParamInterface<const char*> {};
+
+TEST_P(FarBitFlipTest, FlippedBitIsDetected) {
+  const std::string res = GetParam();
+  ASSERT_NO_FATAL_FAILURE(StartDaemons(3, "32M", "1M"));
+  RuntimeOptions o = Options(res, 256 << 10, kSpan);
+  o.auto_compact = false;  // the object must stay where it was located
+  ASSERT_NO_FATAL_FAILURE(Open(o));
+  WriteObjects(4000, 0);
+  ASSERT_TRUE(rt_->EvictUntil(0).ok());
+  const size_t victim = 1234;
+  ASSERT_NO_FATAL_FAILURE(FlipBitUnder(*rt_, objs_[victim], 17));
+  const bool redundant = res != "none";
+  for (size_t i = 0; i < objs_.size(); ++i) {
+    DerefScope s;
+    auto got = objs_[i].try_deref(s);
+    if (i == victim && !redundant) {
+      ASSERT_FALSE(got.has_value()) << "a corrupted object came back";
+      EXPECT_EQ(got.error().code(), StatusCode::kDataLoss) << got.error().ToString();
+      EXPECT_NE(got.error().message().find("failed authentication"), std::string::npos)
+          << got.error().ToString();
+      continue;
+    }
+    ASSERT_TRUE(got.has_value()) << "object " << i << ": " << got.error().ToString();
+    ASSERT_TRUE(TextMatches(*got, i, 0)) << "object " << i << " came back wrong";
+  }
+  RuntimeStats st = rt_->stats();
+  EXPECT_EQ(st.auth_failures, 1u);
+  EXPECT_EQ(st.auth_failed_objects, 1u);
+  if (redundant) {
+    EXPECT_EQ(st.auth_lost_objects, 0u);
+    EXPECT_GE(st.degraded_reads, 1u);
+    ASSERT_TRUE(rt_->WaitForRecovery(std::chrono::seconds(30)).ok());
+    st = rt_->stats();
+    EXPECT_GE(st.members_reprotected, 1u) << "the corrupted member was not re-protected";
+    // After re-protection everything reads right again, from healthy members.
+    ASSERT_TRUE(rt_->EvictUntil(0).ok());
+    ASSERT_NO_FATAL_FAILURE(ExpectIntact("after re-protection"));
+  } else {
+    EXPECT_EQ(st.auth_lost_objects, 1u);
+    objs_[victim] = far_bytes();  // a lost object can still be freed
+    ASSERT_TRUE(rt_->EvictUntil(0).ok());
+    ASSERT_NO_FATAL_FAILURE(ExpectIntact("after the loss"));
+  }
+  EXPECT_EQ(rt_->stats().auth_failures, 1u) << "more than the flipped cell failed";
+  objs_.clear();
+}
+
+INSTANTIATE_TEST_SUITE_P(Resilience, FarBitFlipTest,
+                         ::testing::Values("replicate:2", "ec:2+1", "none"), [](const auto& info) {
+                           std::string n = info.param;
+                           for (char& c : n)
+                             if (c == ':' || c == '+') c = '_';
+                           return n;
+                         });
+
+// Records every (key id, nonce) sealed; counts repeats.
+class NonceRecorder {
+ public:
+  NonceRecorder() {
+    farptr_internal::SetSealObserverForTest([this](uint64_t key, const aead::Nonce& n) {
+      std::lock_guard<std::mutex> l(mu_);
+      ++seals_;
+      keys_.insert(key);
+      if (!seen_.insert({key, n}).second) ++repeats_;
+    });
+  }
+  ~NonceRecorder() { farptr_internal::SetSealObserverForTest(nullptr); }
+  uint64_t seals() {
+    std::lock_guard<std::mutex> l(mu_);
+    return seals_;
+  }
+  uint64_t repeats() {
+    std::lock_guard<std::mutex> l(mu_);
+    return repeats_;
+  }
+  size_t keys() {
+    std::lock_guard<std::mutex> l(mu_);
+    return keys_.size();
+  }
+
+ private:
+  std::mutex mu_;
+  std::set<std::pair<uint64_t, aead::Nonce>> seen_;
+  std::set<uint64_t> keys_;
+  uint64_t seals_ = 0, repeats_ = 0;
+};
+
+TEST_F(FarEncryptionTest, NoncesNeverRepeat) {
+  NonceRecorder rec;
+  ASSERT_NO_FATAL_FAILURE(StartDaemons(4, "32M", "1M"));
+  const std::string key_file = daemons_->work_dir() + "/farptr.datakey";
+  for (bool offload : {true, false}) {
+    SCOPED_TRACE(offload ? "offload on" : "offload off");
+    RuntimeOptions o = Options("ec:2+1", 256 << 10, kSpan);
+    o.parity_offload = offload;
+    o.data_key_file = key_file;  // the same data key for both runtimes
+    ASSERT_NO_FATAL_FAILURE(Open(o));
+    WriteObjects(6000, 100);
+    // Eviction cycles with overwrites in between (the same objects sealed again and again), and
+    // reads that swap spans in and evict them clean.
+    for (int round = 0; round < 4; ++round) {
+      ASSERT_TRUE(rt_->EvictUntil(0).ok());
+      for (size_t i = round; i < objs_.size(); i += 5) Overwrite(i);
+      ASSERT_TRUE(rt_->EvictUntil(0).ok());
+      ASSERT_NO_FATAL_FAILURE(ExpectIntact("eviction cycle"));
+    }
+    // Hot objects in cold spans: the evictor relocates them (a local copy, sealed afresh later).
+    for (int round = 0; round < 20 && rt_->stats().objects_relocated == 0; ++round) {
+      ASSERT_TRUE(rt_->EvictUntil(0).ok());
+      for (size_t i = 0; i < objs_.size(); i += 97) {
+        DerefScope s;
+        if (objs_[i]) (void)objs_[i].deref(s);
+      }
+      for (size_t i = 1; i < objs_.size(); i += 2) {
+        DerefScope s;
+        if (objs_[i]) (void)objs_[i].deref(s);  // fills the budget: the evictor sweeps
+      }
+    }
+    EXPECT_GT(rt_->stats().objects_relocated, 0u);
+    ASSERT_TRUE(rt_->EvictUntil(0).ok());
+    // Compaction moves ciphertext: it seals nothing.
+    for (size_t i = 0; i < objs_.size(); i += 3) objs_[i] = far_bytes();
+    uint64_t before = rec.seals();
+    const RuntimeStats st0 = rt_->stats();
+    ASSERT_TRUE(rt_->Compact().ok());
+    const RuntimeStats st1 = rt_->stats();
+    EXPECT_GT(st1.compactions, st0.compactions);
+    if (offload) {
+      EXPECT_GT(st1.compaction_offloaded_sets, st0.compaction_offloaded_sets);
+    }
+    EXPECT_EQ(rec.seals(), before) << "compaction re-encrypted objects";
+    ASSERT_NO_FATAL_FAILURE(ExpectIntact("after compaction"));  // swaps everything in
+    for (size_t i = 2; i < objs_.size(); i += 3) Overwrite(i);
+    ASSERT_TRUE(rt_->EvictUntil(0).ok());
+    // A move on an eviction notice copies ciphertext: drain the daemon with the most leases.
+    size_t busiest = 0, most = 0;
+    const auto layout = rt_->span_set_layout();
+    for (size_t d = 0; d < daemons_->size(); ++d) {
+      size_t n = 0;
+      for (auto& g : layout) {
+        for (auto& ep : g) n += ep == (*daemons_)[d].endpoint() ? 1 : 0;
+      }
+      if (n > most) {
+        most = n;
+        busiest = d;
+      }
+    }
+    ASSERT_GT(most, 0u);
+    before = rec.seals();
+    const uint64_t moved0 = rt_->stats().members_moved;
+    testing::CommandResult r = testing::RunCommand(
+        {testing::BinPath("farmemctl"), "drain", (*daemons_)[busiest].endpoint().ToString(),
+         "--grace-ms", "30000", "--wait", "--secret-file", daemons_->work_dir() + "/secret"},
+        std::chrono::seconds(60));
+    ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+    ASSERT_TRUE(rt_->WaitForRecovery(std::chrono::seconds(30)).ok());
+    EXPECT_GT(rt_->stats().members_moved, moved0);
+    EXPECT_EQ(rec.seals(), before) << "a move re-encrypted objects";
+    ASSERT_NO_FATAL_FAILURE(ExpectIntact("after the move"));
+    r = testing::RunCommand(
+        {testing::BinPath("farmemctl"), "undrain", (*daemons_)[busiest].endpoint().ToString(),
+         "--secret-file", daemons_->work_dir() + "/secret"},
+        std::chrono::seconds(30));
+    ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+    objs_.clear();
+    versions_.clear();
+    rt_.reset();
+  }
+  std::fprintf(stderr, "%lu seals under %zu keys, %lu repeated nonces\n",
+               static_cast<unsigned long>(rec.seals()), rec.keys(),
+               static_cast<unsigned long>(rec.repeats()));
+  EXPECT_GT(rec.seals(), 20000u);
+  EXPECT_EQ(rec.keys(), 2u) << "two runtimes on one data key file sealed under one key";
+  EXPECT_EQ(rec.repeats(), 0u) << "a nonce was used twice under one key";
+}
+
+}  // namespace
+}  // namespace farmem::farptr_test
