@@ -1,5 +1,5 @@
 // SpanCrypto: confidentiality and integrity of far objects on the lenders (docs/farptr.md,
-// "Encryption"; docs/security-farptr.md).
+// "Encryption"; docs/security.md).
 //
 // Each object is sealed on its own (AES-256-GCM, farmem/common/aead.h) when its span is written
 // out: the sealed image of a span holds, at each live slot, the ciphertext of that object's

@@ -90,7 +90,7 @@ struct RuntimeOptions {
   // here. The daemons must reach each other at the addresses in `peers`. See docs/farptr.md.
   bool parity_offload = true;
   // Encryption and authentication of every object before it leaves this process (AES-256-GCM,
-  // each object sealed on its own; docs/farptr.md, "Encryption", and docs/security-farptr.md).
+  // each object sealed on its own; docs/farptr.md, "Encryption", and docs/security.md).
   // The daemons only ever hold ciphertext; an object whose tag fails is read from the other
   // members of its span set, or is DataLoss — never wrong bytes. Off (for benchmarks) logs a
   // warning.
