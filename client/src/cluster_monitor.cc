@@ -109,7 +109,10 @@ void Cluster::Heartbeat(Node& node) {
   std::chrono::nanoseconds stalled{0};  // what this process lost to its own stalls since contact
   auto stalled_since_contact = [&] {
     MutexLock lock(&mu_);
-    return std::max(std::chrono::nanoseconds(0), stall_meter_->total() - node.stall_at_contact);
+    // At most one more failure_timeout: a client that keeps stalling still detects a hung
+    // daemon within twice the failure timeout.
+    return std::clamp(stall_meter_->total() - node.stall_at_contact, std::chrono::nanoseconds(0),
+                      std::chrono::nanoseconds(options_.failure_timeout));
   };
   {
     MutexLock lock(&mu_);
@@ -119,7 +122,8 @@ void Cluster::Heartbeat(Node& node) {
     // since then (a deadline that expired while we were descheduled is no evidence against the
     // daemon), but never less than half of it from now: if this thread itself was held up (a
     // slow reconnect elsewhere, a slow callback), the node still gets a fair chance to answer.
-    stalled = std::max(std::chrono::nanoseconds(0), stall_meter_->total() - node.stall_at_contact);
+    stalled = std::clamp(stall_meter_->total() - node.stall_at_contact, std::chrono::nanoseconds(0),
+                         std::chrono::nanoseconds(options_.failure_timeout));
     deadline = std::max(node.last_contact + options_.failure_timeout +
                             std::chrono::duration_cast<Clock::duration>(stalled),
                         Clock::now() + options_.failure_timeout / 2);
@@ -208,10 +212,9 @@ void Cluster::Heartbeat(Node& node) {
   }
   Status reason = Status(conn.error().code(), fmt::format("{}; reconnecting: {}", failure.message(),
                                                           conn.error().message()));
-  // This process stalled during the re-probe itself: no verdict; the next round probes again.
-  const bool stalled_meanwhile = stalled_since_contact() - stalled > options_.failure_timeout / 4;
+  // (The connect timeout is whole milliseconds: it may end a little before the deadline.)
   if (conn.error().code() != StatusCode::kDeadlineExceeded ||
-      (Clock::now() >= deadline && !stalled_meanwhile)) {
+      Clock::now() + milliseconds(2) >= deadline) {
     MarkDown(node, std::move(reason));
   } else {
     MutexLock lock(&mu_);
