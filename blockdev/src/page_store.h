@@ -158,6 +158,10 @@ struct PageStoreStats {
   // changed it), each served from the other members or the backup file, or answered with an
   // error for exactly that page; never returned.
   uint64_t integrity_failures = 0;
+  // Members that failed (their daemon declared down, or a data-path error) and were used again
+  // as they were: the same daemon process answered with their lease, and no write went past
+  // them meanwhile. A false down costs no rebuild for them.
+  uint64_t revalidated_members = 0;
   // Now (read-only view for status and metrics): the rebuild thread is running a pass or has
   // extents queued; and, in the current degraded episode, how many extents were made whole so far,
   // for how long re-protection has been running and the store degraded (0: not degraded).
@@ -311,6 +315,15 @@ class PageStore final : public BlockBackend {
     client::NodeId node;
     uint64_t id;
   };
+  // kLeasesReturned: uses again the members those leases are that are still failed, not stale
+  // and not replaced (rebuild thread).
+  void Revalidate(std::span<const LostLease> returned) EXCLUDES(stats_mu_);
+  // Clears the failed bit of every member of `e` (only those `only` names, unless empty) that
+  // MayRevalidate; takes e.mu exclusively. Returns how many.
+  uint64_t RevalidateExtent(Extent& e, std::span<const LostLease> only);
+  // Member j (e.mu held) failed, missed no write, and its lease is held on a daemon that is up
+  // and not suspect: it can be used again as it is.
+  bool MayRevalidate(const Extent& e, size_t j) const;
   // Marks the members `lost` names failed. With !wait (the cluster's event thread, which must not
   // block) extents locked exclusively now are left to a later pass with wait, which also queues
   // their rebuilds.
@@ -360,8 +373,9 @@ class PageStore final : public BlockBackend {
   mutable Mutex rebuild_mu_;
   CondVar rebuild_cv_;
   std::deque<uint64_t> rebuild_queue_ GUARDED_BY(rebuild_mu_);
-  std::vector<LostLease> lost_leases_ GUARDED_BY(rebuild_mu_);  // from cluster events
-  std::vector<NoticedLease> noticed_ GUARDED_BY(rebuild_mu_);   // EVICT_NOTICE events
+  std::vector<LostLease> lost_leases_ GUARDED_BY(rebuild_mu_);      // from cluster events
+  std::vector<LostLease> returned_leases_ GUARDED_BY(rebuild_mu_);  // kLeasesReturned
+  std::vector<NoticedLease> noticed_ GUARDED_BY(rebuild_mu_);       // EVICT_NOTICE events
   // The rebuild thread's own: moves still to do, and the burst they belong to (for the stats).
   std::vector<Move> moves_;
   Clock::time_point move_burst_since_ = Clock::time_point::max();

@@ -60,6 +60,7 @@ Status PageStore::MapExtent(uint64_t index) {
   }
   e.members = std::move(leases);
   e.failed.store(vacant, std::memory_order_release);
+  e.stale.store(0, std::memory_order_release);
   e.mapped.store(true, std::memory_order_release);
   if (vacant != 0) {
     CountStat(&PageStoreStats::degraded_maps);
@@ -111,6 +112,7 @@ void PageStore::UnmapIfEmpty(uint64_t index) {
     freed = HeldLeases(e.members);
     e.members.clear();
     e.failed.store(0);
+    e.stale.store(0);
   }
   spdlog::debug("extent {} holds no data any more: its {} lease(s) go back", index, freed.size());
   if (Status s = cluster_->Free(freed); !s.ok()) spdlog::warn("page store: {}", s.ToString());

@@ -93,6 +93,10 @@ struct Extent {
   // that starts afterwards sees it), write pieces mark their pages here before they are posted:
   // the copy redoes them before it swaps the member in.
   std::atomic<bool> tracking{false};
+  // Bit j: a write went to the other members (or the backup file) but not to member j while it
+  // was failed. Such a member must be rebuilt, never used again as it is, even if its daemon
+  // answers again with the lease intact (kLeasesReturned). Cleared when member j is replaced.
+  std::atomic<uint32_t> stale{0};
   std::unique_ptr<std::atomic<uint64_t>[]> dirty;
 
   size_t words() const { return static_cast<size_t>((pages + 63) / 64); }
@@ -113,10 +117,8 @@ struct Extent {
     }
     return false;
   }
-  uint32_t live_mask() const {
-    const uint32_t all = members.size() >= 32 ? ~0u : ((1u << members.size()) - 1);
-    return all & ~failed.load(std::memory_order_acquire);
-  }
+  uint32_t all_mask() const { return members.size() >= 32 ? ~0u : ((1u << members.size()) - 1); }
+  uint32_t live_mask() const { return all_mask() & ~failed.load(std::memory_order_acquire); }
 };
 
 inline bool SameLease(const client::Lease& a, const client::Lease& b) {

@@ -382,6 +382,7 @@ Status PageStore::CopyMember(Worker& w, uint64_t index, size_t j, const client::
         FARMEM_RETURN_IF_ERROR(CopyPages(w, index, e, j, fresh, pages, false, buf, bytes));
         e.members[j] = fresh;
         e.failed.fetch_and(~(1u << j));
+        e.stale.fetch_and(~(1u << j));
         e.leaving.fetch_and(~(1u << j));
         return Status::Ok();
       }

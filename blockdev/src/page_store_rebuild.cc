@@ -25,6 +25,16 @@ void PageStore::OnClusterEvent(const client::Event& ev) {
     return;
   }
   if (ev.lease_ids.empty()) return;
+  if (ev.type == client::EventType::kLeasesReturned) {
+    // The daemon was declared down but was not lost: the rebuild thread takes back the members
+    // that no rebuild replaced and no write went past (Revalidate).
+    {
+      MutexLock lock(&rebuild_mu_);
+      for (uint64_t id : ev.lease_ids) returned_leases_.push_back({ev.node, id});
+    }
+    rebuild_cv_.SignalAll();
+    return;
+  }
   if (ev.type == client::EventType::kEvictNotice) {
     // Leaving, not lost: moved by the rebuild thread while still readable (MoveLeaving).
     {
@@ -79,6 +89,59 @@ void PageStore::MarkLost(std::span<const LostLease> lost, bool wait) {
   }
 }
 
+bool PageStore::MayRevalidate(const Extent& e, size_t j) const {
+  const client::Lease& m = e.members[j];
+  if (IsVacant(m) || !((e.failed.load() >> j) & 1) || ((e.stale.load() >> j) & 1)) return false;
+  if (cluster_->GetLeaseState(m) != client::LeaseState::kHeld) return false;
+  const client::NodeInfo node = cluster_->node(m.node);
+  return node.alive && !node.suspect;
+}
+
+uint64_t PageStore::RevalidateExtent(Extent& e, std::span<const LostLease> only) {
+  WriterLock ex(&e.mu);  // no round is running: none can go past a member while it comes back
+  if (!e.mapped.load()) return 0;
+  uint64_t n = 0;
+  for (size_t j = 0; j < e.members.size(); ++j) {
+    const client::Lease& m = e.members[j];
+    if (!only.empty() && std::none_of(only.begin(), only.end(), [&](const LostLease& l) {
+          return l.node == m.node && l.id == m.id();
+        })) {
+      continue;
+    }
+    if (!MayRevalidate(e, j)) continue;
+    e.failed.fetch_and(~(1u << j));
+    ++n;
+  }
+  return n;
+}
+
+void PageStore::Revalidate(std::span<const LostLease> returned) {
+  uint64_t back = 0, stale = 0;
+  for (uint64_t index = 0; index < extents_.size(); ++index) {
+    Extent& e = *extents_[index];
+    bool mine = false;
+    {
+      ReaderLock lock(&e.mu);
+      if (!e.mapped.load()) continue;
+      for (size_t j = 0; j < e.members.size(); ++j) {
+        const client::Lease& m = e.members[j];
+        if (std::any_of(returned.begin(), returned.end(),
+                        [&](const LostLease& l) { return l.node == m.node && l.id == m.id(); })) {
+          mine = true;
+          if (((e.failed.load() >> j) & 1) && ((e.stale.load() >> j) & 1)) ++stale;
+        }
+      }
+    }
+    if (mine) back += RevalidateExtent(e, returned);
+    if (mine && e.failed.load() != 0) QueueRebuild(index);  // stale members: rebuild them now
+  }
+  CountStat(&PageStoreStats::revalidated_members, back);
+  spdlog::info(
+      "page store: {} leases came back with their daemon (it was declared down but not lost): "
+      "{} members in use again as they were, {} missed writes while down and are rebuilt",
+      returned.size(), back, stale);
+}
+
 void PageStore::QueueRebuild(uint64_t index) {
   {
     MutexLock lock(&rebuild_mu_);
@@ -100,7 +163,7 @@ void PageStore::WaitForRebuilds() {
   rebuild_cv_.Wait(&rebuild_mu_, [&] {
     rebuild_mu_.AssertHeld();
     return stopping_ || (rebuild_queue_.empty() && lost_leases_.empty() && noticed_.empty() &&
-                         !reconcile_requested_ && !rebuilding_);
+                         returned_leases_.empty() && !reconcile_requested_ && !rebuilding_);
   });
 }
 
@@ -116,7 +179,7 @@ void PageStore::RebuildLoop() {
     rebuild_cv_.WaitUntil(&rebuild_mu_, std::min(next_reconcile, next_move_try), [&] {
       rebuild_mu_.AssertHeld();
       return stopping_ || !rebuild_queue_.empty() || !lost_leases_.empty() || !noticed_.empty() ||
-             reconcile_requested_;
+             !returned_leases_.empty() || reconcile_requested_;
     });
     if (stopping_) return;
     const bool periodic = Clock::now() >= next_reconcile;
@@ -127,8 +190,11 @@ void PageStore::RebuildLoop() {
     lost.swap(lost_leases_);
     std::vector<NoticedLease> noticed;
     noticed.swap(noticed_);
+    std::vector<LostLease> returned;
+    returned.swap(returned_leases_);
     lock.Unlock();
     if (!lost.empty()) MarkLost(lost, /*wait=*/true);
+    if (!returned.empty()) Revalidate(returned);
     if (!noticed.empty()) MarkLeaving(noticed);
     // Moves first: they have a deadline, and a leaving member left unmoved becomes a lost one.
     next_move_try = Clock::time_point::max();
@@ -183,6 +249,24 @@ void PageStore::Reprotect(Worker& w, std::vector<uint64_t> todo, bool all) {
   }
   std::sort(todo.begin(), todo.end());
   todo.erase(std::unique(todo.begin(), todo.end()), todo.end());
+  // Members that failed on the data path while their daemon stayed up (a slow moment, a daemon
+  // declared down and back between two looks) and that missed no write are used again rather
+  // than rebuilt, once their daemon answers and is no longer suspect.
+  uint64_t back = 0;
+  for (uint64_t index : todo) {
+    Extent& e = *extents_[index];
+    bool any = false;
+    {
+      ReaderLock lock(&e.mu);
+      if (!e.mapped.load()) continue;
+      for (size_t j = 0; j < e.members.size(); ++j) any = any || MayRevalidate(e, j);
+    }
+    if (any) back += RevalidateExtent(e, {});
+  }
+  if (back > 0) {
+    CountStat(&PageStoreStats::revalidated_members, back);
+    spdlog::info("page store: {} members whose daemon answers again are in use again", back);
+  }
   if (!todo.empty()) {
     // A member can only go to a daemon that is up and holds no other member of its group. Ask
     // only where one exists, and, within this pass, not again where every such daemon said full.
@@ -315,6 +399,21 @@ Status PageStore::RebuildExtent(Worker& w, uint64_t index, bool wait) {
     const uint32_t live = e.live_mask();
     can_produce = backup_ || (codec_ ? std::popcount(live) >= res.k : live != 0);
   }
+  if (!can_produce) {
+    // Nothing else holds the data. A member whose lease may still come back (its daemon was
+    // declared down but may be the same process when it answers, or the failure was on the data
+    // path of a daemon still up) is waited for: declaring its pages lost now would turn a false
+    // down into data loss. Reads and writes of the extent fail (EIO) meanwhile; the cluster says
+    // kLeasesReturned (Revalidate) or kLeasesLost (then this rebuild declares them lost).
+    for (size_t j = 0; j < members.size(); ++j) {
+      if (!((failed >> j) & 1) || IsVacant(members[j])) continue;
+      if (cluster_->GetLeaseState(members[j]) != client::LeaseState::kGone) {
+        return Unavailable(fmt::format(
+            "extent {}: member {} on {} is unreachable but may come back; waiting for it", index, j,
+            cluster_->node(members[j].node).endpoint.ToString()));
+      }
+    }
+  }
   const size_t n = members.size();
   std::vector<client::NodeId> used;
   for (size_t j = 0; j < n; ++j) {
@@ -323,6 +422,14 @@ Status PageStore::RebuildExtent(Worker& w, uint64_t index, bool wait) {
   Status result;
   for (size_t j = 0; j < n; ++j) {
     if (!((failed >> j) & 1)) continue;
+    if (!IsVacant(members[j]) &&
+        cluster_->GetLeaseState(members[j]) == client::LeaseState::kRetained &&
+        cluster_->node(members[j].node).alive) {
+      // Its daemon answers again and the cluster is asking it for the lease right now: it comes
+      // back (Revalidate, or a rebuild queued there if it missed writes) or is reported lost.
+      result = Unavailable(fmt::format("extent {}: member {} may be back; checking", index, j));
+      continue;
+    }
     Result<client::Lease> fresh = cluster_->AllocateExcluding(used);
     if (!fresh) {
       // Retried when a daemon comes up and every reconcile_interval: say so once in a while.
@@ -360,6 +467,7 @@ Status PageStore::RebuildExtent(Worker& w, uint64_t index, bool wait) {
           res.ToString());
       e.members[j] = *fresh;
       e.failed.fetch_and(~(1u << j));
+      e.stale.fetch_and(~(1u << j));
       e.leaving.fetch_and(~(1u << j));
     } else if (Status s = CopyMember(w, index, j, members[j], *fresh, &written_bytes); !s.ok()) {
       spdlog::warn("page store: rebuilding member {} of extent {} on {} abandoned: {}", j, index,

@@ -410,8 +410,10 @@ void PageStore::RunPieces(Worker& w, std::vector<Piece>& pieces, std::span<Statu
           CountStat(&PageStoreStats::backup_reads);
           CountStat(&PageStoreStats::degraded_reads);
         } else if (p.write && backup_) {
-          // The data is in the backup file (DoWrite wrote it first): the write stands there.
+          // The data is in the backup file (DoWrite wrote it first): the write stands there,
+          // and no member has it.
           p.MarkWritten();
+          p.extent->stale.fetch_or(p.extent->all_mask(), std::memory_order_acq_rel);
         } else {
           op_status[p.op] = IoError(fmt::format(
               "export bytes {}..{}: every daemon holding them failed and there is no backup file",
@@ -443,6 +445,14 @@ void PageStore::RunPieces(Worker& w, std::vector<Piece>& pieces, std::span<Statu
         p.extent->failed.fetch_or(p.fail_mask, std::memory_order_acq_rel);
         NoteDegraded();
         QueueRebuild(p.index);
+      }
+      if (p.write) {
+        // Members this write went past (failed, or failing now) while others or the backup file
+        // took it are stale: never revalidated should their daemon answer again.
+        const uint32_t missed = p.extent->all_mask() & ~p.ok_mask;
+        if (missed != 0 && (p.ok_mask != 0 || backup_)) {
+          p.extent->stale.fetch_or(missed, std::memory_order_acq_rel);
+        }
       }
       if (p.settled) continue;
       const bool ec = codec_ != nullptr;

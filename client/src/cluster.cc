@@ -15,6 +15,7 @@
 #include "farmem/common/version.h"
 #include "farmem/transport/verbs.h"
 #include "node.h"
+#include "stall_meter.h"
 
 namespace farmem::client {
 
@@ -104,6 +105,8 @@ const char* EventTypeName(EventType type) {
       return "LeasesLost";
     case EventType::kEvictNotice:
       return "EvictNotice";
+    case EventType::kLeasesReturned:
+      return "LeasesReturned";
   }
   return "Unknown";
 }
@@ -113,6 +116,7 @@ Cluster::Cluster(ClusterOptions options)
       reconnect_interval_(options_.reconnect_interval.count() > 0
                               ? options_.reconnect_interval
                               : 2 * options_.heartbeat_interval),
+      stall_meter_(std::make_unique<internal::StallMeter>()),
       rng_(SeedFrom(options_.rng_seed)) {}
 
 Cluster::~Cluster() {
@@ -266,6 +270,7 @@ Status Cluster::AdoptDialed(const std::vector<DialTarget>& targets,
       n->features = r->hello().features;  // OpenChannel picks verbs from these
       internal::WarnOnVersionMismatch(ep, r->hello());
       n->last_contact = now;
+      n->stall_at_contact = stall_meter_->total();
       n->reconnect_backoff = reconnect_interval_;
       adopted.emplace_back(n, std::move(*r));
     }
@@ -333,6 +338,15 @@ NodeInfo Cluster::node(NodeId id) const {
   return info;
 }
 
+LeaseState Cluster::GetLeaseState(const Lease& lease) const {
+  MutexLock lock(&mu_);
+  if (lease.node >= nodes_.size()) return LeaseState::kGone;
+  const Node& n = *nodes_[lease.node];
+  if (n.leases.contains(lease.id())) return n.alive ? LeaseState::kHeld : LeaseState::kRetained;
+  if (n.retained.contains(lease.id())) return LeaseState::kRetained;
+  return LeaseState::kGone;
+}
+
 Status Cluster::WaitForNode(NodeId id, NodeState state, std::chrono::milliseconds timeout) const {
   const bool want_alive = state == NodeState::kUp;
   const Clock::time_point deadline = Clock::now() + timeout;
@@ -394,6 +408,7 @@ Result<std::vector<uint8_t>> Cluster::CallLocked(Node& node, wire::Opcode op,
   if (reply) {
     MutexLock lock(&mu_);
     node.last_contact = Clock::now();
+    node.stall_at_contact = stall_meter_->total();
     return reply;
   }
   Status err = reply.error();

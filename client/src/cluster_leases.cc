@@ -223,7 +223,12 @@ Status Cluster::Free(std::span<const Lease> leases) {
           std::ranges::none_of(ids, [&](uint64_t l) { return node->leases.contains(l); });
       if (nothing_to_send) {
         for (uint64_t lease_id : ids) {
-          if (node->lost.erase(lease_id) == 0) unknown.push_back(lease_id);
+          if (node->lost.erase(lease_id) == 0) {
+            unknown.push_back(lease_id);
+          } else if (node->retained.erase(lease_id) > 0) {
+            // Its daemon was declared down but may still hold it: FREE it once it answers.
+            node->to_free.push_back(lease_id);
+          }
         }
       }
     }
@@ -239,6 +244,8 @@ Status Cluster::Free(std::span<const Lease> leases) {
           send.push_back(lease_id);
         } else if (node->lost.erase(lease_id) == 0) {
           unknown.push_back(lease_id);
+        } else if (node->retained.erase(lease_id) > 0) {
+          node->to_free.push_back(lease_id);
         }
       }
       if (!send.empty() && !node->conn) {

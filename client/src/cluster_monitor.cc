@@ -10,6 +10,7 @@
 
 #include "farmem/client/cluster.h"
 #include "node.h"
+#include "stall_meter.h"
 
 namespace farmem::client {
 
@@ -17,6 +18,10 @@ using std::chrono::milliseconds;
 using transport::TcpConnection;
 
 namespace {
+
+// A daemon's lease TTL before its first HEARTBEAT answer said it (farmemd's --lease-ttl-ms
+// default).
+constexpr milliseconds kDefaultLeaseTtl{10000};
 
 milliseconds Remaining(Clock::time_point deadline, Clock::time_point now) {
   return std::chrono::duration_cast<milliseconds>(deadline - now);
@@ -53,6 +58,7 @@ void Cluster::MonitorLoop() {
     {
       MutexLock lock(&mu_);
       for (const auto& n : nodes_) {
+        ExpireRetained(*n);
         if (n->alive && (beat || n->probe)) {
           due.push_back({n.get(), true});
         } else if (!n->alive && n->next_reconnect != Clock::time_point::max() &&
@@ -100,26 +106,42 @@ void Cluster::Heartbeat(Node& node) {
   MutexLock call(&node.call_mu, kAdoptLock);
 
   Clock::time_point deadline;
+  std::chrono::nanoseconds stalled{0};  // what this process lost to its own stalls since contact
+  auto stalled_since_contact = [&] {
+    MutexLock lock(&mu_);
+    // At most one more failure_timeout: a client that keeps stalling still detects a hung
+    // daemon within twice the failure timeout.
+    return std::clamp(stall_meter_->total() - node.stall_at_contact, std::chrono::nanoseconds(0),
+                      std::chrono::nanoseconds(options_.failure_timeout));
+  };
   {
     MutexLock lock(&mu_);
     if (!node.alive) return;
     node.probe = false;
-    // failure_timeout after the last answer, but never less than half of it from now: if this
-    // thread itself was held up (a slow reconnect elsewhere, a slow callback, a loaded machine),
-    // the node still gets a fair chance to answer before it is declared down.
-    deadline = std::max(node.last_contact + options_.failure_timeout,
+    // failure_timeout after the last answer, plus the time this process itself did not run
+    // since then (a deadline that expired while we were descheduled is no evidence against the
+    // daemon), but never less than half of it from now: if this thread itself was held up (a
+    // slow reconnect elsewhere, a slow callback), the node still gets a fair chance to answer.
+    stalled = std::clamp(stall_meter_->total() - node.stall_at_contact, std::chrono::nanoseconds(0),
+                         std::chrono::nanoseconds(options_.failure_timeout));
+    deadline = std::max(node.last_contact + options_.failure_timeout +
+                            std::chrono::duration_cast<Clock::duration>(stalled),
                         Clock::now() + options_.failure_timeout / 2);
   }
+  // The last quarter of the window is kept for a re-probe on a fresh connection (a new HELLO):
+  // one heartbeat that timed out makes the node suspect, not down.
+  const milliseconds reprobe = std::max(options_.failure_timeout / 4, milliseconds(50));
   Status failure;
   if (node.conn) {
-    const milliseconds timeout =
-        std::clamp(Remaining(deadline, Clock::now()), milliseconds(50), options_.failure_timeout);
+    const milliseconds timeout = std::clamp(Remaining(deadline - reprobe, Clock::now()),
+                                            milliseconds(50), options_.failure_timeout);
     auto reply = node.conn->Call(wire::Opcode::kHeartbeat, {}, timeout);
     CollectPushes(node);
     if (reply) {
       auto hb = wire::DecodeHeartbeatReply(*reply);
       MutexLock lock(&mu_);
       node.last_contact = Clock::now();
+      node.stall_at_contact = stall_meter_->total();
       node.last_error = Status::Ok();
       if (hb) {
         node.lease_ttl_ms = hb->lease_ttl_ms;
@@ -142,6 +164,7 @@ void Cluster::Heartbeat(Node& node) {
       // The daemon answered, with an error: it is alive. Odd, but not a failure of the node.
       MutexLock lock(&mu_);
       node.last_contact = Clock::now();
+      node.stall_at_contact = stall_meter_->total();
       node.last_error = reply.error();
       spdlog::warn("farmem client: HEARTBEAT to {} answered {}", node.name(),
                    reply.error().ToString());
@@ -149,6 +172,9 @@ void Cluster::Heartbeat(Node& node) {
     } else {
       failure = reply.error();
       node.conn.reset();
+      MutexLock lock(&mu_);
+      // Suspect while it is re-probed: placement gives it no new slab meanwhile.
+      node.suspect_until = std::max(node.suspect_until, deadline);
     }
     if (failure.ok()) {
       RetryPendingFreesLocked(node);
@@ -160,23 +186,35 @@ void Cluster::Heartbeat(Node& node) {
   }
 
   // The connection is gone: try to reopen it before the failure deadline. A refused connection
-  // means the daemon is gone now; a slow one gets until the deadline.
+  // means the daemon is gone now; a slow one gets until the deadline, moved on by whatever this
+  // process lost to its own stalls meanwhile, and at least the re-probe's share of the window.
+  {
+    const std::chrono::nanoseconds now_stalled = stalled_since_contact();
+    if (now_stalled > stalled) {
+      deadline += std::chrono::duration_cast<Clock::duration>(now_stalled - stalled);
+      stalled = now_stalled;
+    }
+  }
   const Clock::time_point now = Clock::now();
   const milliseconds timeout =
-      std::clamp(Remaining(deadline, now), milliseconds(50), options_.connect_timeout);
+      std::clamp(Remaining(deadline, now), std::min(reprobe, options_.connect_timeout),
+                 options_.connect_timeout);
   auto conn = ConnectTo(node.endpoint, timeout);
   if (conn) {
     if (Adopt(node, std::move(*conn))) {
       auto reply = node.conn->Call(wire::Opcode::kHeartbeat, {}, options_.op_timeout);
       CollectPushes(node);
       if (!reply && internal::IsTransportFailure(reply.error(), *node.conn)) node.conn.reset();
+      if (node.conn) ReclaimRetainedLocked(node);
       if (node.conn) RetryPendingFreesLocked(node);
     }
     return;
   }
   Status reason = Status(conn.error().code(), fmt::format("{}; reconnecting: {}", failure.message(),
                                                           conn.error().message()));
-  if (conn.error().code() != StatusCode::kDeadlineExceeded || Clock::now() >= deadline) {
+  // (The connect timeout is whole milliseconds: it may end a little before the deadline.)
+  if (conn.error().code() != StatusCode::kDeadlineExceeded ||
+      Clock::now() + milliseconds(2) >= deadline) {
     MarkDown(node, std::move(reason));
   } else {
     MutexLock lock(&mu_);
@@ -197,7 +235,11 @@ void Cluster::Reconnect(Node& node) {
     node.last_error = conn.error();
     // Refused is cheap to retry; a timeout costs this thread connect_timeout, so back off.
     if (conn.error().code() == StatusCode::kDeadlineExceeded) {
-      node.reconnect_backoff = std::min(2 * node.reconnect_backoff, 8 * reconnect_interval_);
+      // While it may still hold our leases (a pause, a false down), keep trying often enough to
+      // get them back before its lease TTL runs out.
+      const milliseconds cap =
+          node.retained.empty() ? 8 * reconnect_interval_ : 2 * reconnect_interval_;
+      node.reconnect_backoff = std::min(2 * node.reconnect_backoff, cap);
     } else {
       node.reconnect_backoff = reconnect_interval_;
     }
@@ -211,6 +253,7 @@ void Cluster::Reconnect(Node& node) {
     node.conn.reset();
     return;
   }
+  ReclaimRetainedLocked(node);  // the HEARTBEAT above renewed them, if they are still there
   RetryPendingFreesLocked(node);
   auto stat = node.conn ? node.conn->Call(wire::Opcode::kStat, {}, options_.op_timeout)
                         : Result<std::vector<uint8_t>>(Err(Unavailable("")));
@@ -240,17 +283,20 @@ bool Cluster::Adopt(Node& node, TcpConnection conn) {
   }
   const bool was_alive = node.alive;
   if (node.daemon_id != 0 && node.daemon_id != daemon_id) {
-    // A new incarnation knows nothing of this client: every lease there is gone (zeroed).
+    // A new incarnation knows nothing of this client: every lease there is gone (zeroed), also
+    // those retained since the node was declared down.
     std::vector<uint64_t> lost(node.leases.begin(), node.leases.end());
+    lost.insert(lost.end(), node.retained.begin(), node.retained.end());
     node.lost.insert(node.leases.begin(), node.leases.end());
     node.leases.clear();
+    node.retained.clear();
     node.to_free.clear();
     // Nor is the data-path suspicion of the old process (Cluster::ReportFailure) about this one.
     node.suspect_until = {};
     node.suspect_window = std::chrono::milliseconds(0);
     Status reason = Expired(fmt::format("the daemon at {} restarted (node id {:#x} -> {:#x})",
                                         node.endpoint.ToString(), node.daemon_id, daemon_id));
-    if (was_alive && !lost.empty()) {
+    if (!lost.empty()) {
       spdlog::warn("farmem client: {}; leases lost: [{}]", reason.message(),
                    internal::FormatLeaseIds(lost));
       Emit(Event{EventType::kLeasesLost, node.id, node.endpoint, std::move(lost), 0, reason, {}});
@@ -261,6 +307,7 @@ bool Cluster::Adopt(Node& node, TcpConnection conn) {
   internal::WarnOnVersionMismatch(node.endpoint, conn.hello());
   node.alive = true;
   node.last_contact = now;
+  node.stall_at_contact = stall_meter_->total();
   node.last_error = Status::Ok();
   node.reconnect_backoff = reconnect_interval_;
   node.conn.emplace(std::move(conn));
@@ -284,11 +331,19 @@ void Cluster::MarkDown(Node& node, Status reason) {
   node.next_reconnect = Clock::now() + reconnect_interval_;
   std::vector<uint64_t> lost(node.leases.begin(), node.leases.end());
   node.lost.insert(node.leases.begin(), node.leases.end());
-  // If the same daemon answers again before it expires them, give them back.
-  node.to_free.insert(node.to_free.end(), node.leases.begin(), node.leases.end());
+  // Not freed: the same daemon process may answer again with them intact (it was only slow, or
+  // paused); ReclaimRetainedLocked hands them back then. Its lease TTL after its last answer,
+  // it has ended them (ExpireRetained). A borrower that replaces one meanwhile frees it (Free
+  // moves it to to_free).
+  node.retained.insert(node.leases.begin(), node.leases.end());
+  const milliseconds ttl =
+      node.lease_ttl_ms != 0 ? milliseconds(node.lease_ttl_ms) : kDefaultLeaseTtl;
+  node.retained_until = std::max(node.retained_until, node.last_contact + ttl);
   node.leases.clear();
-  spdlog::warn("farmem client: {} is down ({}); leases lost: [{}]", node.name(), reason.ToString(),
-               internal::FormatLeaseIds(lost));
+  spdlog::warn(
+      "farmem client: {} is down ({}); leases unreachable, kept in case it answers again "
+      "within its lease TTL ({} ms): [{}]",
+      node.name(), reason.ToString(), ttl.count(), internal::FormatLeaseIds(lost));
   Emit(Event{
       EventType::kNodeDown, node.id, node.endpoint, std::move(lost), 0, std::move(reason), {}});
 }
@@ -312,6 +367,76 @@ void Cluster::RetryPendingFreesLocked(Node& node) {
     spdlog::warn("farmem client: freeing leftover leases [{}] on {}: {}",
                  internal::FormatLeaseIds(ids), node.name(), st.ToString());
   }
+}
+
+void Cluster::ReclaimRetainedLocked(Node& node) {
+  // Every caller holds call_mu; REQUIRES(node.call_mu) cannot be written in cluster.h, where
+  // Node is incomplete.
+  node.call_mu.AssertHeld();
+  std::vector<uint64_t> ids;
+  {
+    MutexLock lock(&mu_);
+    ids.assign(node.retained.begin(), node.retained.end());
+  }
+  if (ids.empty() || !node.conn) return;
+  // The same process answered (Adopt saw its node id): ask it about each lease with a one-byte
+  // READ, which the daemon serves only for a lease this client still holds.
+  std::vector<uint64_t> held, gone;
+  Status why;
+  for (uint64_t id : ids) {
+    uint8_t body[wire::kDataOpSize];
+    wire::EncodeDataOp(wire::DataOp{id, 0, 1}, body);
+    auto r = CallLocked(node, wire::Opcode::kRead, {body, sizeof body});
+    if (r) {
+      held.push_back(id);
+    } else if (!node.conn) {
+      return;  // the connection failed: the rest stay retained, asked again at the next return
+    } else {
+      gone.push_back(id);
+      if (why.ok()) why = r.error();
+    }
+  }
+  MutexLock lock(&mu_);
+  std::vector<uint64_t> back, lost;
+  for (uint64_t id : held) {
+    if (node.retained.erase(id) == 0) continue;  // freed meanwhile: it is in to_free
+    node.lost.erase(id);
+    node.leases.insert(id);
+    back.push_back(id);
+  }
+  for (uint64_t id : gone) {
+    if (node.retained.erase(id) > 0) lost.push_back(id);  // stays in `lost` for Free
+  }
+  if (!back.empty()) {
+    spdlog::info(
+        "farmem client: {} answered again as the same daemon (node id {:#x}); it still holds "
+        "leases [{}]: they were not lost",
+        node.name(), node.daemon_id, internal::FormatLeaseIds(back));
+    Emit(Event{
+        EventType::kLeasesReturned, node.id, node.endpoint, std::move(back), 0, Status::Ok(), {}});
+  }
+  if (!lost.empty()) {
+    Status reason =
+        Expired(fmt::format("{} answered again but no longer holds leases [{}]: {}", node.name(),
+                            internal::FormatLeaseIds(lost), why.ToString()));
+    spdlog::warn("farmem client: {}", reason.message());
+    Emit(Event{
+        EventType::kLeasesLost, node.id, node.endpoint, std::move(lost), 0, std::move(reason), {}});
+  }
+}
+
+void Cluster::ExpireRetained(Node& node) {
+  if (node.alive || node.retained.empty() || Clock::now() < node.retained_until) return;
+  std::vector<uint64_t> lost(node.retained.begin(), node.retained.end());
+  node.retained.clear();
+  // Should it answer after all, tell it to let go of them (it has, unless it was stopped).
+  node.to_free.insert(node.to_free.end(), lost.begin(), lost.end());
+  Status reason = Expired(
+      fmt::format("{} has not answered for longer than its lease TTL: it has ended leases [{}]",
+                  node.name(), internal::FormatLeaseIds(lost)));
+  spdlog::warn("farmem client: {}", reason.message());
+  Emit(Event{
+      EventType::kLeasesLost, node.id, node.endpoint, std::move(lost), 0, std::move(reason), {}});
 }
 
 void Cluster::CollectPushes(Node& node) {

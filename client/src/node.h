@@ -43,6 +43,12 @@ struct Cluster::Node {
   std::set<uint64_t> leases;  // granted to this client there and not freed
   // Reported lost (kNodeDown / kLeasesLost) and not yet passed to Free(): Free accepts them.
   std::set<uint64_t> lost;
+  // Reported in kNodeDown but maybe still held by the same daemon process (a false down, a
+  // pause): a subset of `lost`, neither freed nor given up until the daemon answers again
+  // (ReclaimRetainedLocked) or `retained_until` passes (its lease TTL after the last answer).
+  // Free() of one moves it to to_free.
+  std::set<uint64_t> retained;
+  Clock::time_point retained_until{};
   // Under an EVICT_NOTICE: lease id -> when the daemon ends it (if still held then).
   std::map<uint64_t, Clock::time_point> noticed;
   // The daemon may still hold these although nobody wants them (a FREE that could not be sent,
@@ -53,6 +59,9 @@ struct Cluster::Node {
   bool warned_lease_mismatch = false;
   Status last_error;
   Clock::time_point last_contact{};
+  // StallMeter::total() at last_contact: what the client lost to its own stalls since then is
+  // added to the failure deadline.
+  std::chrono::nanoseconds stall_at_contact{0};
   Clock::time_point next_reconnect{};
   std::chrono::milliseconds reconnect_backoff{0};
   bool probe = false;  // ReportFailure or a failed call asked for a heartbeat now

@@ -363,6 +363,7 @@ RemoteStoreStats RemoteStore::stats() const {
   s.reprotect_last_ms = reprotect_last_ms_;
   s.reprotect_max_ms = reprotect_max_ms_;
   s.members_failed = members_failed_;
+  s.members_revalidated = members_revalidated_;
   s.members_moved = moved_;
   s.move_last_ms = move_last_ms_;
   s.move_max_ms = move_max_ms_;
@@ -392,6 +393,29 @@ void RemoteStore::MarkFailed(Group* g, int m, uint64_t lease_id, const Status& w
   recovery_cv_.SignalAll();
 }
 
+bool RemoteStore::RevalidateLocked(Group* g, int m) {
+  const uint32_t bit = 1u << m;
+  const client::Lease& l = g->members[static_cast<size_t>(m)];
+  if (Vacant(l) || (g->failed_mask & bit) == 0 || (g->lost_mask & bit) != 0 ||
+      (g->stale_mask & bit) != 0 || g->rebuilding) {
+    return false;
+  }
+  if (cluster_->GetLeaseState(l) != client::LeaseState::kHeld) return false;
+  const client::NodeInfo node = cluster_->node(l.node);
+  if (!node.alive || node.suspect || node.daemon_id != g->daemon_ids[static_cast<size_t>(m)]) {
+    return false;
+  }
+  g->failed_mask &= ~bit;
+  g->degraded_logged = false;
+  ++g->epoch;
+  ++members_revalidated_;
+  spdlog::info(
+      "far memory: slab group {} member {} ({}) is in use again: its daemon answered "
+      "with the lease, and no span set was written past it",
+      g->id, m, MemberName(l));
+  return true;
+}
+
 void RemoteStore::QueueLocked(Group* g) {
   if (g->queued) return;
   g->queued = true;
@@ -410,6 +434,26 @@ void RemoteStore::OnClusterEvent(const client::Event& ev) {
     recovery_cv_.SignalAll();
   }
   if (ev.lease_ids.empty()) return;
+  if (ev.type == client::EventType::kLeasesReturned) {
+    // Declared down, but the same daemon process answered with these leases: members no
+    // re-protection replaced yet and no set went past are used again as they were.
+    size_t back = 0;
+    {
+      MutexLock lock(&mu_);
+      for (uint64_t id : ev.lease_ids) {
+        auto it = by_lease_.find(id);
+        if (it == by_lease_.end()) continue;
+        auto [g, m] = it->second;
+        if (g->members[static_cast<size_t>(m)].node != ev.node) continue;
+        if (RevalidateLocked(g, m)) ++back;
+      }
+      retry_all_ = true;  // stale ones: rebuild them now
+    }
+    spdlog::info("far memory: {} leases came back with their daemon; {} members in use again",
+                 ev.lease_ids.size(), back);
+    recovery_cv_.SignalAll();
+    return;
+  }
   if (ev.type == client::EventType::kEvictNotice) {
     // Not a failure: the member stays readable until the deadline and is moved meanwhile.
     OnEvictNotice(ev);

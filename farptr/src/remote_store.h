@@ -86,10 +86,13 @@ struct Group {
   std::vector<client::Lease> members;  // k + r; Vacant() ones were never placed (failed)
   std::vector<uint64_t> daemon_ids;    // each member's daemon incarnation (HELLO id) when placed
   std::vector<Clock::time_point> failed_since;  // when each failed member failed (or was vacant)
-  uint32_t failed_mask = 0;    // members whose slab is gone (or vacant), not yet re-protected
-  uint32_t lost_mask = 0;      // members given up for good (none, or too many failures)
-  uint32_t evicted_mask = 0;   // noticed for eviction: not re-placed on that daemon
-  uint32_t leaving_mask = 0;   // noticed, still readable, waiting to be moved (no new rows here)
+  uint32_t failed_mask = 0;   // members whose slab is gone (or vacant), not yet re-protected
+  uint32_t lost_mask = 0;     // members given up for good (none, or too many failures)
+  uint32_t evicted_mask = 0;  // noticed for eviction: not re-placed on that daemon
+  uint32_t leaving_mask = 0;  // noticed, still readable, waiting to be moved (no new rows here)
+  // Failed members that missed a span set written degraded meanwhile: rebuilt, never used
+  // again as they are even if their daemon answers again with the lease (kLeasesReturned).
+  uint32_t stale_mask = 0;
   std::vector<SpanSet*> rows;  // nullptr: free row
   uint32_t used_rows = 0;
   bool rebuilding = false;       // a member's cells are being rebuilt: no new rows are placed here
@@ -134,6 +137,9 @@ struct RemoteStoreStats {
   uint64_t move_max_ms = 0;
   uint64_t move_min_slack_ms = 0;  // the least time left before a deadline when a move finished
   uint64_t moves_pending = 0;      // now: noticed members not moved yet
+  // Failed members used again as they were: their daemon was declared down (or failed an op)
+  // but the same process answered again with the lease, and no set was written past them.
+  uint64_t members_revalidated = 0;
 };
 
 class RemoteStore {
@@ -267,6 +273,11 @@ class RemoteStore {
               std::span<Status> results);
   // Notes that member `m` of `g` failed (if it still holds `lease_id`), queues re-protection.
   void MarkFailed(Group* g, int m, uint64_t lease_id, const Status& why);
+  // Uses failed member m of g again as it is (mu_ held) if it missed no span set, is not being
+  // rebuilt, and (with `lease_state`, else the cluster is asked) its lease is held on a daemon
+  // that is up and not suspect. Bumps the epoch: a set being written degraded past it now is
+  // placed elsewhere. True if it did.
+  bool RevalidateLocked(Group* g, int m) REQUIRES(mu_);
   // Sends bodies[i] as `op` to nodes[i] on the offload connections, all before waiting for any
   // reply, then collects every reply. Returns the first error (replies to the others are still
   // read, so the connections stay in step).
@@ -350,6 +361,7 @@ class RemoteStore {
   uint64_t reprotect_last_ms_ GUARDED_BY(mu_) = 0;
   uint64_t reprotect_max_ms_ GUARDED_BY(mu_) = 0;
   uint64_t members_failed_ GUARDED_BY(mu_) = 0;
+  uint64_t members_revalidated_ GUARDED_BY(mu_) = 0;
   uint64_t moved_ GUARDED_BY(mu_) = 0;
   uint64_t move_last_ms_ GUARDED_BY(mu_) = 0;
   uint64_t move_max_ms_ GUARDED_BY(mu_) = 0;

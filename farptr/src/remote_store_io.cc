@@ -148,6 +148,7 @@ Result<SpanSet*> RemoteStore::WriteSet(IoContext& io, std::span<const uint8_t* c
         continue;
       }
       if (absent != 0) ++degraded_sets_written_;
+      g->stale_mask |= absent;  // those members miss this set's cells
       set->writing = false;
       set->live_mask = live;
       for (size_t i = 0; i < spans.size(); ++i)

@@ -291,6 +291,7 @@ void RemoteStore::Move(IoContext& io, PendingMove mv) {
       g->daemon_ids[static_cast<size_t>(j)] = daemon_id;
       by_lease_[fresh->id()] = {g, j};
       g->failed_mask &= ~bit;
+      g->stale_mask &= ~bit;
       g->evicted_mask &= ~bit;
       g->leaving_mask &= ~bit;
       ++g->epoch;

@@ -65,6 +65,11 @@ void RemoteStore::Reprotect(IoContext& io, Group* g) {
   size_t used_rows = 0;
   {
     MutexLock lock(&mu_);
+    // Members that failed on an op, or with their daemon declared down, whose daemon answers
+    // again with the lease and that missed nothing: used again rather than rebuilt.
+    for (int m = 0; m < n; ++m) {
+      if (((g->failed_mask >> m) & 1) != 0) (void)RevalidateLocked(g, m);
+    }
     members = g->members;
     failed = g->failed_mask;
     lost = g->lost_mask;
@@ -77,6 +82,16 @@ void RemoteStore::Reprotect(IoContext& io, Group* g) {
                                ? std::popcount(live) >= res_.k
                                : (res_.mode == SpanResilience::Mode::kReplicate && live != 0);
   if (!recoverable) {
+    // Nothing else holds the data. A member whose lease may still come back (its daemon was
+    // declared down but may answer again as the same process) is waited for: giving it up now
+    // would turn a false down into lost objects. Derefs of its sets fail meanwhile; the cluster
+    // says kLeasesReturned or kLeasesLost (then the next pass gives it up).
+    for (int m = 0; m < n; ++m) {
+      if (((failed >> m) & 1) == 0 || Vacant(members[static_cast<size_t>(m)])) continue;
+      if (cluster_->GetLeaseState(members[static_cast<size_t>(m)]) != client::LeaseState::kGone) {
+        return;
+      }
+    }
     MutexLock lock(&mu_);
     g->lost_mask |= failed;
     g->failed_mask = 0;
@@ -156,6 +171,11 @@ void RemoteStore::Reprotect(IoContext& io, Group* g) {
 
   for (int j = 0; j < n; ++j) {
     if (((failed >> j) & 1) == 0) continue;
+    const client::Lease& was = members[static_cast<size_t>(j)];
+    if (!Vacant(was) && cluster_->GetLeaseState(was) == client::LeaseState::kRetained &&
+        cluster_->node(was.node).alive) {
+      continue;  // its daemon answers again and is being asked for the lease: wait for that
+    }
     std::vector<client::NodeId> avoid = exclude;
     if (((evicted >> j) & 1) != 0) avoid.push_back(members[static_cast<size_t>(j)].node);
     Result<client::Lease> fresh = cluster_->AllocateExcluding(avoid);
@@ -209,6 +229,7 @@ void RemoteStore::Reprotect(IoContext& io, Group* g) {
       g->daemon_ids[static_cast<size_t>(j)] = daemon_id;
       by_lease_[fresh->id()] = {g, j};
       g->failed_mask &= ~(1u << j);
+      g->stale_mask &= ~(1u << j);
       g->evicted_mask &= ~(1u << j);
       g->degraded_logged = false;
       g->rebuilding = false;

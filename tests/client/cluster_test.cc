@@ -429,7 +429,10 @@ TEST(Cluster, QuickRestartReportsEveryLeaseThereAsLost) {
   EXPECT_EQ(FreeSlabs(*c, 0), 16u);
 }
 
-TEST(Cluster, HungDaemonIsDeclaredDownAndItsLeasesAreReturnedWhenItWakes) {
+// A false down is not a loss (issue #11): the same daemon (same node id) answering again still
+// holds the leases reported in kNodeDown, so the client keeps them (kLeasesReturned) rather than
+// FREEing them; the borrower frees them only if it replaced them meanwhile.
+TEST(Cluster, HungDaemonIsDeclaredDownAndKeepsItsLeasesWhenItWakes) {
   DaemonSet daemons;
   ASSERT_TRUE(daemons.Start(2).ok());
   auto c = MustConnect(OptionsFor(daemons), daemons);
@@ -438,19 +441,52 @@ TEST(Cluster, HungDaemonIsDeclaredDownAndItsLeasesAreReturnedWhenItWakes) {
   auto leases = c->AllocateGroup(2);
   ASSERT_TRUE(leases.has_value()) << leases.error().ToString();
   const std::set<uint64_t> on_1 = IdsOn(*leases, 1);
+  const Lease& lease_1 = (*leases)[0].node == 1 ? (*leases)[0] : (*leases)[1];
 
   daemons[1].Pause();  // accepts TCP connections, answers nothing
   auto down = log->WaitFor(EventType::kNodeDown, 1, kFailureTimeout + kSlack);
+  EXPECT_EQ(c->GetLeaseState(lease_1), LeaseState::kRetained);
   daemons[1].Resume();
   ASSERT_TRUE(down.has_value()) << "no kNodeDown for a hung daemon";
   EXPECT_EQ(std::set<uint64_t>(down->lease_ids.begin(), down->lease_ids.end()), on_1);
   EXPECT_TRUE(c->node(0).alive);
 
-  // Same daemon (same node id) comes back: the client gives back the leases it dropped.
-  auto up = log->WaitFor(EventType::kNodeUp, 1, kSlack * 2);
-  ASSERT_TRUE(up.has_value()) << "no kNodeUp after SIGCONT";
-  WaitUntil([&] { return FreeSlabs(*c, 1) == 16u; }, kSlack);
+  // Same daemon (same node id) comes back: its leases are this client's again, contents intact.
+  auto back = log->WaitFor(EventType::kLeasesReturned, 1, kSlack * 2);
+  ASSERT_TRUE(back.has_value()) << "no kLeasesReturned after SIGCONT";
+  EXPECT_EQ(std::set<uint64_t>(back->lease_ids.begin(), back->lease_ids.end()), on_1);
+  EXPECT_EQ(c->GetLeaseState(lease_1), LeaseState::kHeld);
+  EXPECT_EQ(c->node(1).leases_held, on_1.size());
+  EXPECT_EQ(FreeSlabs(*c, 1), 16u - on_1.size());
+  // And they are freed like any other.
+  ASSERT_TRUE(c->Free({&lease_1, 1}).ok());
   EXPECT_EQ(FreeSlabs(*c, 1), 16u);
+}
+
+// A lease the borrower replaced (and freed) while its daemon was down is FREEd when the same
+// daemon answers again; the others come back.
+TEST(Cluster, LeaseFreedWhileItsDaemonIsDownIsFreedWhenItAnswers) {
+  DaemonSet daemons;
+  ASSERT_TRUE(daemons.Start(2).ok());
+  auto c = MustConnect(OptionsFor(daemons), daemons);
+  ASSERT_TRUE(c);
+  auto log = Record(*c);
+  std::vector<Lease> on_1;
+  while (on_1.size() < 2) {
+    auto got = c->Allocate(1);
+    ASSERT_TRUE(got.has_value()) << got.error().ToString();
+    if (got->front().node == 1) on_1.push_back(got->front());
+  }
+  daemons[1].Pause();
+  ASSERT_TRUE(log->WaitFor(EventType::kNodeDown, 1, kFailureTimeout + kSlack).has_value());
+  Status freed = c->Free({&on_1[0], 1});  // replaced elsewhere by its borrower, say
+  EXPECT_EQ(c->GetLeaseState(on_1[0]), LeaseState::kGone);
+  daemons[1].Resume();
+  auto back = log->WaitFor(EventType::kLeasesReturned, 1, kSlack * 2);
+  ASSERT_TRUE(back.has_value()) << "no kLeasesReturned after SIGCONT (" << freed.ToString() << ")";
+  EXPECT_EQ(back->lease_ids, std::vector<uint64_t>{on_1[1].id()});
+  WaitUntil([&] { return FreeSlabs(*c, 1) == 15u; }, kSlack);
+  EXPECT_EQ(FreeSlabs(*c, 1), 15u);
 }
 
 // Freeing a lease lost with a hung (SIGSTOPped) daemon has nothing to send: it must not wait for

@@ -11,10 +11,19 @@
 //   - keeping leases alive: one background thread heartbeats every live daemon, since a daemon
 //     reclaims (and zeroes) every lease of a client whose heartbeats stop;
 //   - knowing when leases are gone: a daemon that stops answering or whose connection breaks and
-//     cannot be reopened is declared down (kNodeDown, listing the leases lost there); a daemon
-//     that restarted (new node id in HELLO) lost this client's leases (kLeasesLost); a daemon under
-//     memory pressure announces evictions (kEvictNotice). The owner of the data reacts: moves it,
-//     rebuilds it from parity, or gives up.
+//     cannot be reopened is declared down (kNodeDown, listing the leases unreachable there); a
+//     daemon that restarted (new node id in HELLO) lost this client's leases (kLeasesLost); a
+//     daemon under memory pressure announces evictions (kEvictNotice). The owner of the data
+//     reacts: moves it, rebuilds it from parity, or gives up.
+//   - a false down is not a loss: the leases of a daemon declared down are retained (not freed)
+//     until the daemon answers again or its lease TTL has passed since its last answer. If the
+//     same daemon process answers (same HELLO node id), each retained lease is checked there and
+//     handed back (kLeasesReturned) or reported gone (kLeasesLost); if a new process answers, or
+//     the TTL passed, they are all reported gone (kLeasesLost). See LeaseState.
+//   - not blaming a daemon for our own stalls: a process-wide stall meter measures how late this
+//     process's own timers ran; the time the client itself did not run extends a heartbeat's
+//     failure deadline, and a heartbeat that timed out leaves the node suspect and re-probes it
+//     (a fresh connection and HELLO) before it is declared down.
 //   - data channels to a node, with the same identity (OpenChannel).
 //
 // Ownership: a Cluster owns one control connection per daemon, the bookkeeping of every lease it
@@ -50,6 +59,10 @@
 #include "farmem/transport/transport.h"
 
 namespace farmem::client {
+
+namespace internal {
+class StallMeter;  // client/src/stall_meter.h
+}
 
 // How often a borrower waiting for data ops checks whether their daemon was declared down
 // meanwhile. A daemon that stops answering but keeps its sockets open (SIGSTOP, a partition: a
@@ -120,6 +133,13 @@ struct NodeInfo {
 // What a client can wait for a node to be (Cluster::WaitForNode): answering, or declared down.
 enum class NodeState { kUp, kDown };
 
+// What the client knows of one of its leases (Cluster::LeaseState).
+enum class LeaseState {
+  kHeld,      // its daemon is up and the lease was not reported lost
+  kRetained,  // its daemon is down, but the same process may answer again with it (kNodeDown)
+  kGone,      // reported lost for good (restart, expiry, eviction), freed, or never granted
+};
+
 enum class EventType {
   kNodeDown,    // the node is unreachable; lease_ids (held there) are gone for this client
   kNodeUp,      // a node answered again, or a new one joined (DNS refresh)
@@ -130,6 +150,12 @@ enum class EventType {
   // held at the deadline is ended by the daemon (reads and writes on it fail with Expired, never
   // other data) and reported here once more as kLeasesLost, within a heartbeat interval.
   kEvictNotice,
+  // The node was declared down (kNodeDown listed lease_ids) but the same daemon process (same
+  // HELLO node id) answered again and still holds lease_ids, contents intact: they are this
+  // client's again. A borrower that has not replaced those members yet may use them again, but
+  // only if no write went past them while they were down (else resync or rebuild them first);
+  // one that replaced them frees them (Free) as usual.
+  kLeasesReturned,
 };
 const char* EventTypeName(EventType type);
 
@@ -176,6 +202,11 @@ class Cluster {
   // it. For tests and tools that must wait for the client to notice a failure or a return.
   // DeadlineExceeded after `timeout` (saying what the node is), NotFound for an unknown id.
   Status WaitForNode(NodeId id, NodeState state, std::chrono::milliseconds timeout) const;
+
+  // Whether the lease can still come back (see LeaseState): a borrower that cannot rebuild a
+  // member elsewhere (resilience none, too many members down) waits while it is kRetained rather
+  // than declaring its data lost.
+  LeaseState GetLeaseState(const Lease& lease) const;
 
   // Asks the daemon now (also refreshes node(id).stat).
   Result<wire::StatReply> Stat(NodeId id);
@@ -301,6 +332,12 @@ class Cluster {
   // False if the daemon turned out to be another node's (an alias); the connection is dropped.
   bool Adopt(Node& node, transport::TcpConnection conn);
   void RetryPendingFreesLocked(Node& node);
+  // After a reconnect to the same daemon process: checks each retained lease there (a one-byte
+  // READ) and hands it back (kLeasesReturned) or reports it gone (kLeasesLost).
+  void ReclaimRetainedLocked(Node& node);
+  // A down node's retained leases whose TTL passed since its last answer: the daemon has ended
+  // them (or will as soon as it runs): kLeasesLost.
+  void ExpireRetained(Node& node) REQUIRES(mu_);
   void CollectPushes(Node& node);  // EVICT_NOTICE pushes read during a call become events
   // Noticed leases still held after their deadline: the daemon ended them (kLeasesLost).
   void ExpireNoticed(Node& node);
@@ -315,6 +352,8 @@ class Cluster {
   std::unique_ptr<transport::Transport> transport_;
   std::unique_ptr<transport::Transport> verbs_;  // null: transport=tcp, or no RDMA device here
   std::chrono::milliseconds reconnect_interval_;
+  // How long this process did not run (failure detection does not count it against daemons).
+  std::unique_ptr<internal::StallMeter> stall_meter_;
 
   // Lock order: Node::call_mu, then mu_. dispatch_mu_, then subs_mu_ (never with the others).
   mutable Mutex mu_;
