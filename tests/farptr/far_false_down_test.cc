@@ -28,12 +28,7 @@ TEST_F(FarFalseDownTest, NoneSurvivesPauseLongerThanFailureTimeout) {
   ASSERT_TRUE(rt_->EvictUntil(0).ok());
   ASSERT_GT(rt_->stats().remote_spans, 0u);
 
-  const std::vector<std::vector<Endpoint>> layout = rt_->span_set_layout();
-  ASSERT_FALSE(layout.empty());
-  size_t victim = daemons_->size();
-  for (size_t d = 0; d < daemons_->size(); ++d) {
-    if ((*daemons_)[d].endpoint() == layout[0][0]) victim = d;
-  }
+  const size_t victim = DaemonOfFirstMember();
   ASSERT_LT(victim, daemons_->size());
   client::Cluster& cluster = rt_->cluster();
   client::NodeId node = 0;

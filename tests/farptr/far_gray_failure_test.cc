@@ -58,12 +58,7 @@ TEST_F(FarGrayFailureTest, PausedDaemonsSpansAreReadDegradedWithoutWaitingForOpT
 
   // Pause the daemon holding the first group's data member (the replica derefs read), so some
   // derefs must be served by the other replica.
-  const std::vector<std::vector<Endpoint>> layout = rt_->span_set_layout();
-  ASSERT_FALSE(layout.empty());
-  size_t victim = daemons_->size();
-  for (size_t d = 0; d < daemons_->size(); ++d) {
-    if ((*daemons_)[d].endpoint() == layout[0][0]) victim = d;
-  }
+  const size_t victim = DaemonOfFirstMember();
   ASSERT_LT(victim, daemons_->size());
   client::NodeId paused_node = 0;
   bool found = false;

@@ -106,6 +106,17 @@ class FarptrTest : public ::testing::Test {
     }
   }
 
+  // The index of the daemon holding member 0 of the first slab group (the group the first objects
+  // were evicted to, full of rows); daemons_->size() when nothing is out yet.
+  size_t DaemonOfFirstMember() const {
+    const std::vector<std::vector<Endpoint>> layout = rt_->span_set_layout();
+    if (layout.empty() || layout[0].empty()) return daemons_->size();
+    for (size_t d = 0; d < daemons_->size(); ++d) {
+      if ((*daemons_)[d].endpoint() == layout[0][0]) return d;
+    }
+    return daemons_->size();
+  }
+
   // Another client ("filler") connected to daemon d only, so that it can take that daemon's room.
   std::unique_ptr<client::Cluster> ConnectFiller(size_t d) {
     client::ClusterOptions co;
