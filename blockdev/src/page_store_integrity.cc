@@ -195,6 +195,9 @@ Status PageStore::RecoverPage(Worker& w, Piece& p, uint64_t page) {
       // The members that gave a bad copy are failed members: re-protection rewrites them from
       // the good ones (or the backup file).
       if (bad != 0) {
+        // Stale too: their bytes cannot be trusted, so the reconcile pass must rebuild them and
+        // never use them again as they are (it revalidates failed members whose lease is held).
+        e.stale.fetch_or(bad, std::memory_order_acq_rel);
         e.failed.fetch_or(bad, std::memory_order_acq_rel);
         NoteDegraded();
         QueueRebuild(p.index);

@@ -20,6 +20,9 @@ bool RemoteStore::ReportCorrupt(SpanSet* set, int member, const Status& why) {
     const int tolerance = res_.width() - MinMembers();
     if (std::popcount(bad | bit) > tolerance) return false;
     lease_id = g->members[static_cast<size_t>(member)].id();
+    // Its bytes cannot be trusted any more: it is rebuilt, never used again as it is (the
+    // recovery loop would otherwise revalidate a failed member whose lease is still held).
+    g->stale_mask |= bit;
   }
   MarkFailed(g, member, lease_id, why);
   MutexLock lock(&mu_);

@@ -83,7 +83,7 @@ Result<NbdTestClient> StuckClient(const std::string& socket, int reads, uint64_t
 // `endpoint`, or -1 while there is none.
 int LeasesLostOn(const std::string& log, const std::string& endpoint) {
   const std::regex down("\\(" + std::regex_replace(endpoint, std::regex("\\."), "\\.") +
-                        "\\) is down .*leases lost: \\[([^\\]]*)\\]");
+                        "\\) is down .*leases (?:lost|unreachable, kept[^:]*): \\[([^\\]]*)\\]");
   std::smatch m;
   if (!std::regex_search(log, m, down)) return -1;
   const std::string ids = m[1].str();

@@ -10,11 +10,14 @@ namespace farmem::chaos {
 
 namespace {
 
-// "farmem client: node 2 (127.0.0.1:4711) is down (...); leases lost: [0x1, 0x2 and 7 more]"
-// (client/src/cluster_monitor.cc, MarkDown), and the restart case found before the failure was:
+// "farmem client: node 2 (127.0.0.1:4711) is down (...); leases unreachable, kept in case it
+// answers again within its lease TTL (10000 ms): [0x1, 0x2 and 7 more]" (client/src/
+// cluster_monitor.cc, MarkDown; "leases lost: [...]" when they cannot come back), and the restart
+// case found before the failure was:
 // "farmem client: the daemon at 127.0.0.1:4711 restarted (...); leases lost: [...]" (Adopt).
 const std::regex kDownPatterns[] = {
-    std::regex(R"(farmem client: node \d+ \(([^)]+)\) is down .*leases lost: \[(.*)\])"),
+    std::regex(
+        R"(farmem client: node \d+ \(([^)]+)\) is down .*leases (?:lost|unreachable, kept[^:]*): \[(.*)\])"),
     std::regex(R"(farmem client: the daemon at (\S+) restarted .*leases lost: \[(.*)\])"),
 };
 
