@@ -233,6 +233,12 @@ void Cluster::Reconnect(Node& node) {
   if (!conn) {
     MutexLock lock(&mu_);
     node.last_error = conn.error();
+    // Refused: nothing listens there, so the process that held the leases is gone (a paused or
+    // slow one still has its listener): they cannot come back, stop waiting for its TTL.
+    if (IsConnectionRefused(conn.error()) && !node.retained.empty()) {
+      node.retained_until = Clock::now();
+      ExpireRetained(node, "refuses connections (its process is gone)");
+    }
     // Refused is cheap to retry; a timeout costs this thread connect_timeout, so back off.
     if (conn.error().code() == StatusCode::kDeadlineExceeded) {
       // While it may still hold our leases (a pause, a false down), keep trying often enough to
@@ -425,15 +431,16 @@ void Cluster::ReclaimRetainedLocked(Node& node) {
   }
 }
 
-void Cluster::ExpireRetained(Node& node) {
+void Cluster::ExpireRetained(Node& node, std::string_view why) {
   if (node.alive || node.retained.empty() || Clock::now() < node.retained_until) return;
   std::vector<uint64_t> lost(node.retained.begin(), node.retained.end());
   node.retained.clear();
   // Should it answer after all, tell it to let go of them (it has, unless it was stopped).
   node.to_free.insert(node.to_free.end(), lost.begin(), lost.end());
-  Status reason = Expired(
-      fmt::format("{} has not answered for longer than its lease TTL: it has ended leases [{}]",
-                  node.name(), internal::FormatLeaseIds(lost)));
+  Status reason = Expired(fmt::format(
+      "{} {}: it has ended leases [{}]", node.name(),
+      why.empty() ? std::string_view("has not answered for longer than its lease TTL") : why,
+      internal::FormatLeaseIds(lost)));
   spdlog::warn("farmem client: {}", reason.message());
   Emit(Event{
       EventType::kLeasesLost, node.id, node.endpoint, std::move(lost), 0, std::move(reason), {}});

@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <climits>
+#include <cstring>
 
 namespace farmem {
 
@@ -241,6 +242,12 @@ Status SetReceiveTimeout(int fd, std::chrono::milliseconds timeout) {
 Status RecvExact(int fd, std::span<uint8_t> out, Deadline deadline) {
   iovec iov{out.data(), out.size()};
   return RecvExactV(fd, &iov, 1, deadline);
+}
+
+bool IsConnectionRefused(const Status& s) {
+  // ConnectTcp words it with ErrnoStatus: "connect HOST:PORT: " + strerror(ECONNREFUSED).
+  return s.code() == StatusCode::kUnavailable &&
+         s.message().find(std::strerror(ECONNREFUSED)) != std::string::npos;
 }
 
 }  // namespace farmem

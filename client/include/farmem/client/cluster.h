@@ -337,7 +337,8 @@ class Cluster {
   void ReclaimRetainedLocked(Node& node);
   // A down node's retained leases whose TTL passed since its last answer: the daemon has ended
   // them (or will as soon as it runs): kLeasesLost.
-  void ExpireRetained(Node& node) REQUIRES(mu_);
+  // `why`: what ended the wait (empty: its lease TTL passed since its last answer).
+  void ExpireRetained(Node& node, std::string_view why = {}) REQUIRES(mu_);
   void CollectPushes(Node& node);  // EVICT_NOTICE pushes read during a call become events
   // Noticed leases still held after their deadline: the daemon ended them (kLeasesLost).
   void ExpireNoticed(Node& node);

@@ -52,6 +52,10 @@ class Socket {
 
 // Resolves and connects (IPv4/IPv6) with TCP_NODELAY, within the deadline.
 Result<Socket> ConnectTcp(const Endpoint& ep, Deadline deadline);
+// Whether a ConnectTcp failure was a refusal (ECONNREFUSED: nothing listens on the port, so no
+// process that ever listened there is still running) rather than a timeout or an unreachable
+// network (a paused, slow or cut-off process).
+bool IsConnectionRefused(const Status& s);
 // Binds and listens; port 0 picks a free port (see LocalPort).
 Result<Socket> ListenTcp(const Endpoint& ep, int backlog = 128);
 Result<uint16_t> LocalPort(const Socket& s);
