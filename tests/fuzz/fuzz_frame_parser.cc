@@ -90,8 +90,7 @@ void Auth(Bytes body) {
   // Exactly the proof always decodes; more only as the proof and a 1..128-byte version trailer.
   if (body.size() == kMacSize) FUZZ_CHECK(d.has_value());
   if (d.has_value()) {
-    FUZZ_CHECK(body.size() == kMacSize ||
-               body.size() == kMacSize + 2 + d->client_version.size());
+    FUZZ_CHECK(body.size() == kMacSize || body.size() == kMacSize + 2 + d->client_version.size());
     FUZZ_CHECK(d->client_version.size() <= kMaxVersionString && Printable(d->client_version));
   }
 }
