@@ -284,18 +284,24 @@ TEST_F(FarEvictNoticeTest, NoneWaitsForRoomUntilTheDeadlineThenLosesOnlyWhatLive
   EXPECT_EQ(rt_->stats().members_failed, 0u);
   EXPECT_EQ(rt_->stats().spans_lost, 0u);
 
-  // Round 2: daemon 0 grants again, the data goes back there (evicted anew), daemon 1 is full
-  // again, and a short notice runs out.
+  // Round 2: everything now lives on daemon 1. Daemon 0 grants again, but only to another
+  // client, which takes all its room; the objects are written anew (on daemon 1, the only one with
+  // room for the runtime), and then daemon 1 gives a short notice that runs out.
   r = Farmemctl({"undrain", (*daemons_)[0].endpoint().ToString()});
   ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  std::unique_ptr<client::Cluster> filler0 = ConnectFiller(0);
+  ASSERT_TRUE(filler0);
+  std::vector<client::Lease> held0;
+  TakeAllRoom(*filler0, &held0);
+  ASSERT_GT(held0.size(), 0u);
   for (size_t i = 0; i < objs_.size(); ++i) {  // a new version of everything, written anew
     DerefScope s;
     Fill(objs_[i].deref_mut(s), i, ++versions_[i]);
   }
   ASSERT_TRUE(rt_->EvictUntil(0).ok());
-  ASSERT_GT(LeasesOn(0), 0u) << "nothing went back to daemon 0";
-  TakeAllRoom(*filler, &held);  // and daemon 1 full again
-  r = Farmemctl({"drain", (*daemons_)[0].endpoint().ToString(), "--grace-ms", "1500"});
+  ASSERT_EQ(LeasesOn(0), 0u);
+  ASSERT_GT(LeasesOn(1), 0u);
+  r = Farmemctl({"drain", (*daemons_)[1].endpoint().ToString(), "--grace-ms", "1500"});
   ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
   ASSERT_TRUE(testing::WaitUntil([&] { return rt_->stats().unrecoverable_span_sets > 0; },
                                  std::chrono::seconds(15)))
