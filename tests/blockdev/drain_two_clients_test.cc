@@ -30,6 +30,7 @@ namespace farmem::blockdev {
 namespace {
 
 using std::chrono::milliseconds;
+using testing::Count;
 using testing::FarmemNbd;
 using testing::NbdTestClient;
 using testing::Pattern;
@@ -41,15 +42,6 @@ constexpr uint32_t kChunk = 256u << 10;  // the NBD writer's unit
 constexpr uint64_t kChunks = (kExportMiB << 20) / kChunk;
 constexpr size_t kObjects = 3000;
 constexpr size_t kObjectSize = 700;  // ~2 MiB of 16 KiB spans: several 1 MiB slab groups
-
-size_t Count(const std::string& text, const std::string& needle) {
-  size_t n = 0;
-  for (size_t pos = text.find(needle); pos != std::string::npos;
-       pos = text.find(needle, pos + needle.size())) {
-    ++n;
-  }
-  return n;
-}
 
 // One farmem-nbd export under a verifying writer: fills the export, then rewrites chunk after
 // chunk (a new generation each time) and reads each write back, until stopped.
