@@ -31,6 +31,7 @@ namespace farmem::blockdev {
 namespace {
 
 using std::chrono::milliseconds;
+using testing::Count;
 using testing::FarmemNbd;
 using testing::VerifiedExport;
 using Clock = std::chrono::steady_clock;
@@ -40,15 +41,6 @@ constexpr uint64_t kExportMiB = 16;      // 16 extents of one 1 MiB slab each
 constexpr uint32_t kChunk = 256u << 10;  // the NBD writer's unit
 constexpr size_t kObjects = 3000;
 constexpr size_t kObjectSize = 700;  // ~2 MiB of 16 KiB spans: several 1 MiB slab groups
-
-size_t Count(const std::string& text, const std::string& needle) {
-  size_t n = 0;
-  for (size_t pos = text.find(needle); pos != std::string::npos;
-       pos = text.find(needle, pos + needle.size())) {
-    ++n;
-  }
-  return n;
-}
 
 TEST(DrainTwoClients, SigtermDrainWhileNbdAndFarPtrRunVerifiedIoLosesNothing) {
   farmem::testing::DaemonSet daemons({.capacity = "40M",

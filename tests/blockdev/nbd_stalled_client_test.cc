@@ -26,6 +26,7 @@ namespace farmem::blockdev {
 namespace {
 
 using namespace farmem::blockdev::nbd;  // NOLINT(build/namespaces)
+using testing::Count;
 using testing::FarmemNbd;
 using testing::NbdTestClient;
 using testing::Pattern;
@@ -36,15 +37,6 @@ constexpr uint32_t kChunk = 1u << 20;
 // Polls `done` until it holds or `timeout` passes.
 bool WaitFor(const std::function<bool()>& done, std::chrono::milliseconds timeout) {
   return farmem::testing::WaitUntil(done, timeout, std::chrono::milliseconds(10));
-}
-
-size_t Count(const std::string& text, const std::string& needle) {
-  size_t n = 0;
-  for (size_t pos = text.find(needle); pos != std::string::npos;
-       pos = text.find(needle, pos + needle.size())) {
-    ++n;
-  }
-  return n;
 }
 
 // Lines of `text` that contain both `a` and `b`.

@@ -23,6 +23,16 @@ using farmem::testing::RunCommand;
 using farmem::testing::SpawnOptions;
 using farmem::testing::TempDir;
 
+// How many times `needle` occurs in `text`, not overlapping (log lines counted in a process's log).
+inline size_t Count(const std::string& text, const std::string& needle) {
+  size_t n = 0;
+  for (size_t pos = text.find(needle); pos != std::string::npos;
+       pos = text.find(needle, pos + needle.size())) {
+    ++n;
+  }
+  return n;
+}
+
 // Waits until something accepts connections on the Unix socket at `path`.
 bool WaitForUnixSocket(const std::string& path, std::chrono::milliseconds timeout);
 
