@@ -33,6 +33,7 @@ PageCrypto::PageCrypto(aead::Cipher proto, uint64_t pages, uint32_t domain, uint
   nchunks_ = static_cast<size_t>((pages + kChunkPages - 1) / kChunkPages);
   chunks_ = std::make_unique<std::atomic<Entry*>[]>(nchunks_);
   stripes_ = std::make_unique<Mutex[]>(kStripes);
+  unsettled_ = std::make_unique<std::unordered_map<uint64_t, Unsettled>[]>(kStripes);
 }
 
 PageCrypto::~PageCrypto() {
@@ -77,8 +78,10 @@ const PageCrypto::Entry* PageCrypto::EntryFor(uint64_t page) const {
 Status PageCrypto::Seal(aead::Cipher& cipher, uint64_t page, const uint8_t* plain, uint8_t* out) {
   Entry* e = EntryFor(page, true);
   const uint64_t counter = next_counter_.fetch_add(1, std::memory_order_relaxed);
+  const size_t stripe = (page / 8) % kStripes;
   {
-    MutexLock lock(&StripeFor(page));
+    MutexLock lock(&stripes_[stripe]);
+    if (InFlight(e->word)) unsettled_[stripe][page].overlapped = true;
     e->word += uint64_t{1} << kCounterBits;  // a write in flight, until EndWrite
   }
   if (counter > kCounterMask) {
@@ -92,34 +95,75 @@ Status PageCrypto::Seal(aead::Cipher& cipher, uint64_t page, const uint8_t* plai
   FARMEM_RETURN_IF_ERROR(
       cipher.Seal(aead::MakeNonce(domain_, counter), aad, {plain, 4096}, {out, 4096}, &tag));
   seals_.fetch_add(1, std::memory_order_relaxed);
-  MutexLock lock(&StripeFor(page));
-  e->word = (e->word & ~kCounterMask) | counter;
-  e->tag = tag;
+  MutexLock lock(&stripes_[stripe]);
+  std::vector<Candidate>& seals = unsettled_[stripe][page].seals;
+  if (seals.size() >= kMaxAlternatives) seals.erase(seals.begin());
+  seals.push_back({counter, tag});
   return Status::Ok();
 }
 
-void PageCrypto::EndWrite(uint64_t page) {
+void PageCrypto::EndWrite(uint64_t page, bool ok) {
   Entry* e = EntryFor(page, false);
   if (e == nullptr) return;
-  MutexLock lock(&StripeFor(page));
+  const size_t stripe = (page / 8) % kStripes;
+  MutexLock lock(&stripes_[stripe]);
   if (InFlight(e->word)) e->word -= uint64_t{1} << kCounterBits;
+  auto& table = unsettled_[stripe];
+  auto it = table.find(page);
+  if (it == table.end() || it->second.seals.empty()) return;
+  Unsettled& u = it->second;
+  if (ok) {
+    // The newest seal becomes the recorded one. Alone (no other write of the page overlapped
+    // it), it is what every member now holds: nothing else is kept. Overlapped, the members may
+    // hold any of the seals that were in flight, or the one recorded before: keep them all.
+    const Candidate newest = u.seals.back();
+    u.seals.pop_back();
+    if (u.overlapped) {
+      if ((e->word & kCounterMask) != 0) {
+        if (u.seals.size() >= kMaxAlternatives) u.seals.erase(u.seals.begin());
+        u.seals.insert(u.seals.begin(), Candidate{e->word & kCounterMask, e->tag});
+      }
+    } else {
+      u.seals.clear();
+    }
+    e->word = (e->word & ~kCounterMask) | newest.counter;
+    e->tag = newest.tag;
+  }
+  if (!InFlight(e->word)) {
+    u.overlapped = false;
+    if (u.seals.empty()) table.erase(it);
+  }
 }
 
 Status PageCrypto::Open(aead::Cipher& cipher, uint64_t page, uint8_t* data) const {
   const Entry* e = EntryFor(page);
-  uint64_t counter = 0;
-  aead::Tag tag{};
+  Candidate recorded;
+  std::vector<Candidate> others;  // newest first
   if (e != nullptr) {
-    MutexLock lock(&StripeFor(page));
-    counter = e->word & kCounterMask;
-    tag = e->tag;
+    const size_t stripe = (page / 8) % kStripes;
+    MutexLock lock(&stripes_[stripe]);
+    recorded = Candidate{e->word & kCounterMask, e->tag};
+    const auto& table = unsettled_[stripe];
+    if (auto it = table.find(page); it != table.end()) {
+      others.assign(it->second.seals.rbegin(), it->second.seals.rend());
+    }
   }
-  if (counter == 0) {
+  if (recorded.counter != 0) others.insert(others.begin(), recorded);
+  if (others.empty()) {
     std::memset(data, 0, 4096);
     return DataLoss(fmt::format("export page {} has no recorded seal", page));
   }
   const auto aad = Aad(domain_, page);
-  return cipher.Open(aead::MakeNonce(domain_, counter), aad, {data, 4096}, {data, 4096}, tag);
+  std::array<uint8_t, 4096> copy;  // the ciphertext again for each alternative (Open zeroes it)
+  if (others.size() > 1) std::memcpy(copy.data(), data, 4096);
+  Status st;
+  for (size_t i = 0; i < others.size(); ++i) {
+    if (i > 0) std::memcpy(data, copy.data(), 4096);
+    st = cipher.Open(aead::MakeNonce(domain_, others[i].counter), aad, {data, 4096}, {data, 4096},
+                     others[i].tag);
+    if (st.ok()) return st;
+  }
+  return st;
 }
 
 uint64_t PageCrypto::Word(uint64_t page) const {

@@ -19,6 +19,13 @@
 // page fails to open while the page is being rewritten is recognised as that race (retried) and
 // not as a corrupted member (InFlight, Word).
 //
+// Which seal the lenders hold: a page's recorded (counter, tag) changes only when a write of it
+// is acknowledged (EndWrite with ok). A seal whose write failed may or may not have reached the
+// members (a round can stop before posting it, or fail after some members took it), and two
+// overlapping writes of one page may land in either order; until a write of the page succeeds
+// alone, those seals are kept as alternatives and Open tries them after the recorded one (at most
+// kMaxAlternatives per page, newest first). They live in a side table, only for such pages.
+//
 // Threading: every method may be called from any thread; a page's entry is guarded by one of a
 // set of striped locks. aead::Cipher is not thread-safe: each thread passes its own (NewCipher).
 #pragma once
@@ -29,6 +36,7 @@
 #include <functional>
 #include <memory>
 #include <span>
+#include <unordered_map>
 #include <vector>
 
 #include "farmem/common/aead.h"
@@ -52,13 +60,15 @@ class PageCrypto {
   Result<aead::Cipher> NewCipher() const;
 
   // Seals `plain` (4096 bytes, export page `page`) into `out` (may be `plain`) with the next
-  // counter, records (counter, tag) for the page and counts a write in flight on it until
-  // EndWrite(page) — also when Seal fails.
+  // counter and counts a write in flight on the page until EndWrite(page, ok) — also when Seal
+  // fails. `ok`: the write was acknowledged by the members (then its seal becomes the page's
+  // recorded one); otherwise its seal stays an alternative the members may hold.
   Status Seal(aead::Cipher& cipher, uint64_t page, const uint8_t* plain, uint8_t* out);
-  void EndWrite(uint64_t page);
+  void EndWrite(uint64_t page, bool ok);
 
   // Opens `data` (4096 bytes of export page `page`, as stored remotely) in place against the
-  // page's recorded (counter, tag). DataLoss when it fails authentication (then `data` is zeroed).
+  // page's recorded (counter, tag), then its alternatives and the seals of writes in flight.
+  // DataLoss when none authenticates it (then `data` is zeroed).
   Status Open(aead::Cipher& cipher, uint64_t page, uint8_t* data) const;
 
   // The page's counter and writes in flight, as one word: equal words before and after a read
@@ -78,10 +88,21 @@ class PageCrypto {
   static constexpr size_t kStripes = 256;
 
   struct Entry {
-    uint64_t word = 0;  // writes in flight << 48 | counter of the last seal (0: never sealed)
+    uint64_t word = 0;  // writes in flight << 48 | counter of the recorded seal (0: never sealed)
     aead::Tag tag{};
   };
   static_assert(sizeof(Entry) == kEntryBytes);
+  struct Candidate {
+    uint64_t counter = 0;
+    aead::Tag tag{};
+  };
+  // Seals of a page not (yet) known to be what its members hold: writes in flight, and failed or
+  // overlapping writes since its last lone successful write.
+  struct Unsettled {
+    std::vector<Candidate> seals;  // oldest first
+    bool overlapped = false;       // a seal began while another write of the page was in flight
+  };
+  static constexpr size_t kMaxAlternatives = 16;
 
   PageCrypto(aead::Cipher proto, uint64_t pages, uint32_t domain, uint64_t first_counter,
              SealObserver observer);
@@ -99,8 +120,10 @@ class PageCrypto {
   // Chunks of the page table, allocated on their first seal; never freed before the store.
   std::unique_ptr<std::atomic<Entry*>[]> chunks_;
   size_t nchunks_ = 0;
-  // Guard the entries (not expressible as GUARDED_BY: an entry's stripe is computed).
+  // Guard the entries and each stripe's unsettled pages (not expressible as GUARDED_BY: an
+  // entry's stripe is computed).
   mutable std::unique_ptr<Mutex[]> stripes_;
+  std::unique_ptr<std::unordered_map<uint64_t, Unsettled>[]> unsettled_;  // one per stripe
 };
 
 }  // namespace farmem::blockdev

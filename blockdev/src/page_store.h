@@ -233,7 +233,9 @@ class PageStore final : public BlockBackend {
   // `out` to the backup file, if any. On success the pages count as written in flight until
   // EndWrites; on failure nothing is left in flight.
   Status SealPages(Worker& w, uint64_t offset, const uint8_t* plain, uint64_t len, uint8_t* out);
-  void EndWrites(uint64_t offset, uint64_t len);
+  // Ends the sealed writes of [offset, offset + len): `ok` when the members acknowledged them
+  // (their seals become the pages' recorded ones; PageCrypto::EndWrite).
+  void EndWrites(uint64_t offset, uint64_t len, bool ok);
   // Opens the written pages of a piece read from the backup file in place.
   Status OpenFromBackup(Worker& w, Piece& p);
   // A page of a piece of the round that just ran failed authentication (held shared, channels

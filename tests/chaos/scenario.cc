@@ -789,15 +789,18 @@ ScenarioResult RunScenario(const Scenario& sc, const RunConfig& cfg) {
     if (res.bytes_lost == 0) fail("beyond tolerance, yet nothing was lost: the faults missed");
     const std::vector<LostRange> ranges = LostRanges(log);
     uint64_t outside = 0;
+    std::vector<std::string> where;  // the first few, by export offset
     for (uint64_t b : lost_blocks) {
       const uint64_t off = b * NbdVerifier::kBlock;
       const bool inside = std::ranges::any_of(
           ranges, [&](const LostRange& r) { return off >= r.begin && off < r.end; });
-      if (!inside) ++outside;
+      if (inside) continue;
+      if (++outside <= 8) where.push_back(std::to_string(off));
     }
     if (outside != 0) {
-      fail(fmt::format("{} blocks failed to read outside every range farmem-nbd reported LOST",
-                       outside));
+      fail(fmt::format(
+          "{} blocks failed to read outside every range farmem-nbd reported LOST (at bytes {})",
+          outside, Join(where, ", ")));
     }
     note(fmt::format("{} ranges reported LOST, {} blocks read EIO, all inside them: {}",
                      ranges.size(), lost_blocks.size(), outside == 0 ? "yes" : "no"));
