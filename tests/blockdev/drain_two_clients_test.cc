@@ -23,6 +23,8 @@
 #include "nbd_test_client.h"
 #include "support/daemon_fixture.h"
 #include "support/object_pattern.h"
+#include "support/test_runtime.h"
+#include "support/verified_objects.h"
 #include "support/wait.h"
 #include "test_process.h"
 #include "verified_export.h"
@@ -68,32 +70,15 @@ TEST(DrainTwoClients, SigtermDrainWhileNbdAndFarPtrRunVerifiedIoLosesNothing) {
   }
 
   // Client B: a far_ptr runtime (no redundancy: whatever it holds on the drained daemon must move).
-  RuntimeOptions o;
-  o.peers = daemons.endpoints();
-  o.secret = daemons.secret();
-  o.resilience = "none";
-  o.local_budget = 256u << 10;
-  o.span_size = 16384;
-  o.heartbeat_interval = milliseconds(100);
-  o.failure_timeout = milliseconds(3000);
-  o.op_timeout = milliseconds(2000);
+  RuntimeOptions o = farmem::testing::TestRuntimeOptions(daemons.endpoints(), daemons.secret(),
+                                                         "none", 256u << 10);
   o.reconcile_interval = milliseconds(500);
   o.auto_compact = false;  // compaction could empty the drained daemon's groups before the notice
   auto rt_or = Runtime::Create(o);
   ASSERT_TRUE(rt_or.has_value()) << rt_or.error().ToString();
   std::unique_ptr<Runtime> rt = std::move(*rt_or);
-  std::vector<far_bytes> objs;
-  std::vector<uint64_t> versions;
-  for (size_t i = 0; i < kObjects; ++i) {
-    far_bytes b = make_far_bytes_in(*rt, kObjectSize);
-    {
-      DerefScope s;
-      farmem::testing::FillObject(b.deref_mut(s), i, 1);
-    }
-    objs.push_back(std::move(b));
-    versions.push_back(1);
-  }
-  ASSERT_TRUE(rt->EvictUntil(0).ok());
+  farmem::testing::VerifiedFarObjects objs(*rt, kObjects, kObjectSize, "during the drain");
+  ASSERT_TRUE(objs.Fill().ok());
 
   // The daemon to drain: the one holding the first member of the runtime's first (full) group.
   const std::vector<std::vector<Endpoint>> layout = rt->span_set_layout();
@@ -114,50 +99,16 @@ TEST(DrainTwoClients, SigtermDrainWhileNbdAndFarPtrRunVerifiedIoLosesNothing) {
   ASSERT_GT(leases_on_drained(), 0u);
 
   // The far_ptr writer: rewrites every seventh object (checking the previous version) and evicts.
-  std::atomic<bool> stop_far{false};
-  std::atomic<uint64_t> far_rounds{0};
-  std::string far_error;
-  std::thread far_writer([&] {
-    while (!stop_far.load()) {
-      for (size_t i = 0; i < objs.size() && !stop_far.load(); i += 7) {
-        DerefScope s;
-        auto got = objs[i].try_deref_mut(s);
-        if (!got) {
-          far_error = "object " + std::to_string(i) + ": " + got.error().ToString();
-          return;
-        }
-        std::vector<std::byte> want(got->size());
-        farmem::testing::FillObject(want, i, versions[i]);
-        if (std::memcmp(want.data(), got->data(), want.size()) != 0) {
-          far_error = "object " + std::to_string(i) + " came back wrong during the drain";
-          return;
-        }
-        farmem::testing::FillObject(*got, i, ++versions[i]);
-      }
-      if (Status e = rt->EvictUntil(0); !e.ok() && e.code() != StatusCode::kResourceExhausted) {
-        far_error = "evicting during the drain: " + e.ToString();
-        return;
-      }
-      far_rounds.fetch_add(1);
-    }
-  });
-  struct Joiner {
-    std::atomic<bool>* stop;
-    std::thread* t;
-    ~Joiner() {
-      *stop = true;
-      if (t->joinable()) t->join();
-    }
-  } joiner{&stop_far, &far_writer};
+  objs.StartWriter();
   for (auto& e : exports) e->StartWriter();
 
   // All three are doing I/O before the SIGTERM.
   ASSERT_TRUE(farmem::testing::WaitUntil(
       [&] {
-        return far_rounds.load() >= 2 && exports[0]->rounds() >= 20 && exports[1]->rounds() >= 20;
+        return objs.rounds() >= 2 && exports[0]->rounds() >= 20 && exports[1]->rounds() >= 20;
       },
       milliseconds(30000)))
-      << "the workloads did not get going: far rounds " << far_rounds.load() << ", nbd rounds "
+      << "the workloads did not get going: far rounds " << objs.rounds() << ", nbd rounds "
       << exports[0]->rounds() << "/" << exports[1]->rounds();
 
   const std::string daemon_log_path = daemons[d].log_path();
@@ -174,38 +125,28 @@ TEST(DrainTwoClients, SigtermDrainWhileNbdAndFarPtrRunVerifiedIoLosesNothing) {
       << daemon_log;
 
   // I/O goes on after the daemon is gone, then everything is read back.
-  const uint64_t far_after = far_rounds.load();
+  const uint64_t far_after = objs.rounds();
   const uint64_t nbd_after[2] = {exports[0]->rounds(), exports[1]->rounds()};
   EXPECT_TRUE(farmem::testing::WaitUntil(
       [&] {
-        return far_rounds.load() >= far_after + 2 && exports[0]->rounds() >= nbd_after[0] + 20 &&
+        return objs.rounds() >= far_after + 2 && exports[0]->rounds() >= nbd_after[0] + 20 &&
                exports[1]->rounds() >= nbd_after[1] + 20;
       },
       milliseconds(30000)))
       << "I/O stalled after the drain";
-  stop_far = true;
-  far_writer.join();
+  objs.Stop();
   for (auto& e : exports) e->Stop();
 
-  ASSERT_TRUE(far_error.empty()) << far_error << "\n" << daemons.Logs(1500);
-  for (size_t i = 0; i < objs.size(); ++i) {
-    DerefScope s;
-    auto got = objs[i].try_deref(s);
-    ASSERT_TRUE(got.has_value()) << "far object " << i << ": " << got.error().ToString();
-    std::vector<std::byte> want(got->size());
-    farmem::testing::FillObject(want, i, versions[i]);
-    ASSERT_EQ(std::memcmp(want.data(), got->data(), want.size()), 0)
-        << "far object " << i << " LOST or wrong after the drain";
-  }
+  ASSERT_EQ(objs.error(), "") << daemons.Logs(1500);
+  ASSERT_EQ(objs.Check(), "");
   for (auto& e : exports) ASSERT_NO_FATAL_FAILURE(e->ExpectIntact());
 
   // Both clients held data on the drained daemon and moved it (nothing was rebuilt as lost).
   const RuntimeStats st = rt->stats();
-  std::printf("far_ptr: %lu member(s) moved, longest %lu ms, least slack %lu ms; rounds %lu\n",
-              static_cast<unsigned long>(st.members_moved),
-              static_cast<unsigned long>(st.move_max_ms),
-              static_cast<unsigned long>(st.move_min_slack_ms),
-              static_cast<unsigned long>(far_rounds.load()));
+  std::printf(
+      "far_ptr: %lu member(s) moved, longest %lu ms, least slack %lu ms; rounds %lu\n",
+      static_cast<unsigned long>(st.members_moved), static_cast<unsigned long>(st.move_max_ms),
+      static_cast<unsigned long>(st.move_min_slack_ms), static_cast<unsigned long>(objs.rounds()));
   EXPECT_GT(st.members_moved, 0u);
   EXPECT_EQ(st.members_failed, 0u);
   EXPECT_EQ(st.spans_lost, 0u);

@@ -22,6 +22,7 @@
 
 #include "farmem/client/cluster.h"
 #include "farptr_fixture.h"
+#include "support/test_runtime.h"
 #include "support/wait.h"
 
 namespace farmem::farptr_test {
@@ -113,15 +114,9 @@ TEST_F(FarPeersDnsJoinTest, DaemonAddedToTheNameIsUsedForReprotection) {
   ASSERT_TRUE(b);
   ASSERT_NO_FATAL_FAILURE(SetHosts({"127.0.0.2", "127.0.0.3"}));
 
-  RuntimeOptions o;
+  RuntimeOptions o =
+      testing::TestRuntimeOptions({}, testing::DaemonConfig{}.secret, "replicate:2", 256u << 10);
   o.peers_dns = std::string(kName) + ":" + std::to_string(port);
-  o.secret = testing::DaemonConfig{}.secret;
-  o.resilience = "replicate:2";
-  o.local_budget = 256u << 10;
-  o.span_size = 16384;
-  o.heartbeat_interval = milliseconds(100);
-  o.failure_timeout = milliseconds(3000);
-  o.op_timeout = milliseconds(2000);
   o.reconcile_interval = milliseconds(500);
   ASSERT_NO_FATAL_FAILURE(Open(o));
   ASSERT_EQ(rt_->cluster().node_count(), 2u);

@@ -16,6 +16,7 @@
 #include "farmem/runtime.h"
 #include "support/daemon_fixture.h"
 #include "support/object_pattern.h"
+#include "support/test_runtime.h"
 
 namespace farmem::farptr_test {
 
@@ -71,18 +72,8 @@ class FarptrTest : public ::testing::Test {
   }
 
   RuntimeOptions Options(const std::string& resilience, uint64_t budget, uint32_t span = 16384) {
-    RuntimeOptions o;
-    o.peers = daemons_->endpoints();
-    o.secret = daemons_->secret();
-    o.resilience = resilience;
-    o.local_budget = budget;
-    o.span_size = span;
-    o.heartbeat_interval = std::chrono::milliseconds(100);
-    // Kills are noticed at once (connections close); a long timeout keeps slow (sanitized)
-    // daemons from being declared down by mistake.
-    o.failure_timeout = std::chrono::milliseconds(3000);
-    o.op_timeout = std::chrono::milliseconds(2000);
-    return o;
+    return testing::TestRuntimeOptions(daemons_->endpoints(), daemons_->secret(), resilience,
+                                       budget, span);
   }
 
   void Open(const RuntimeOptions& o) {

@@ -31,6 +31,8 @@
 #include "support/daemon_fixture.h"
 #include "support/memory_cgroup.h"
 #include "support/object_pattern.h"
+#include "support/test_runtime.h"
+#include "support/verified_objects.h"
 #include "support/wait.h"
 #include "test_process.h"
 #include "verified_export.h"
@@ -163,14 +165,9 @@ TEST(LenderPressure, HogInTheLendersCgroupMovesEveryBorrowerOffAndNothingIsLost)
   };
 
   // Borrower 2: a far_ptr runtime without redundancy (what it holds on the lender must move).
-  RuntimeOptions o;
-  o.peers = lender.endpoints();
-  for (const Endpoint& ep : others.endpoints()) o.peers.push_back(ep);
-  o.secret = lender.secret();
-  o.resilience = "none";
-  o.local_budget = 256u << 10;
-  o.span_size = 16384;
-  o.heartbeat_interval = milliseconds(100);
+  std::vector<Endpoint> far_peers = lender.endpoints();
+  for (const Endpoint& ep : others.endpoints()) far_peers.push_back(ep);
+  RuntimeOptions o = testing::TestRuntimeOptions(far_peers, lender.secret(), "none", 256u << 10);
   o.failure_timeout = milliseconds(5000);
   o.op_timeout = milliseconds(3000);
   o.reconcile_interval = milliseconds(500);
@@ -178,18 +175,8 @@ TEST(LenderPressure, HogInTheLendersCgroupMovesEveryBorrowerOffAndNothingIsLost)
   auto rt_or = Runtime::Create(o);
   ASSERT_TRUE(rt_or.has_value()) << rt_or.error().ToString();
   std::unique_ptr<Runtime> rt = std::move(*rt_or);
-  std::vector<far_bytes> objs;
-  std::vector<uint64_t> versions;
-  for (size_t i = 0; i < kObjects; ++i) {
-    far_bytes b = make_far_bytes_in(*rt, kObjectSize);
-    {
-      DerefScope s;
-      testing::FillObject(b.deref_mut(s), i, 1);
-    }
-    objs.push_back(std::move(b));
-    versions.push_back(1);
-  }
-  ASSERT_TRUE(rt->EvictUntil(0).ok());
+  testing::VerifiedFarObjects objs(*rt, kObjects, kObjectSize, "under pressure");
+  ASSERT_TRUE(objs.Fill().ok());
 
   // Every borrower holds something on the lender (placement favours it: it is the emptiest).
   for (size_t e = 0; e < exports.size(); ++e) {
@@ -197,44 +184,10 @@ TEST(LenderPressure, HogInTheLendersCgroupMovesEveryBorrowerOffAndNothingIsLost)
   }
   ASSERT_GT(LeasesOn(*rt, lender_ep), 0u) << "the far_ptr runtime put nothing on the lender";
 
-  std::atomic<bool> stop_far{false};
-  std::atomic<uint64_t> far_rounds{0};
-  std::string far_error;
-  std::thread far_writer([&] {
-    while (!stop_far.load()) {
-      for (size_t i = 0; i < objs.size() && !stop_far.load(); i += 7) {
-        DerefScope s;
-        auto got = objs[i].try_deref_mut(s);
-        if (!got) {
-          far_error = "object " + std::to_string(i) + ": " + got.error().ToString();
-          return;
-        }
-        std::vector<std::byte> want(got->size());
-        testing::FillObject(want, i, versions[i]);
-        if (std::memcmp(want.data(), got->data(), want.size()) != 0) {
-          far_error = "object " + std::to_string(i) + " came back wrong under pressure";
-          return;
-        }
-        testing::FillObject(*got, i, ++versions[i]);
-      }
-      if (Status e = rt->EvictUntil(0); !e.ok() && e.code() != StatusCode::kResourceExhausted) {
-        far_error = "evicting under pressure: " + e.ToString();
-        return;
-      }
-      far_rounds.fetch_add(1);
-    }
-  });
-  struct Joiner {
-    std::atomic<bool>* stop;
-    std::thread* t;
-    ~Joiner() {
-      *stop = true;
-      if (t->joinable()) t->join();
-    }
-  } joiner{&stop_far, &far_writer};
+  objs.StartWriter();
   for (auto& e : exports) e->StartWriter();
   auto io_going = [&](uint64_t far_from, const std::vector<uint64_t>& nbd_from) {
-    if (far_rounds.load() < far_from + 2) return false;
+    if (objs.rounds() < far_from + 2) return false;
     for (size_t e = 0; e < exports.size(); ++e) {
       if (exports[e]->rounds() < nbd_from[e] + 20) return false;
     }
@@ -306,7 +259,7 @@ TEST(LenderPressure, HogInTheLendersCgroupMovesEveryBorrowerOffAndNothingIsLost)
   EXPECT_FALSE(AllocOne(lender_ep, lender.secret()).ok()) << "granted a slab under pressure";
 
   // I/O goes on with the hog there, then the hog leaves and the lender grants again.
-  const uint64_t far_now = far_rounds.load();
+  const uint64_t far_now = objs.rounds();
   const std::vector<uint64_t> nbd_now = nbd_rounds();
   EXPECT_TRUE(WaitUntil([&] { return io_going(far_now, nbd_now); }, milliseconds(60000)))
       << "I/O stalled after the move";
@@ -319,28 +272,19 @@ TEST(LenderPressure, HogInTheLendersCgroupMovesEveryBorrowerOffAndNothingIsLost)
   EXPECT_TRUE(granted.ok()) << "the lender does not grant after the hog left: "
                             << granted.ToString();
 
-  stop_far = true;
-  far_writer.join();
+  objs.Stop();
   for (auto& e : exports) e->Stop();
 
   // Every byte reads back as last written.
-  ASSERT_TRUE(far_error.empty()) << far_error;
-  for (size_t i = 0; i < objs.size(); ++i) {
-    DerefScope s;
-    auto got = objs[i].try_deref(s);
-    ASSERT_TRUE(got.has_value()) << "far object " << i << ": " << got.error().ToString();
-    std::vector<std::byte> want(got->size());
-    testing::FillObject(want, i, versions[i]);
-    ASSERT_EQ(std::memcmp(want.data(), got->data(), want.size()), 0)
-        << "far object " << i << " LOST or wrong";
-  }
+  ASSERT_EQ(objs.error(), "");
+  ASSERT_EQ(objs.Check(), "");
   for (auto& e : exports) ASSERT_NO_FATAL_FAILURE(e->ExpectIntact());
 
   const RuntimeStats st = rt->stats();
   std::printf("far_ptr: %lu member(s) moved, longest %lu ms; %lu rounds\n",
               static_cast<unsigned long>(st.members_moved),
               static_cast<unsigned long>(st.move_max_ms),
-              static_cast<unsigned long>(far_rounds.load()));
+              static_cast<unsigned long>(objs.rounds()));
   EXPECT_GT(st.members_moved, 0u);
   EXPECT_EQ(st.members_failed, 0u);
   EXPECT_EQ(st.spans_lost, 0u);
