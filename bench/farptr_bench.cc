@@ -11,11 +11,14 @@
 //   compact remote bytes before/after compaction of a churned heap, and the bytes the client
 //           moved to do it
 //   crypto  raw AES-256-GCM seal/open of a span's worth of 64 B / 4 KiB / span-sized objects, and
-//           the deref miss with encryption off vs on (same run)
+//           the deref miss with encryption off vs on (same run): wall time, the thread's CPU time
+//           (what encryption adds, whatever the machine's load), and the first deref of a
+//           neighbour in the span just swapped in (where lazy opening moves the rest of the work)
 //
 //   farptr_bench [--mode all|local|miss|tput|compact|crypto] [--daemons 6] [--span 65536]
 //
 // Starts its own farmemd processes (next to this binary, or $FARMEM_BIN_DIR).
+#include <time.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -59,6 +62,14 @@ struct Args {
 }
 
 double Ns(Clock::duration d) { return std::chrono::duration<double, std::nano>(d).count(); }
+
+// CPU time of the calling thread (user + system), in ns: what a miss costs this thread whatever
+// else the machine runs (wall time on a loaded machine is mostly waiting for a core).
+double ThreadCpuNs() {
+  timespec ts{};
+  ::clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+  return static_cast<double>(ts.tv_sec) * 1e9 + static_cast<double>(ts.tv_nsec);
+}
 
 // The two fast paths the doc disassembles.
 [[gnu::noinline]] uint64_t FarDerefOne(const far_ptr<uint64_t>& p, const DerefScope& s) {
@@ -218,9 +229,10 @@ void BenchCrypto(farmem::testing::DaemonSet& d, const Args& a) {
         a.span, n, obj, seal_us, seal_us * 1000 / n, a.span / seal_us / 1000, open_us);
   }
   constexpr size_t kSpans = 256;
-  constexpr int kRounds = 3;
+  constexpr int kRounds = 8;
   for (uint32_t obj : {64u, 4096u, a.span}) {
-    double med[2] = {}, p99[2] = {};
+    double med[2] = {}, p99[2] = {}, next_med[2] = {}, next_p99[2] = {};
+    double cpu_med[2] = {}, cpu_p99[2] = {};
     for (bool enc : {false, true}) {
       auto rt = OpenRuntime(d, 64u << 20, a.span, "ec:4+2", enc);
       const size_t per_span = a.span / obj;
@@ -230,26 +242,47 @@ void BenchCrypto(farmem::testing::DaemonSet& d, const Args& a) {
         DerefScope s;
         std::memset(objs.back().deref_mut(s).data(), static_cast<int>(i), obj);
       }
-      std::vector<double> miss_us;
+      std::vector<double> miss_us, next_us, cpu_us;
       for (int round = 0; round < kRounds; ++round) {
         if (auto s = rt->EvictUntil(0); !s.ok()) Die(s.ToString());
         // One deref per span (objects fill spans in allocation order): each a swap-in.
         for (size_t i = 0; i < objs.size(); i += per_span) {
           if (objs[i].is_local()) continue;
+          const double c0 = ThreadCpuNs();
           const auto t0 = Clock::now();
           DerefScope s;
           auto bytes = objs[i].deref(s);
           miss_us.push_back(Ns(Clock::now() - t0) / 1000);
+          cpu_us.push_back((ThreadCpuNs() - c0) / 1000);
           if (bytes.size() != obj) Die("bad size");
+          if (per_span < 2) continue;
+          // The first deref of a neighbour, in the span just swapped in: a local hit without
+          // encryption; with it, the object is opened now (objects are opened lazily).
+          const auto t1 = Clock::now();
+          auto next = objs[i + 1].deref(s);
+          next_us.push_back(Ns(Clock::now() - t1) / 1000);
+          if (next.size() != obj || next[0] != static_cast<std::byte>(i + 1)) Die("bad bytes");
         }
       }
       Percentiles(miss_us, &med[enc], &p99[enc]);
+      Percentiles(cpu_us, &cpu_med[enc], &cpu_p99[enc]);
+      if (!next_us.empty()) Percentiles(next_us, &next_med[enc], &next_p99[enc]);
       objs.clear();
     }
     std::printf(
         "deref miss (ec:4+2, %u B span of %u B objects): encryption off median %.1f us p99 %.1f "
         "us | on median %.1f us p99 %.1f us | added median %+.1f us\n",
         a.span, obj, med[0], p99[0], med[1], p99[1], med[1] - med[0]);
+    std::printf(
+        "  the same misses, CPU time of the thread: encryption off median %.1f us p99 %.1f us | "
+        "on median %.1f us p99 %.1f us | added median %+.1f us\n",
+        cpu_med[0], cpu_p99[0], cpu_med[1], cpu_p99[1], cpu_med[1] - cpu_med[0]);
+    if (a.span / obj >= 2) {
+      std::printf(
+          "  then the first deref of a neighbour in that span: encryption off median %.2f us p99 "
+          "%.2f us | on median %.2f us p99 %.2f us\n",
+          next_med[0], next_p99[0], next_med[1], next_p99[1]);
+    }
   }
 }
 

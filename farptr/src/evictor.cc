@@ -235,7 +235,13 @@ void Heap::Relocate(const std::vector<Relocation>& relocations) NO_THREAD_SAFETY
     }
     const uint64_t w = r.entry->word.load(std::memory_order_seq_cst);
     if ((w & kEvacuating) == 0) continue;  // a deref wanted it where it is
-    DropCopyLocked(dst);                   // written below
+    if (src->sealed_left > 0 && src->sealed[r.slot]) {
+      // Still sealed: not dereferenced since it came in (hot only as part of a prefetch), and
+      // its bytes are ciphertext. It stays.
+      r.entry->word.fetch_and(~kEvacuating, std::memory_order_seq_cst);
+      continue;
+    }
+    DropCopyLocked(dst);  // written below
     if (src->set != nullptr) {
       remote_object_bytes_.fetch_sub(c->size, std::memory_order_relaxed);  // src's clean copy
       copy_object_bytes_.fetch_sub(c->size, std::memory_order_relaxed);
@@ -305,6 +311,10 @@ size_t Heap::EvictRound(size_t target_frames, bool force, std::chrono::nanosecon
         continue;
       }
       DropCopyLocked(s);  // its group is degraded: write the span anew
+      if (s->live.load(std::memory_order_relaxed) == 0) {  // all lost opening it (heap.h)
+        ReleaseLocalLocked(s);
+        continue;
+      }
     }
     s->state = SpanState::kWriting;
     committed.push_back(s);
@@ -320,6 +330,8 @@ void Heap::EvictCleanLocked(Span* s) {
   for (ObjectEntry* o : s->owner) {
     if (o != nullptr) o->word.store(0, std::memory_order_release);
   }
+  s->sealed.clear();  // what was still sealed is in the cell as it is
+  s->sealed_left = 0;
   PutFrame(s->frame);
   s->frame = nullptr;
   RemoveResident(s);

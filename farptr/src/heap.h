@@ -4,11 +4,18 @@
 // Spans. Every object lives in a span: span_size bytes cut into slots of one size class. A span
 // is in one of these states (Span::state, guarded by Span::mu):
 //
-//   kLocal     its frame is resident; objects have kPresent words. A span swapped in keeps its
+//   kLocal     its frame is resident; objects have kPresent words (but see *sealed* below). A
+//              span swapped in keeps its
 //              remote cell (set/member stay set) while it is clean: evicting it again then costs
 //              no write at all. The first write (deref_mut, a new object in it, a relocation
 //              into it) or the compactor wanting its row turns the cell into a hole (DropCopy).
 //              Invariant: a kLocal/kEvicting span with `set` has no object word with kDirty.
+//              Encryption opens lazily: a miss authenticates and decrypts only the object
+//              dereferenced (a prefetch opens all); the others stay *sealed* (Span::sealed):
+//              their slots in the frame hold the ciphertext read from the cell and their words
+//              no kPresent, until their first deref opens them. Only a span with its cell has
+//              sealed slots: DropCopyLocked opens them all first, so a tag that fails can still
+//              be answered from the cell's other members, and nothing sealed is written out.
 //   kEvicting  picked by the evictor; every object's word has kEvacuating; the evictor waits for
 //              scopes open at that moment to end. A deref in this state cancels the eviction
 //              (the bytes are still here), so no mutator ever waits for the evictor here
@@ -67,6 +74,9 @@ struct Span {
   SpanSet* set GUARDED_BY(mu) = nullptr;
   int member GUARDED_BY(mu) = -1;
   Status lost GUARDED_BY(mu);
+  // Slots still sealed (see kLocal above); empty or all false without encryption.
+  std::vector<bool> sealed GUARDED_BY(mu);
+  uint32_t sealed_left GUARDED_BY(mu) = 0;
   bool in_partial = false;      // guarded by cls->mu
   int64_t resident_index = -1;  // guarded by Heap::resident_mu_
 };
@@ -159,14 +169,22 @@ class Heap {
   Status SwapInLocked(Span* s, bool prefetch) REQUIRES(s->mu);
   // The second half of a swap-in, once `frame` holds the span's bytes.
   void FinishSwapInLocked(Span* s, uint8_t* frame, bool prefetch) REQUIRES(s->mu);
-  // Opens the objects of a cell just read into `frame` (a no-op without encryption). Objects
-  // whose tag fails: with redundancy to spare the member is reported corrupt (failed, so it is
-  // re-protected) and the cell read again from the others; what still fails is lost, object by
-  // object (LoseObjectsLocked). OK: the frame holds the span's objects (those lost excepted).
-  // DataLoss: every object of the span was lost (the span is kLost). Other errors: the re-read
-  // failed; nothing changed.
-  Status OpenCellLocked(Span* s, uint8_t* frame, IoContext& io) REQUIRES(s->mu);
-  // Moves the objects in `slots` of s (remote) to a new kLost span that says `why`.
+  // Opens the sealed objects in `slots` of the local span s (encryption; see kLocal above): their
+  // words become kPresent. Objects whose tag fails: with redundancy to spare the member is
+  // reported corrupt (failed, so it is re-protected) and the cell read again from the others
+  // into a scratch frame, whose ciphertext replaces that of every slot still sealed; what still
+  // fails is lost, object by object (LoseObjectsLocked; a span left empty is released by the
+  // evictor). OK: the slots are open or lost. Other errors: the re-read failed; the failed slots
+  // stay sealed (their ciphertext is intact) for a later deref to try again.
+  Status OpenSealedLocked(Span* s, std::span<const uint32_t> slots) REQUIRES(s->mu);
+  // The slots of `slots` not in `failed`, opened into `plain` (same offsets), are copied into
+  // the frame and become present.
+  void MarkOpenedLocked(Span* s, std::span<const uint32_t> slots,
+                        const std::vector<uint32_t>& failed, const uint8_t* plain) REQUIRES(s->mu);
+  // Every sealed slot of s (before its cell is given up).
+  Status OpenAllSealedLocked(Span* s) REQUIRES(s->mu);
+  // Moves the objects in `slots` of s (remote, or local and sealed) to a new kLost span that says
+  // `why`.
   void LoseObjectsLocked(Span* s, std::span<const uint32_t> slots, const Status& why)
       REQUIRES(s->mu);
   // A swap-in that failed: says which span, marks it lost on DataLoss.

@@ -164,6 +164,8 @@ Span* Heap::NewSpan(SizeClass* cls, SpanState state) {
   s->set = nullptr;
   s->member = -1;
   s->lost = Status::Ok();
+  s->sealed.clear();
+  s->sealed_left = 0;
   s->live.store(0, std::memory_order_relaxed);
   s->owner.assign(cls->slots, nullptr);
   s->free_slots.clear();
@@ -189,6 +191,8 @@ void Heap::RetireLocked(Span* s) {
   s->state = SpanState::kFree;
   s->set = nullptr;
   s->member = -1;
+  s->sealed.clear();
+  s->sealed_left = 0;
   s->owner.clear();
   s->owner.shrink_to_fit();
   s->free_slots.clear();
@@ -235,6 +239,23 @@ void Heap::ReleaseLocalLocked(Span* s) {
 
 void Heap::DropCopyLocked(Span* s) {
   if (s->set == nullptr) return;
+  if (s->sealed_left > 0) {
+    // The cell is the only place a failed tag can be answered from: open everything first.
+    if (Status st = OpenAllSealedLocked(s); !st.ok()) {
+      // The cell could not be read again to answer a failed tag, and it goes now: what failed
+      // goes with it.
+      std::vector<uint32_t> left;
+      for (uint32_t i = 0; i < s->sealed.size(); ++i) {
+        if (s->sealed[i]) left.push_back(i);
+      }
+      auth_lost_objects_.fetch_add(left.size(), std::memory_order_relaxed);
+      LoseObjectsLocked(
+          s, left,
+          DataLoss(fmt::format("{}: {} object(s) failed authentication and could not be read "
+                               "again from the other members before the cell was given up: {}",
+                               Describe(s), left.size(), st.message())));
+    }
+  }
   const uint64_t bytes =
       static_cast<uint64_t>(s->live.load(std::memory_order_relaxed)) * s->cls->size;
   store_->Release(s->set, s->member);
@@ -321,6 +342,10 @@ void Heap::Free(ObjectEntry* e) NO_THREAD_SAFETY_ANALYSIS {
   }
   const uint32_t slot = e->slot.load(std::memory_order_relaxed);
   const uint32_t csize = s->cls->size;
+  if (s->sealed_left > 0 && s->sealed[slot]) {
+    s->sealed[slot] = false;
+    --s->sealed_left;
+  }
   s->owner[slot] = nullptr;
   s->free_slots.push_back(slot);
   const uint32_t live = s->live.fetch_sub(1, std::memory_order_relaxed) - 1;
@@ -414,6 +439,16 @@ Result<void*> Heap::Deref(ObjectEntry* e, bool mut) {
       case SpanState::kFree:
         return Err(Internal("deref of an object whose span was freed (use after free?)"));
     }
+    if (s->sealed_left > 0) {
+      // Encryption: the object's bytes are still ciphertext (only what is dereferenced is
+      // opened, see heap.h).
+      const uint32_t slot = e->slot.load(std::memory_order_relaxed);
+      if (s->sealed[slot]) {
+        FARMEM_RETURN_IF_ERROR(OpenSealedLocked(s, {&slot, 1}));
+        // It may have failed authentication and moved to a kLost span.
+        if (e->span.load(std::memory_order_acquire) != s) continue;
+      }
+    }
     if (mut) DropCopyLocked(s);
     const uint64_t now = e->word.fetch_or(bits, std::memory_order_seq_cst);
     lock.Unlock();
@@ -426,26 +461,23 @@ Status Heap::SwapInLocked(Span* s, bool prefetch) {
   uint8_t* frame = GetFrame();
   IoContext* io = CheckoutIo();
   Status st = store_->ReadSpan(*io, s->set, s->member, frame);
-  if (!st.ok()) {
-    ReturnIo(io);
-    PutFrame(frame);
-    return SwapInFailedLocked(s, st);
-  }
-  st = OpenCellLocked(s, frame, *io);
   ReturnIo(io);
   if (!st.ok()) {
     PutFrame(frame);
-    // DataLoss: every object failed and the span is kLost already.
-    return st.code() == StatusCode::kDataLoss ? st : SwapInFailedLocked(s, st);
+    return SwapInFailedLocked(s, st);
   }
   FinishSwapInLocked(s, frame, prefetch);
   return Status::Ok();
 }
 
-Status Heap::OpenCellLocked(Span* s, uint8_t* frame, IoContext& io) {
-  if (!crypto_) return Status::Ok();
+Status Heap::OpenSealedLocked(Span* s, std::span<const uint32_t> slots) {
+  const uint32_t csize = s->cls->size;
+  // Opened out of place, so that the ciphertext of a slot whose tag fails stays in the frame.
+  thread_local std::vector<uint8_t> plain;
+  if (plain.size() < span_size_) plain.resize(span_size_);
   std::vector<uint32_t> failed;
-  crypto_->OpenSpan(frame, s->cls->size, s->owner, &failed);
+  crypto_->OpenSlots(s->frame, plain.data(), csize, s->owner, slots, &failed);
+  MarkOpenedLocked(s, slots, failed, plain.data());
   if (failed.empty()) return Status::Ok();
   // A failed tag means the cell's bytes are not what this process sealed: corrupted (a bit flip
   // in the lender's memory) or tampered with. Treat the member like a failed one.
@@ -460,22 +492,30 @@ Status Heap::OpenCellLocked(Span* s, uint8_t* frame, IoContext& io) {
   const bool reread = store_->ReportCorrupt(set, member, why);
   bool recovered = false;
   if (reread) {
-    Status st = store_->ReadSpan(io, set, member, frame);
+    uint8_t* cell = GetFrame();
+    IoContext* io = CheckoutIo();
+    Status st = store_->ReadSpan(*io, set, member, cell);
+    ReturnIo(io);
     if (st.ok()) {
+      // Every slot still sealed came from the member just reported: take the others' bytes.
+      for (uint32_t i = 0; i < s->sealed.size(); ++i) {
+        if (!s->sealed[i]) continue;
+        const size_t off = static_cast<size_t>(i) * csize;
+        std::memcpy(s->frame + off, cell + off, s->owner[i]->size);
+      }
+      PutFrame(cell);
       std::vector<uint32_t> again;
-      crypto_->OpenSpan(frame, s->cls->size, s->owner, &again);
+      crypto_->OpenSlots(s->frame, plain.data(), csize, s->owner, failed, &again);
+      MarkOpenedLocked(s, failed, again, plain.data());
       recovered = again.empty();
       if (!recovered) {
         auth_failures_.fetch_add(1, std::memory_order_relaxed);
         failed = std::move(again);
       }
-    } else if (st.code() != StatusCode::kDataLoss) {
-      return st;  // unreadable for now: a later deref reads it again (degraded)
     } else {
-      failed.clear();  // the frame holds nothing trustworthy: every object is lost
-      for (uint32_t i = 0; i < s->owner.size(); ++i) {
-        if (s->owner[i] != nullptr) failed.push_back(i);
-      }
+      PutFrame(cell);
+      // Unreadable for now: the failed slots stay sealed, a later deref reads them again.
+      if (st.code() != StatusCode::kDataLoss) return st.WithContext(Describe(s));
     }
   }
   const int64_t now =
@@ -504,12 +544,34 @@ Status Heap::OpenCellLocked(Span* s, uint8_t* frame, IoContext& io) {
         "every 5 s)",
         failed.size(), lost.message(), auth_failures_.load());
   }
-  if (failed.size() == s->live.load(std::memory_order_relaxed)) {
-    MarkLostLocked(s, lost);
-    return lost;
-  }
+  // A span left with no object is released by the evictor's next sweep (PickVictims).
   LoseObjectsLocked(s, failed, lost);
   return Status::Ok();
+}
+
+void Heap::MarkOpenedLocked(Span* s, std::span<const uint32_t> slots,
+                            const std::vector<uint32_t>& failed, const uint8_t* plain) {
+  const uint32_t csize = s->cls->size;
+  for (const uint32_t i : slots) {
+    if (std::find(failed.begin(), failed.end(), i) != failed.end()) continue;
+    ObjectEntry* o = s->owner[i];
+    const size_t off = static_cast<size_t>(i) * csize;
+    std::memcpy(s->frame + off, plain + off, o->size);
+    s->sealed[i] = false;
+    --s->sealed_left;
+    // The word of a sealed object holds no address, only flags (kHot, kEvacuating).
+    o->word.fetch_or(reinterpret_cast<uint64_t>(s->frame + off) | kPresent,
+                     std::memory_order_seq_cst);
+  }
+}
+
+Status Heap::OpenAllSealedLocked(Span* s) {
+  std::vector<uint32_t> slots;
+  slots.reserve(s->sealed_left);
+  for (uint32_t i = 0; i < s->sealed.size(); ++i) {
+    if (s->sealed[i]) slots.push_back(i);
+  }
+  return OpenSealedLocked(s, slots);
 }
 
 void Heap::LoseObjectsLocked(Span* s, std::span<const uint32_t> slots, const Status& why) {
@@ -518,7 +580,12 @@ void Heap::LoseObjectsLocked(Span* s, std::span<const uint32_t> slots, const Sta
   MutexLock ll(&lost->mu);  // nobody else can reach it until the entries point to it
   lost->lost = why;
   lost->free_slots.clear();
+  const bool local = s->state == SpanState::kLocal || s->state == SpanState::kEvicting;
   for (uint32_t slot : slots) {
+    if (s->sealed_left > 0 && s->sealed[slot]) {
+      s->sealed[slot] = false;
+      --s->sealed_left;
+    }
     ObjectEntry* e = s->owner[slot];
     s->owner[slot] = nullptr;
     s->free_slots.push_back(slot);
@@ -530,6 +597,10 @@ void Heap::LoseObjectsLocked(Span* s, std::span<const uint32_t> slots, const Sta
   }
   remote_object_bytes_.fetch_sub(static_cast<uint64_t>(slots.size()) * s->cls->size,
                                  std::memory_order_relaxed);
+  if (local && s->set != nullptr) {  // they were counted as the local span's clean copy too
+    copy_object_bytes_.fetch_sub(static_cast<uint64_t>(slots.size()) * s->cls->size,
+                                 std::memory_order_relaxed);
+  }
   spans_lost_.fetch_add(1, std::memory_order_relaxed);
 }
 
@@ -566,16 +637,26 @@ void Heap::FinishSwapInLocked(Span* s, uint8_t* frame, bool prefetch) {
   s->state = SpanState::kLocal;
   const uint32_t csize = s->cls->size;
   uint32_t live = 0;
+  // Encryption: every object stays sealed until its first deref (heap.h, kLocal).
+  const bool sealed = crypto_ != nullptr;
+  if (sealed) s->sealed.assign(s->owner.size(), false);
   for (uint32_t i = 0; i < s->owner.size(); ++i) {
     if (ObjectEntry* o = s->owner[i]; o != nullptr) {
       // A prefetched span counts as hot for one CLOCK sweep, so the evictor does not take it
       // back before the scan that asked for it arrives.
-      o->word.store(reinterpret_cast<uint64_t>(frame + static_cast<size_t>(i) * csize) | kPresent |
-                        (prefetch ? kHot : 0),
-                    std::memory_order_release);
+      const uint64_t hot = prefetch ? kHot : 0;
+      if (sealed) {
+        s->sealed[i] = true;
+        o->word.store(hot, std::memory_order_release);
+      } else {
+        o->word.store(
+            reinterpret_cast<uint64_t>(frame + static_cast<size_t>(i) * csize) | kPresent | hot,
+            std::memory_order_release);
+      }
       ++live;
     }
   }
+  s->sealed_left = sealed ? live : 0;
   // The remote cell stays as the span's clean copy (remote_object_bytes_ keeps counting it):
   // evicting the span again before anything in it is written costs no I/O.
   AddResident(s);
@@ -663,14 +744,12 @@ void Heap::PrefetchLoop() NO_THREAD_SAFETY_ANALYSIS {
         bool partial = false;
         Status st = results[i];
         if (st.ok()) {
-          st = OpenCellLocked(s, frames[i], *io);
-          if (st.ok()) {
-            FinishSwapInLocked(s, frames[i], true);
-            partial = !s->free_slots.empty();
-          } else {
-            PutFrame(frames[i]);
-            // DataLoss: the span is kLost already. Otherwise a deref reads it again.
-          }
+          FinishSwapInLocked(s, frames[i], true);
+          // A prefetch opens the whole span here, off the scan's path (what a miss leaves to
+          // each first deref). A re-read that fails for now leaves those objects sealed: their
+          // derefs try again.
+          if (s->sealed_left > 0) (void)OpenAllSealedLocked(s);
+          partial = !s->free_slots.empty();
         } else {
           PutFrame(frames[i]);
           (void)SwapInFailedLocked(s, st);  // a deref reports it

@@ -122,20 +122,21 @@ Status SpanCrypto::SealSpan(const uint8_t* frame, uint32_t slot_size, uint32_t s
   return st;
 }
 
-void SpanCrypto::OpenSpan(uint8_t* frame, uint32_t slot_size, std::span<ObjectEntry* const> owners,
-                          std::vector<uint32_t>* failed) {
+void SpanCrypto::OpenSlots(const uint8_t* cells, uint8_t* out, uint32_t slot_size,
+                           std::span<ObjectEntry* const> owners, std::span<const uint32_t> slots,
+                           std::vector<uint32_t>* failed) {
   auto cipher = Checkout();
   aead::Tag tag;
-  for (size_t i = 0; i < owners.size(); ++i) {
-    ObjectEntry* e = owners[i];
-    if (e == nullptr) continue;
-    uint8_t* p = frame + i * static_cast<size_t>(slot_size);
+  for (const uint32_t i : slots) {
+    const ObjectEntry* e = owners[i];
+    const size_t off = i * static_cast<size_t>(slot_size);
     std::memcpy(tag.data(), e->tag, tag.size());
-    if (!cipher ||
-        !cipher->Open(aead::MakeNonce(kSealDomain, e->seal), {}, {p, e->size}, {p, e->size}, tag)
-             .ok()) {
-      std::memset(p, 0, e->size);
-      failed->push_back(static_cast<uint32_t>(i));
+    if (!cipher || !cipher
+                        ->Open(aead::MakeNonce(kSealDomain, e->seal), {}, {cells + off, e->size},
+                               {out + off, e->size}, tag)
+                        .ok()) {
+      if (!cipher) std::memset(out + off, 0, e->size);
+      failed->push_back(i);
     }
   }
   Return(std::move(cipher));

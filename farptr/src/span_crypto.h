@@ -47,10 +47,14 @@ class SpanCrypto {
   // owners[i]->seal / ->tag updated. Every other byte of image (span_bytes long) is zero.
   Status SealSpan(const uint8_t* frame, uint32_t slot_size, uint32_t span_bytes,
                   std::span<ObjectEntry* const> owners, uint8_t* image);
-  // Opens, in place, every object of a sealed image read back into `frame`. Slots whose tag
-  // fails (their bytes are zeroed) are appended to *failed.
-  void OpenSpan(uint8_t* frame, uint32_t slot_size, std::span<ObjectEntry* const> owners,
-                std::vector<uint32_t>* failed);
+  // Opens the objects in `slots` of a sealed image: slot i's ciphertext at cells + i * slot_size
+  // (left unchanged, so a failed open can be retried from the same bytes) is authenticated and
+  // decrypted to the same offset of `out`. Slots whose tag fails (their bytes in `out` are
+  // zeroed, no plaintext is written) are appended to *failed. The runtime opens lazily: a
+  // swap-in opens only the object dereferenced, the others on their first deref (heap.h).
+  void OpenSlots(const uint8_t* cells, uint8_t* out, uint32_t slot_size,
+                 std::span<ObjectEntry* const> owners, std::span<const uint32_t> slots,
+                 std::vector<uint32_t>* failed);
 
   uint64_t key_id() const { return key_id_; }
 
