@@ -30,7 +30,7 @@ int main(int argc, char** argv) {
   uint32_t max_pending_handshakes = 1024, handshake_timeout_ms = 5000, frame_timeout_ms = 10000;
   bool no_mlock = false, no_prefault = false;
   std::string rdma = "auto", rdma_listen, sched = "batch", max_client_share = "0.75";
-  std::string reserve = "10%", memory_source = "auto";
+  std::string reserve = "10%", memory_source = "auto", access_counts = "all";
   uint32_t pressure_interval_ms = 250, evict_grace_ms = 5000, evict_sample_extra = 2;
   uint32_t drain_timeout_ms = 0;
   // PSI is opt-in: the host's `full` stall also counts a cgroup thrashing against its own
@@ -135,6 +135,12 @@ int main(int argc, char** argv) {
                  "Victims are the E least active of E + this many randomly sampled leases")
       ->capture_default_str()
       ->check(CLI::Range(0u, 1024u));
+  app.add_option("--access-counts", access_counts,
+                 "What victim choice counts as a lease's activity: all (the TCP reads and writes "
+                 "this daemon serves, plus what clients report of their RDMA ones on HEARTBEAT) or "
+                 "reported (only clients' reports; for testing the reports over TCP)")
+      ->capture_default_str()
+      ->check(cli::OneOf({"all", "reported"}));
   app.add_option("--drain-timeout", drain_timeout_ms,
                  "On SIGTERM, drain first: notice every lease, grant nothing, and exit once all "
                  "are freed or after this many ms (0: exit at once). SIGINT always exits at once")
@@ -182,6 +188,7 @@ int main(int argc, char** argv) {
   pool_opts.lease_ttl = std::chrono::milliseconds(lease_ttl_ms);
   pool_opts.mlock = !no_mlock;
   pool_opts.prefault = !no_prefault;
+  pool_opts.count_served_accesses = access_counts == "all";
   auto share = daemon::ParseClientShare(max_client_share);
   if (!share) return fail(share.error());
   pool_opts.max_client_share = *share;

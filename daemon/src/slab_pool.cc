@@ -330,7 +330,7 @@ Result<Pin> SlabPool::Acquire(uint64_t lease_id, const wire::ClientId& owner, ui
     return Err(OutOfRange(fmt::format("{} bytes at offset {} fall outside lease {:#x} of {} bytes",
                                       length, offset, lease_id, options_.slab_size)));
   }
-  s.accesses.fetch_add(1, std::memory_order_relaxed);
+  if (options_.count_served_accesses) s.accesses.fetch_add(1, std::memory_order_relaxed);
   return Pin(std::move(pin));
 }
 
