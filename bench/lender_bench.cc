@@ -4,9 +4,11 @@
 //      on demand that is populate + mlock (+ MR registration with RDMA) + MADV_DONTNEED; with the
 //      prefaulted pool only bookkeeping and a memset.
 // Give two farmemd binaries to compare them in the same run (e.g. one built from main before
-// memory on demand): each figure is printed for both.
+// memory on demand): each figure is printed for both. --populate-at-start runs every binary a
+// second time with farmemd --populate-at-start (the whole capacity populated before it listens,
+// as before memory on demand), so one binary compares both behaviours.
 //   lender_bench [--farmemd PATH]... [--capacity 1G,4G] [--slab 64M] [--rounds 30] [--mlock]
-//                [--listen 127.0.0.1] [--daemon-arg=--rdma=off]...
+//                [--listen 127.0.0.1] [--daemon-arg=--rdma=off]... [--populate-at-start]
 #include <fmt/format.h>
 #include <signal.h>
 #include <unistd.h>
@@ -105,7 +107,7 @@ int main(int argc, char** argv) {
   std::vector<std::string> bins;
   std::string capacities = "1G,4G", slab = "64M", host = "127.0.0.1";
   int rounds = 30;
-  bool mlock = false;
+  bool mlock = false, populate_at_start = false;
   std::vector<std::string> extra;
   app.add_option("--farmemd", bins, "farmemd binaries to compare (default: ./farmemd)");
   app.add_option("--daemon-arg", extra, "One more farmemd argument (repeatable), e.g. --rdma=off");
@@ -116,6 +118,8 @@ int main(int argc, char** argv) {
   app.add_flag("--mlock", mlock, "Let farmemd mlock (default --no-mlock)");
   app.add_option("--listen", host, "Address to serve on (an RDMA address in the guest)")
       ->capture_default_str();
+  app.add_flag("--populate-at-start", populate_at_start,
+               "Also run each farmemd with --populate-at-start (the prefaulted pool)");
   CLI11_PARSE(app, argc, argv);
   if (bins.empty()) bins.push_back(testing::BinPath("farmemd"));
   testing::TempDir dir("lender-bench");
@@ -130,9 +134,23 @@ int main(int argc, char** argv) {
     caps.push_back(capacities.substr(at, end - at));
     at = end + 1;
   }
+  struct Config {
+    std::string bin, label;
+    std::vector<std::string> args;
+  };
+  std::vector<Config> configs;
+  for (const std::string& bin : bins) {
+    configs.push_back({bin, bin, extra});
+    if (populate_at_start) {
+      Config c{bin, bin + " --populate-at-start", extra};
+      c.args.push_back("--populate-at-start");
+      configs.push_back(std::move(c));
+    }
+  }
   for (const std::string& cap : caps) {
-    for (const std::string& bin : bins) {
-      auto d = Start(bin, cap, slab, mlock, host, dir.path(), extra);
+    for (const Config& config : configs) {
+      const std::string& bin = config.label;
+      auto d = Start(config.bin, cap, slab, mlock, host, dir.path(), config.args);
       if (!d) {
         fmt::print("{:<40} {:>9} {}\n", bin, cap, d.error().ToString());
         continue;

@@ -333,6 +333,7 @@ NodeInfo Cluster::node(NodeId id) const {
   info.stat = n.stat;
   info.leases_held = n.leases.size();
   info.lease_ttl_ms = n.lease_ttl_ms;
+  info.accesses_reported = n.accesses->reported();
   info.last_error = n.last_error;
   info.last_contact = n.last_contact;
   return info;
@@ -466,6 +467,7 @@ Result<Lease> Cluster::AllocOn(Node& node) {
   }
   const wire::LeaseGrant& grant = reply->leases[0];
   node.leases.insert(grant.lease_id);
+  node.accesses->Track(grant.lease_id);
   if (node.stat && node.stat->free_slabs > 0) --node.stat->free_slabs;
   if (node.stat && node.stat->client_free_slabs > 0) --node.stat->client_free_slabs;
   return Lease{node.id, grant};

@@ -65,8 +65,10 @@ Result<std::unique_ptr<transport::Channel>> Cluster::OpenChannel(NodeId id) {
     auto ch = verbs_->OpenChannel(o);
     if (ch) {
       spdlog::info("farmem client: data channel to {} uses verbs", node->name());
-      return transport::WithFaults(std::move(*ch), o.endpoint, options_.fault_injector,
-                                   o.op_timeout);
+      return CountedIfReported(
+          *node, features,
+          transport::WithFaults(std::move(*ch), o.endpoint, options_.fault_injector, o.op_timeout),
+          /*one_sided=*/true);
     }
     if (options_.transport == "verbs") {
       if (ch.error().code() == StatusCode::kUnavailable ||
@@ -95,8 +97,20 @@ Result<std::unique_ptr<transport::Channel>> Cluster::OpenChannel(NodeId id) {
                     : !(features & wire::kFeatureVerbs) ? "the daemon serves no RDMA"
                                                         : "verbs failed";
   spdlog::info("farmem client: data channel to {} uses tcp ({})", node->name(), why);
-  return transport::WithFaults(std::move(*channel), o.endpoint, options_.fault_injector,
-                               o.op_timeout);
+  return CountedIfReported(
+      *node, features,
+      transport::WithFaults(std::move(*channel), o.endpoint, options_.fault_injector, o.op_timeout),
+      /*one_sided=*/false);
+}
+
+std::unique_ptr<transport::Channel> Cluster::CountedIfReported(
+    Node& node, uint32_t features, std::unique_ptr<transport::Channel> channel,
+    bool one_sided) const {
+  // Only what the daemon cannot count itself, and only for a daemon that takes the report.
+  if (!(features & wire::kFeatureAccessReports) || !(one_sided || options_.report_tcp_accesses)) {
+    return channel;
+  }
+  return internal::CountAccesses(std::move(channel), node.accesses);
 }
 
 void Cluster::ReportFailure(NodeId id, const Status& error) {
@@ -126,6 +140,16 @@ void Cluster::ReportFailure(NodeId id, const Status& error) {
     probe_requested_ = true;
   }
   wake_.SignalAll();
+}
+
+wire::HeartbeatRequest Cluster::PendingAccessReport(Node& node) {
+  std::vector<uint64_t> held;
+  {
+    MutexLock lock(&mu_);
+    if (!(node.features & wire::kFeatureAccessReports) || node.leases.empty()) return {};
+    held.assign(node.leases.begin(), node.leases.end());
+  }
+  return node.accesses->Pending(held);
 }
 
 }  // namespace farmem::client

@@ -135,9 +135,15 @@ void Cluster::Heartbeat(Node& node) {
   if (node.conn) {
     const milliseconds timeout = std::clamp(Remaining(deadline - reprobe, Clock::now()),
                                             milliseconds(50), options_.failure_timeout);
-    auto reply = node.conn->Call(wire::Opcode::kHeartbeat, {}, timeout);
+    // With the client's counts of what the daemon cannot see (verbs operations), for its victim
+    // choice under memory pressure; committed only once the daemon has taken them.
+    const wire::HeartbeatRequest report = PendingAccessReport(node);
+    std::vector<uint8_t> body;
+    wire::EncodeHeartbeat(report, &body);
+    auto reply = node.conn->Call(wire::Opcode::kHeartbeat, body, timeout);
     CollectPushes(node);
     if (reply) {
+      node.accesses->Commit(report);
       auto hb = wire::DecodeHeartbeatReply(*reply);
       MutexLock lock(&mu_);
       node.last_contact = Clock::now();

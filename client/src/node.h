@@ -14,6 +14,7 @@
 #include "farmem/client/cluster.h"
 #include "farmem/common/mutex.h"
 #include "farmem/transport/tcp_connection.h"
+#include "lease_access_counts.h"
 
 namespace farmem::client {
 
@@ -31,6 +32,10 @@ struct Cluster::Node {
 
   const NodeId id;
   const Endpoint endpoint;
+  // Operations on this client's leases there that the daemon does not see (verbs), counted by
+  // the data channels OpenChannel wraps and reported on HEARTBEAT (kFeatureAccessReports).
+  const std::shared_ptr<internal::LeaseAccessCounts> accesses =
+      std::make_shared<internal::LeaseAccessCounts>();
 
   Mutex call_mu;
   std::optional<transport::TcpConnection> conn GUARDED_BY(call_mu);

@@ -28,9 +28,9 @@ int main(int argc, char** argv) {
   std::string capacity = "1G", slab_size = "64M", secret_file, port_file, log_level = "info";
   uint32_t lease_ttl_ms = 10000, max_connections = 256;
   uint32_t max_pending_handshakes = 1024, handshake_timeout_ms = 5000, frame_timeout_ms = 10000;
-  bool no_mlock = false, no_prefault = false;
+  bool no_mlock = false, no_prefault = false, populate_at_start = false;
   std::string rdma = "auto", rdma_listen, sched = "batch", max_client_share = "0.75";
-  std::string reserve = "10%", memory_source = "auto";
+  std::string reserve = "10%", memory_source = "auto", access_counts = "all";
   uint32_t pressure_interval_ms = 250, evict_grace_ms = 5000, evict_sample_extra = 2;
   uint32_t drain_timeout_ms = 0;
   // PSI is opt-in: the host's `full` stall also counts a cgroup thrashing against its own
@@ -135,6 +135,12 @@ int main(int argc, char** argv) {
                  "Victims are the E least active of E + this many randomly sampled leases")
       ->capture_default_str()
       ->check(CLI::Range(0u, 1024u));
+  app.add_option("--access-counts", access_counts,
+                 "What victim choice counts as a lease's activity: all (the TCP reads and writes "
+                 "this daemon serves, plus what clients report of their RDMA ones on HEARTBEAT) or "
+                 "reported (only clients' reports; for testing the reports over TCP)")
+      ->capture_default_str()
+      ->check(cli::OneOf({"all", "reported"}));
   app.add_option("--drain-timeout", drain_timeout_ms,
                  "On SIGTERM, drain first: notice every lease, grant nothing, and exit once all "
                  "are freed or after this many ms (0: exit at once). SIGINT always exits at once")
@@ -144,6 +150,9 @@ int main(int argc, char** argv) {
   app.add_flag("--no-prefault", no_prefault,
                "Do not populate a slab's pages when it is leased (unlocked slabs then fault on "
                "first access)");
+  app.add_flag("--populate-at-start", populate_at_start,
+               "Populate (and mlock) the whole --capacity before serving and keep it, as farmemd "
+               "did before memory on demand; for comparisons (docs/benchmarks.md)");
   app.add_option("--port-file", port_file, "Write the port actually bound to this file");
   cli::AddMetricsOptions(app, metrics_listen, metrics_port_file);
   cli::AddLogLevelOption(app, log_level);
@@ -182,6 +191,8 @@ int main(int argc, char** argv) {
   pool_opts.lease_ttl = std::chrono::milliseconds(lease_ttl_ms);
   pool_opts.mlock = !no_mlock;
   pool_opts.prefault = !no_prefault;
+  pool_opts.count_served_accesses = access_counts == "all";
+  pool_opts.populate_at_start = populate_at_start;
   auto share = daemon::ParseClientShare(max_client_share);
   if (!share) return fail(share.error());
   pool_opts.max_client_share = *share;

@@ -94,13 +94,18 @@ Result<std::unique_ptr<SlabPool>> SlabPool::Create(const PoolOptions& options) {
     for (uint32_t i = pool->total_; i > 0; --i) pool->free_list_.push_back(i - 1);
     std::random_device rd;
     pool->next_epoch_ = std::uniform_int_distribution<uint32_t>(1, UINT32_MAX / 2)(rd);
+    if (options.populate_at_start) {
+      for (uint32_t i = 0; i < pool->total_; ++i) pool->Populate(i);
+    }
   }
   spdlog::info(
-      "slab pool: up to {} in {} slabs of {}, mapped{} when leased and returned when freed; each "
-      "client may hold {} slab(s) ({}, --max-client-share {})",
+      "slab pool: up to {} in {} slabs of {}, mapped{} {}; each client may hold {} slab(s) ({}, "
+      "--max-client-share {})",
       FormatSize(pool->mapped_), slabs, FormatSize(options.slab_size),
-      options.mlock ? " and mlocked" : "", share_slabs, FormatSize(share_slabs * options.slab_size),
-      share.text);
+      options.mlock ? " and mlocked" : "",
+      options.populate_at_start ? "at start and kept (--populate-at-start)"
+                                : "when leased and returned when freed",
+      share_slabs, FormatSize(share_slabs * options.slab_size), share.text);
   return pool;
 }
 
@@ -206,6 +211,10 @@ void SlabPool::Populate(uint32_t index) {
 void SlabPool::ReturnMemory(uint32_t index) {
   Slab& s = slabs_[index];
   uint8_t* addr = base_ + uint64_t{index} * options_.slab_size;
+  if (options_.populate_at_start) {  // the prefaulted pool keeps its memory: zero it in place
+    std::memset(addr, 0, options_.slab_size);
+    return;
+  }
   if (s.locked) {
     (void)::munlock(addr, options_.slab_size);
     s.locked = false;
@@ -330,7 +339,7 @@ Result<Pin> SlabPool::Acquire(uint64_t lease_id, const wire::ClientId& owner, ui
     return Err(OutOfRange(fmt::format("{} bytes at offset {} fall outside lease {:#x} of {} bytes",
                                       length, offset, lease_id, options_.slab_size)));
   }
-  s.accesses.fetch_add(1, std::memory_order_relaxed);
+  if (options_.count_served_accesses) s.accesses.fetch_add(1, std::memory_order_relaxed);
   return Pin(std::move(pin));
 }
 

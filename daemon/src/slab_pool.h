@@ -55,6 +55,15 @@ struct PoolOptions {
   std::chrono::milliseconds lease_ttl{10000};
   bool mlock = true;     // mlock each slab when leased; warn once and continue when not permitted
   bool prefault = true;  // populate a slab's pages when it is leased, not at first access
+  // Victim choice counts the data operations the daemon serves (TCP) as activity, besides what
+  // clients report (CreditAccesses). False (--access-counts reported): only the reports, so a
+  // test can exercise the client's reports over TCP.
+  bool count_served_accesses = true;
+  // Populate (and mlock) every slab before serving and keep it populated after its lease ends,
+  // zeroed by memset: the pool as it was before memory on demand (--populate-at-start), so that
+  // benchmarks compare the two in one build. Start-up then takes as long as faulting in the
+  // capacity, and the daemon's RSS is the capacity from the start.
+  bool populate_at_start = false;
   // The default leaves a quarter of every daemon to other clients, while a lone client still
   // reaches three quarters of the cluster.
   ClientShare max_client_share{};

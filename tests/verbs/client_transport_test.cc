@@ -5,8 +5,9 @@
 // What a user would check: against daemons that serve RDMA the cluster's data channels are verbs;
 // against a daemon started with --rdma off the same client falls back to tcp for that node only;
 // either way the bytes written read back exactly, and the client says (in its log and through
-// Channel::kind()) which one it chose. transport=tcp and transport=verbs are obeyed. Outside a
-// guest with an RDMA device every test skips.
+// Channel::kind()) which one it chose. transport=tcp and transport=verbs are obeyed. Verbs
+// operations reach the daemon's victim choice through the client's HEARTBEAT access reports.
+// Outside a guest with an RDMA device every test skips.
 #include <gtest/gtest.h>
 #include <spdlog/sinks/ringbuffer_sink.h>
 #include <spdlog/sinks/stdout_sinks.h>
@@ -16,13 +17,17 @@
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
+#include <mutex>
 #include <random>
+#include <set>
 #include <sstream>
 
 #include "farmem/client/cluster.h"
 #include "farmem/transport/verbs.h"
 #include "guest_addrs.h"
 #include "support/daemon_fixture.h"
+#include "support/fake_cgroup.h"
 
 namespace farmem {
 namespace {
@@ -67,16 +72,19 @@ class ClientTransportTest : public ::testing::Test {
   }
 
   // A farmemd on guest address `addr_index` with --rdma on or --rdma off.
-  testing::DaemonProcess& StartDaemon(size_t addr_index, bool rdma) {
+  testing::DaemonProcess& StartDaemon(size_t addr_index, bool rdma,
+                                      const std::vector<std::string>& extra = {},
+                                      const std::string& capacity = "8M") {
     testing::DaemonConfig config;
     config.listen_host = addrs_.at(addr_index);
     config.secret = kSecret;
-    config.capacity = "8M";
+    config.capacity = capacity;
     config.slab_size = "2M";
     config.start_timeout = milliseconds(60000);  // an emulated guest on a busy host is slow
     // --handshake-timeout-ms: the 5 s default is for real machines; under emulation on a loaded
     // host the client took longer than that from connect to AUTH, and the daemon closed on it.
     config.extra_args = {"--rdma", rdma ? "on" : "off", "--handshake-timeout-ms", "60000"};
+    config.extra_args.insert(config.extra_args.end(), extra.begin(), extra.end());
     daemons_.push_back(std::make_unique<testing::DaemonProcess>(
         config, work_dir_->path(), "farmemd-" + std::to_string(daemons_.size())));
     Status s = daemons_.back()->Start();
@@ -266,6 +274,64 @@ TEST_F(ClientTransportTest, TransportOptionIsObeyed) {
     }
   }
   EXPECT_TRUE((*verbs_only)->Close().ok());
+}
+
+// Access reports (issue 12): the daemon never sees one-sided RDMA reads and writes, so a lease
+// used only over verbs looks idle to its victim choice unless the client reports its operations
+// on HEARTBEAT. One client hammers four of its eight leases over verbs and leaves the other four
+// alone; under memory pressure (a cgroup directory the test writes) the daemon, counting as it
+// does in production (--access-counts all), evicts the four cold ones. Without the report all
+// eight look idle and the four are picked at random.
+TEST_F(ClientTransportTest, VerbsOperationsAreReportedAndColdLeasesAreEvictedFirst) {
+  constexpr uint64_t kMiB = 1 << 20;
+  testing::FakeCgroup cgroup(std::filesystem::path(work_dir_->path()) / "cgroup", 1024 * kMiB);
+  StartDaemon(
+      0, true,
+      {"--no-mlock", "--memory-source", "cgroup:" + cgroup.dir().string(), "--reserve", "100M",
+       "--evict-grace-ms", "600000", "--pressure-interval-ms", "100", "--evict-sample-extra", "4"},
+      "16M");
+  if (HasFailure()) return;
+  auto cluster = Connect("verbs");
+  ASSERT_TRUE(cluster.has_value()) << cluster.error().ToString() << Logs();
+  std::mutex mu;
+  std::set<uint64_t> noticed;
+  (*cluster)->Subscribe([&](const client::Event& e) {
+    if (e.type != client::EventType::kEvictNotice) return;
+    std::lock_guard lock(mu);
+    noticed.insert(e.lease_ids.begin(), e.lease_ids.end());
+  });
+  auto leases = (*cluster)->Allocate(8);
+  ASSERT_TRUE(leases.has_value()) << leases.error().ToString();
+  auto ch = (*cluster)->OpenChannel(0);
+  ASSERT_TRUE(ch.has_value()) << ch.error().ToString() << Logs();
+  ASSERT_STREQ((*ch)->kind(), "verbs");
+  constexpr int kOpsPerLease = 64;
+  std::vector<uint8_t> page(4096, 0x3c), back(4096);
+  for (size_t i = 0; i < 4; ++i) {
+    for (int k = 0; k < kOpsPerLease / 2; ++k) {
+      ASSERT_TRUE((*ch)->Write((*leases)[i].slab(), 4096 * k, page).ok());
+      ASSERT_TRUE((*ch)->Read((*leases)[i].slab(), 4096 * k, back).ok());
+      ASSERT_EQ(back, page);
+    }
+  }
+  constexpr uint64_t kTotal = 4 * kOpsPerLease;
+  ASSERT_TRUE(testing::WaitUntil([&] { return (*cluster)->node(0).accesses_reported >= kTotal; },
+                                 milliseconds(30000)))
+      << "reported " << (*cluster)->node(0).accesses_reported << " of " << kTotal;
+  EXPECT_EQ((*cluster)->node(0).accesses_reported, kTotal);
+
+  cgroup.SetAvailable(100 * kMiB - 8 * kMiB);  // four 2 MiB slabs short of the reserve
+  ASSERT_TRUE(testing::WaitUntil(
+      [&] {
+        std::lock_guard lock(mu);
+        return noticed.size() >= 4;
+      },
+      milliseconds(60000)))
+      << Logs();
+  std::set<uint64_t> cold;
+  for (size_t i = 4; i < 8; ++i) cold.insert((*leases)[i].id());
+  std::lock_guard lock(mu);
+  EXPECT_EQ(noticed, cold) << "leases busy over verbs were noticed\n" << Logs();
 }
 
 }  // namespace

@@ -101,6 +101,10 @@ struct ClusterOptions {
   uint32_t channel_depth = 64;     // max outstanding ops per data channel
   // Seeds placement's RNG; unset = std::random_device. For reproducible tests.
   std::optional<uint64_t> rng_seed;
+  // Tests: count and report (HEARTBEAT access reports) data operations on tcp channels too. By
+  // default only verbs operations are reported, which the daemon cannot see; it counts the tcp
+  // ones it serves itself, unless it runs with --access-counts reported.
+  bool report_tcp_accesses = false;
   // Tests: every data channel is wrapped with these deterministic faults
   // (transport/fault_injection.h). Unset in production.
   std::shared_ptr<transport::FaultInjector> fault_injector;
@@ -126,8 +130,11 @@ struct NodeInfo {
   std::optional<wire::StatReply> stat;  // the last STAT answer, if any
   size_t leases_held = 0;               // leases this client holds there
   uint64_t lease_ttl_ms = 0;            // from the last HEARTBEAT reply; 0 = unknown
-  Status last_error;                    // why it is down (or the last failure seen)
-  Clock::time_point last_contact{};     // last successful exchange
+  // Data operations on its leases this client reported to it on HEARTBEAT (the daemon does not
+  // see one-sided RDMA operations; ClusterOptions::report_tcp_accesses), since the client started.
+  uint64_t accesses_reported = 0;
+  Status last_error;                 // why it is down (or the last failure seen)
+  Clock::time_point last_contact{};  // last successful exchange
 };
 
 // What a client can wait for a node to be (Cluster::WaitForNode): answering, or declared down.
@@ -298,6 +305,17 @@ class Cluster {
                                           std::span<const uint8_t> body);
   Result<wire::StatReply> StatNode(Node& node);
   Result<Lease> AllocOn(Node& node);
+
+  // ---- data channels and access reports (cluster_channels.cc) ----
+  // `channel`, wrapped so that its operations are counted in node.accesses for the HEARTBEAT
+  // access report when the daemon takes reports (`features`) and does not see them itself
+  // (`one_sided`: verbs; tcp too with options_.report_tcp_accesses).
+  std::unique_ptr<transport::Channel> CountedIfReported(Node& node, uint32_t features,
+                                                        std::unique_ptr<transport::Channel> channel,
+                                                        bool one_sided) const;
+  // The access report for the next HEARTBEAT to `node` (empty: none is due, or the daemon does
+  // not take reports); after the daemon answered, node.accesses->Commit(report).
+  wire::HeartbeatRequest PendingAccessReport(Node& node) EXCLUDES(mu_);
   Status SendFreeLocked(Node& node, std::span<const uint64_t> ids);  // node.call_mu held
 
   // ---- placement and freeing (cluster_leases.cc) ----
