@@ -21,18 +21,21 @@
 #include <rdma/ib_verbs.h>
 #include <rdma/rdma_cm.h>
 
-#define FARMEM_IFACE_VERSION 1
+#define FARMEM_IFACE_VERSION 2
 #define FARMEM_MAX_PEERS 64
 #define FARMEM_TOKEN_BYTES 32
 #define FARMEM_MAX_SEGS 16 /* scatter entries per work request (one request, one WR) */
 #define FARMEM_QUEUE_DEPTH 64 /* per hardware queue */
 #define FARMEM_READ_DEPTH 16 /* RDMA READs we ask to have in flight per QP */
 #define FARMEM_MAX_REPLICAS 3
+#define FARMEM_NAME_BYTES 80 /* a peer's control endpoint, the owner's identity: opaque text */
 
 /* One daemon: one rdma_cm id, one RC queue pair in its own PD, one CQ polled in softirq. */
 struct farmem_peer {
 	int index;
 	struct sockaddr_in addr;
+	/* The daemon's control (TCP) endpoint as the tool named it: read back from `slabs`. */
+	char endpoint[FARMEM_NAME_BYTES];
 	struct rdma_cm_id *cm_id;
 	struct ib_pd *pd;
 	struct ib_cq *cq;
@@ -74,6 +77,13 @@ struct farmem_dev {
 	struct farmem_peer *peers[FARMEM_MAX_PEERS];
 	struct blk_mq_tag_set tag_set;
 	struct gendisk *disk; /* non-NULL while started */
+	/*
+	 * Who holds the leases (`owner` command): the tool's client id (32 hex digits) and identity.
+	 * The module does nothing with them; a restarted tool reads them back from `slabs` to renew
+	 * the same leases (docs/kmod.md "Who keeps the leases"). Empty until given.
+	 */
+	char owner_id[FARMEM_NAME_BYTES];
+	char owner_identity[FARMEM_NAME_BYTES];
 	bool tag_set_ready;
 };
 

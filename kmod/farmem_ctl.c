@@ -1,19 +1,25 @@
 // SPDX-License-Identifier: GPL-2.0
 /*
  * The control interface, /sys/kernel/farmem/ (docs/kmod.md "Interface"):
- *   version  read: the interface version ("1")
+ *   version  read: the interface version ("2")
  *   control  write: one command per write(), words separated by spaces, first word the version:
- *     1 create SIZE_BYTES SLAB_BYTES [COPIES]  a device of SIZE bytes in slabs of SLAB bytes,
+ *     2 create SIZE_BYTES SLAB_BYTES [COPIES]  a device of SIZE bytes in slabs of SLAB bytes,
  *                                              each kept in COPIES (1..3, default 1) replicas
- *     1 peer INDEX IPV4 PORT TOKEN_HEX64       connect to a daemon's rdma_cm port with its token
- *     1 slab INDEX PEER LEASE_ID RADDR RKEY [REPLICA]
+ *     2 owner CLIENT_ID_HEX32 IDENTITY         who holds the leases (kept for `slabs` only)
+ *     2 peer INDEX IPV4 PORT TOKEN_HEX64 ENDPOINT
+ *                                              connect to a daemon's rdma_cm port with its token;
+ *                                              ENDPOINT: its control address (kept for `slabs`)
+ *     2 slab INDEX PEER LEASE_ID RADDR RKEY [REPLICA]
  *                                              copy REPLICA (default 0) of slab INDEX lives at
  *                                              RADDR/RKEY on PEER
- *     1 start                                  add /dev/farmem0 (every slab given)
- *     1 remove                                 delete the disk, disconnect, forget everything
+ *     2 start                                  add /dev/farmem0 (every slab given)
+ *     2 remove                                 delete the disk, disconnect, forget everything
  *   status   read: "state=<none|created|running> size=.. slab=.. peers=N connected=N errors=N";
  *            poll(2) for POLLPRI: it changes when the disk is added or removed or a daemon
  *            disconnects.
+ *   slabs    read (root): what the module holds, for a restarted tool to re-adopt the device:
+ *            "size SIZE SLAB COPIES", "owner ID IDENTITY", "peer INDEX IPV4 PORT ENDPOINT
+ *            connected=0|1" and "slab INDEX PEER LEASE_ID RADDR RKEY REPLICA stale=0|1" lines.
  * A command that fails returns its errno from write() and leaves the state as it was; the reason
  * is in the kernel log.
  */
@@ -45,7 +51,7 @@ void farmem_ctl_notify(void)
 
 static int farmem_cmd_peer(char *args)
 {
-	char ip[32], hex[2 * FARMEM_TOKEN_BYTES + 2];
+	char ip[32], hex[2 * FARMEM_TOKEN_BYTES + 2], endpoint[FARMEM_NAME_BYTES];
 	u8 token[FARMEM_TOKEN_BYTES];
 	struct farmem_peer *peer;
 	unsigned int index, port;
@@ -53,7 +59,7 @@ static int farmem_cmd_peer(char *args)
 
 	if (!farmem_dev0 || farmem_dev0->disk)
 		return -EINVAL;
-	if (sscanf(args, "%u %31s %u %65s", &index, ip, &port, hex) != 4 ||
+	if (sscanf(args, "%u %31s %u %65s %79s", &index, ip, &port, hex, endpoint) != 5 ||
 	    index >= FARMEM_MAX_PEERS || port == 0 || port > 65535 ||
 	    strlen(hex) != 2 * FARMEM_TOKEN_BYTES || hex2bin(token, hex, FARMEM_TOKEN_BYTES))
 		return -EINVAL;
@@ -63,6 +69,7 @@ static int farmem_cmd_peer(char *args)
 	if (!peer)
 		return -ENOMEM;
 	peer->index = index;
+	strscpy(peer->endpoint, endpoint, sizeof(peer->endpoint));
 	peer->addr.sin_family = AF_INET;
 	peer->addr.sin_port = htons(port);
 	if (!in4_pton(ip, -1, (u8 *)&peer->addr.sin_addr.s_addr, -1, NULL)) {
@@ -112,6 +119,22 @@ static int farmem_cmd_slab(char *args)
 	return 0;
 }
 
+/* `owner CLIENT_ID IDENTITY`: 32 hex digits and a name; the module only keeps them. */
+static int farmem_cmd_owner(char *args)
+{
+	char id[FARMEM_NAME_BYTES], identity[FARMEM_NAME_BYTES];
+	u8 bin[16];
+
+	if (!farmem_dev0)
+		return -EINVAL;
+	if (sscanf(args, "%79s %79s", id, identity) != 2 || strlen(id) != 2 * sizeof(bin) ||
+	    hex2bin(bin, id, sizeof(bin)))
+		return -EINVAL;
+	strscpy(farmem_dev0->owner_id, id, sizeof(farmem_dev0->owner_id));
+	strscpy(farmem_dev0->owner_identity, identity, sizeof(farmem_dev0->owner_identity));
+	return 0;
+}
+
 static ssize_t control_store(struct kobject *kobj, struct kobj_attribute *attr, const char *buf,
 			     size_t count)
 {
@@ -140,6 +163,8 @@ static ssize_t control_store(struct kobject *kobj, struct kobj_attribute *attr, 
 
 		if (sscanf(args, "%llu %llu %u", &size, &slab, &copies) >= 2)
 			ret = farmem_dev_create(size, slab, copies);
+	} else if (!strcmp(verb, "owner")) {
+		ret = farmem_cmd_owner(args);
 	} else if (!strcmp(verb, "peer")) {
 		ret = farmem_cmd_peer(args);
 	} else if (!strcmp(verb, "slab")) {
@@ -191,6 +216,74 @@ static ssize_t status_show(struct kobject *kobj, struct kobj_attribute *attr, ch
 	return n;
 }
 
+/* Renders `slabs` (see the top of this file) into a fresh buffer; *len is its length. */
+static char *farmem_render_slabs(size_t *len)
+{
+	struct farmem_dev *dev = farmem_dev0;
+	size_t cap, n = 0;
+	char *buf;
+	u32 s, r;
+	int i;
+
+	if (!dev) {
+		*len = 0;
+		return NULL;
+	}
+	cap = 512 + FARMEM_MAX_PEERS * (64 + FARMEM_NAME_BYTES) +
+	      (size_t)dev->nslabs * dev->replicas * 96;
+	buf = kvmalloc(cap, GFP_KERNEL);
+	if (!buf)
+		return ERR_PTR(-ENOMEM);
+	n += scnprintf(buf + n, cap - n, "size %llu %llu %u\n", dev->size_bytes, dev->slab_bytes,
+		       dev->replicas);
+	if (dev->owner_id[0])
+		n += scnprintf(buf + n, cap - n, "owner %s %s\n", dev->owner_id,
+			       dev->owner_identity);
+	for (i = 0; i < FARMEM_MAX_PEERS; i++) {
+		struct farmem_peer *p = dev->peers[i];
+
+		if (p)
+			n += scnprintf(buf + n, cap - n, "peer %d %pI4 %u %s connected=%d\n", i,
+				       &p->addr.sin_addr, ntohs(p->addr.sin_port), p->endpoint,
+				       READ_ONCE(p->connected) ? 1 : 0);
+	}
+	for (s = 0; s < dev->nslabs; s++) {
+		for (r = 0; r < dev->replicas; r++) {
+			struct farmem_replica *rep = &dev->slabs[s].r[r];
+
+			if (!rep->peer)
+				continue;
+			n += scnprintf(buf + n, cap - n, "slab %u %d %llu %llu %u %u stale=%d\n", s,
+				       rep->peer->index, rep->lease_id, rep->remote_addr, rep->rkey,
+				       r, test_bit(r, &dev->slabs[s].stale) ? 1 : 0);
+		}
+	}
+	*len = n;
+	return buf;
+}
+
+/* A binary attribute: a sysfs text file holds at most a page, and `slabs` has a line per slab. */
+static ssize_t slabs_read(struct file *file, struct kobject *kobj, struct bin_attribute *attr,
+			  char *out, loff_t off, size_t count)
+{
+	size_t len = 0;
+	char *buf;
+
+	mutex_lock(&farmem_ctl_lock);
+	buf = farmem_render_slabs(&len);
+	mutex_unlock(&farmem_ctl_lock);
+	if (IS_ERR(buf))
+		return PTR_ERR(buf);
+	if (off >= len) {
+		count = 0;
+	} else {
+		count = min_t(size_t, count, len - off);
+		memcpy(out, buf + off, count);
+	}
+	kvfree(buf);
+	return count;
+}
+
 static ssize_t version_show(struct kobject *kobj, struct kobj_attribute *attr, char *buf)
 {
 	return sysfs_emit(buf, "%d\n", FARMEM_IFACE_VERSION);
@@ -205,7 +298,15 @@ static struct attribute *farmem_attrs[] = {
 	&version_attr.attr,
 	NULL,
 };
-static const struct attribute_group farmem_group = { .attrs = farmem_attrs };
+static BIN_ATTR(slabs, 0400, slabs_read, NULL, 0);
+static struct bin_attribute *farmem_bin_attrs[] = {
+	&bin_attr_slabs,
+	NULL,
+};
+static const struct attribute_group farmem_group = {
+	.attrs = farmem_attrs,
+	.bin_attrs = farmem_bin_attrs,
+};
 
 int farmem_ctl_init(void)
 {

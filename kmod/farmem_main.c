@@ -118,6 +118,17 @@ static blk_status_t farmem_queue_rq(struct blk_mq_hw_ctx *hctx, const struct blk
 		blk_mq_start_request(rq);
 		blk_mq_end_request(rq, BLK_STS_OK);
 		return BLK_STS_OK;
+	case REQ_OP_DISCARD:
+		/*
+		 * The daemon lends whole slabs for the device's lifetime: there is nothing to give
+		 * back for part of one, and the bytes simply stay (docs/kmod.md "DISCARD"). A range
+		 * past the end is still refused.
+		 */
+		blk_mq_start_request(rq);
+		pos = (u64)blk_rq_pos(rq) << SECTOR_SHIFT;
+		blk_mq_end_request(rq, pos + blk_rq_bytes(rq) > dev->size_bytes ? BLK_STS_IOERR
+										: BLK_STS_OK);
+		return BLK_STS_OK;
 	case REQ_OP_READ:
 		cmd->dir = DMA_FROM_DEVICE;
 		break;
@@ -247,6 +258,8 @@ int farmem_dev_start(void)
 	blk_queue_max_hw_sectors(disk->queue, FARMEM_MAX_SEGS * (PAGE_SIZE >> SECTOR_SHIFT));
 	blk_queue_chunk_sectors(disk->queue, dev->slab_bytes >> SECTOR_SHIFT);
 	blk_queue_write_cache(disk->queue, false, false);
+	disk->queue->limits.discard_granularity = 4096;
+	blk_queue_max_discard_sectors(disk->queue, (UINT_MAX >> SECTOR_SHIFT) & ~7u);
 	blk_queue_flag_set(QUEUE_FLAG_NONROT, disk->queue);
 	set_capacity(disk, dev->size_bytes >> SECTOR_SHIFT);
 	ret = add_disk(disk);

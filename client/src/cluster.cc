@@ -160,7 +160,11 @@ Status Cluster::Start() {
 }
 
 Status Cluster::InitCredentials() {
-  FARMEM_RETURN_IF_ERROR(auth::RandomBytes(client_id_));
+  if (options_.client_id) {
+    client_id_ = *options_.client_id;
+  } else {
+    FARMEM_RETURN_IF_ERROR(auth::RandomBytes(client_id_));
+  }
   credentials_.secret = options_.secret;
   credentials_.identity = options_.identity;
   credentials_.client_id = client_id_;

@@ -17,7 +17,8 @@
 //   farmemctl kmod attach --peers h:p,h:p [--secret-file F | --key-file K] --size 1G
 //       [--resilience none|replicate:N]
 //       leases slabs for farmem.ko and hands them over as /dev/farmem0; stays running as the lease
-//       keeper until `farmemctl kmod detach` (or SIGTERM) removes the device (docs/kmod.md)
+//       keeper until `farmemctl kmod detach` (or SIGTERM) removes the device (docs/kmod.md);
+//       run again while /dev/farmem0 runs (the keeper was killed), it re-adopts the device
 // stat, demo and kmod attach take --key-file K instead of --secret-file to act as one identity.
 //
 // This file: main (option parsing), demo, drain, key issue; stat and export stat are
@@ -47,8 +48,10 @@ using Sec = std::chrono::duration<double>;
 
 namespace farmem::ctl {
 
-Result<std::unique_ptr<client::Cluster>> ConnectCluster(const Common& c, const char* name) {
+Result<std::unique_ptr<client::Cluster>> ConnectCluster(
+    const Common& c, const char* name, const std::optional<wire::ClientId>& client_id) {
   client::ClusterOptions o;
+  o.client_id = client_id;
   FARMEM_ASSIGN_OR_RETURN(o.peers, ParseEndpointList(c.peers, kDefaultPort));
   o.peers_dns = c.peers_dns;
   o.transport = c.transport;

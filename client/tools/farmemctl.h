@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "farmem/client/cluster.h"
@@ -17,7 +18,11 @@ struct Common {
   std::string peers, peers_dns, secret_file, key_file, transport = "auto";
 };
 
-Result<std::unique_ptr<client::Cluster>> ConnectCluster(const Common& c, const char* name);
+// client_id: the id to present (a restarted `kmod attach` renewing its predecessor's leases);
+// unset: a random one.
+Result<std::unique_ptr<client::Cluster>> ConnectCluster(
+    const Common& c, const char* name,
+    const std::optional<wire::ClientId>& client_id = std::nullopt);
 
 // Per-daemon state and usage as a table; with `written` (demo), also what this client wrote.
 void PrintNodes(client::Cluster& cluster, const std::map<client::NodeId, uint64_t>& written);

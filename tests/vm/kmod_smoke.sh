@@ -1,15 +1,21 @@
 #!/bin/bash
 # Guest side of the kmod_smoke_* vm tests (issue 15): farmem.ko serves /dev/farmem0 from farmemd
 # slabs over soft-RoCE, with farmemctl kmod attach as the control plane (docs/kmod.md).
-#   deploy/vm/run --addrs 2 -- bash tests/vm/kmod_smoke.sh <bin dir> <farmem.ko> <swap_workload> [none|replicate]
+#   deploy/vm/run --addrs 2 -- bash tests/vm/kmod_smoke.sh <bin dir> <farmem.ko> <swap_workload> [none|replicate|restart]
 #
 # none: two farmemd daemons with --rdma on, on 10.0.2.15 and 10.0.2.16 (rxe0); replicate: three
 # (.15, .16, .17), --resilience replicate:2, and one daemon SIGKILLed while the swap workload reads
-# its pages back (reads go to the surviving copy; nothing may be lost). insmod farmem.ko;
+# its pages back (reads go to the surviving copy; nothing may be lost); restart: as none, but the
+# lease keeper (farmemctl kmod attach) is SIGKILLed while the swap workload reads its pages back
+# and started again 2 s later: it re-adopts the device and renews the same leases, the device
+# never stops serving, and a pattern written and read back once the daemons' lease TTL has passed
+# since the kill (20 s in this mode) proves the leases outlived their first keeper. insmod farmem.ko;
 # farmemctl kmod attach leases 64 MiB (2 MiB slabs) and keeps it; then
 #   1. dd: 8 MiB of random bytes written with O_DIRECT in 64 KiB blocks across slab boundaries and
-#      read back with 4 KiB and 1 MiB blocks: byte-identical;
-#   2. fio --verify=crc32c, random 4 KiB at depth 32 and 64 KiB at depth 1;
+#      read back with 4 KiB and 1 MiB blocks: byte-identical; /sys/kernel/farmem/slabs lists
+#      every slab's copies, the owner and the daemons;
+#   2. fio --verify=crc32c, random 4 KiB at depth 32 and 64 KiB at depth 1; blkdiscard of a range
+#      and of the whole device completes;
 #   3. swap: mkswap, swapon, swap_workload (a patterned 32 MiB working set under memory.max 8M,
 #      re-read and rewritten) verifies every byte; pswpout/pswpin show it went through farmem0;
 #   4. swapoff, farmemctl kmod detach: the attach process frees its leases and exits 0; rmmod;
@@ -32,7 +38,8 @@ mode=${4:-none}
 case $mode in
   none) daemons=2 resilience=none capacity=48M victim="" ;;
   replicate) daemons=3 resilience=replicate:2 capacity=64M victim=1 ;;
-  *) fail "mode must be none or replicate, not $mode" ;;
+  restart) daemons=2 resilience=none capacity=48M victim="" ;;
+  *) fail "mode must be none, replicate or restart, not $mode" ;;
 esac
 if [[ ! -f $ko ]]; then
   say "SKIP: $ko was not built (no kernel headers for the guest: deploy/install-deps.sh --vm)"
@@ -52,6 +59,7 @@ cleanup() {
   [[ -n $killer ]] && kill "$killer" 2>/dev/null
   swapoff /dev/farmem0 2>/dev/null
   [[ -n $attach ]] && kill "$attach" 2>/dev/null && wait "$attach" 2>/dev/null
+  [[ -n ${wl:-} ]] && kill "$wl" 2>/dev/null
   for p in "${pids[@]}"; do kill -9 "$p" 2>/dev/null; done
   return 0
 }
@@ -61,9 +69,14 @@ dmesg -C
 # ---- the daemons: RDMA on rxe0, one per address ----------------------------------------------------
 head -c 32 /dev/urandom | base64 >"$work/secret"
 chmod 600 "$work/secret"
+# restart: a lease TTL of 20 s rather than 10 (the default) leaves room for the keeper's restart
+# under TCG on a busy host (7 s seen from the kill to the re-adoption, 2 s of it the test's pause).
+ttl_ms=10000
+[[ $mode == restart ]] && ttl_ms=20000
 for ((i = 0; i < daemons; i++)); do
   "$bin/farmemd" --listen "${addrs[$i]}:0" --port-file "$work/port$i" --capacity "$capacity" \
     --slab-size 2M --max-client-share 1 --rdma on --secret-file "$work/secret" \
+    --lease-ttl-ms "$ttl_ms" \
     --log-level warn 2>"$work/farmemd$i.log" &
   pids+=($!)
 done
@@ -78,10 +91,13 @@ say "farmemd up at $(elapsed) s: $peer_list"
 
 # ---- the module and its control plane -------------------------------------------------------------
 insmod "$ko" || fail "insmod $ko"
-[[ $(cat /sys/kernel/farmem/version) == 1 ]] || fail "unexpected interface version"
-"$bin/farmemctl" --log-level info kmod attach --peers "$peer_list" --secret-file "$work/secret" \
-  --size 64M --resilience "$resilience" >"$work/attach.log" 2>&1 &
-attach=$!
+[[ $(cat /sys/kernel/farmem/version) == 2 ]] || fail "unexpected interface version"
+start_attach() {  # log file
+  "$bin/farmemctl" --log-level info kmod attach --peers "$peer_list" --secret-file "$work/secret" \
+    --size 64M --resilience "$resilience" >"$1" 2>&1 &
+  attach=$!
+}
+start_attach "$work/attach.log"
 for _ in $(seq 600); do
   grep -q '^state=running' /sys/kernel/farmem/status 2>/dev/null && break
   kill -0 "$attach" 2>/dev/null || fail "farmemctl kmod attach exited"
@@ -106,6 +122,16 @@ dd if=/dev/farmem0 of="$work/back1m" bs=1M skip=1 count=8 iflag=direct status=no
 cmp "$work/pattern" "$work/back4k" || fail "4 KiB reads differ from what was written"
 cmp "$work/pattern" "$work/back1m" || fail "1 MiB reads differ from what was written"
 say "dd: 8 MiB written and read back identical at $(elapsed) s"
+# What a restarted keeper reads back: the owner, both daemons, every slab's copies.
+copies=${resilience#replicate:}
+[[ $copies == none ]] && copies=1
+slabs=$(cat /sys/kernel/farmem/slabs) || fail "reading /sys/kernel/farmem/slabs"
+grep -q "^size $((64 << 20)) $((2 << 20)) $copies\$" <<<"$slabs" || fail "slabs: no size line"
+grep -Eq '^owner [0-9a-f]{32} cluster$' <<<"$slabs" || fail "slabs: no owner line"
+grep -q '^peer ' <<<"$slabs" || fail "slabs: no peer line"
+! grep -q '^peer .* connected=0$' <<<"$slabs" || fail "slabs: a daemon is not connected"
+(($(grep -c '^slab .* stale=0$' <<<"$slabs") == 32 * copies)) ||
+  fail "slabs: want $((32 * copies)) slab lines: $(head -c 600 <<<"$slabs")"
 
 # ---- 2. fio with crc32c verification ---------------------------------------------------------------
 run_fio() {  # name bs depth
@@ -117,6 +143,11 @@ run_fio() {  # name bs depth
 run_fio rand4k-qd32 4k 32
 run_fio rand64k-qd1 64k 1
 say "fio verify passed at $(elapsed) s"
+# DISCARD completes (a no-op for farmem.ko: the slabs stay leased, docs/kmod.md).
+(($(cat /sys/block/farmem0/queue/discard_max_bytes) > 0)) || fail "farmem0 offers no discard"
+blkdiscard -o $((3 << 20)) -l $((4 << 20)) /dev/farmem0 || fail "blkdiscard of 4 MiB"
+blkdiscard /dev/farmem0 || fail "blkdiscard of the whole device"
+say "blkdiscard passed at $(elapsed) s"
 
 # ---- 3. swap on /dev/farmem0 ------------------------------------------------------------------------
 mkswap /dev/farmem0 >/dev/null || fail "mkswap"
@@ -140,9 +171,31 @@ if [[ -n $victim ]]; then
   ) &
   killer=$!
 fi
+bash -c 'echo $$ >"$1/cgroup.procs" && shift && exec "$@"' _ "$cg" "$workload" -m "$mib" -p 2 -r &
+wl=$!
+if [[ $mode == restart ]]; then
+  # SIGKILL the lease keeper once a quarter of the working set was swapped back in, and start it
+  # again 2 s (four missed heartbeats) later: systemd's Restart=on-failure, by hand.
+  while (($(vmstat pswpin) - in0 < mib * 256 / 4)); do
+    kill -0 "$wl" 2>/dev/null || fail "the workload ended before the keeper was killed"
+    sleep 0.2
+  done
+  kill -9 "$attach"
+  wait "$attach" 2>/dev/null || true
+  killed_at=$(date +%s)
+  say "SIGKILL farmemctl kmod attach after $(($(vmstat pswpin) - in0)) pages swapped in, at $(elapsed) s"
+  sleep 2
+  start_attach "$work/attach2.log"
+  for _ in $(seq 600); do
+    grep -q '^re-adopted /dev/farmem0' "$work/attach2.log" && break
+    kill -0 "$attach" 2>/dev/null || fail "the restarted farmemctl kmod attach exited"
+    sleep 0.05
+  done
+  grep -q '^re-adopted /dev/farmem0' "$work/attach2.log" || fail "the restarted attach did not re-adopt"
+  say "restarted keeper: $(grep '^re-adopted' "$work/attach2.log") at $(elapsed) s"
+fi
 rc=0
-bash -c 'echo $$ >"$1/cgroup.procs" && shift && exec "$@"' _ "$cg" "$workload" -m "$mib" -p 2 -r ||
-  rc=$?
+wait "$wl" || rc=$?
 out=$(($(vmstat pswpout) - out0)) in=$(($(vmstat pswpin) - in0))
 say "swap: pswpout +$out pages, pswpin +$in pages at $(elapsed) s"
 ((rc == 0)) || fail "swap_workload exited with $rc"
@@ -156,6 +209,18 @@ if [[ -n $victim ]]; then
 fi
 swapoff /dev/farmem0 || fail "swapoff"
 rmdir "$cg" 2>/dev/null || true
+if [[ $mode == restart ]]; then
+  # Once the first keeper's last heartbeat is older than the daemons' lease TTL: had nobody
+  # renewed the leases, their rkeys would be gone and this would fail (it does with a restarted
+  # keeper that presents a fresh client id, as before re-adoption existed).
+  while (($(date +%s) < killed_at + ttl_ms / 1000 + 2)); do sleep 0.5; done
+  dd if="$work/pattern" of=/dev/farmem0 bs=64K seek=16 oflag=direct status=none ||
+    fail "dd write after the lease TTL"
+  dd if=/dev/farmem0 of="$work/back1m" bs=1M skip=1 count=8 iflag=direct status=none ||
+    fail "dd read after the lease TTL"
+  cmp "$work/pattern" "$work/back1m" || fail "reads after the lease TTL differ"
+  say "the leases outlived their first keeper: pattern verified $(($(date +%s) - killed_at)) s after the kill"
+fi
 
 # ---- 4. detach, rmmod, a clean kernel log -----------------------------------------------------------
 if [[ -z $victim ]]; then
@@ -168,6 +233,9 @@ wait "$attach" || rc=$?
 attach=""
 ((rc == 0)) || fail "farmemctl kmod attach exited with $rc after detach"
 [[ ! -e /dev/farmem0 ]] || fail "/dev/farmem0 still there after detach"
+if [[ $mode == restart ]]; then
+  ! grep -q 'lapsed\|cannot be renewed' "$work/attach2.log" || fail "leases lapsed (above)"
+fi
 rmmod farmem || fail "rmmod farmem"
 # (The taint notices "module verification failed" of an unsigned out-of-tree module are expected.)
 # With a daemon killed, its failed operations and its disconnect are expected in the log.

@@ -88,6 +88,11 @@ struct ClusterOptions {
   std::string secret;
   std::string identity;     // the name leases are bound to; empty: "cluster"
   std::string client_name;  // shown in daemon logs; default "farmem-client-<pid>"
+  // The client id every connection presents; unset: a random one. Leases belong to (identity,
+  // client id): a process given the id of one that died renews that one's leases with its
+  // heartbeats (farmemctl kmod attach re-adopting a device, docs/kmod.md). It does not know them
+  // (Free, Close and the events cover only leases this Cluster granted).
+  std::optional<wire::ClientId> client_id;
   std::chrono::milliseconds heartbeat_interval{500};
   // A daemon that has not answered for this long, or whose connection broke and cannot be
   // reopened, is down. Must exceed heartbeat_interval.

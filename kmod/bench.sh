@@ -1,0 +1,156 @@
+#!/bin/bash
+# farmem.ko against the other ways to the same remote memory, in one guest run (issue 15,
+# docs/benchmarks.md "Reference"): 4 KiB random reads and writes at depth 1 and 32 (fio, libaio,
+# O_DIRECT) on
+#   kmod    /dev/farmem0: farmem.ko, RDMA READ/WRITE from the block layer (farmemctl kmod attach)
+#   nbd     /dev/nbd0 on farmem-nbd --transport verbs (the userspace paging client, same daemon)
+#   nbdkit  /dev/nbd0 on nbdkit memory (no far memory at all: the NBD path alone)
+# and perftest's ib_read_lat / ib_write_lat (4 KiB) on the same rxe0, the floor.
+#   deploy/vm/run --smp 1 -- bash kmod/bench.sh <bin dir> <farmem.ko>
+# One farmemd with --rdma on at 10.0.2.15 (rxe0). Prints one RESULT line per figure and a table.
+# Environment: RUNTIME (fio seconds per job, 5), SIZE (device size, 64M).
+set -euo pipefail
+[[ ${FARMEM_VM:-} == 1 ]] || { echo "run me inside the guest: deploy/vm/run -- bash $0 ..." >&2; exit 2; }
+bin=${1:?usage: bench.sh <bin dir> <farmem.ko>}
+ko=${2:?farmem.ko path}
+runtime=${RUNTIME:-5}
+size=${SIZE:-64M}
+addr=10.0.2.15
+work=/tmp/kmod-bench
+mkdir -p "$work"
+say() { echo "[kmod_bench] $*"; }
+pids=()
+cleanup() {
+  set +e
+  nbd-client -d /dev/nbd0 >/dev/null 2>&1
+  [[ -e /sys/kernel/farmem/status ]] && "$bin/farmemctl" kmod detach >/dev/null 2>&1
+  for p in "${pids[@]}"; do kill "$p" 2>/dev/null; done
+  wait 2>/dev/null
+}
+trap cleanup EXIT
+results=$work/results
+: >"$results"
+
+# fio_all NAME DEVICE: the four 4 KiB jobs; RESULT lines "NAME rw qd iops mean_us p50_us p99_us".
+fio_all() {
+  local name=$1 dev=$2 rw qd
+  for rw in randread randwrite; do
+    for qd in 1 32; do
+      fio --name=b --filename="$dev" --rw=$rw --bs=4k --iodepth=$qd --ioengine=libaio --direct=1 \
+        --size="$size" --time_based --runtime="$runtime" --ramp_time=1 --randrepeat=0 \
+        --output-format=json >"$work/fio.json" || { say "fio $name $rw qd$qd failed"; exit 1; }
+      python3 - "$name" "$rw" "$qd" "$work/fio.json" >>"$results" <<'EOF'
+import json, sys
+name, rw, qd, path = sys.argv[1:]
+j = json.load(open(path))["jobs"][0]["read" if rw == "randread" else "write"]
+c = j["clat_ns"]
+p = c.get("percentile", {})
+print(f"RESULT {name} {rw} {qd} {j['iops']:.0f} {c['mean'] / 1000:.1f} "
+      f"{p.get('50.000000', 0) / 1000:.1f} {p.get('99.000000', 0) / 1000:.1f}")
+EOF
+      tail -n 1 "$results"
+    done
+  done
+}
+
+# ---- the daemon ------------------------------------------------------------------------------------
+head -c 32 /dev/urandom | base64 >"$work/secret"
+chmod 600 "$work/secret"
+"$bin/farmemd" --listen "$addr:0" --port-file "$work/port" --capacity 256M --slab-size 2M \
+  --max-client-share 1 --rdma on --secret-file "$work/secret" --log-level warn 2>"$work/farmemd.log" &
+pids+=($!)
+for _ in $(seq 400); do [[ -s $work/port ]] && break; sleep 0.05; done
+peer="$addr:$(cat "$work/port")"
+
+# ---- kmod ------------------------------------------------------------------------------------------
+insmod "$ko"
+"$bin/farmemctl" kmod attach --peers "$peer" --secret-file "$work/secret" --size "$size" \
+  >"$work/attach.log" 2>&1 &
+attach=$!
+for _ in $(seq 600); do [[ -b /dev/farmem0 ]] && break; sleep 0.05; done
+[[ -b /dev/farmem0 ]] || { say "no /dev/farmem0"; cat "$work/attach.log"; exit 1; }
+dd if=/dev/urandom of=/dev/farmem0 bs=1M oflag=direct status=none 2>/dev/null || true
+fio_all kmod /dev/farmem0
+say "kmod done; detaching"
+timeout 60 "$bin/farmemctl" kmod detach || say "detach failed or hung"
+say "detached; waiting for the keeper"
+wait "$attach" || say "the keeper exited with $?"
+rmmod farmem || say "rmmod failed"
+say "perftest: starting"
+
+# ---- perftest on the same rxe0 ---------------------------------------------------------------------
+perftest() {  # TOOL: "RESULT TOOL t_typical t_avg"
+  local tool=$1 out=""
+  "$tool" -d rxe0 -x 1 -F -s 4096 -n 1000 >"$work/server.log" 2>&1 &
+  local server=$!
+  for _ in 1 2 3 4 5 6 7 8 9 10; do
+    sleep 0.5
+    if out=$("$tool" -d rxe0 -x 1 -F -s 4096 -n 1000 "$addr" 2>&1); then break; fi
+    out=""
+  done
+  wait "$server" || true
+  awk -v t="$tool" '$1 == 4096 { printf "RESULT %s %s %s\n", t, $5, $6; exit }' <<<"$out" >>"$results"
+  tail -n 1 "$results"
+}
+perftest ib_read_lat
+perftest ib_write_lat
+
+# ---- nbdkit memory ---------------------------------------------------------------------------------
+say "nbdkit memory: starting"
+nbdkit -U "$work/nbdkit.sock" -P "$work/nbdkit.pid" memory "$size"
+for _ in $(seq 400); do [[ -S $work/nbdkit.sock ]] && break; sleep 0.05; done
+nbd-client -unix "$work/nbdkit.sock" /dev/nbd0 -b 4096 -N "" >/dev/null
+dd if=/dev/urandom of=/dev/nbd0 bs=1M oflag=direct status=none 2>/dev/null || true
+fio_all nbdkit /dev/nbd0
+nbd-client -d /dev/nbd0 >/dev/null
+kill "$(cat "$work/nbdkit.pid")"
+
+# ---- farmem-nbd over verbs -------------------------------------------------------------------------
+# Last: skipped (with its log) when it does not listen within 60 s.
+"$bin/farmem-nbd" --backend farmem --peers "$peer" --secret-file "$work/secret" --transport verbs \
+  --size "$size" --unix "$work/nbd.sock" --no-swap-safe --max-connections 1 --log-level info \
+  2>"$work/nbd.log" &
+nbd=$!
+pids+=($nbd)
+for _ in $(seq 60); do [[ -S $work/nbd.sock ]] && break; sleep 1; done
+say "farmem-nbd socket: $([[ -S $work/nbd.sock ]] && echo there || echo missing)"
+if [[ -S $work/nbd.sock ]] && timeout 60 nbd-client -unix "$work/nbd.sock" /dev/nbd0 -b 4096 -N "" >/dev/null; then
+  grep -i -m 2 verbs "$work/nbd.log" || true
+  dd if=/dev/urandom of=/dev/nbd0 bs=1M oflag=direct status=none 2>/dev/null || true
+  fio_all nbd /dev/nbd0
+  nbd-client -d /dev/nbd0 >/dev/null
+else
+  say "farmem-nbd (verbs) did not serve within 60 s: skipped; its log:"
+  tail -n 30 "$work/nbd.log"
+fi
+kill "$nbd" 2>/dev/null || true
+wait "$nbd" 2>/dev/null || true
+
+# ---- the table -------------------------------------------------------------------------------------
+python3 - "$results" <<'EOF'
+import sys
+fio, pt = {}, {}
+for line in open(sys.argv[1]):
+    w = line.split()
+    if len(w) == 8:
+        fio[(w[1], w[2], w[3])] = (float(w[4]), float(w[5]), float(w[6]))
+    elif len(w) == 4:
+        pt[w[1]] = (float(w[2]), float(w[3]))
+print("| job | kmod IOPS / mean µs / p50 µs | farmem-nbd verbs | nbdkit memory | kmod vs nbd (mean lat) |")
+print("|---|---|---|---|---|")
+for rw in ("randread", "randwrite"):
+    for qd in ("1", "32"):
+        cells = []
+        for n in ("kmod", "nbd", "nbdkit"):
+            v = fio.get((n, rw, qd))
+            cells.append(f"{v[0]:.0f} / {v[1]:.0f} / {v[2]:.0f}" if v else "-")
+        k, b = fio.get(("kmod", rw, qd)), fio.get(("nbd", rw, qd))
+        ratio = f"{b[1] / k[1]:.2f}x lower" if k and b and k[1] else "-"
+        print(f"| 4 KiB {rw} depth {qd} | " + " | ".join(cells) + f" | {ratio} |")
+for t, (typ, avg) in pt.items():
+    print(f"{t} 4 KiB: t_typical {typ} us, t_avg {avg} us")
+k = fio.get(("kmod", "randread", "1"))
+if k and "ib_read_lat" in pt:
+    print(f"kmod depth-1 read mean / ib_read_lat t_avg: {k[1] / pt['ib_read_lat'][1]:.2f}x "
+          f"(p50 / t_typical: {k[2] / pt['ib_read_lat'][0]:.2f}x)")
+EOF
