@@ -2,6 +2,8 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
+#include <array>
 #include <cstring>
 
 #include "farmem/common/auth.h"
@@ -33,6 +35,7 @@ PageCrypto::PageCrypto(aead::Cipher proto, uint64_t pages, uint32_t domain, uint
   nchunks_ = static_cast<size_t>((pages + kChunkPages - 1) / kChunkPages);
   chunks_ = std::make_unique<std::atomic<Entry*>[]>(nchunks_);
   stripes_ = std::make_unique<Mutex[]>(kStripes);
+  unsettled_ = std::make_unique<std::unordered_map<uint64_t, Unsettled>[]>(kStripes);
 }
 
 PageCrypto::~PageCrypto() {
@@ -80,6 +83,14 @@ Status PageCrypto::Seal(aead::Cipher& cipher, uint64_t page, const uint8_t* plai
   {
     MutexLock lock(&StripeFor(page));
     e->word += uint64_t{1} << kCounterBits;  // a write in flight, until EndWrite
+    // Until this write is known done, the remote copy may still hold the version before it.
+    if (const uint64_t before = e->word & kCounterMask; before != 0) {
+      std::vector<Version>& v = unsettled_[(page / 8) % kStripes][page].versions;
+      if (std::none_of(v.begin(), v.end(), [&](const Version& x) { return x.counter == before; })) {
+        if (v.size() >= kMaxUnsettled) v.erase(v.begin() + 1);  // keep the oldest
+        v.push_back(Version{before, e->tag});
+      }
+    }
   }
   if (counter > kCounterMask) {
     return ResourceExhausted(
@@ -98,28 +109,59 @@ Status PageCrypto::Seal(aead::Cipher& cipher, uint64_t page, const uint8_t* plai
   return Status::Ok();
 }
 
-void PageCrypto::EndWrite(uint64_t page) {
+void PageCrypto::EndWrite(uint64_t page, bool written) {
   Entry* e = EntryFor(page, false);
   if (e == nullptr) return;
   MutexLock lock(&StripeFor(page));
   if (InFlight(e->word)) e->word -= uint64_t{1} << kCounterBits;
+  auto& map = unsettled_[(page / 8) % kStripes];
+  auto it = map.find(page);
+  if (it == map.end()) return;
+  if (!written) {
+    it->second.failed = true;
+  } else if (!InFlight(e->word)) {
+    // Done, and no other write of the page on its way: the remote copy is the entry's version.
+    map.erase(it);
+  }
 }
 
 Status PageCrypto::Open(aead::Cipher& cipher, uint64_t page, uint8_t* data) const {
   const Entry* e = EntryFor(page);
   uint64_t counter = 0;
   aead::Tag tag{};
+  std::vector<Version> others;  // after a failed write: the other versions it may hold
   if (e != nullptr) {
     MutexLock lock(&StripeFor(page));
     counter = e->word & kCounterMask;
     tag = e->tag;
+    const auto& map = unsettled_[(page / 8) % kStripes];
+    if (auto it = map.find(page); it != map.end() && it->second.failed) {
+      others = it->second.versions;
+    }
   }
-  if (counter == 0) {
+  if (counter == 0 && others.empty()) {
     std::memset(data, 0, 4096);
     return DataLoss(fmt::format("export page {} has no recorded seal", page));
   }
   const auto aad = Aad(domain_, page);
-  return cipher.Open(aead::MakeNonce(domain_, counter), aad, {data, 4096}, {data, 4096}, tag);
+  if (others.empty()) {
+    return cipher.Open(aead::MakeNonce(domain_, counter), aad, {data, 4096}, {data, 4096}, tag);
+  }
+  // Newest first: the current version, then those before the failed write(s).
+  others.push_back(Version{counter, tag});
+  std::array<uint8_t, 4096> stored;
+  std::memcpy(stored.data(), data, stored.size());
+  Status first;
+  for (auto v = others.rbegin(); v != others.rend(); ++v) {
+    if (v->counter == 0) continue;
+    if (v != others.rbegin()) std::memcpy(data, stored.data(), stored.size());
+    Status s =
+        cipher.Open(aead::MakeNonce(domain_, v->counter), aad, {data, 4096}, {data, 4096}, v->tag);
+    if (s.ok()) return s;
+    if (first.ok()) first = s;
+  }
+  std::memset(data, 0, 4096);
+  return first;
 }
 
 uint64_t PageCrypto::Word(uint64_t page) const {

@@ -19,6 +19,13 @@
 // page fails to open while the page is being rewritten is recognised as that race (retried) and
 // not as a corrupted member (InFlight, Word).
 //
+// Writes that failed: a write reported failed (EndWrite(page, false)) may or may not have reached
+// the lender — it can be applied after its op timed out (a paused daemon that resumes) or never —
+// so the remote copy holds either the version before it or the failed one (NBD leaves a failed
+// write's range unspecified, not unreadable). Until the page is written successfully, Open accepts
+// the versions sealed since its last successful write as well as the current one; a successful
+// write ends that. Kept only for pages in that state (a small map per stripe).
+//
 // Threading: every method may be called from any thread; a page's entry is guarded by one of a
 // set of striped locks. aead::Cipher is not thread-safe: each thread passes its own (NewCipher).
 #pragma once
@@ -29,6 +36,7 @@
 #include <functional>
 #include <memory>
 #include <span>
+#include <unordered_map>
 #include <vector>
 
 #include "farmem/common/aead.h"
@@ -53,12 +61,15 @@ class PageCrypto {
 
   // Seals `plain` (4096 bytes, export page `page`) into `out` (may be `plain`) with the next
   // counter, records (counter, tag) for the page and counts a write in flight on it until
-  // EndWrite(page) — also when Seal fails.
+  // EndWrite(page, ...) — also when Seal fails.
   Status Seal(aead::Cipher& cipher, uint64_t page, const uint8_t* plain, uint8_t* out);
-  void EndWrite(uint64_t page);
+  // `written`: the write was acknowledged as done (false: it failed, or Seal did; the remote copy
+  // may hold the version before it or this one, and Open accepts both until a write succeeds).
+  void EndWrite(uint64_t page, bool written);
 
   // Opens `data` (4096 bytes of export page `page`, as stored remotely) in place against the
-  // page's recorded (counter, tag). DataLoss when it fails authentication (then `data` is zeroed).
+  // page's recorded (counter, tag) — or, after a failed write of the page, any version it may
+  // hold (see above). DataLoss when it fails authentication (then `data` is zeroed).
   Status Open(aead::Cipher& cipher, uint64_t page, uint8_t* data) const;
 
   // The page's counter and writes in flight, as one word: equal words before and after a read
@@ -82,6 +93,18 @@ class PageCrypto {
     aead::Tag tag{};
   };
   static_assert(sizeof(Entry) == kEntryBytes);
+  struct Version {
+    uint64_t counter = 0;
+    aead::Tag tag{};
+  };
+  // Per page with a write in flight or a failed write since its last successful one: the versions
+  // the remote copy may hold besides the entry's (oldest first, at most kMaxUnsettled), and
+  // whether a write of it failed since.
+  struct Unsettled {
+    std::vector<Version> versions;
+    bool failed = false;
+  };
+  static constexpr size_t kMaxUnsettled = 8;
 
   PageCrypto(aead::Cipher proto, uint64_t pages, uint32_t domain, uint64_t first_counter,
              SealObserver observer);
@@ -101,6 +124,8 @@ class PageCrypto {
   size_t nchunks_ = 0;
   // Guard the entries (not expressible as GUARDED_BY: an entry's stripe is computed).
   mutable std::unique_ptr<Mutex[]> stripes_;
+  // Unsettled pages, per stripe (guarded by that stripe's mutex).
+  std::unique_ptr<std::unordered_map<uint64_t, Unsettled>[]> unsettled_;
 };
 
 }  // namespace farmem::blockdev

@@ -309,7 +309,7 @@ Status PageStore::PartialPage(Worker& w, uint64_t page_offset, uint64_t at,
   }
   SplitPieces(page_offset, kPage, page, true, 0, &pieces);
   RunPieces(w, pieces, {&st, 1}, 0);
-  if (crypto_) EndWrites(page_offset, kPage);
+  if (crypto_) EndWrites(page_offset, kPage, st.ok());
   return st;
 }
 
@@ -359,7 +359,7 @@ Status PageStore::DoWrite(Worker& w, uint64_t offset, std::span<const uint8_t> d
     }
     SplitPieces(at, middle, src, true, 0, &pieces);
     RunPieces(w, pieces, {&st, 1}, 0);
-    if (crypto_) EndWrites(at, middle);
+    if (crypto_) EndWrites(at, middle, st.ok());
     FARMEM_RETURN_IF_ERROR(st);
     at += middle, in += middle, left -= middle;
   }
@@ -545,7 +545,7 @@ void PageStore::ExecuteBatch(std::span<BlockOp> ops, BatchListener* listener) {
   }
   if (crypto_) {
     for (size_t i = 0; i < ops.size(); ++i) {
-      if (w->op_sealed[i] != 0) EndWrites(ops[i].offset, ops[i].length);
+      if (w->op_sealed[i] != 0) EndWrites(ops[i].offset, ops[i].length, status[i].ok());
     }
   }
   for (size_t i = 0; i < ops.size(); ++i) ops[i].status = status[i];

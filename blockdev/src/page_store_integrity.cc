@@ -36,21 +36,21 @@ Status PageStore::SealPages(Worker& w, uint64_t offset, const uint8_t* plain, ui
   for (uint64_t i = 0; i < len / kPage; ++i) {
     if (Status s = crypto_->Seal(*w.cipher, first + i, plain + i * kPage, out + i * kPage);
         !s.ok()) {
-      EndWrites(offset, (i + 1) * kPage);
+      EndWrites(offset, (i + 1) * kPage, /*written=*/false);
       return s;
     }
   }
   if (backup_) {
     if (Status s = backup_->Write(offset, {out, static_cast<size_t>(len)}); !s.ok()) {
-      EndWrites(offset, len);
+      EndWrites(offset, len, /*written=*/false);
       return s;
     }
   }
   return Status::Ok();
 }
 
-void PageStore::EndWrites(uint64_t offset, uint64_t len) {
-  for (uint64_t p = offset / kPage; p < (offset + len) / kPage; ++p) crypto_->EndWrite(p);
+void PageStore::EndWrites(uint64_t offset, uint64_t len, bool written) {
+  for (uint64_t p = offset / kPage; p < (offset + len) / kPage; ++p) crypto_->EndWrite(p, written);
 }
 
 Status PageStore::OpenFromBackup(Worker& w, Piece& p) {
