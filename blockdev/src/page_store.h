@@ -265,6 +265,17 @@ class PageStore final : public BlockBackend {
   // path), returns at once if another member copy of the extent is running: that copy redoes
   // what the caller wrote.
   Status RebuildExtent(Worker& w, uint64_t index, bool wait = true);
+  // The extent (e.mu held) has too few live members to serve a piece, but a failed member may
+  // still come back as it was: its daemon was declared down and may answer again as the same
+  // process within its lease TTL (kRetained), or it failed on the data path of a daemon still up
+  // and has missed no write (the reconcile pass revalidates it, or the daemon is declared down).
+  bool MembersMayReturn(const Extent& e) const;
+  // Waits (no extent lock held) until each of these extents can serve again or none of its
+  // failed members may come back, at most until `deadline`; polls. True if none still waits.
+  bool WaitForMembers(std::span<Extent* const> extents, Clock::time_point deadline) const;
+  // How long a request may wait for members to come back: the longest lease TTL of the daemons
+  // (a retained lease is resolved by then), plus the reconcile interval.
+  std::chrono::milliseconds MemberReturnWait() const;
   void OnClusterEvent(const client::Event& ev) EXCLUDES(rebuild_mu_);
   // ---- member copies, shared by rebuild and moves (page_store_move.cc) ----
   // Reads [offset, offset+len) of the members `which` at once (one op on each member's channel,

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <bit>
 #include <cstring>
+#include <thread>
 
 #include "page_store.h"
 #include "page_store_round.h"
@@ -95,6 +96,46 @@ bool PageStore::MayRevalidate(const Extent& e, size_t j) const {
   if (cluster_->GetLeaseState(m) != client::LeaseState::kHeld) return false;
   const client::NodeInfo node = cluster_->node(m.node);
   return node.alive && !node.suspect;
+}
+
+bool PageStore::MembersMayReturn(const Extent& e) const {
+  const uint32_t failed = e.failed.load();
+  for (size_t j = 0; j < e.members.size(); ++j) {
+    const client::Lease& m = e.members[j];
+    if (!((failed >> j) & 1) || IsVacant(m) || ((e.stale.load() >> j) & 1)) continue;
+    if (cluster_->GetLeaseState(m) != client::LeaseState::kGone) return true;
+  }
+  return false;
+}
+
+bool PageStore::WaitForMembers(std::span<Extent* const> extents, Clock::time_point deadline) const {
+  auto waiting = [&](Extent* e) {
+    ReaderLock lock(&e->mu);
+    if (!e->mapped.load()) return false;
+    const int live = std::popcount(e->live_mask());
+    return live < MinMembers() && MembersMayReturn(*e);
+  };
+  // The answer comes from the cluster's thread (kLeasesReturned, kLeasesLost) and the rebuild
+  // thread (Revalidate): a short poll costs nothing next to the pause being waited out.
+  constexpr std::chrono::milliseconds kPoll{5};
+  for (;;) {
+    if (std::none_of(extents.begin(), extents.end(), waiting)) return true;
+    if (Clock::now() >= deadline) return false;
+    {
+      MutexLock lock(&rebuild_mu_);
+      if (stopping_) return false;
+    }
+    std::this_thread::sleep_for(kPoll);
+  }
+}
+
+std::chrono::milliseconds PageStore::MemberReturnWait() const {
+  // farmemd's default lease TTL when no daemon said one yet.
+  std::chrono::milliseconds ttl{10000};
+  for (const client::NodeInfo& n : cluster_->nodes()) {
+    ttl = std::max(ttl, std::chrono::milliseconds(n.lease_ttl_ms));
+  }
+  return ttl + options_.reconcile_interval;
 }
 
 uint64_t PageStore::RevalidateExtent(Extent& e, std::span<const LostLease> only) {

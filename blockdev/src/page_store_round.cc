@@ -352,6 +352,7 @@ void UnlockRound(std::vector<Extent*>& locked) NO_THREAD_SAFETY_ANALYSIS {
 void PageStore::RunPieces(Worker& w, std::vector<Piece>& pieces, std::span<Status> op_status,
                           int attempt, Early* early) {
   std::vector<Piece> retry;
+  std::vector<Piece> held;  // no member can serve them now, but one may come back
   std::vector<uint64_t> rebuild_now;
   size_t next = 0;
   while (next < pieces.size()) {
@@ -414,6 +415,10 @@ void PageStore::RunPieces(Worker& w, std::vector<Piece>& pieces, std::span<Statu
           // and no member has it.
           p.MarkWritten();
           p.extent->stale.fetch_or(p.extent->all_mask(), std::memory_order_acq_rel);
+        } else if (attempt <= kMaxRetries && MembersMayReturn(*p.extent)) {
+          // Not lost (yet): its daemon may answer again as it was (a pause, a false down).
+          // Wait for that, outside the locks, rather than fail the request (page_store_rebuild.cc).
+          held.push_back(p);
         } else {
           op_status[p.op] = IoError(fmt::format(
               "export bytes {}..{}: every daemon holding them failed and there is no backup file",
@@ -501,6 +506,36 @@ void PageStore::RunPieces(Worker& w, std::vector<Piece>& pieces, std::span<Statu
   std::sort(rebuild_now.begin(), rebuild_now.end());
   rebuild_now.erase(std::unique(rebuild_now.begin(), rebuild_now.end()), rebuild_now.end());
   for (uint64_t index : rebuild_now) (void)RebuildExtent(w, index, /*wait=*/false);
+  if (!held.empty()) {
+    std::vector<Extent*> extents;
+    for (const Piece& p : held) {
+      if (std::find(extents.begin(), extents.end(), p.extent) == extents.end()) {
+        extents.push_back(p.extent);
+      }
+    }
+    const auto wait = MemberReturnWait();
+    if (WaitForMembers(extents, Clock::now() + wait)) {
+      // Back, or known gone (then the next attempt rebuilds or reports the pages lost).
+      for (Piece& p : held) {
+        p.ok_mask = p.fail_mask = p.posted_mask = 0;
+        p.arrived = 0;
+        p.finished = false;
+        p.bad = 0;
+        p.first_error = Status();
+      }
+      RunPieces(w, held, op_status, attempt + 1, early);
+    } else {
+      for (const Piece& p : held) {
+        if (!op_status[p.op].ok()) continue;
+        op_status[p.op] = IoError(fmt::format(
+            "export bytes {}..{}: the daemon holding them is down and neither answered again nor "
+            "was given up within {} ms",
+            p.index * extent_bytes_ + p.first_page * kPage,
+            p.index * extent_bytes_ + (p.first_page + p.npages) * kPage, wait.count()));
+        spdlog::error("page store: {}", op_status[p.op].message());
+      }
+    }
+  }
   if (!retry.empty()) {
     CountStat(&PageStoreStats::write_retries, retry.size());
     if (attempt + 1 >= kMaxRetries) {

@@ -132,6 +132,7 @@ void Cluster::Heartbeat(Node& node) {
   // one heartbeat that timed out makes the node suspect, not down.
   const milliseconds reprobe = std::max(options_.failure_timeout / 4, milliseconds(50));
   Status failure;
+  uint32_t daemon_count = UINT32_MAX;  // leases the daemon holds for this client, if it said
   if (node.conn) {
     const milliseconds timeout = std::clamp(Remaining(deadline - reprobe, Clock::now()),
                                             milliseconds(50), options_.failure_timeout);
@@ -152,6 +153,7 @@ void Cluster::Heartbeat(Node& node) {
       if (hb) {
         node.lease_ttl_ms = hb->lease_ttl_ms;
         node.remote_leases_held = hb->leases_held;
+        if (hb->leases_held < node.leases.size()) daemon_count = hb->leases_held;
         if (hb->lease_ttl_ms != 0 &&
             static_cast<uint64_t>(options_.failure_timeout.count()) >= hb->lease_ttl_ms &&
             !node.warned_lease_mismatch) {
@@ -183,6 +185,7 @@ void Cluster::Heartbeat(Node& node) {
       node.suspect_until = std::max(node.suspect_until, deadline);
     }
     if (failure.ok()) {
+      if (daemon_count != UINT32_MAX) CheckLeasesHeldLocked(node, daemon_count);
       RetryPendingFreesLocked(node);
       return;
     }
@@ -381,6 +384,69 @@ void Cluster::RetryPendingFreesLocked(Node& node) {
   }
 }
 
+namespace {
+
+// Asks the daemon about each lease with a one-byte READ, which it serves only for a lease this
+// client still holds. False if the connection failed meanwhile (then nothing is known).
+template <typename Call>
+bool ProbeLeases(std::span<const uint64_t> ids, Call&& call, std::vector<uint64_t>* held,
+                 std::vector<uint64_t>* gone, Status* why, const bool* connected) {
+  for (uint64_t id : ids) {
+    uint8_t body[wire::kDataOpSize];
+    wire::EncodeDataOp(wire::DataOp{id, 0, 1}, body);
+    auto r = call(std::span<const uint8_t>(body, sizeof body));
+    if (r) {
+      held->push_back(id);
+    } else if (!*connected) {
+      return false;
+    } else {
+      gone->push_back(id);
+      if (why->ok()) *why = r.error();
+    }
+  }
+  return true;
+}
+
+}  // namespace
+
+void Cluster::CheckLeasesHeldLocked(Node& node, uint32_t daemon_count) {
+  // Every caller holds call_mu; REQUIRES(node.call_mu) cannot be written in cluster.h, where
+  // Node is incomplete.
+  node.call_mu.AssertHeld();
+  std::vector<uint64_t> ids;
+  {
+    MutexLock lock(&mu_);
+    ids.assign(node.leases.begin(), node.leases.end());
+  }
+  if (ids.empty() || !node.conn) return;
+  std::vector<uint64_t> held, gone;
+  Status why;
+  bool connected = true;
+  auto call = [&](std::span<const uint8_t> body) {
+    auto r = CallLocked(node, wire::Opcode::kRead, body);
+    connected = node.conn.has_value();
+    return r;
+  };
+  if (!ProbeLeases(ids, call, &held, &gone, &why, &connected) || gone.empty()) return;
+  MutexLock lock(&mu_);
+  std::vector<uint64_t> lost;
+  for (uint64_t id : gone) {
+    if (node.leases.erase(id) == 0) continue;  // freed meanwhile
+    node.lost.insert(id);
+    node.noticed.erase(id);
+    lost.push_back(id);
+  }
+  if (lost.empty()) return;
+  Status reason = Expired(fmt::format(
+      "{} is up but holds {} of this client's leases, not {}: it ended leases [{}] (no heartbeat "
+      "reached it within its lease TTL of {} ms, or it evicted them): {}",
+      node.name(), daemon_count, ids.size(), internal::FormatLeaseIds(lost), node.lease_ttl_ms,
+      why.ToString()));
+  spdlog::warn("farmem client: {}", reason.message());
+  Emit(Event{
+      EventType::kLeasesLost, node.id, node.endpoint, std::move(lost), 0, std::move(reason), {}});
+}
+
 void Cluster::ReclaimRetainedLocked(Node& node) {
   // Every caller holds call_mu; REQUIRES(node.call_mu) cannot be written in cluster.h, where
   // Node is incomplete.
@@ -391,23 +457,17 @@ void Cluster::ReclaimRetainedLocked(Node& node) {
     ids.assign(node.retained.begin(), node.retained.end());
   }
   if (ids.empty() || !node.conn) return;
-  // The same process answered (Adopt saw its node id): ask it about each lease with a one-byte
-  // READ, which the daemon serves only for a lease this client still holds.
+  // The same process answered (Adopt saw its node id): ask it about each lease.
   std::vector<uint64_t> held, gone;
   Status why;
-  for (uint64_t id : ids) {
-    uint8_t body[wire::kDataOpSize];
-    wire::EncodeDataOp(wire::DataOp{id, 0, 1}, body);
-    auto r = CallLocked(node, wire::Opcode::kRead, {body, sizeof body});
-    if (r) {
-      held.push_back(id);
-    } else if (!node.conn) {
-      return;  // the connection failed: the rest stay retained, asked again at the next return
-    } else {
-      gone.push_back(id);
-      if (why.ok()) why = r.error();
-    }
-  }
+  bool connected = true;
+  auto call = [&](std::span<const uint8_t> body) {
+    auto r = CallLocked(node, wire::Opcode::kRead, body);
+    connected = node.conn.has_value();
+    return r;
+  };
+  // The connection failed: the rest stay retained, asked again at the next return.
+  if (!ProbeLeases(ids, call, &held, &gone, &why, &connected)) return;
   MutexLock lock(&mu_);
   std::vector<uint64_t> back, lost;
   for (uint64_t id : held) {

@@ -29,7 +29,7 @@ using blockdev::testing::SpawnOptions;
 using SteadyClock = std::chrono::steady_clock;
 
 const char* const kStepsWithDaemon[] = {"kill",  "stop", "restart", "fill", "flood",
-                                        "probe", "cut",  "delay",   "loss"};
+                                        "probe", "cut",  "delay",   "loss", "back"};
 const char* const kStepsWithCount[] = {"stall"};
 const char* const kStepsPlain[] = {"run",     "reprotect", "unfill", "unstall",
                                    "unflood", "start",     "heal",   "rejoin"};
@@ -630,6 +630,34 @@ ScenarioResult RunScenario(const Scenario& sc, const RunConfig& cfg) {
       d.Resume();
       note(fmt::format("{} ({}) for {} ms, then SIGCONT", what, d.endpoint().ToString(),
                        3 * cfg.failure_timeout_ms));
+    } else if (step.op == "back") {
+      // The client took daemon N for down and had its leases back from the same process (a
+      // false down: nothing to rebuild, nothing lost): its "answered again as the same daemon"
+      // line, after the last fault on N.
+      testing::DaemonProcess& d = daemons[static_cast<size_t>(step.arg)];
+      const std::string ep = d.endpoint().ToString();
+      int64_t since = 0;
+      for (const Fault& f : faults) {
+        if (f.endpoint == ep) since = f.ms - 5;
+      }
+      const bool back = testing::WaitUntil(
+          [&] {
+            for (const LogLine& l : ReadLog(workload->log_path())) {
+              if (l.ms >= since && l.text.find("(" + ep + ") answered again as the same daemon") !=
+                                       std::string::npos) {
+                return true;
+              }
+            }
+            return false;
+          },
+          std::chrono::duration_cast<std::chrono::milliseconds>(cfg.reprotect_deadline),
+          std::chrono::milliseconds(50));
+      if (back) {
+        note(fmt::format("{}: the client had its leases on {} back", what, ep));
+      } else {
+        fail(fmt::format("{}: the client did not get its leases on {} back within {} s", what, ep,
+                         cfg.reprotect_deadline.count() / 1000));
+      }
     } else if (step.op == "restart") {
       testing::DaemonProcess& d = daemons[static_cast<size_t>(step.arg)];
       Status s = d.running() ? d.Restart() : d.Start();

@@ -358,6 +358,10 @@ class Cluster {
   // After a reconnect to the same daemon process: checks each retained lease there (a one-byte
   // READ) and hands it back (kLeasesReturned) or reports it gone (kLeasesLost).
   void ReclaimRetainedLocked(Node& node);
+  // The daemon answers a HEARTBEAT but holds fewer of this client's leases than the client thinks
+  // (it reclaimed them: heartbeats did not reach it within its lease TTL, e.g. this process was
+  // stopped): checks each lease there (a one-byte READ) and reports those it refuses (kLeasesLost).
+  void CheckLeasesHeldLocked(Node& node, uint32_t daemon_count);
   // A down node's retained leases whose TTL passed since its last answer: the daemon has ended
   // them (or will as soon as it runs): kLeasesLost.
   // `why`: what ended the wait (empty: its lease TTL passed since its last answer).
