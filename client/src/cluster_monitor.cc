@@ -384,20 +384,19 @@ void Cluster::RetryPendingFreesLocked(Node& node) {
   }
 }
 
-namespace {
-
-// Asks the daemon about each lease with a one-byte READ, which it serves only for a lease this
-// client still holds. False if the connection failed meanwhile (then nothing is known).
-template <typename Call>
-bool ProbeLeases(std::span<const uint64_t> ids, Call&& call, std::vector<uint64_t>* held,
-                 std::vector<uint64_t>* gone, Status* why, const bool* connected) {
+bool Cluster::ProbeLeasesLocked(Node& node, std::span<const uint64_t> ids,
+                                std::vector<uint64_t>* held, std::vector<uint64_t>* gone,
+                                Status* why) {
+  // Every caller holds call_mu; REQUIRES(node.call_mu) cannot be written in cluster.h, where
+  // Node is incomplete.
+  node.call_mu.AssertHeld();
   for (uint64_t id : ids) {
     uint8_t body[wire::kDataOpSize];
     wire::EncodeDataOp(wire::DataOp{id, 0, 1}, body);
-    auto r = call(std::span<const uint8_t>(body, sizeof body));
+    auto r = CallLocked(node, wire::Opcode::kRead, {body, sizeof body});
     if (r) {
       held->push_back(id);
-    } else if (!*connected) {
+    } else if (!node.conn) {
       return false;
     } else {
       gone->push_back(id);
@@ -406,8 +405,6 @@ bool ProbeLeases(std::span<const uint64_t> ids, Call&& call, std::vector<uint64_
   }
   return true;
 }
-
-}  // namespace
 
 void Cluster::CheckLeasesHeldLocked(Node& node, uint32_t daemon_count) {
   // Every caller holds call_mu; REQUIRES(node.call_mu) cannot be written in cluster.h, where
@@ -421,13 +418,7 @@ void Cluster::CheckLeasesHeldLocked(Node& node, uint32_t daemon_count) {
   if (ids.empty() || !node.conn) return;
   std::vector<uint64_t> held, gone;
   Status why;
-  bool connected = true;
-  auto call = [&](std::span<const uint8_t> body) {
-    auto r = CallLocked(node, wire::Opcode::kRead, body);
-    connected = node.conn.has_value();
-    return r;
-  };
-  if (!ProbeLeases(ids, call, &held, &gone, &why, &connected) || gone.empty()) return;
+  if (!ProbeLeasesLocked(node, ids, &held, &gone, &why) || gone.empty()) return;
   MutexLock lock(&mu_);
   std::vector<uint64_t> lost;
   for (uint64_t id : gone) {
@@ -460,14 +451,8 @@ void Cluster::ReclaimRetainedLocked(Node& node) {
   // The same process answered (Adopt saw its node id): ask it about each lease.
   std::vector<uint64_t> held, gone;
   Status why;
-  bool connected = true;
-  auto call = [&](std::span<const uint8_t> body) {
-    auto r = CallLocked(node, wire::Opcode::kRead, body);
-    connected = node.conn.has_value();
-    return r;
-  };
   // The connection failed: the rest stay retained, asked again at the next return.
-  if (!ProbeLeases(ids, call, &held, &gone, &why, &connected)) return;
+  if (!ProbeLeasesLocked(node, ids, &held, &gone, &why)) return;
   MutexLock lock(&mu_);
   std::vector<uint64_t> back, lost;
   for (uint64_t id : held) {

@@ -32,6 +32,7 @@
 
 #include "farmem/internal/seal_observer.h"
 #include "farptr_fixture.h"
+#include "support/memory_scan.h"
 #include "support/process.h"
 
 namespace farmem::farptr_test {
@@ -40,23 +41,8 @@ namespace {
 constexpr char kMarker[] = "FARPTR-PLAINTEXT-";
 constexpr uint32_t kSpan = 16384;
 
-// Under ASan or TSan the daemons map the sanitizer's shadow memory (tens of GiB to TiB, readable),
-// which no scan through /proc/PID/mem reads within a timeout: the scans of the lenders' memory
-// are skipped there, every other case runs.
-#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
-constexpr bool kSanitized = true;
-#elif defined(__has_feature)
-#if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer)
-constexpr bool kSanitized = true;
-#else
-constexpr bool kSanitized = false;
-#endif
-#else
-constexpr bool kSanitized = false;
-#endif
-constexpr char kNoScanUnderSanitizer[] =
-    "a sanitizer build: scanning the daemons' memory through /proc/PID/mem would read the "
-    "sanitizer's shadow memory (tens of GiB to TiB); run this case in the RelWithDebInfo build";
+using testing::kNoScanUnderSanitizer;
+using testing::kSanitized;
 
 // Text that shows in a memory dump: "FARPTR-PLAINTEXT-<id>-<version>." repeated.
 void FillText(std::span<std::byte> out, uint64_t id, uint64_t version) {
@@ -68,49 +54,6 @@ bool TextMatches(std::span<const std::byte> got, uint64_t id, uint64_t version) 
   std::vector<std::byte> want(got.size());
   FillText(want, id, version);
   return std::memcmp(want.data(), got.data(), got.size()) == 0;
-}
-
-// Occurrences of kMarker in every readable, writable mapping of process `pid` (as root, through
-// /proc/PID/mem). *scanned gets the bytes read.
-size_t CountMarkerInProcess(pid_t pid, uint64_t* scanned) {
-  *scanned = 0;
-  std::ifstream maps("/proc/" + std::to_string(pid) + "/maps");
-  const int mem = ::open(("/proc/" + std::to_string(pid) + "/mem").c_str(), O_RDONLY);
-  EXPECT_GE(mem, 0) << "cannot open /proc/" << pid << "/mem (this test needs root)";
-  if (mem < 0) return 0;
-  size_t found = 0;
-  std::string line;
-  std::vector<char> buf;
-  const size_t mlen = std::strlen(kMarker);
-  while (std::getline(maps, line)) {
-    std::istringstream in(line);
-    std::string range, perms;
-    in >> range >> perms;
-    if (perms.size() < 2 || perms[0] != 'r' || perms[1] != 'w') continue;
-    if (line.find("[vvar]") != std::string::npos || line.find("[vsyscall]") != std::string::npos)
-      continue;
-    const uint64_t lo = std::stoull(range.substr(0, range.find('-')), nullptr, 16);
-    const uint64_t hi = std::stoull(range.substr(range.find('-') + 1), nullptr, 16);
-    constexpr size_t kChunk = 1 << 20;
-    for (uint64_t a = lo; a < hi; a += kChunk) {
-      const size_t n = static_cast<size_t>(std::min<uint64_t>(kChunk + mlen, hi - a));
-      buf.resize(n);
-      const ssize_t got = ::pread(mem, buf.data(), n, static_cast<off_t>(a));
-      if (got <= 0) continue;
-      *scanned += static_cast<uint64_t>(std::min<ssize_t>(got, kChunk));
-      const char* p = buf.data();
-      const char* end = buf.data() + got;
-      while (p < end) {
-        const void* hit = ::memmem(p, static_cast<size_t>(end - p), kMarker, mlen);
-        if (hit == nullptr) break;
-        const char* h = static_cast<const char*>(hit);
-        if (h - buf.data() < static_cast<ptrdiff_t>(kChunk)) ++found;  // not twice at chunk ends
-        p = h + 1;
-      }
-    }
-  }
-  ::close(mem);
-  return found;
 }
 
 class FarEncryptionTest : public FarptrTest {
@@ -142,7 +85,9 @@ class FarEncryptionTest : public FarptrTest {
     size_t found = 0;
     for (size_t d = 0; d < daemons_->size(); ++d) {
       uint64_t scanned = 0;
-      const size_t n = CountMarkerInProcess((*daemons_)[d].pid(), &scanned);
+      auto found_here = testing::CountMarkerInProcess((*daemons_)[d].pid(), kMarker, &scanned);
+      EXPECT_TRUE(found_here.has_value()) << found_here.error().ToString();
+      const size_t n = found_here.value_or(0);
       std::fprintf(stderr, "daemon %zu: %zu plaintext markers in %.1f MiB of writable memory\n", d,
                    n, static_cast<double>(scanned) / (1 << 20));
       EXPECT_GT(scanned, 16u << 20) << "the scan did not read the slabs of daemon " << d;

@@ -15,29 +15,15 @@
 
 #include "farmem/common/wire.h"
 #include "page_store_fixture.h"
+#include "support/memory_scan.h"
 
 namespace farmem::blockdev::pstest {
 namespace {
 
 using std::chrono::milliseconds;
 
-// Under ASan or TSan the daemons map the sanitizer's shadow memory (tens of GiB to TiB, readable),
-// which no scan through /proc/PID/mem reads within a timeout: the scans of the lenders' memory
-// are skipped there, every other case runs.
-#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
-constexpr bool kSanitized = true;
-#elif defined(__has_feature)
-#if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer)
-constexpr bool kSanitized = true;
-#else
-constexpr bool kSanitized = false;
-#endif
-#else
-constexpr bool kSanitized = false;
-#endif
-constexpr char kNoScanUnderSanitizer[] =
-    "a sanitizer build: scanning the daemons' memory through /proc/PID/mem would read the "
-    "sanitizer's shadow memory (tens of GiB to TiB); run this case in the RelWithDebInfo build";
+using testing::kNoScanUnderSanitizer;
+using testing::kSanitized;
 
 // A recognisable pattern: each 64-byte line of page p says which page it belongs to.
 constexpr std::string_view kMark = "FARMEM-PLAINTEXT-MARK:";
@@ -50,48 +36,7 @@ void FillPattern(uint64_t page, uint8_t* out) {
   }
 }
 
-size_t CountMarks(std::string_view hay) {
-  size_t n = 0;
-  for (size_t at = hay.find(kMark); at != std::string_view::npos; at = hay.find(kMark, at + 1)) {
-    ++n;
-  }
-  return n;
-}
-
-// Every readable private or shared mapping of process `pid`, read through /proc/PID/mem (the
-// test runs as the daemons' parent, which ptrace's access rules let read them): how many marks
-// they hold. The whole address space, not only the slab pool: no copy anywhere may hold them.
-Result<size_t> MarksInProcess(pid_t pid, size_t* scanned) {
-  std::ifstream maps("/proc/" + std::to_string(pid) + "/maps");
-  if (!maps) return Err(Internal("cannot open maps of " + std::to_string(pid)));
-  const int fd = ::open(("/proc/" + std::to_string(pid) + "/mem").c_str(), O_RDONLY);
-  if (fd < 0) return Err(ErrnoStatus(StatusCode::kInternal, "open /proc/PID/mem", errno));
-  size_t marks = 0;
-  *scanned = 0;
-  std::string line;
-  std::vector<char> buf(1 << 20);
-  std::string carry;
-  while (std::getline(maps, line)) {
-    unsigned long long lo = 0, hi = 0;
-    char perms[8] = {};
-    if (std::sscanf(line.c_str(), "%llx-%llx %7s", &lo, &hi, perms) != 3) continue;
-    if (perms[0] != 'r' || line.find("[vvar]") != std::string::npos) continue;
-    carry.clear();
-    for (unsigned long long at = lo; at < hi;) {
-      const size_t n = static_cast<size_t>(std::min<unsigned long long>(buf.size(), hi - at));
-      const ssize_t got = ::pread(fd, buf.data(), n, static_cast<off_t>(at));
-      if (got <= 0) break;  // e.g. a guard page
-      std::string chunk = carry + std::string(buf.data(), static_cast<size_t>(got));
-      marks += CountMarks(chunk);
-      // Keep a tail shorter than a mark so that one across chunks is seen once.
-      carry = chunk.substr(chunk.size() - std::min(chunk.size(), kMark.size() - 1));
-      *scanned += static_cast<size_t>(got);
-      at += static_cast<unsigned long long>(got);
-    }
-  }
-  ::close(fd);
-  return marks;
-}
+size_t CountMarks(std::string_view hay) { return testing::CountMarker(hay, kMark); }
 
 // One synchronous raw operation on a lease, on a channel of our own (the test's identity owns the
 // lease): how a lender's root, or a bad NIC, would change the bytes behind the client's back.
@@ -151,8 +96,8 @@ class CryptoTest : public PageStoreTest {
     for (size_t i = 0; i < daemons_->size(); ++i) {
       const pid_t pid = (*daemons_)[i].pid();
       if (pid <= 0) continue;
-      size_t s = 0;
-      auto m = MarksInProcess(pid, &s);
+      uint64_t s = 0;
+      auto m = testing::CountMarkerInProcess(pid, kMark, &s);
       EXPECT_TRUE(m.has_value()) << m.error().ToString();
       marks += m.value_or(0);
       scanned += s;

@@ -358,6 +358,11 @@ class Cluster {
   // After a reconnect to the same daemon process: checks each retained lease there (a one-byte
   // READ) and hands it back (kLeasesReturned) or reports it gone (kLeasesLost).
   void ReclaimRetainedLocked(Node& node);
+  // Asks the daemon about each lease with a one-byte READ, which it serves only for a lease this
+  // client still holds: held or gone (with the first refusal in *why). False if the connection
+  // failed meanwhile (then nothing is known of the rest).
+  bool ProbeLeasesLocked(Node& node, std::span<const uint64_t> ids, std::vector<uint64_t>* held,
+                         std::vector<uint64_t>* gone, Status* why);
   // The daemon answers a HEARTBEAT but holds fewer of this client's leases than the client thinks
   // (it reclaimed them: heartbeats did not reach it within its lease TTL, e.g. this process was
   // stopped): checks each lease there (a one-byte READ) and reports those it refuses (kLeasesLost).
