@@ -244,19 +244,9 @@ void RunOne(const Args& a, const std::string& resilience) {
       "lost {}; longest move {} ms\n",
       st.members_moved, st.members_failed, st.members_reprotected, st.degraded_reads, st.spans_lost,
       st.move_max_ms);
-  const int64_t e_us = us_since(onset);
-  const Window steady = Summarize(samples, e_us - a.seconds * 1000000LL, e_us);
-  const Window during = Summarize(samples, e_us, us_since(end_of_move));
-  const Window after =
-      Summarize(samples, us_since(end_of_move), us_since(end_of_move) + a.seconds * 1000000LL);
-  // From the notice on: the move alone, without what came before it reached the client (for a
-  // drain, farmemctl starting and connecting).
-  const Window moving = Summarize(
-      samples, noticed == Clock::time_point{} ? e_us : us_since(noticed), us_since(end_of_move));
-  fmt::print("{}\n{}\n{}\n{}\n", Row("steady (baseline)", steady, nullptr),
-             Row("onset to moved", during, &steady), Row("notice to moved", moving, &steady),
-             Row("after the move", after, &steady));
-  std::fflush(stdout);
+  PrintMoveWindows(samples, us_since(onset),
+                   noticed == Clock::time_point{} ? -1 : us_since(noticed), us_since(end_of_move),
+                   a.seconds);
 }
 
 }  // namespace

@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdio>
 #include <string>
 #include <vector>
 
@@ -69,6 +70,22 @@ inline std::string Row(const char* what, const Window& w, const Window* base) {
       what, w.ops_per_s, pct(w.ops_per_s, base ? base->ops_per_s : 0), w.median_ops_per_s,
       pct(w.median_ops_per_s, base ? base->median_ops_per_s : 0), w.p50_us, w.p99_us, w.max_us,
       static_cast<double>(w.longest_gap_us) / 1000, w.n);
+}
+
+// The four windows of a move benchmark, printed against the first: the `seconds` before the
+// event (steady), event to moved, notice to moved (the move alone, without what came before the
+// notice reached the client — for a drain, farmemctl starting and connecting; `notice_us` < 0:
+// no notice, from the event), and the `seconds` after the move. Times in µs since the run began.
+inline void PrintMoveWindows(const std::vector<Sample>& samples, int64_t event_us,
+                             int64_t notice_us, int64_t moved_us, int64_t seconds) {
+  const Window steady = Summarize(samples, event_us - seconds * 1000000LL, event_us);
+  const Window during = Summarize(samples, event_us, moved_us);
+  const Window moving = Summarize(samples, notice_us < 0 ? event_us : notice_us, moved_us);
+  const Window after = Summarize(samples, moved_us, moved_us + seconds * 1000000LL);
+  fmt::print("{}\n{}\n{}\n{}\n", Row("steady (baseline)", steady, nullptr),
+             Row("onset to moved", during, &steady), Row("notice to moved", moving, &steady),
+             Row("after the move", after, &steady));
+  std::fflush(stdout);
 }
 
 }  // namespace farmem::bench

@@ -353,17 +353,9 @@ void RunOne(const Args& a, const std::string& mode) {
       Value(after, "farmem_daemon_leases_evicted_total"), moved_members,
       farmem::metrics::Find(export_m, "farmem_export_degraded_reads_total", {}).value_or(-1),
       farmem::metrics::Find(export_m, "farmem_export_lost_bytes_total", {}).value_or(-1));
-  const int64_t e_us = us_since(onset);
-  const Window steady = Summarize(samples, e_us - a.seconds * 1000000LL, e_us);
-  const Window during = Summarize(samples, e_us, us_since(end_of_move));
-  const Window moving = Summarize(
-      samples, noticed == Clock::time_point{} ? e_us : us_since(noticed), us_since(end_of_move));
-  const Window later =
-      Summarize(samples, us_since(end_of_move), us_since(end_of_move) + a.seconds * 1000000LL);
-  fmt::print("{}\n{}\n{}\n{}\n", Row("steady (baseline)", steady, nullptr),
-             Row("onset to moved", during, &steady), Row("notice to moved", moving, &steady),
-             Row("after the move", later, &steady));
-  std::fflush(stdout);
+  PrintMoveWindows(samples, us_since(onset),
+                   noticed == Clock::time_point{} ? -1 : us_since(noticed), us_since(end_of_move),
+                   a.seconds);
 }
 
 }  // namespace
