@@ -54,6 +54,7 @@ class FakeDaemon {
     return std::vector<wire::LeaseGrant>{Grant(next_slab_++)};
   };
   std::vector<uint64_t> freed;
+  size_t held = 0;  // leases granted and not freed
   uint32_t free_slabs = 4;
   std::string hello_version;  // sent in HELLO (kFeatureVersion) when not empty
 
@@ -122,17 +123,24 @@ class FakeDaemon {
             wire::EncodeStatReply(s, &reply);
             break;
           }
-          case wire::Opcode::kAlloc:
-            wire::EncodeAllocReply({alloc_reply()}, &reply);
+          case wire::Opcode::kAlloc: {
+            std::vector<wire::LeaseGrant> grants = alloc_reply();
+            held += grants.size();
+            wire::EncodeAllocReply({std::move(grants)}, &reply);
             break;
+          }
           case wire::Opcode::kFree:
             if (auto f = wire::DecodeFree(body)) {
               freed.insert(freed.end(), f->lease_ids.begin(), f->lease_ids.end());
+              held -= std::min<size_t>(held, f->lease_ids.size());
             }
             break;
           case wire::Opcode::kHeartbeat:
             pushes.swap(pushes_before_next_heartbeat);
-            wire::EncodeHeartbeatReply({.leases_held = 0, .lease_ttl_ms = 10000}, &reply);
+            // What it granted and was not freed: fewer would tell the client that the daemon
+            // ended leases (it then checks each with a READ, which this fake does not serve).
+            wire::EncodeHeartbeatReply(
+                {.leases_held = static_cast<uint32_t>(held), .lease_ttl_ms = 10000}, &reply);
             break;
           default:
             return;
