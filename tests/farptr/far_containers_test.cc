@@ -63,8 +63,8 @@ struct Value {
 
 TEST_F(FarptrTest, FarHashMapAtOneEighthBudget) {
   ASSERT_NO_FATAL_FAILURE(StartDaemons(6));
-  constexpr size_t kKeys = 100000 / kTsanScale;  // ~3 MiB of buckets
-  ASSERT_NO_FATAL_FAILURE(Open(Options("ec:4+2", (512 << 10) / kTsanScale, 4096)));
+  const size_t kKeys = 100000 / LongWorkloadScale();  // ~3 MiB of buckets
+  ASSERT_NO_FATAL_FAILURE(Open(Options("ec:4+2", (512 << 10) / LongWorkloadScale(), 4096)));
   far_hash_map<uint64_t, Value> m(*rt_);
   std::unordered_map<uint64_t, Value> model;
   std::mt19937_64 rng(11);
@@ -75,7 +75,7 @@ TEST_F(FarptrTest, FarHashMapAtOneEighthBudget) {
   }
   EXPECT_EQ(m.size(), model.size());
   EXPECT_GT(rt_->stats().spans_evicted, 0u);
-  for (int i = 0; i < 100000 / kTsanScale; ++i) {
+  for (int i = 0; i < 100000 / LongWorkloadScale(); ++i) {
     const uint64_t k = rng() % (kKeys * 2);
     switch (rng() % 4) {
       case 0: {

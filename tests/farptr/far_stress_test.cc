@@ -18,13 +18,13 @@
 namespace farmem::farptr_test {
 namespace {
 
-constexpr int kScale = kTsanScale;
+const int kScale = LongWorkloadScale();
 
 constexpr int kThreads = 4;
-constexpr size_t kObjectsPerThread = 1200 / kScale;
-constexpr size_t kVectorSize = (256u << 10) / kScale;
-constexpr uint64_t kKeysPerThread = 10000 / kScale;
-constexpr int kOpsPerThread = 60000 / kScale;
+const size_t kObjectsPerThread = 1200 / kScale;
+const size_t kVectorSize = (256u << 10) / kScale;
+const uint64_t kKeysPerThread = 10000 / kScale;
+const int kOpsPerThread = 60000 / kScale;
 
 size_t RandomSize(std::mt19937_64& rng) {
   const unsigned r = rng() % 100;

@@ -17,6 +17,7 @@
 #include "support/daemon_fixture.h"
 #include "support/object_pattern.h"
 #include "support/test_runtime.h"
+#include "support/test_scale.h"
 
 namespace farmem::farptr_test {
 
@@ -26,6 +27,12 @@ inline constexpr int kTsanScale = 8;
 #else
 inline constexpr int kTsanScale = 1;
 #endif
+
+// The divisor of the long workloads (far_stress_test, far_containers_test): CI runs them at a
+// quarter of their by-hand size (FARMEM_LONG_TESTS=1 runs them whole; docs/testing.md).
+inline int LongWorkloadScale() {
+  return kTsanScale * (farmem::testing::LongTests() ? 1 : 4);
+}
 
 // Deterministic contents for object `id` at `version` (tests/support/object_pattern.h).
 inline void Fill(std::span<std::byte> out, uint64_t id, uint64_t version) {
