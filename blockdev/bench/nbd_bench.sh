@@ -31,7 +31,14 @@
 #
 #   blockdev/bench/nbd_bench.sh [--build-dir DIR] [--runtime SECONDS] [--repeat N] [--size SIZE]
 #                               [--targets "a b ..."] [--disk-dir DIR] [--swap-safe]
-#                               [--json-dir DIR]
+#                               [--json-dir DIR] [--cpu]
+#
+# --cpu: also the server's CPU time per request (utime + stime of the server process — nbdkit,
+# farmem-nbd; not the farmemd daemons — over each job, from /proc/PID/stat, divided by the
+# requests fio completed), which a loaded machine distorts far less than IOPS and latency: the
+# cost of what runs on the server's request path, e.g. page encryption (farmem-none vs
+# farmem-none-plain). It drops the ramp (--ramp_time 0) so that every request of the job is
+# counted; the exports are written whole beforehand either way.
 #
 # Defaults: build dir ./build, 10 s per job (after 2 s ramp), 3 repetitions, 1G export/file, all
 # targets, the disk file in ./build (it must be a real disk, not tmpfs: O_DIRECT), swap-safe off
@@ -49,6 +56,7 @@ repeat=3
 size=1G
 swap_safe=0
 json_dir=
+cpu=0
 targets="nbdkit-mem nbdkit-nbd farmem-mem farmem-none farmem-ec disk"
 disk_dir=
 while [ $# -gt 0 ]; do
@@ -61,7 +69,8 @@ while [ $# -gt 0 ]; do
     --disk-dir) disk_dir=$2; shift 2 ;;
     --swap-safe) swap_safe=1; shift ;;
     --json-dir) json_dir=$2; shift 2 ;;
-    -h|--help) sed -n '2,43p' "$0"; exit 0 ;;
+    --cpu) cpu=1; shift ;;
+    -h|--help) sed -n '2,51p' "$0"; exit 0 ;;
     *) echo "unknown argument $1 (try --help)" >&2; exit 2 ;;
   esac
 done
@@ -92,6 +101,9 @@ wait_file() {  # -S or -s, path
   exit 1
 }
 has() { case " $targets " in *" $1 "*) return 0 ;; esac; return 1; }
+declare -A server_pid  # target -> the process serving it (--cpu)
+# utime + stime of a process and all its threads, dead ones included, in clock ticks.
+cpu_ticks() { awk '{print $14 + $15}' "/proc/$1/stat"; }
 
 nbdkit_extra=()
 farmem_extra=(--no-swap-safe)
@@ -102,6 +114,7 @@ if has nbdkit-mem; then
   nbdkit --foreground --unix "$work/nbdkit-mem.sock" "${nbdkit_extra[@]}" memory "$size" \
     2>"$work/nbdkit-mem.log" &
   pids+=($!)
+  server_pid[nbdkit-mem]=$!
 fi
 if has nbdkit-nbd; then
   port=$((20000 + $$ % 20000))
@@ -112,6 +125,7 @@ if has nbdkit-nbd; then
   nbdkit --foreground --unix "$work/nbdkit-nbd.sock" "${nbdkit_extra[@]}" nbd hostname=127.0.0.1 \
     port="$port" 2>"$work/nbdkit-nbd.log" &
   pids+=($!)
+  server_pid[nbdkit-nbd]=$!
 fi
 scrape_ports=()
 for t in farmem-mem farmem-mem-metrics; do
@@ -124,6 +138,7 @@ for t in farmem-mem farmem-mem-metrics; do
   "$bin/farmem-nbd" --backend memory --size "$size" --unix "$work/$t.sock" \
     --log-level warn "${farmem_extra[@]}" "${metrics[@]}" 2>"$work/$t.log" &
   pids+=($!)
+  server_pid[$t]=$!
 done
 if has farmem-none || has farmem-ec || has farmem-none-metrics || has farmem-none-plain ||
   has farmem-ec-plain; then
@@ -158,6 +173,7 @@ if has farmem-none || has farmem-ec || has farmem-none-metrics || has farmem-non
       --resilience "${r%-plain}" --transport tcp --size "$size" --unix "$work/$t.sock" \
       --log-level warn "${farmem_extra[@]}" "${metrics[@]}" "${crypt[@]}" 2>"$work/$t.log" &
     pids+=($!)
+    server_pid[$t]=$!
   done
 fi
 
@@ -182,6 +198,7 @@ v=int(m[1])*{'':1,'K':1<<10,'M':1<<20,'G':1<<30}[m[2]]; print(max(4,math.ceil(v*
     --resilience none --transport tcp --size "$size" --unix "$work/farmem-none-prefaulted.sock" \
     --log-level warn "${farmem_extra[@]}" 2>"$work/farmem-none-prefaulted.log" &
   pids+=($!)
+  server_pid[farmem-none-prefaulted]=$!
 fi
 
 uri() { echo "nbd+unix:///?socket=$work/$1.sock"; }
@@ -219,16 +236,23 @@ if has farmem-none-plain || has farmem-ec-plain; then
 fi
 read -r -a tlist <<<"$targets"
 n=${#tlist[@]}
+ramp=2
+[ $cpu = 1 ] && ramp=0
 for rep in $(seq "$repeat"); do
   for rw in randread randwrite; do
     for qd in 1 16; do
       for ((i = 0; i < n; i++)); do
         t=${tlist[$(((i + rep) % n))]}
+        sp=${server_pid[$t]:-}
+        [ $cpu = 1 ] && [ -n "$sp" ] && c0=$(cpu_ticks "$sp")
         # shellcheck disable=SC2046
         fio --name="$t-$rw-qd$qd" $(reach "$t") --rw="$rw" --bs=4k --iodepth="$qd" \
-          --numjobs=1 --size="$size" --time_based --runtime="$runtime" --ramp_time=2 \
+          --numjobs=1 --size="$size" --time_based --runtime="$runtime" --ramp_time=$ramp \
           --lat_percentiles=1 --output-format=json \
           --output="$json_dir/$t-$rw-qd$qd-$rep.json" >/dev/null
+        if [ $cpu = 1 ] && [ -n "$sp" ]; then
+          echo "$(($(cpu_ticks "$sp") - c0)) $(getconf CLK_TCK)" >"$json_dir/$t-$rw-qd$qd-$rep.cpu"
+        fi
       done
     done
   done
@@ -236,25 +260,34 @@ done
 echo "load average at the end $(cut -d' ' -f1-3 /proc/loadavg)"
 
 python3 - "$json_dir" "$repeat" "$targets" <<'EOF'
-import json, statistics, sys
+import json, math, os, statistics, sys
 d, reps, targets = sys.argv[1], int(sys.argv[2]), sys.argv[3].split()
 def one(t, rw, qd, rep):
     j = json.load(open(f"{d}/{t}-{rw}-qd{qd}-{rep}.json"))["jobs"][0]
     s = j["read" if rw == "randread" else "write"]
     lat = s["lat_ns"]
-    return s["iops"], lat["mean"] / 1000.0, lat["percentile"]["99.000000"] / 1000.0
+    cpu = math.nan  # server CPU per request, us (--cpu)
+    f = f"{d}/{t}-{rw}-qd{qd}-{rep}.cpu"
+    if os.path.exists(f) and s["total_ios"] > 0:
+        ticks, hz = map(int, open(f).read().split())
+        cpu = ticks / hz * 1e6 / s["total_ios"]
+    return s["iops"], lat["mean"] / 1000.0, lat["percentile"]["99.000000"] / 1000.0, cpu
 res = {}
 print()
-print(f"{'workload':<16}{'target':<21}{'IOPS':>10}{'mean us':>10}{'p99 us':>10}   IOPS per run")
+print(f"{'workload':<16}{'target':<21}{'IOPS':>10}{'mean us':>10}{'p99 us':>10}{'CPU us/req':>12}"
+      "   IOPS per run; CPU us/req per run")
 for rw in ("randread", "randwrite"):
     for qd in (1, 16):
         for t in targets:
             runs = [one(t, rw, qd, r) for r in range(1, reps + 1)]
-            med = tuple(statistics.median(x[i] for x in runs) for i in range(3))
+            med = tuple(statistics.median(x[i] for x in runs) for i in range(4))
             res[(t, rw, qd)] = med
             per_run = " ".join(f"{r[0]:.0f}" for r in runs)
+            if not math.isnan(med[3]):
+                per_run += "; " + " ".join(f"{r[3]:.1f}" for r in runs)
+            cpu = "-" if math.isnan(med[3]) else f"{med[3]:.1f}"
             print(f"{rw + ' qd' + str(qd):<16}{t:<21}{med[0]:>10.0f}{med[1]:>10.1f}{med[2]:>10.1f}"
-                  f"   {per_run}")
+                  f"{cpu:>12}   {per_run}")
 ratios = [("farmem-none", "nbdkit-nbd"), ("farmem-none", "nbdkit-mem"), ("farmem-ec", "farmem-none"),
           ("farmem-mem", "nbdkit-mem"), ("farmem-none", "disk"), ("farmem-ec", "disk"),
           ("farmem-mem-metrics", "farmem-mem"), ("farmem-none-metrics", "farmem-none"),
@@ -279,6 +312,13 @@ if lat:
         print(f"{a + ' - ' + b:<36}" + "".join(
             f"{rw + ' ' + format(res[(a, rw, 1)][1] - res[(b, rw, 1)][1], '+.1f'):>20}"
             for rw in ("randread", "randwrite")))
+    if not math.isnan(res[(lat[0][0], "randread", 1)][3]):
+        print()
+        print("Encryption: farmem-nbd CPU added per request, us (medians; qd1 / qd16)")
+        for a, b in lat:
+            print(f"{a + ' - ' + b:<36}" + "".join(
+                f"{rw + ' ' + format(res[(a, rw, 1)][3] - res[(b, rw, 1)][3], '+.1f') + ' / ' + format(res[(a, rw, 16)][3] - res[(b, rw, 16)][3], '+.1f'):>28}"
+                for rw in ("randread", "randwrite")))
 checks = [("farmem-none", "nbdkit-nbd", 3.0, "farmem-none qd16 IOPS >= 3x nbdkit-nbd"),
           ("farmem-none", "nbdkit-mem", 0.6, "farmem-none qd16 IOPS >= 0.6x nbdkit-mem"),
           ("farmem-ec", "farmem-none", 1 / 1.5, "farmem-ec qd16 IOPS within 1.5x of farmem-none"),

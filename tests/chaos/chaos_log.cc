@@ -48,8 +48,23 @@ const std::regex kFailedMemberPattern(
 const std::regex kLostPattern(
     R"(page store: \d+ pages of extent \d+ \(export bytes (\d+)\.\.(\d+)\) are LOST)");
 
+// A page or object whose tag failed (blockdev/src/page_store_integrity.cc, RecoverPage; farptr/
+// src/object_heap.cc, OpenSealedLocked): "page store: export page 9 (offset 36864, extent 0)
+// failed authentication on member 1 (...): served from the other members; ...", "page store:
+// export page 9 (offset 36864, extent 0): no copy passes authentication (...)", "far memory:
+// span ...: 1 of its objects failed authentication (AES-GCM tag) ...".
+const std::regex kIntegrityPatterns[] = {
+    std::regex(
+        R"(page store: export page \d+ \(offset \d+, extent \d+\):? (failed|no copy passes) authentication)"),
+    std::regex(R"(far memory: .*failed authentication)"),
+};
+// The page store's "none" case of the above: exactly that page is lost (reads fail until it is
+// written again).
+const std::regex kUnauthenticPagePattern(
+    R"(page store: export page \d+ \(offset (\d+), extent \d+\): no copy passes authentication)");
+
 const std::regex kNotable(
-    R"(is down|is up|restarted|rebuilt|re-?protect|whole again|degraded|LOST|lost members|\[error\]|\[warning\]|\] error: |\] warning: )");
+    R"(is down|is up|restarted|rebuilt|re-?protect|whole again|degraded|LOST|lost members|authentication|\[error\]|\[warning\]|\] error: |\] warning: )");
 
 // In local time: "2026-12-01 12:13:53.123 farmem-nbd[42] info: ..." (farmemd, farmem-nbd,
 // farmemctl: cli::SetUpLogging, common/src/command_line.cc) or spdlog's default
@@ -160,12 +175,28 @@ std::vector<WholeEvent> WholeEvents(const std::vector<LogLine>& log) {
   return out;
 }
 
+std::vector<int64_t> IntegrityTimes(const std::vector<LogLine>& log) {
+  std::vector<int64_t> out;
+  for (const LogLine& l : log) {
+    for (const std::regex& re : kIntegrityPatterns) {
+      if (std::regex_search(l.text, re)) {
+        out.push_back(l.ms);
+        break;
+      }
+    }
+  }
+  return out;
+}
+
 std::vector<LostRange> LostRanges(const std::vector<LogLine>& log) {
   std::vector<LostRange> out;
   for (const LogLine& l : log) {
     std::smatch m;
     if (std::regex_search(l.text, m, kLostPattern)) {
       out.push_back(LostRange{l.ms, std::stoull(m[1].str()), std::stoull(m[2].str())});
+    } else if (std::regex_search(l.text, m, kUnauthenticPagePattern)) {
+      const uint64_t at = std::stoull(m[1].str());
+      out.push_back(LostRange{l.ms, at, at + 4096});
     }
   }
   return out;

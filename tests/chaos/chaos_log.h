@@ -62,7 +62,12 @@ struct WholeEvent {
 };
 std::vector<WholeEvent> WholeEvents(const std::vector<LogLine>& log);
 
-// Export byte ranges [begin, end) farmem-nbd reported LOST.
+// Times of the lines that say a page or far object read back failed authentication (its AES-GCM
+// tag), whether it was then served from the other members or lost.
+std::vector<int64_t> IntegrityTimes(const std::vector<LogLine>& log);
+
+// Export byte ranges [begin, end) farmem-nbd reported LOST: extents whose members are gone, and
+// single pages of which no copy passes authentication (`none`: one flipped bit loses the page).
 struct LostRange {
   int64_t ms = 0;
   uint64_t begin = 0;

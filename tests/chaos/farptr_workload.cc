@@ -5,11 +5,13 @@
 //
 //   chaos_farptr_workload --peers H:P,... --secret-file F --resilience ec:2+1
 //       [--threads 4] [--objects 1500] [--heartbeat-ms 100] [--failure-timeout-ms 1000]
+//       [--compact on|off]
 //
 // Protocol with the driver: prints "ready" on stdout once every object exists and was swapped
 // out; on SIGUSR2 prints "recovery N done|pending" (Runtime::WaitForRecovery); on SIGUSR1 stops,
 // checks every object and prints one line
 //   result verified=B lost=B corrupt=B failed=N ops=N stall_ms=X reprotected=N spans_lost=N
+//          auth_failures=N
 // then exits 0. Logs (spdlog) go to stderr, which the driver parses like farmem-nbd's.
 //
 // Threads: the worker threads own their objects; the main thread waits for the signal.
@@ -92,6 +94,8 @@ int main(int argc, char** argv) {
       o.heartbeat_interval = std::chrono::milliseconds(std::stoul(v));
     } else if (k == "--failure-timeout-ms") {
       o.failure_timeout = std::chrono::milliseconds(std::stoul(v));
+    } else if (k == "--compact") {
+      o.auto_compact = v != "off";
     } else {
       std::fprintf(stderr, "unknown option %s\n", k.c_str());
       return 2;
@@ -224,8 +228,9 @@ int main(int argc, char** argv) {
   const farmem::RuntimeStats st = (*rt)->stats();
   std::printf(
       "result verified=%lu lost=%lu corrupt=%lu failed=%lu ops=%lu stall_ms=%.1f "
-      "reprotected=%lu spans_lost=%lu\n",
-      verified, lost, corrupt, failed, ops, stall, st.members_reprotected, st.spans_lost);
+      "reprotected=%lu spans_lost=%lu auth_failures=%lu\n",
+      verified, lost, corrupt, failed, ops, stall, st.members_reprotected, st.spans_lost,
+      st.auth_failures);
   if (!problem.empty()) std::printf("problem %s\n", problem.c_str());
   std::fflush(stdout);
   for (auto& w : workers) w.objs.clear();

@@ -13,10 +13,12 @@
 #include <thread>
 
 #include "chaos_log.h"
+#include "farmem/common/metrics.h"
 #include "faults.h"
 #include "nbd_verifier.h"
 #include "network.h"
 #include "support/daemon_fixture.h"
+#include "support/memory_scan.h"
 #include "support/wait.h"
 #include "test_process.h"
 
@@ -28,13 +30,14 @@ using blockdev::testing::ChildProcess;
 using blockdev::testing::SpawnOptions;
 using SteadyClock = std::chrono::steady_clock;
 
-const char* const kStepsWithDaemon[] = {"kill",  "stop", "restart", "fill", "flood",
-                                        "probe", "cut",  "delay",   "loss", "back"};
+const char* const kStepsWithDaemon[] = {"kill", "stop",  "restart", "fill", "flood", "probe",
+                                        "cut",  "delay", "loss",    "back", "flip"};
 const char* const kStepsWithCount[] = {"stall"};
 const char* const kStepsPlain[] = {"run",     "reprotect", "unfill", "unstall",
                                    "unflood", "start",     "heal",   "rejoin"};
 const char* const kNetworkSteps[] = {"cut", "delay", "loss"};
 const char* const kNetemSteps[] = {"delay", "loss"};
+const char* const kStepsWithValue[] = {"delay", "loss", "flip"};
 
 Result<Step> ParseStep(const std::string& word, int daemons) {
   Step s;
@@ -53,7 +56,7 @@ Result<Step> ParseStep(const std::string& word, int daemons) {
   if (colon == std::string::npos) return Err(InvalidArgument("step '" + s.op + "' needs :N"));
   const size_t equals = word.find('=', colon);
   if (equals != std::string::npos &&
-      std::ranges::find(kNetemSteps, s.op) == std::end(kNetemSteps)) {
+      std::ranges::find(kStepsWithValue, s.op) == std::end(kStepsWithValue)) {
     return Err(InvalidArgument("step '" + s.op + "' takes no =VALUE"));
   }
   try {
@@ -94,6 +97,10 @@ std::string Join(const std::vector<std::string>& parts, std::string_view separat
   return out;
 }
 
+bool Flips(const Scenario& s) {
+  return std::ranges::any_of(s.steps, [](const Step& st) { return st.op == "flip"; });
+}
+
 // --peers for the workload: every daemon of the scenario.
 std::string PeerList(testing::DaemonSet& daemons) {
   std::vector<std::string> peers;
@@ -113,6 +120,9 @@ struct Fault {
   bool impairment = false;
   bool network = false;           // cut, delay, loss: ended by `heal`
   int64_t healed_ms = INT64_MAX;  // wall clock of the `heal` that ended it
+  // Bits flipped in the daemon's slabs (flip:N): detected by a read that fails authentication
+  // (with `impairment`: a flipped page rewritten before it was read is never noticed).
+  bool integrity = false;
 };
 
 // Detection and re-protection of each fault, read from the workload's log.
@@ -133,6 +143,7 @@ std::vector<FaultTimes> Analyze(const std::vector<Fault>& faults, const std::vec
   const std::vector<DownEvent> downs = DownEvents(log);
   const std::vector<int64_t> reprotects = ReprotectTimes(log);
   const std::vector<WholeEvent> wholes = WholeEvents(log);
+  const std::vector<int64_t> integrity = IntegrityTimes(log);
   std::vector<FaultTimes> out(faults.size());
   // Log timestamps have millisecond resolution: allow a few ms of rounding.
   constexpr int64_t kSlack = 5;
@@ -143,6 +154,15 @@ std::vector<FaultTimes> Analyze(const std::vector<Fault>& faults, const std::vec
     const int64_t until = next < faults.size() ? faults[next].ms - kSlack : INT64_MAX;
     // An impairment is blamed only for downs while it lasted.
     const int64_t last = faults[f].impairment ? faults[f].healed_ms : INT64_MAX;
+    if (faults[f].integrity) {
+      // Detected by the first read that failed authentication; the members it failed are
+      // re-protected like those of a daemon that died (far_ptr names them).
+      auto bad = std::ranges::find_if(integrity, [&](int64_t ms) { return ms >= from; });
+      if (bad == integrity.end()) continue;
+      out[f].detect = std::max<int64_t>(0, *bad - faults[f].ms);
+      out[f].needed = std::max<uint64_t>(1, FailedMembers(log, faults[f].endpoint, from, until));
+      continue;
+    }
     auto down = std::ranges::find_if(downs, [&](const DownEvent& d) {
       return d.endpoint == faults[f].endpoint && d.ms >= from && d.ms < last;
     });
@@ -234,6 +254,11 @@ class NbdWorkload : public Workload {
                                      "--failure-timeout-ms",
                                      std::to_string(config_.failure_timeout_ms)};
     if (scenario_.backup) argv.insert(argv.end(), {"--backup", dir_ + "/backup.img"});
+    // Reads that failed authentication are counted in farmem-nbd's metrics (Finish reads them).
+    if (Flips(scenario_)) {
+      argv.insert(argv.end(),
+                  {"--metrics-listen", "127.0.0.1:0", "--metrics-port-file", metrics_port_file()});
+    }
     SpawnOptions so;
     so.stderr_path = log_path();
     FARMEM_ASSIGN_OR_RETURN(ChildProcess p, ChildProcess::Spawn(argv, so));
@@ -275,6 +300,14 @@ class NbdWorkload : public Workload {
         rep.requests, rep.bytes_written >> 20, fill_s_, verify_s));
     for (const std::string& p : rep.problems) r->notes.push_back("nbd: " + p);
     if (rep.transport_failed) r->failures.push_back("an NBD connection broke (see notes)");
+    if (Flips(scenario_) && alive()) {
+      Result<double> n = IntegrityFailures();
+      if (n) {
+        r->integrity_failures = static_cast<uint64_t>(*n);
+      } else {
+        r->failures.push_back("reading farmem-nbd's integrity counter: " + n.error().ToString());
+      }
+    }
     verifier_.reset();
     if (nbd_) (void)nbd_->Stop(SIGTERM, std::chrono::seconds(10));
     return s;
@@ -284,6 +317,23 @@ class NbdWorkload : public Workload {
   std::string nbd_socket() const override { return socket_; }
 
  private:
+  std::string metrics_port_file() const { return dir_ + "/farmem-nbd.metrics-port"; }
+
+  // farmem_export_integrity_failures_total, from farmem-nbd's --metrics-listen.
+  Result<double> IntegrityFailures() {
+    unsigned port = 0;
+    std::ifstream(metrics_port_file()) >> port;
+    if (port == 0 || port > 65535) return Err(NotFound("no port in " + metrics_port_file()));
+    FARMEM_ASSIGN_OR_RETURN(metrics::HttpResponse got,
+                            metrics::HttpGet(Endpoint{"127.0.0.1", static_cast<uint16_t>(port)},
+                                             "/metrics", DeadlineIn(std::chrono::seconds(10))));
+    FARMEM_ASSIGN_OR_RETURN(std::vector<metrics::Sample> samples,
+                            metrics::ParseExposition(got.body));
+    std::optional<double> v = metrics::Find(samples, "farmem_export_integrity_failures_total");
+    if (!v) return Err(NotFound("farmem-nbd serves no farmem_export_integrity_failures_total"));
+    return *v;
+  }
+
   const Scenario& scenario_;
   const RunConfig& config_;
   testing::DaemonSet& daemons_;
@@ -313,7 +363,9 @@ class FarptrWorkload : public Workload {
                                      "--heartbeat-ms",
                                      std::to_string(config_.heartbeat_ms),
                                      "--failure-timeout-ms",
-                                     std::to_string(config_.failure_timeout_ms)};
+                                     std::to_string(config_.failure_timeout_ms),
+                                     "--compact",
+                                     scenario_.compact ? "on" : "off"};
     SpawnOptions so;
     so.stdout_path = dir_ + "/farptr.out";
     so.stderr_path = log_path();
@@ -349,21 +401,25 @@ class FarptrWorkload : public Workload {
       return Internal("the far_ptr workload printed no result; its log ends: " +
                       Slurp(log_path()).substr(0, 4000));
     }
-    unsigned long verified = 0, lost = 0, corrupt = 0, failed = 0, ops = 0, rep = 0, spans = 0;
+    unsigned long verified = 0, lost = 0, corrupt = 0, failed = 0, ops = 0, rep = 0, spans = 0,
+                  auth = 0;
     double stall = 0;
     if (std::sscanf(out.c_str() + at,
                     "result verified=%lu lost=%lu corrupt=%lu failed=%lu ops=%lu stall_ms=%lf "
-                    "reprotected=%lu spans_lost=%lu",
-                    &verified, &lost, &corrupt, &failed, &ops, &stall, &rep, &spans) != 8) {
+                    "reprotected=%lu spans_lost=%lu auth_failures=%lu",
+                    &verified, &lost, &corrupt, &failed, &ops, &stall, &rep, &spans, &auth) != 9) {
       return Internal("cannot parse the far_ptr result: " + out);
     }
     r->bytes_verified = verified;
     r->bytes_lost = lost;
     r->bytes_corrupt = corrupt;
     r->failed_requests = failed;
+    r->integrity_failures = auth;
     r->longest_stall_ms = stall;
     r->notes.push_back(
-        fmt::format("far_ptr: {} derefs, {} members re-protected, {} spans lost", ops, rep, spans));
+        fmt::format("far_ptr: {} derefs, {} members re-protected, {} spans lost, {} cells failed "
+                    "authentication",
+                    ops, rep, spans, auth));
     if (const size_t p = out.find("problem "); p != std::string::npos) {
       r->notes.push_back("far_ptr: " + out.substr(p + 8, out.find('\n', p) - p - 8));
     }
@@ -434,7 +490,13 @@ Result<std::vector<Scenario>> LoadScenarios(const std::string& path) {
     auto bad = [&](const std::string& why) {
       return Err(InvalidArgument(fmt::format("{}:{}: {}", path, lineno, why)));
     };
-    if (s.workload != "nbd" && s.workload != "farptr") return bad("workload is nbd or farptr");
+    if (s.workload == "farptr+nocompact") {
+      s.workload = "farptr";
+      s.compact = false;
+    }
+    if (s.workload != "nbd" && s.workload != "farptr") {
+      return bad("workload is nbd, farptr or farptr+nocompact");
+    }
     if (expect != "tolerate" && expect != "beyond") return bad("expect is tolerate or beyond");
     s.tolerate = expect == "tolerate";
     if (s.resilience.ends_with("+backup")) {
@@ -514,6 +576,7 @@ ScenarioResult RunScenario(const Scenario& sc, const RunConfig& cfg) {
   StalledNbdClients stalled;
   NetworkFaults network;
   std::vector<Fault> faults;
+  size_t flipped_bits = 0;       // flip:N, every daemon together
   size_t runtime_recovered = 0;  // faults [0, n) the far_ptr runtime said were re-protected
   int burst = 0;
   bool started = false;
@@ -630,6 +693,33 @@ ScenarioResult RunScenario(const Scenario& sc, const RunConfig& cfg) {
       d.Resume();
       note(fmt::format("{} ({}) for {} ms, then SIGCONT", what, d.endpoint().ToString(),
                        3 * cfg.failure_timeout_ms));
+    } else if (step.op == "flip") {
+      // Bit flips in the daemon's lent memory, from outside (its slab pool through
+      // /proc/PID/mem: the driver is root or the daemon's parent), on pages a client wrote.
+      testing::DaemonProcess& d = daemons[static_cast<size_t>(step.arg)];
+      const size_t pages = step.value >= 0 ? static_cast<size_t>(step.value) : cfg.flip_pages;
+      const uint64_t slab = ParseSize(cfg.slab_size).value_or(1);
+      const uint64_t pool = ParseSize(cfg.daemon_capacity).value_or(0) / slab * slab;
+      const uint64_t seed = static_cast<uint64_t>(WallMs());
+      auto range = testing::FindSlabPool(d.pid(), pool);
+      auto at =
+          range ? testing::FlipBitsInWrittenPages(d.pid(), range->first, range->second, pages, seed)
+                : Result<std::vector<uint64_t>>(Err(range.error()));
+      Fault fault{what, d.endpoint().ToString(), WallMs(), burst, /*impairment=*/true};
+      fault.integrity = true;
+      faults.push_back(fault);
+      if (!at) {
+        fail(what + ": " + at.error().ToString());
+      } else if (at->empty()) {
+        fail(what + ": no page of daemon " + std::to_string(step.arg) +
+             "'s slab pool holds data: nothing to flip");
+      } else {
+        flipped_bits += at->size();
+        note(fmt::format(
+            "{} ({}): one bit flipped in each of {} written pages of its slab pool "
+            "(seed {}; first at offset {:#x} of the pool)",
+            what, d.endpoint().ToString(), at->size(), seed, at->front() - range->first));
+      }
     } else if (step.op == "back") {
       // The client took daemon N for down and had its leases back from the same process (a
       // false down: nothing to rebuild, nothing lost): its "answered again as the same daemon"
@@ -757,7 +847,8 @@ ScenarioResult RunScenario(const Scenario& sc, const RunConfig& cfg) {
   }
 
   std::vector<uint64_t> lost_blocks;
-  if (started && !sc.tolerate) {
+  const bool only_flips = std::ranges::all_of(faults, [](const Fault& f) { return f.integrity; });
+  if (started && !sc.tolerate && !only_flips) {
     // Beyond tolerance: a killed daemon's leases are kept for their TTL (the "down" could be
     // false), and I/O to the pages only there fails meanwhile; the loss is declared, with its
     // ranges logged, once the TTL has passed. The check below needs those ranges.
@@ -832,6 +923,23 @@ ScenarioResult RunScenario(const Scenario& sc, const RunConfig& cfg) {
     }
     note(fmt::format("{} ranges reported LOST, {} blocks read EIO, all inside them: {}",
                      ranges.size(), lost_blocks.size(), outside == 0 ? "yes" : "no"));
+  }
+  if (flipped_bits > 0) {
+    // Every flipped bit lies in data a client wrote; the final verification reads every byte,
+    // so unless each flipped page was rewritten before any read, some read failed authentication
+    // and was counted (and logged: IntegrityTimes).
+    const size_t logged = IntegrityTimes(log).size();
+    note(fmt::format("{} bits flipped: {} reads failed authentication (counted), {} log lines",
+                     flipped_bits, res.integrity_failures, logged));
+    if (res.integrity_failures == 0) {
+      fail(
+          fmt::format("{} bits flipped in written slab memory, yet no read failed "
+                      "authentication",
+                      flipped_bits));
+    }
+    if (res.integrity_failures > 0 && logged == 0) {
+      fail("reads failed authentication, yet the workload logged none of them");
+    }
   }
   if (res.bytes_verified == 0 && res.failures.empty()) fail("nothing was verified");
   res.passed = res.failures.empty();

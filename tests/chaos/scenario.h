@@ -16,12 +16,13 @@ namespace farmem::chaos {
 struct Step {
   std::string op;     // run, kill, stop, restart, reprotect, fill, unfill, stall, unstall, ...
   int arg = -1;       // daemon index or client count; -1 when the step takes none
-  double value = -1;  // delay:N=MS, loss:N=PERCENT; -1: the RunConfig's default
+  double value = -1;  // delay:N=MS, loss:N=PERCENT, flip:N=PAGES; -1: the RunConfig's default
 };
 
 struct Scenario {
   std::string name;
   std::string workload;    // nbd | farptr
+  bool compact = true;     // farptr: background compaction (off: "farptr+nocompact")
   std::string resilience;  // as the programs take it (without "+backup")
   bool backup = false;
   int daemons = 0;
@@ -57,6 +58,8 @@ struct RunConfig {
   int delay_ms = 50;
   int jitter_ms = 10;
   double loss_percent = 10;
+  // flip:N: pages of daemon N's written slab memory that get one flipped bit each.
+  size_t flip_pages = 16;
   // Why scenarios with network faults (or with delay/loss) cannot run here; empty: they can.
   std::string no_network;
   std::string no_netem;
@@ -69,6 +72,10 @@ struct ScenarioResult {
   uint64_t bytes_lost = 0;
   uint64_t bytes_corrupt = 0;
   uint64_t failed_requests = 0;
+  // Reads whose data failed authentication, as the workload counted them (farmem-nbd's
+  // farmem_export_integrity_failures_total, the far_ptr runtime's auth_failures); only read when
+  // the scenario flips bits.
+  uint64_t integrity_failures = 0;
   double longest_stall_ms = 0;
   std::string detect_ms;     // per fault, "a / b"; "n/a" when not seen
   std::string reprotect_ms;  // per fault; "n/a" when not seen within the run
