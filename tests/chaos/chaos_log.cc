@@ -6,6 +6,8 @@
 #include <regex>
 #include <set>
 
+#include "support/lost_ranges.h"
+
 namespace farmem::chaos {
 
 namespace {
@@ -43,10 +45,6 @@ const std::regex kWholePattern(
 // (farptr/src/remote_store.cc).
 const std::regex kFailedMemberPattern(
     R"(far memory: slab group (\d+) member (\d+) \(([^,]+), lease \d+\) failed)");
-
-// "page store: 12 pages of extent 3 (export bytes 100663296..104857600) are LOST: ..."
-const std::regex kLostPattern(
-    R"(page store: \d+ pages of extent \d+ \(export bytes (\d+)\.\.(\d+)\) are LOST)");
 
 const std::regex kNotable(
     R"(is down|is up|restarted|rebuilt|re-?protect|whole again|degraded|LOST|lost members|\[error\]|\[warning\]|\] error: |\] warning: )");
@@ -163,9 +161,8 @@ std::vector<WholeEvent> WholeEvents(const std::vector<LogLine>& log) {
 std::vector<LostRange> LostRanges(const std::vector<LogLine>& log) {
   std::vector<LostRange> out;
   for (const LogLine& l : log) {
-    std::smatch m;
-    if (std::regex_search(l.text, m, kLostPattern)) {
-      out.push_back(LostRange{l.ms, std::stoull(m[1].str()), std::stoull(m[2].str())});
+    for (const testing::LostRange& r : testing::LostRanges(l.text)) {
+      out.push_back(LostRange{l.ms, r.begin, r.end});
     }
   }
   return out;
