@@ -82,24 +82,17 @@ size_t LeasesOn(farmem::Runtime& rt, const farmem::Endpoint& ep) {
 }
 
 void RunOne(const Args& a, const std::string& resilience) {
-  farmem::testing::TempDir tmp;
-  farmem::testing::FakeCgroup cgroup(std::filesystem::path(tmp.path()) / "cgroup", kLimit);
+  farmem::testing::FakeCgroup cgroup(kLimit);
   farmem::testing::DaemonConfig others_cfg;
   others_cfg.capacity = "512M";
   others_cfg.slab_size = "4M";
   others_cfg.log_level = "warn";
   others_cfg.extra_args = {"--memory-source", "off"};
   farmem::testing::DaemonConfig lender_cfg = others_cfg;
-  lender_cfg.extra_args = {"--memory-source",
-                           "cgroup:" + cgroup.dir().string(),
-                           "--reserve",
-                           std::to_string(kReserve / kMiB) + "M",
-                           "--evict-grace-ms",
-                           std::to_string(a.grace_ms),
-                           "--pressure-interval-ms",
-                           "20",
-                           "--evict-sample-extra",
-                           "4"};
+  lender_cfg.extra_args = cgroup.LenderArgs({.reserve = kReserve,
+                                             .grace = std::chrono::milliseconds(a.grace_ms),
+                                             .interval = std::chrono::milliseconds(20),
+                                             .sample_extra = 4});
   // The lender is started first so that it is node 0; three others take what it gives back.
   farmem::testing::DaemonSet lender(lender_cfg);
   farmem::testing::DaemonSet others(others_cfg);
