@@ -59,6 +59,14 @@ struct Fixture {
     for (const Lease& l : *group) leases[l.node] = l;
   }
 
+  // Opens `set`'s channel to every daemon.
+  void OpenAll(ChannelSet& set) {
+    for (NodeId n = 0; n < 3; ++n) {
+      Status error;
+      ASSERT_NE(set.Get(n, &error), nullptr) << error.ToString();
+    }
+  }
+
   transport::Op OpOn(NodeId node, transport::OpType type, uint8_t* buf, uint64_t user_data) {
     return {type, leases[node].slab(), 0, buf, kLen, nullptr, user_data};
   }
@@ -172,10 +180,7 @@ void DownDaemonIsReported(bool injector) {
   ASSERT_NO_FATAL_FAILURE(f.Start(injector));
   ChannelSet set(f.cluster.get(), kOpTimeout);
   std::vector<uint8_t> buf(3 * kLen);
-  for (NodeId n = 0; n < 3; ++n) {  // open the channels first: a paused daemon takes none
-    Status error;
-    ASSERT_NE(set.Get(n, &error), nullptr) << error.ToString();
-  }
+  ASSERT_NO_FATAL_FAILURE(f.OpenAll(set));  // first: a paused daemon takes no channel
   f.daemons[1].Pause();
   const Clock::time_point start = Clock::now();
   for (NodeId n = 0; n < 3; ++n) {
@@ -269,10 +274,7 @@ TEST(ChannelSetTest, RunBatchEndsEveryOpOnceDownDaemonAndDeadlineIncluded) {
   ASSERT_NO_FATAL_FAILURE(f.Start(true));
   ChannelSet set(f.cluster.get(), kOpTimeout);
   std::vector<uint8_t> buf(3 * kLen);
-  for (NodeId n = 0; n < 3; ++n) {  // open the channels first: a paused daemon takes none
-    Status error;
-    ASSERT_NE(set.Get(n, &error), nullptr) << error.ToString();
-  }
+  ASSERT_NO_FATAL_FAILURE(f.OpenAll(set));  // first: a paused daemon takes no channel
   std::vector<BatchOp> ops(3);
   for (NodeId n = 0; n < 3; ++n) {
     ops[n] = {n, f.OpOn(n, transport::OpType::kRead, buf.data() + n * kLen, 99)};
