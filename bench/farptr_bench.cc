@@ -27,7 +27,6 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <filesystem>
 #include <fstream>
 #include <map>
 #include <random>
@@ -35,9 +34,10 @@
 #include <string>
 #include <vector>
 
+#include "bench_main.h"
 #include "farmem/client/cluster.h"
 #include "farmem/common/aead.h"
-#include "farmem/common/version.h"
+#include "farmem/common/command_line.h"
 #include "farmem/far_hash_map.h"
 #include "farmem/far_ptr.h"
 #include "farmem/far_vector.h"
@@ -535,30 +535,15 @@ void BenchCompact(farmem::testing::DaemonSet& d, const Args& a) {
 
 int main(int argc, char** argv) {
   Args a;
-  for (int i = 1; i < argc; ++i) {
-    const std::string k = argv[i];
-    auto val = [&]() -> std::string {
-      if (i + 1 >= argc) Die("missing value for " + k);
-      return argv[++i];
-    };
-    if (k == "--version") {
-      std::printf("farptr_bench %s\n", FARMEM_VERSION_STRING);
-      return 0;
-    } else if (k == "--mode")
-      a.mode = val();
-    else if (k == "--daemons")
-      a.daemons = std::stoul(val());
-    else if (k == "--span")
-      a.span = static_cast<uint32_t>(std::stoul(val()));
-    else
-      Die("usage: farptr_bench [--mode all|local|miss|tput|compact|crypto] [--daemons N] [--span "
-          "B] "
-          "[--version]");
-  }
-  if (std::getenv("FARMEM_BIN_DIR") == nullptr) {
-    const std::string dir = std::filesystem::absolute(argv[0]).parent_path().string();
-    ::setenv("FARMEM_BIN_DIR", dir.c_str(), 1);
-  }
+  CLI::App app{"far_ptr: local deref, miss, container throughput, compaction, encryption"};
+  farmem::cli::AddVersionOption(app, "farptr_bench");
+  app.add_option("--mode", a.mode, "what to measure")
+      ->capture_default_str()
+      ->check(farmem::cli::OneOf({"all", "local", "miss", "tput", "compact", "crypto"}));
+  app.add_option("--daemons", a.daemons, "farmemd processes to start")->capture_default_str();
+  app.add_option("--span", a.span, "span size in bytes")->capture_default_str();
+  CLI11_PARSE(app, argc, argv);
+  farmem::bench::UseBinariesBeside(argv[0]);
   farmem::testing::DaemonConfig cfg;
   cfg.capacity = "96M";
   cfg.slab_size = "4M";

@@ -20,15 +20,15 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <filesystem>
 #include <fstream>
 #include <mutex>
 #include <random>
-#include <sstream>
 #include <thread>
 #include <vector>
 
+#include "bench_main.h"
 #include "farmem/client/cluster.h"
+#include "farmem/common/command_line.h"
 #include "farmem/far_ptr.h"
 #include "farmem/runtime.h"
 #include "latency_window.h"
@@ -82,24 +82,17 @@ size_t LeasesOn(farmem::Runtime& rt, const farmem::Endpoint& ep) {
 }
 
 void RunOne(const Args& a, const std::string& resilience) {
-  farmem::testing::TempDir tmp;
-  farmem::testing::FakeCgroup cgroup(std::filesystem::path(tmp.path()) / "cgroup", kLimit);
+  farmem::testing::FakeCgroup cgroup(kLimit);
   farmem::testing::DaemonConfig others_cfg;
   others_cfg.capacity = "512M";
   others_cfg.slab_size = "4M";
   others_cfg.log_level = "warn";
   others_cfg.extra_args = {"--memory-source", "off"};
   farmem::testing::DaemonConfig lender_cfg = others_cfg;
-  lender_cfg.extra_args = {"--memory-source",
-                           "cgroup:" + cgroup.dir().string(),
-                           "--reserve",
-                           std::to_string(kReserve / kMiB) + "M",
-                           "--evict-grace-ms",
-                           std::to_string(a.grace_ms),
-                           "--pressure-interval-ms",
-                           "20",
-                           "--evict-sample-extra",
-                           "4"};
+  lender_cfg.extra_args = cgroup.LenderArgs({.reserve = kReserve,
+                                             .grace = std::chrono::milliseconds(a.grace_ms),
+                                             .interval = std::chrono::milliseconds(20),
+                                             .sample_extra = 4});
   // The lender is started first so that it is node 0; three others take what it gives back.
   farmem::testing::DaemonSet lender(lender_cfg);
   farmem::testing::DaemonSet others(others_cfg);
@@ -253,40 +246,17 @@ void RunOne(const Args& a, const std::string& resilience) {
 
 int main(int argc, char** argv) {
   Args a;
-  for (int i = 1; i < argc; ++i) {
-    const std::string k = argv[i];
-    auto val = [&]() -> std::string {
-      if (i + 1 >= argc) Die("missing value for " + k);
-      return argv[++i];
-    };
-    if (k == "--resilience") {
-      a.modes.clear();
-      std::stringstream ss(val());
-      std::string m;
-      while (std::getline(ss, m, ',')) a.modes.push_back(m);
-    } else if (k == "--event") {
-      a.event = val();
-      if (a.event != "pressure" && a.event != "drain") Die("--event pressure|drain");
-    } else if (k == "--data-mib") {
-      a.data_mib = std::stoull(val());
-    } else if (k == "--grace-ms") {
-      a.grace_ms = static_cast<uint32_t>(std::stoul(val()));
-    } else if (k == "--seconds") {
-      a.seconds = std::stoi(val());
-    } else if (k == "--warmup") {
-      a.warmup = std::stoi(val());
-    } else if (k == "--span") {
-      a.span = static_cast<uint32_t>(std::stoul(val()));
-    } else {
-      Die("usage: farptr_move_bench [--resilience none,replicate:2,ec:2+1] "
-          "[--event pressure|drain] [--data-mib 64] [--grace-ms 10000] [--seconds 3] "
-          "[--warmup 5] [--span 65536]");
-    }
-  }
-  if (std::getenv("FARMEM_BIN_DIR") == nullptr) {
-    const std::string dir = std::filesystem::absolute(argv[0]).parent_path().string();
-    ::setenv("FARMEM_BIN_DIR", dir.c_str(), 1);
-  }
+  CLI::App app{"far_ptr while a lender asks its memory back (pressure or drain)"};
+  farmem::cli::AddVersionOption(app, "farptr_move_bench");
+  farmem::bench::AddMoveOptions(app, a.modes, a.grace_ms, a.seconds);
+  app.add_option("--event", a.event, "how the lender asks")
+      ->capture_default_str()
+      ->check(farmem::cli::OneOf({"pressure", "drain"}));
+  app.add_option("--data-mib", a.data_mib, "MiB of objects")->capture_default_str();
+  app.add_option("--warmup", a.warmup, "warm-up seconds")->capture_default_str();
+  app.add_option("--span", a.span, "span size in bytes")->capture_default_str();
+  CLI11_PARSE(app, argc, argv);
+  farmem::bench::UseBinariesBeside(argv[0]);
   for (const std::string& m : a.modes) RunOne(a, m);
   return 0;
 }

@@ -105,14 +105,16 @@ Result<LeaseCost> MeasureLease(const std::string& host, uint16_t port, int round
 int main(int argc, char** argv) {
   CLI::App app{"lender_bench: farmemd start-up, idle RSS and lease/unlease cost"};
   std::vector<std::string> bins;
-  std::string capacities = "1G,4G", slab = "64M", host = "127.0.0.1";
+  std::vector<std::string> caps = {"1G", "4G"};
+  std::string slab = "64M", host = "127.0.0.1";
   int rounds = 30;
   bool mlock = false, populate_at_start = false;
   std::vector<std::string> extra;
   app.add_option("--farmemd", bins, "farmemd binaries to compare (default: ./farmemd)");
   app.add_option("--daemon-arg", extra, "One more farmemd argument (repeatable), e.g. --rdma=off");
-  app.add_option("--capacity", capacities, "Comma-separated --capacity values")
-      ->capture_default_str();
+  app.add_option("--capacity", caps, "Comma-separated --capacity values")
+      ->capture_default_str()
+      ->delimiter(',');
   app.add_option("--slab", slab, "--slab-size")->capture_default_str();
   app.add_option("--rounds", rounds, "Lease/unlease rounds")->capture_default_str();
   app.add_flag("--mlock", mlock, "Let farmemd mlock (default --no-mlock)");
@@ -127,13 +129,6 @@ int main(int argc, char** argv) {
   fmt::print("slab {}, {} lease rounds, {}\n", slab, rounds, mlock ? "mlock" : "--no-mlock");
   fmt::print("{:<40} {:>9} {:>12} {:>12} {:>11} {:>11} {:>11}\n", "farmemd", "capacity",
              "startup ms", "idle RSS", "lease mean", "lease p50", "lease max");
-  std::vector<std::string> caps;
-  for (size_t at = 0; at <= capacities.size();) {
-    size_t end = capacities.find(',', at);
-    if (end == std::string::npos) end = capacities.size();
-    caps.push_back(capacities.substr(at, end - at));
-    at = end + 1;
-  }
   struct Config {
     std::string bin, label;
     std::vector<std::string> args;

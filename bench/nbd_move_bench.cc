@@ -26,13 +26,13 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <filesystem>
 #include <fstream>
 #include <random>
-#include <sstream>
 #include <thread>
 #include <vector>
 
+#include "bench_main.h"
+#include "farmem/common/command_line.h"
 #include "farmem/common/metrics.h"
 #include "farmem/common/wire.h"
 #include "farmem/transport/tcp_connection.h"
@@ -362,36 +362,15 @@ void RunOne(const Args& a, const std::string& mode) {
 
 int main(int argc, char** argv) {
   Args a;
-  for (int i = 1; i < argc; ++i) {
-    const std::string k = argv[i];
-    auto val = [&]() -> std::string {
-      if (i + 1 >= argc) Die("missing value for " + k);
-      return argv[++i];
-    };
-    if (k == "--resilience") {
-      a.modes.clear();
-      std::stringstream ss(val());
-      std::string m;
-      while (std::getline(ss, m, ',')) a.modes.push_back(m);
-    } else if (k == "--lent-mib") {
-      a.lent_mib = std::stoull(val());
-    } else if (k == "--slab-mib") {
-      a.slab_mib = std::stoull(val());
-    } else if (k == "--grace-ms") {
-      a.grace_ms = static_cast<uint32_t>(std::stoul(val()));
-    } else if (k == "--interval-ms") {
-      a.interval_ms = static_cast<uint32_t>(std::stoul(val()));
-    } else if (k == "--seconds") {
-      a.seconds = std::stoi(val());
-    } else {
-      Die("usage: nbd_move_bench [--resilience none,replicate:2,ec:4+2] [--lent-mib 1024] "
-          "[--slab-mib 16] [--grace-ms 30000] [--interval-ms 250] [--seconds 3]");
-    }
-  }
-  if (std::getenv("FARMEM_BIN_DIR") == nullptr) {
-    const std::string dir = std::filesystem::absolute(argv[0]).parent_path().string();
-    ::setenv("FARMEM_BIN_DIR", dir.c_str(), 1);
-  }
+  CLI::App app{"farmem-nbd while a lender under memory pressure asks its memory back"};
+  farmem::cli::AddVersionOption(app, "nbd_move_bench");
+  farmem::bench::AddMoveOptions(app, a.modes, a.grace_ms, a.seconds);
+  app.add_option("--lent-mib", a.lent_mib, "MiB the lender lends")->capture_default_str();
+  app.add_option("--slab-mib", a.slab_mib, "slab size in MiB")->capture_default_str();
+  app.add_option("--interval-ms", a.interval_ms, "lender's pressure check interval")
+      ->capture_default_str();
+  CLI11_PARSE(app, argc, argv);
+  farmem::bench::UseBinariesBeside(argv[0]);
   for (const std::string& m : a.modes) RunOne(a, m);
   return 0;
 }

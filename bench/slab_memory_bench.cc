@@ -16,6 +16,8 @@
 #include <fstream>
 #include <string>
 
+#include "farmem/common/command_line.h"
+
 namespace {
 
 using Clock = std::chrono::steady_clock;
@@ -81,16 +83,12 @@ void Print(const char* name, const Result& r, long base_kib) {
 int main(int argc, char** argv) {
   size_t mib = 64;
   int rounds = 20;
-  int pos = 0;
-  for (int i = 1; i < argc; ++i) {
-    if (std::strcmp(argv[i], "--mlock") == 0) {
-      g_mlock = true;
-    } else if (pos++ == 0) {
-      mib = std::strtoul(argv[i], nullptr, 10);
-    } else {
-      rounds = std::atoi(argv[i]);
-    }
-  }
+  CLI::App app{"how a lender takes and gives back one slab's memory"};
+  farmem::cli::AddVersionOption(app, "slab_memory_bench");
+  app.add_option("slab-mib", mib, "slab size in MiB")->capture_default_str();
+  app.add_option("rounds", rounds, "lease/unlease rounds per method")->capture_default_str();
+  app.add_flag("--mlock", g_mlock, "populate by mlock (as farmemd without --no-mlock)");
+  CLI11_PARSE(app, argc, argv);
   const size_t len = mib << 20;
   auto* p = static_cast<uint8_t*>(::mmap(nullptr, len, PROT_READ | PROT_WRITE,
                                          MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0));

@@ -25,8 +25,8 @@
 #include <thread>
 #include <vector>
 
+#include "farmem/common/command_line.h"
 #include "farmem/common/socket.h"
-#include "farmem/common/version.h"
 #include "farmem/transport/tcp_connection.h"
 #include "farmem/transport/transport.h"
 
@@ -225,29 +225,16 @@ Figures RunFarmem(uint16_t port, const Args& a) {
 
 int main(int argc, char** argv) {
   Args a;
-  for (int i = 1; i < argc; ++i) {
-    std::string k = argv[i];
-    auto val = [&]() -> std::string {
-      if (i + 1 >= argc) Die("missing value for " + k);
-      return argv[++i];
-    };
-    if (k == "--version") {
-      fmt::print("tcp_bench {}\n", farmem::kVersionString);
-      return 0;
-    } else if (k == "--seconds")
-      a.seconds = std::stod(val());
-    else if (k == "--rounds")
-      a.rounds = std::stoi(val());
-    else if (k == "--size")
-      a.size = static_cast<uint32_t>(std::stoul(val()));
-    else if (k == "--placement")
-      a.placement = val();
-    else if (k == "--farmemd")
-      a.farmemd = val();
-    else
-      Die("usage: tcp_bench [--seconds S] [--size B] [--placement same|spread] [--farmemd PATH] "
-          "[--version]");
-  }
+  CLI::App app{"farmem's TCP transport vs a raw batched request/response server"};
+  farmem::cli::AddVersionOption(app, "tcp_bench");
+  app.add_option("--seconds", a.seconds, "timed seconds per round and side")->capture_default_str();
+  app.add_option("--rounds", a.rounds, "alternating rounds")->capture_default_str();
+  app.add_option("--size", a.size, "request size in bytes")->capture_default_str();
+  app.add_option("--placement", a.placement, "same: both ends on CPU 0; spread: CPUs 0 and 1")
+      ->capture_default_str()
+      ->check(farmem::cli::OneOf({"same", "spread"}));
+  app.add_option("--farmemd", a.farmemd, "farmemd binary (default: the one beside this program)");
+  CLI11_PARSE(app, argc, argv);
   if (a.farmemd.empty()) {
     a.farmemd = (std::filesystem::path(argv[0]).parent_path() / "farmemd").string();
   }

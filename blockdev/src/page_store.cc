@@ -194,6 +194,7 @@ PageStore::~PageStore() {
     stopping_ = true;
   }
   rebuild_cv_.SignalAll();
+  members_cv_.SignalAll();
   if (rebuild_thread_.joinable()) rebuild_thread_.join();
   std::vector<client::Lease> leases;
   for (auto& e : extents_) {

@@ -271,12 +271,19 @@ class PageStore final : public BlockBackend {
   // and has missed no write (the reconcile pass revalidates it, or the daemon is declared down).
   bool MembersMayReturn(const Extent& e) const;
   // Waits (no extent lock held) until each of these extents can serve again or none of its
-  // failed members may come back, at most until `deadline`; polls. True if none still waits.
-  bool WaitForMembers(std::span<Extent* const> extents, Clock::time_point deadline) const;
+  // failed members may come back, at most until `deadline`. Woken by what can change the answer
+  // (NoteMembersChanged). True if none still waits.
+  bool WaitForMembers(std::span<Extent* const> extents, Clock::time_point deadline) const
+      EXCLUDES(rebuild_mu_);
+  // Something that can end a WaitForMembers happened: a cluster event (a lease came back or was
+  // given up, a daemon came up or went down), a rebuild pass ended (members revalidated or
+  // rebuilt), an extent was unmapped.
+  void NoteMembersChanged() EXCLUDES(rebuild_mu_);
   // How long a request may wait for members to come back: the longest lease TTL of the daemons
   // (a retained lease is resolved by then), plus the reconcile interval.
   std::chrono::milliseconds MemberReturnWait() const;
   void OnClusterEvent(const client::Event& ev) EXCLUDES(rebuild_mu_);
+  void HandleClusterEvent(const client::Event& ev) EXCLUDES(rebuild_mu_);
   // ---- member copies, shared by rebuild and moves (page_store_move.cc) ----
   // Reads [offset, offset+len) of the members `which` at once (one op on each member's channel,
   // all in flight together); member m's bytes land at base + m * len.
@@ -396,6 +403,10 @@ class PageStore final : public BlockBackend {
   bool reconcile_requested_ GUARDED_BY(rebuild_mu_) = false;  // a daemon came up
   bool rebuilding_ GUARDED_BY(rebuild_mu_) = false;
   bool stopping_ GUARDED_BY(rebuild_mu_) = false;
+  // WaitForMembers' wake-up: member_changes_ counts NoteMembersChanged calls, so that a change
+  // between a waiter's look at the extents and its wait is not missed.
+  mutable CondVar members_cv_;
+  uint64_t member_changes_ GUARDED_BY(rebuild_mu_) = 0;
   std::thread rebuild_thread_;
 
   mutable Mutex stats_mu_;

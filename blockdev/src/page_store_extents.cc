@@ -116,6 +116,7 @@ void PageStore::UnmapIfEmpty(uint64_t index) {
   }
   spdlog::debug("extent {} holds no data any more: its {} lease(s) go back", index, freed.size());
   if (Status s = cluster_->Free(freed); !s.ok()) spdlog::warn("page store: {}", s.ToString());
+  NoteMembersChanged();  // a request waiting for this extent's members has nothing to wait for
   // The leases freed may be what a degraded extent was waiting for.
   if (CountDegraded() > 0) RequestReconcile();
 }

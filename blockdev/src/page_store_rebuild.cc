@@ -7,7 +7,6 @@
 #include <algorithm>
 #include <bit>
 #include <cstring>
-#include <thread>
 
 #include "page_store.h"
 #include "page_store_round.h"
@@ -20,6 +19,13 @@ using namespace pagestore;
 // Failures and rebuild
 
 void PageStore::OnClusterEvent(const client::Event& ev) {
+  HandleClusterEvent(ev);
+  // The lease states the event reports are the cluster's already: a request waiting for
+  // members looks again (and again once the rebuild thread has acted on it).
+  NoteMembersChanged();
+}
+
+void PageStore::HandleClusterEvent(const client::Event& ev) {
   if (ev.type == client::EventType::kNodeUp) {
     // A daemon returned, restarted empty, or joined: it may take what degraded extents miss.
     RequestReconcile();
@@ -115,18 +121,36 @@ bool PageStore::WaitForMembers(std::span<Extent* const> extents, Clock::time_poi
     const int live = std::popcount(e->live_mask());
     return live < MinMembers() && MembersMayReturn(*e);
   };
-  // The answer comes from the cluster's thread (kLeasesReturned, kLeasesLost) and the rebuild
-  // thread (Revalidate): a short poll costs nothing next to the pause being waited out.
-  constexpr std::chrono::milliseconds kPoll{5};
+  // The answer comes from the cluster's thread (kLeasesReturned, kLeasesLost, node up or down)
+  // and the rebuild thread (Revalidate, rebuilds): both call NoteMembersChanged. The extents are
+  // looked at without rebuild_mu_ (extent locks are never taken under it); the change count
+  // read before the look says whether anything happened since.
   for (;;) {
-    if (std::none_of(extents.begin(), extents.end(), waiting)) return true;
-    if (Clock::now() >= deadline) return false;
+    uint64_t seen = 0;
     {
       MutexLock lock(&rebuild_mu_);
       if (stopping_) return false;
+      seen = member_changes_;
     }
-    std::this_thread::sleep_for(kPoll);
+    if (std::none_of(extents.begin(), extents.end(), waiting)) return true;
+    MutexLock lock(&rebuild_mu_);
+    if (!members_cv_.WaitUntil(&rebuild_mu_, deadline, [&] {
+          rebuild_mu_.AssertHeld();
+          return stopping_ || member_changes_ != seen;
+        })) {
+      lock.Unlock();
+      // One last look: the deadline may have come with the answer.
+      return std::none_of(extents.begin(), extents.end(), waiting);
+    }
   }
+}
+
+void PageStore::NoteMembersChanged() {
+  {
+    MutexLock lock(&rebuild_mu_);
+    ++member_changes_;
+  }
+  members_cv_.SignalAll();
 }
 
 std::chrono::milliseconds PageStore::MemberReturnWait() const {
@@ -251,7 +275,9 @@ void PageStore::RebuildLoop() {
     }
     lock.Lock();
     rebuilding_ = false;
+    ++member_changes_;  // members revalidated or rebuilt: a WaitForMembers looks again
     rebuild_cv_.SignalAll();
+    members_cv_.SignalAll();
   }
 }
 

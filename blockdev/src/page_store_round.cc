@@ -144,45 +144,17 @@ Status Round::Add(Piece p) {
 }
 
 void Round::Run() {
-  for (size_t i = 0; i < ops_.size(); ++i) {
-    RemoteOp& r = ops_[i];
-    r.op.user_data = i;
-    if (Status s = w_->channels.Post(r.node, r.op); !s.ok()) {
-      Complete(i, s);
-      continue;
-    }
-    r.posted = true;
-  }
-  w_->channels.FlushAll();
-  const Deadline deadline = DeadlineIn(params_.op_timeout);
-  while (!Satisfied()) {
-    if (early_ != nullptr) SettleEarly();
-    // A daemon declared down while our ops to it are in flight (a gray failure: SIGSTOP, a
-    // partition) must not hold this round, and the extent locks, for op_timeout: the set looks
-    // for such daemons every client::kDownCheckInterval.
-    const client::ChannelSet::Waited got = w_->channels.WaitAny(deadline);
-    for (const transport::Completion& c : got.completions) {
-      Complete(static_cast<size_t>(c.user_data), c.status);
-    }
-    for (client::NodeId n : got.down) FailOpsOn(n);
-    if (got.deadline || got.idle) {
-      // Timed out (or nothing left that could answer): whatever is still missing failed.
-      for (size_t i = 0; i < ops_.size(); ++i) {
-        if (!ops_[i].done) Complete(i, DeadlineExceeded("daemon did not answer in time"));
-      }
-      w_->channels.ResetStuck();
-      break;
-    }
-  }
-}
-
-void Round::FailOpsOn(client::NodeId n) {
-  for (size_t i = 0; i < ops_.size(); ++i) {
-    if (!ops_[i].done && ops_[i].node == n) {
-      Complete(i, Unavailable(fmt::format("{} was declared down while the op was in flight",
-                                          cluster_->node(n).endpoint.ToString())));
-    }
-  }
+  // A daemon declared down while our ops to it are in flight (a gray failure: SIGSTOP, a
+  // partition) must not hold this round, and the extent locks, for op_timeout: the set looks for
+  // such daemons every client::kDownCheckInterval and fails their ops.
+  w_->channels.RunBatch(
+      std::span<RemoteOp>(ops_), DeadlineIn(params_.op_timeout),
+      [&](size_t i, const Status& s) { Complete(i, s); },
+      [&] {
+        if (Satisfied()) return true;
+        if (early_ != nullptr) SettleEarly();
+        return false;
+      });
 }
 
 void Round::Post(size_t piece, int member, bool write, uint64_t offset, uint8_t* local,
@@ -207,9 +179,7 @@ void Round::Post(size_t piece, int member, bool write, uint64_t offset, uint8_t*
 }
 
 void Round::Complete(size_t i, const Status& s) {
-  RemoteOp& r = ops_[i];
-  if (r.done) return;
-  r.done = true;
+  const RemoteOp& r = ops_[i];
   Piece& p = pieces_[r.piece];
   if (s.ok()) {
     p.ok_mask |= 1u << r.member;
@@ -276,9 +246,9 @@ bool Round::Satisfied() const {
 Status RunCopyOps(const RoundParams& params, client::Cluster* cluster, Worker& w,
                   std::span<CopyOp> ops) {
   Status first;
-  auto complete = [&](CopyOp& o, const Status& s) {
-    if (o.done) return;
-    o.done = true;
+  // The wait is Round::Run's: the set cuts it at a daemon declared down, by the clock.
+  w.channels.RunBatch(ops, DeadlineIn(params.op_timeout), [&](size_t i, const Status& s) {
+    CopyOp& o = ops[i];
     o.status = s;
     if (s.ok()) return;
     if (first.ok()) {
@@ -286,43 +256,7 @@ Status RunCopyOps(const RoundParams& params, client::Cluster* cluster, Worker& w
                                         cluster->node(o.node).endpoint.ToString()));
     }
     cluster->ReportFailure(o.node, s);
-  };
-  for (size_t i = 0; i < ops.size(); ++i) {
-    CopyOp& o = ops[i];
-    o.done = false;
-    transport::Op op = o.op;
-    op.user_data = i;
-    if (Status ps = w.channels.Post(o.node, op); !ps.ok()) complete(o, ps);
-  }
-  w.channels.FlushAll();
-  auto pending = [&] {
-    return std::any_of(ops.begin(), ops.end(), [](const CopyOp& o) { return !o.done; });
-  };
-  // The wait is Round::Run's: the set cuts it at a daemon declared down, by the clock.
-  const Deadline deadline = DeadlineIn(params.op_timeout);
-  while (pending()) {
-    const client::ChannelSet::Waited got = w.channels.WaitAny(deadline);
-    for (const transport::Completion& c : got.completions) {
-      if (c.user_data < ops.size()) complete(ops[c.user_data], c.status);
-    }
-    for (client::NodeId n : got.down) {
-      for (CopyOp& o : ops) {
-        if (!o.done && o.node == n) {
-          complete(o, Unavailable(fmt::format("{} was declared down while the op was in flight",
-                                              cluster->node(n).endpoint.ToString())));
-        }
-      }
-    }
-    if (got.deadline || got.idle) {
-      // Timed out, or dropped with its channel (a reopen of a broken one): it will never complete.
-      for (CopyOp& o : ops) {
-        complete(o, got.idle ? Unavailable("its channel was dropped")
-                             : DeadlineExceeded("daemon did not answer in time"));
-      }
-      w.channels.ResetStuck();  // nothing may land in the caller's buffers after we return
-      break;
-    }
-  }
+  });
   return first;
 }
 

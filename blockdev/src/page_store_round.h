@@ -54,8 +54,7 @@ struct RemoteOp {
   transport::Op op;
   size_t piece = 0;
   int member = 0;
-  bool posted = false;
-  bool done = false;
+  bool done = false;  // its outcome is in (ChannelSet::RunBatch)
   Status status;
 };
 
@@ -125,14 +124,12 @@ class Round {
  private:
   size_t StageBytes(const Piece& p) const;
   void Post(size_t piece, int member, bool write, uint64_t offset, uint8_t* local, uint32_t len);
+  // Op i's outcome (once per op, from ChannelSet::RunBatch).
   void Complete(size_t i, const Status& s);
   // Settles the pieces that succeeded completely and reports the ops all of whose pieces are
   // settled. Anything short of complete success is left to RunPieces after the round.
   void SettleEarly();
   bool Satisfied() const;
-  // Ops still waiting on daemon `n`, which the cluster has declared down (its channel was dropped
-  // with them), fail now (Unavailable).
-  void FailOpsOn(client::NodeId n);
 
   const RoundParams& params_;
   client::Cluster* const cluster_;

@@ -1,6 +1,8 @@
 // ChannelSet (channel_set.h): a thread's channels by node and the wait on many of them.
 #include "farmem/client/channel_set.h"
 
+#include <fmt/format.h>
+
 #include <algorithm>
 
 namespace farmem::client {
@@ -160,6 +162,18 @@ void ChannelSet::DrainStragglers() {
       return;
     }
   }
+}
+
+Status ChannelSet::DeclaredDown(NodeId node) const {
+  const NodeInfo info = cluster_->node(node);
+  return Unavailable(fmt::format("daemon {} was declared down while the op was in flight ({})",
+                                 info.endpoint.ToString(), info.last_error.ToString()));
+}
+
+Status ChannelSet::NoAnswer(NodeId node, bool dropped) const {
+  const std::string ep = cluster_->node(node).endpoint.ToString();
+  if (dropped) return Unavailable(fmt::format("the channel to daemon {} was dropped", ep));
+  return DeadlineExceeded(fmt::format("daemon {} did not answer in time", ep));
 }
 
 bool ChannelSet::DropIfStale(NodeId node) {

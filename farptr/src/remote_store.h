@@ -268,7 +268,7 @@ class RemoteStore {
   // results[m] (OK for skipped members).
   void WriteCells(IoContext& io, const std::vector<client::Lease>& members, uint64_t off,
                   std::span<const uint8_t* const> cells, Status* results, uint32_t skip = 0);
-  // Runs `ops` (each with user_data = index) over their nodes; results[i] = status of op i.
+  // Runs `ops` on `nodes` as one batch (ChannelSet::RunBatch); results[i] = status of op i.
   void RunOps(IoContext& io, std::span<transport::Op> ops, std::span<const client::NodeId> nodes,
               std::span<Status> results);
   // Notes that member `m` of `g` failed (if it still holds `lease_id`), queues re-protection.

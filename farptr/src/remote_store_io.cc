@@ -35,63 +35,21 @@ void RemoteStore::RunOps(IoContext& io, std::span<transport::Op> ops,
     }
     return;
   }
-  bool done[kMaxSetWidth] = {};
-  size_t left = 0;
-  for (size_t i = 0; i < ops.size(); ++i) {
-    ops[i].user_data = i;
-    if (Status s = io.channels.Post(nodes[i], ops[i]); !s.ok()) {
-      results[i] = s;
-      done[i] = true;
-      continue;
-    }
-    ++left;
-  }
-  io.channels.FlushAll();  // errors complete ops
-  const Deadline deadline = DeadlineIn(op_timeout_);
-  auto complete = [&](const transport::Completion& c) {
-    const size_t i = static_cast<size_t>(c.user_data);
-    if (i >= ops.size() || done[i]) return;
-    done[i] = true;
-    results[i] = c.status;
-    --left;
-    if (c.status.ok()) {
-      if (ops[i].type == transport::OpType::kRead)
-        io.bytes_read += ops[i].length;
-      else
-        io.bytes_written += ops[i].length;
-    }
-  };
-  while (left > 0) {
-    const client::ChannelSet::Waited got = io.channels.WaitAny(deadline);
-    for (const transport::Completion& c : got.completions) complete(c);
-    // A gray failure (a daemon paused or cut off with its sockets open) breaks nothing: once the
-    // cluster has declared such a daemon down, the ops still waiting on it end here (Unavailable),
-    // so the caller reads degraded from the other members instead of waiting out op_timeout. The
-    // set dropped the channel with them: nothing may land in the caller's buffers after we return.
-    for (client::NodeId n : got.down) {
-      const client::NodeInfo info = cluster_->node(n);
-      for (size_t i = 0; i < ops.size(); ++i) {
-        if (done[i] || nodes[i] != n) continue;
-        done[i] = true;
-        --left;
-        results[i] =
-            Unavailable(fmt::format("daemon {} was declared down while the op was in "
-                                    "flight ({})",
-                                    info.endpoint.ToString(), info.last_error.ToString()));
-      }
-    }
-    if (got.deadline || got.idle) break;
-  }
-  if (left > 0) {
-    for (size_t i = 0; i < ops.size(); ++i) {
-      if (!done[i]) {
-        results[i] = DeadlineExceeded(fmt::format("daemon {} did not answer within {} ms",
-                                                  cluster_->node(nodes[i]).endpoint.ToString(),
-                                                  op_timeout_.count()));
-      }
-    }
-    io.channels.ResetStuck();  // their buffers are the caller's: nothing may land in them now
-  }
+  client::BatchOp batch[kMaxSetWidth];
+  for (size_t i = 0; i < ops.size(); ++i) batch[i] = {nodes[i], ops[i]};
+  // A gray failure (a daemon paused or cut off with its sockets open) breaks nothing: once the
+  // cluster has declared such a daemon down, the ops still waiting on it end (Unavailable), so the
+  // caller reads degraded from the other members instead of waiting out op_timeout.
+  io.channels.RunBatch(std::span<client::BatchOp>(batch, ops.size()), DeadlineIn(op_timeout_),
+                       [&](size_t i, const Status& s) {
+                         results[i] = s;
+                         if (!s.ok()) return;
+                         if (ops[i].type == transport::OpType::kRead) {
+                           io.bytes_read += ops[i].length;
+                         } else {
+                           io.bytes_written += ops[i].length;
+                         }
+                       });
 }
 
 Result<SpanSet*> RemoteStore::WriteSet(IoContext& io, std::span<const uint8_t* const> data,

@@ -6,6 +6,8 @@
 #include <regex>
 #include <set>
 
+#include "support/lost_ranges.h"
+
 namespace farmem::chaos {
 
 namespace {
@@ -44,10 +46,6 @@ const std::regex kWholePattern(
 const std::regex kFailedMemberPattern(
     R"(far memory: slab group (\d+) member (\d+) \(([^,]+), lease \d+\) failed)");
 
-// "page store: 12 pages of extent 3 (export bytes 100663296..104857600) are LOST: ..."
-const std::regex kLostPattern(
-    R"(page store: \d+ pages of extent \d+ \(export bytes (\d+)\.\.(\d+)\) are LOST)");
-
 // A page or object whose tag failed (blockdev/src/page_store_integrity.cc, RecoverPage; farptr/
 // src/object_heap.cc, OpenSealedLocked): "page store: export page 9 (offset 36864, extent 0)
 // failed authentication on member 1 (...): served from the other members; ...", "page store:
@@ -58,10 +56,6 @@ const std::regex kIntegrityPatterns[] = {
         R"(page store: export page \d+ \(offset \d+, extent \d+\):? (failed|no copy passes) authentication)"),
     std::regex(R"(far memory: .*failed authentication)"),
 };
-// The page store's "none" case of the above: exactly that page is lost (reads fail until it is
-// written again).
-const std::regex kUnauthenticPagePattern(
-    R"(page store: export page \d+ \(offset (\d+), extent \d+\): no copy passes authentication)");
 
 const std::regex kNotable(
     R"(is down|is up|restarted|rebuilt|re-?protect|whole again|degraded|LOST|lost members|authentication|\[error\]|\[warning\]|\] error: |\] warning: )");
@@ -191,12 +185,8 @@ std::vector<int64_t> IntegrityTimes(const std::vector<LogLine>& log) {
 std::vector<LostRange> LostRanges(const std::vector<LogLine>& log) {
   std::vector<LostRange> out;
   for (const LogLine& l : log) {
-    std::smatch m;
-    if (std::regex_search(l.text, m, kLostPattern)) {
-      out.push_back(LostRange{l.ms, std::stoull(m[1].str()), std::stoull(m[2].str())});
-    } else if (std::regex_search(l.text, m, kUnauthenticPagePattern)) {
-      const uint64_t at = std::stoull(m[1].str());
-      out.push_back(LostRange{l.ms, at, at + 4096});
+    for (const testing::LostRange& r : testing::LostRanges(l.text)) {
+      out.push_back(LostRange{l.ms, r.begin, r.end});
     }
   }
   return out;

@@ -5,8 +5,8 @@
 // Every line farmem logs through spdlog starts with a wall-clock timestamp
 // "YYYY-mm-dd HH:MM:SS.mmm" (in brackets in spdlog's default format); the chaos driver records the
 // wall-clock time of each fault and compares. What the programs say is matched by the patterns in
-// chaos_log.cc (kDownPatterns, kReprotectPatterns, kWholePattern, kLostPattern): when a log line
-// changes, adapt it there, in one place.
+// chaos_log.cc (kDownPatterns, kReprotectPatterns, kWholePattern) and, for LOST ranges, by
+// support/lost_ranges.h: when a log line changes, adapt it there, in one place.
 //
 // Used by the driver's main thread only.
 #pragma once
@@ -66,8 +66,9 @@ std::vector<WholeEvent> WholeEvents(const std::vector<LogLine>& log);
 // tag), whether it was then served from the other members or lost.
 std::vector<int64_t> IntegrityTimes(const std::vector<LogLine>& log);
 
-// Export byte ranges [begin, end) farmem-nbd reported LOST: extents whose members are gone, and
-// single pages of which no copy passes authentication (`none`: one flipped bit loses the page).
+// Export byte ranges [begin, end) farmem-nbd reported LOST (support/lost_ranges.h): extents whose
+// members are gone, and single pages of which no copy passes authentication (`none`: one flipped
+// bit loses the page); with the time of the line.
 struct LostRange {
   int64_t ms = 0;
   uint64_t begin = 0;

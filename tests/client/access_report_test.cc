@@ -11,6 +11,7 @@
 #include <mutex>
 #include <set>
 
+#include "client_options.h"
 #include "farmem/client/cluster.h"
 #include "support/daemon_fixture.h"
 #include "support/fake_cgroup.h"
@@ -19,28 +20,14 @@ namespace farmem::client {
 namespace {
 
 using std::chrono::milliseconds;
+using test::LeaseIds;
+using test::OptionsFor;
 using testing::DaemonSet;
 using testing::WaitUntil;
 
 constexpr uint64_t kMiB = 1 << 20;
 constexpr uint64_t kLimit = 1024 * kMiB;
 constexpr uint64_t kReserve = 100 * kMiB;
-
-ClusterOptions Options(const DaemonSet& d, const std::string& name) {
-  ClusterOptions o;
-  o.peers = d.endpoints();
-  o.secret = d.secret();
-  o.client_name = name;
-  o.heartbeat_interval = milliseconds(100);
-  o.failure_timeout = milliseconds(2000);
-  return o;
-}
-
-std::set<uint64_t> Ids(std::span<const Lease> leases) {
-  std::set<uint64_t> out;
-  for (const Lease& l : leases) out.insert(l.id());
-  return out;
-}
 
 // Heartbeats the client sent node 0 after this call: waits until its last contact moved on
 // `beats` times (each heartbeat reply sets it).
@@ -55,18 +42,19 @@ bool WaitForHeartbeats(Cluster& cl, int beats) {
 }
 
 TEST(AccessReportTest, LeasesColdByTheClientsReportAreEvictedFirst) {
-  testing::TempDir tmp;
-  testing::FakeCgroup cgroup(std::filesystem::path(tmp.path()) / "cgroup", kLimit);
+  testing::FakeCgroup cgroup(kLimit);
   // The grace is long: nobody moves anything here, the test only looks at who was noticed.
   DaemonSet daemons(
       {.capacity = "16M",
        .slab_size = "1M",
-       .extra_args = {"--no-mlock", "--memory-source", "cgroup:" + cgroup.dir().string(),
-                      "--reserve", "100M", "--evict-grace-ms", "60000", "--pressure-interval-ms",
-                      "50", "--evict-sample-extra", "4", "--access-counts", "reported"}});
+       .extra_args = cgroup.LenderArgs({.reserve = kReserve,
+                                        .grace = milliseconds(60000),
+                                        .interval = milliseconds(50),
+                                        .sample_extra = 4},
+                                       {"--no-mlock", "--access-counts", "reported"})});
   ASSERT_TRUE(daemons.Start(1).ok()) << daemons.Logs();
 
-  ClusterOptions o = Options(daemons, "reporter");
+  ClusterOptions o = OptionsFor(daemons, "reporter");
   o.report_tcp_accesses = true;
   auto cl = Cluster::Connect(o);
   ASSERT_TRUE(cl.has_value()) << cl.error().ToString() << daemons.Logs();
@@ -121,8 +109,8 @@ TEST(AccessReportTest, LeasesColdByTheClientsReportAreEvictedFirst) {
     std::lock_guard lock(mu);
     for (const Event& e : notices) noticed.insert(e.lease_ids.begin(), e.lease_ids.end());
   }
-  EXPECT_EQ(noticed, Ids(cold)) << "the hammered leases were noticed; daemon log:\n"
-                                << daemons.Logs();
+  EXPECT_EQ(noticed, LeaseIds(cold)) << "the hammered leases were noticed; daemon log:\n"
+                                     << daemons.Logs();
 }
 
 TEST(AccessReportTest, TcpOperationsAreNotReportedByDefault) {
@@ -130,7 +118,7 @@ TEST(AccessReportTest, TcpOperationsAreNotReportedByDefault) {
   // twice. Only one-sided (verbs) operations go into the report unless a test asks for tcp.
   DaemonSet daemons({.extra_args = {"--no-mlock", "--memory-source", "off"}});
   ASSERT_TRUE(daemons.Start(1).ok()) << daemons.Logs();
-  auto cl = Cluster::Connect(Options(daemons, "plain"));
+  auto cl = Cluster::Connect(OptionsFor(daemons, "plain"));
   ASSERT_TRUE(cl.has_value()) << cl.error().ToString();
   auto leases = (*cl)->Allocate(2);
   ASSERT_TRUE(leases.has_value()) << leases.error().ToString();

@@ -3,7 +3,7 @@
 // declared down while ops wait on it is reported before the deadline (the down check is due by
 // the clock, also when the set spins on channels whose fd readiness is not exact); the deadline
 // ends a wait on a daemon that never answers; a channel to an earlier incarnation of a daemon is
-// told apart (DropIfStale).
+// told apart (DropIfStale); RunBatch hands every op's outcome out exactly once, whatever ended it.
 #include "farmem/client/channel_set.h"
 
 #include <gtest/gtest.h>
@@ -57,6 +57,14 @@ struct Fixture {
     ASSERT_TRUE(group.has_value()) << group.error().ToString();
     leases.resize(3);
     for (const Lease& l : *group) leases[l.node] = l;
+  }
+
+  // Opens `set`'s channel to every daemon.
+  void OpenAll(ChannelSet& set) {
+    for (NodeId n = 0; n < 3; ++n) {
+      Status error;
+      ASSERT_NE(set.Get(n, &error), nullptr) << error.ToString();
+    }
   }
 
   transport::Op OpOn(NodeId node, transport::OpType type, uint8_t* buf, uint64_t user_data) {
@@ -172,10 +180,7 @@ void DownDaemonIsReported(bool injector) {
   ASSERT_NO_FATAL_FAILURE(f.Start(injector));
   ChannelSet set(f.cluster.get(), kOpTimeout);
   std::vector<uint8_t> buf(3 * kLen);
-  for (NodeId n = 0; n < 3; ++n) {  // open the channels first: a paused daemon takes none
-    Status error;
-    ASSERT_NE(set.Get(n, &error), nullptr) << error.ToString();
-  }
+  ASSERT_NO_FATAL_FAILURE(f.OpenAll(set));  // first: a paused daemon takes no channel
   f.daemons[1].Pause();
   const Clock::time_point start = Clock::now();
   for (NodeId n = 0; n < 3; ++n) {
@@ -260,6 +265,59 @@ TEST(ChannelSetTest, ChannelToAnEarlierIncarnationIsStale) {
   ASSERT_NE(f.cluster->node(2).daemon_id, before);
   EXPECT_TRUE(set.DropIfStale(2));
   EXPECT_FALSE(set.DropIfStale(2));  // dropped
+}
+
+// RunBatch, the borrowers' one wait loop: every op's outcome is handed out exactly once (a
+// completion, a daemon declared down, the deadline), and nothing is outstanding afterwards.
+TEST(ChannelSetTest, RunBatchEndsEveryOpOnceDownDaemonAndDeadlineIncluded) {
+  Fixture f;
+  ASSERT_NO_FATAL_FAILURE(f.Start(true));
+  ChannelSet set(f.cluster.get(), kOpTimeout);
+  std::vector<uint8_t> buf(3 * kLen);
+  ASSERT_NO_FATAL_FAILURE(f.OpenAll(set));  // first: a paused daemon takes no channel
+  std::vector<BatchOp> ops(3);
+  for (NodeId n = 0; n < 3; ++n) {
+    ops[n] = {n, f.OpOn(n, transport::OpType::kRead, buf.data() + n * kLen, 99)};
+  }
+  std::vector<int> calls(3, 0);
+  std::vector<Status> got(3);
+  auto on_done = [&](size_t i, const Status& s) {
+    ++calls[i];
+    got[i] = s;
+  };
+
+  // Node 1 stops answering with its sockets open: its op ends when the cluster declares it
+  // down, long before the op timeout; the others complete.
+  f.daemons[1].Pause();
+  const Clock::time_point start = Clock::now();
+  set.RunBatch(std::span<BatchOp>(ops), DeadlineIn(kOpTimeout), on_done);
+  f.daemons[1].Resume();
+  EXPECT_LT(Clock::now() - start, kOpTimeout / 2);
+  EXPECT_EQ(calls, std::vector<int>(3, 1));
+  EXPECT_TRUE(got[0].ok()) << got[0].ToString();
+  EXPECT_TRUE(got[2].ok()) << got[2].ToString();
+  EXPECT_EQ(got[1].code(), StatusCode::kUnavailable) << got[1].ToString();
+  EXPECT_NE(got[1].message().find("declared down"), std::string::npos) << got[1].ToString();
+  for (const BatchOp& o : ops) EXPECT_TRUE(o.done);
+  EXPECT_FALSE(set.AnyOutstanding());
+  ASSERT_TRUE(f.cluster->WaitForNode(1, NodeState::kUp, milliseconds(10000)).ok());
+
+  // Node 0 is up but never answers this op (held): the deadline ends it, and its buffer is ours.
+  f.faults->Hold(f.daemons[0].endpoint());
+  calls.assign(3, 0);
+  set.RunBatch(std::span<BatchOp>(ops.data(), 1), DeadlineIn(milliseconds(300)), on_done);
+  f.faults->Release(f.daemons[0].endpoint());
+  EXPECT_EQ(calls[0], 1);
+  EXPECT_EQ(got[0].code(), StatusCode::kDeadlineExceeded) << got[0].ToString();
+  EXPECT_FALSE(set.AnyOutstanding());
+
+  // enough() ends the wait early: what is left stays outstanding (stragglers).
+  calls.assign(3, 0);
+  set.RunBatch(std::span<BatchOp>(ops), DeadlineIn(kOpTimeout), on_done,
+               [&] { return calls[0] + calls[1] + calls[2] >= 1; });
+  EXPECT_GE(calls[0] + calls[1] + calls[2], 1);
+  set.DrainStragglers();
+  EXPECT_FALSE(set.AnyOutstanding());
 }
 
 }  // namespace

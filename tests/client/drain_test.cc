@@ -6,6 +6,7 @@
 
 #include <mutex>
 
+#include "client_options.h"
 #include "farmem/client/cluster.h"
 #include "support/daemon_fixture.h"
 
@@ -18,15 +19,7 @@ using testing::WaitUntil;
 
 constexpr uint64_t kSlab = 1 << 20;
 
-ClusterOptions Options(const DaemonSet& d) {
-  ClusterOptions o;
-  o.peers = d.endpoints();
-  o.secret = d.secret();
-  o.client_name = "drain-test";
-  o.heartbeat_interval = milliseconds(100);
-  o.failure_timeout = milliseconds(2000);
-  return o;
-}
+ClusterOptions Options(const DaemonSet& d) { return test::OptionsFor(d, "drain-test"); }
 
 std::vector<uint8_t> Pattern(uint8_t seed) {
   std::vector<uint8_t> v(kSlab);

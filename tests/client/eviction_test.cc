@@ -11,6 +11,7 @@
 #include <mutex>
 #include <set>
 
+#include "client_options.h"
 #include "farmem/client/cluster.h"
 #include "support/daemon_fixture.h"
 #include "support/fake_cgroup.h"
@@ -19,6 +20,8 @@ namespace farmem::client {
 namespace {
 
 using std::chrono::milliseconds;
+using test::LeaseIds;
+using test::OptionsFor;
 using testing::DaemonSet;
 using testing::WaitUntil;
 
@@ -46,36 +49,20 @@ class Events {
   std::vector<Event> events_;
 };
 
-ClusterOptions Options(const DaemonSet& d, const std::string& name) {
-  ClusterOptions o;
-  o.peers = d.endpoints();
-  o.secret = d.secret();
-  o.client_name = name;
-  o.heartbeat_interval = milliseconds(100);
-  o.failure_timeout = milliseconds(2000);
-  return o;
-}
-
-std::set<uint64_t> Ids(const std::vector<Lease>& leases) {
-  std::set<uint64_t> out;
-  for (const Lease& l : leases) out.insert(l.id());
-  return out;
-}
-
 TEST(EvictionTest, IgnoredNoticeLosesTheLeaseFreedInTimeSeesNoErrorOthersUntouched) {
-  testing::TempDir tmp;
-  testing::FakeCgroup cgroup(std::filesystem::path(tmp.path()) / "cgroup", kLimit);
-  DaemonSet daemons(
-      {.capacity = "16M",
-       .slab_size = "1M",
-       .extra_args = {"--no-mlock", "--memory-source", "cgroup:" + cgroup.dir().string(),
-                      "--reserve", "100M", "--evict-grace-ms", std::to_string(kGrace.count()),
-                      "--pressure-interval-ms", "50", "--evict-sample-extra", "2"}});
+  testing::FakeCgroup cgroup(kLimit);
+  DaemonSet daemons({.capacity = "16M",
+                     .slab_size = "1M",
+                     .extra_args = cgroup.LenderArgs({.reserve = 100 * kMiB,
+                                                      .grace = kGrace,
+                                                      .interval = milliseconds(50),
+                                                      .sample_extra = 2},
+                                                     {"--no-mlock"})});
   ASSERT_TRUE(daemons.Start(1).ok()) << daemons.Logs();
 
-  auto ignorer = Cluster::Connect(Options(daemons, "ignorer"));
-  auto mover = Cluster::Connect(Options(daemons, "mover"));
-  auto busy = Cluster::Connect(Options(daemons, "busy"));
+  auto ignorer = Cluster::Connect(OptionsFor(daemons, "ignorer"));
+  auto mover = Cluster::Connect(OptionsFor(daemons, "mover"));
+  auto busy = Cluster::Connect(OptionsFor(daemons, "busy"));
   ASSERT_TRUE(ignorer.has_value() && mover.has_value() && busy.has_value()) << daemons.Logs();
   Events ignorer_events, mover_events, busy_events;
   (*ignorer)->Subscribe([&](const Event& e) { ignorer_events.Record(e); });
@@ -145,11 +132,12 @@ TEST(EvictionTest, IgnoredNoticeLosesTheLeaseFreedInTimeSeesNoErrorOthersUntouch
       << daemons.Logs();
   std::vector<Event> notices = ignorer_events.Of(EventType::kEvictNotice);
   ASSERT_EQ(notices.size(), 1u);
-  EXPECT_EQ(std::set<uint64_t>(notices[0].lease_ids.begin(), notices[0].lease_ids.end()), Ids(*a));
+  EXPECT_EQ(std::set<uint64_t>(notices[0].lease_ids.begin(), notices[0].lease_ids.end()),
+            LeaseIds(*a));
   EXPECT_GT(notices[0].grace_ms, 0u);
   EXPECT_NE(notices[0].deadline, Clock::time_point{});
   std::vector<Event> lost = ignorer_events.Of(EventType::kLeasesLost);
-  EXPECT_EQ(std::set<uint64_t>(lost[0].lease_ids.begin(), lost[0].lease_ids.end()), Ids(*a));
+  EXPECT_EQ(std::set<uint64_t>(lost[0].lease_ids.begin(), lost[0].lease_ids.end()), LeaseIds(*a));
   EXPECT_EQ(lost[0].reason.code(), StatusCode::kExpired);
 
   // The ignored leases are gone: a clean error, never data.
@@ -165,7 +153,7 @@ TEST(EvictionTest, IgnoredNoticeLosesTheLeaseFreedInTimeSeesNoErrorOthersUntouch
   {
     std::lock_guard lock(mover_mu);
     EXPECT_TRUE(mover_free.ok()) << mover_free.ToString();
-    EXPECT_EQ(mover_noticed, Ids(*b));
+    EXPECT_EQ(mover_noticed, LeaseIds(*b));
   }
   EXPECT_TRUE(mover_events.Of(EventType::kLeasesLost).empty());
   // The busy client was not touched: no notice, its data is there.

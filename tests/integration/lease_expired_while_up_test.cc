@@ -19,6 +19,7 @@
 
 #include "nbd_test_client.h"
 #include "support/daemon_fixture.h"
+#include "support/lost_ranges.h"
 #include "support/wait.h"
 #include "test_process.h"
 
@@ -38,21 +39,6 @@ constexpr uint32_t kLongTtlMs = 60000;  // the others keep them through the stop
 constexpr uint32_t kFailureTimeoutMs = 1000;
 // Longer than the short TTL plus the daemon's reclaim period, much shorter than the long TTL.
 constexpr auto kStopped = std::chrono::milliseconds(4 * kShortTtlMs);
-
-struct LostRange {
-  uint64_t begin, end;
-};
-
-// "... are LOST ... (export bytes A..B)" lines of farmem-nbd's log.
-std::vector<LostRange> LostRanges(const std::string& log) {
-  std::vector<LostRange> out;
-  const std::regex re("export bytes (\\d+)\\.\\.(\\d+)\\) are LOST");
-  for (auto it = std::sregex_iterator(log.begin(), log.end(), re); it != std::sregex_iterator();
-       ++it) {
-    out.push_back({std::stoull((*it)[1]), std::stoull((*it)[2])});
-  }
-  return out;
-}
 
 // How many leases farmem-nbd's client said `endpoint` ended while up ("... is up but holds ...:
 // it ended leases [0x.., 0x.. and N more]"); 0 before it said so.
@@ -121,7 +107,7 @@ TEST_P(LeaseExpiredWhileUpTest, ClientLearnsAndReportsOrRebuildsExactlyThoseMemb
         if (ended == 0) return false;
         // none: every ended lease held a written extent (the whole export was written), and
         // each is declared LOST on its own; read back only once all of them are.
-        return none ? LostRanges(log).size() >= ended
+        return none ? testing::LostRanges(log).size() >= ended
                     : Count(log, "every extent is whole again") > 0 && Count(log, "rebuilt on") > 0;
       },
       std::chrono::seconds(30), std::chrono::milliseconds(20));
@@ -130,11 +116,8 @@ TEST_P(LeaseExpiredWhileUpTest, ClientLearnsAndReportsOrRebuildsExactlyThoseMemb
                        << (*nbd)->log();
 
   const std::string log = (*nbd)->log();
-  const std::vector<LostRange> lost = LostRanges(log);
-  auto in_lost = [&](uint64_t off) {
-    return std::any_of(lost.begin(), lost.end(),
-                       [&](const LostRange& r) { return off >= r.begin && off < r.end; });
-  };
+  const std::vector<testing::LostRange> lost = testing::LostRanges(log);
+  auto in_lost = [&](uint64_t off) { return testing::InLostRange(lost, off); };
   uint64_t failed = 0, failed_outside = 0, read_inside = 0;
   for (uint64_t i = 0; i < chunks; ++i) {
     auto back = client->Read(i * kChunk, kChunk);

@@ -58,24 +58,14 @@ class CryptoTest : public PageStoreTest {
  protected:
   void OpenWith(const std::string& mode, bool encrypt, const std::string& backup = "",
                 std::optional<aead::Key> key = std::nullopt) {
-    PageStoreOptions o;
-    o.size = kExport;
-    auto r = Resilience::Parse(mode);
-    ASSERT_TRUE(r.has_value()) << r.error().ToString();
-    o.resilience = *r;
-    o.backup_path = backup;
-    o.op_timeout = op_timeout_;
-    o.reconcile_interval = milliseconds(500);
-    o.encrypt = encrypt;
-    o.data_key = key;
-    o.seal_observer = [this](uint32_t domain, uint64_t counter, uint64_t page) {
-      MutexLock lock(&seals_mu_);
-      seals_.push_back({domain, counter, page});
-    };
-    auto ps = PageStore::Create(cluster_.get(), o);
-    ASSERT_TRUE(ps.has_value()) << ps.error().ToString();
-    store_ = std::move(*ps);
-    shadow_.assign(kExport, 0);
+    Open(mode, backup, milliseconds(500), [&](PageStoreOptions& o) {
+      o.encrypt = encrypt;
+      o.data_key = key;
+      o.seal_observer = [this](uint32_t domain, uint64_t counter, uint64_t page) {
+        MutexLock lock(&seals_mu_);
+        seals_.push_back({domain, counter, page});
+      };
+    });
   }
 
   // Writes the pattern over the first `pages` pages (aligned, and a few sub-page writes).

@@ -55,8 +55,11 @@ class PageStoreTest : public ::testing::Test {
     cluster_ = std::move(*c);
   }
 
+  // Opens a store of kExport bytes over the cluster; `more` sets what else a test needs in the
+  // options (encryption, ...) before the store is made.
   void Open(const std::string& mode, const std::string& backup = "",
-            std::chrono::milliseconds reconcile = std::chrono::milliseconds(3000)) {
+            std::chrono::milliseconds reconcile = std::chrono::milliseconds(3000),
+            const std::function<void(PageStoreOptions&)>& more = nullptr) {
     PageStoreOptions o;
     o.size = kExport;
     auto r = Resilience::Parse(mode);
@@ -65,6 +68,7 @@ class PageStoreTest : public ::testing::Test {
     o.backup_path = backup;
     o.op_timeout = op_timeout_;
     o.reconcile_interval = reconcile;
+    if (more) more(o);
     auto ps = PageStore::Create(cluster_.get(), o);
     ASSERT_TRUE(ps.has_value()) << ps.error().ToString();
     store_ = std::move(*ps);

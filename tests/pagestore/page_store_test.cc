@@ -168,14 +168,8 @@ TEST_F(PageStoreTest, OpsOnAnsweringDaemonsAreReportedWhileAnotherIsStopped) {
 // request, and the extent against its rebuild, for as long as the daemon stays stopped.
 TEST_F(PageStoreTest, WritesToAStoppedDaemonEndWhenItIsDeclaredDownNotAtOpTimeout) {
   StartDaemons(3);
-  PageStoreOptions o;
-  o.size = kExport;
-  o.resilience = *Resilience::Parse("replicate:2");
-  o.op_timeout = std::chrono::milliseconds(10000);
-  auto ps = PageStore::Create(cluster_.get(), o);
-  ASSERT_TRUE(ps.has_value()) << ps.error().ToString();
-  store_ = std::move(*ps);
-  shadow_.assign(kExport, 0);
+  Open("replicate:2", "", std::chrono::milliseconds(3000),
+       [](PageStoreOptions& o) { o.op_timeout = std::chrono::milliseconds(10000); });
   const uint64_t extent = store_->extent_bytes();
   std::vector<uint8_t> page(4096, 0x3c);
   for (uint64_t off = 0; off < kExport; off += extent) {

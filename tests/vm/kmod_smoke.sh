@@ -22,6 +22,8 @@
 #   and the kernel log has no WARNING/BUG/farmem error. Exit 77 when farmem.ko was not built.
 # Environment (optional): KMOD_SWAP_MIB (32), KMOD_SWAP_LIMIT (8M).
 set -euo pipefail
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+source "$here/guest_daemons.sh"
 say() { echo "[kmod_smoke] $*"; }
 work=/tmp/kmod-smoke
 fail() {
@@ -67,26 +69,12 @@ trap cleanup EXIT
 dmesg -C
 
 # ---- the daemons: RDMA on rxe0, one per address ----------------------------------------------------
-head -c 32 /dev/urandom | base64 >"$work/secret"
-chmod 600 "$work/secret"
 # restart: a lease TTL of 20 s rather than 10 (the default) leaves room for the keeper's restart
 # under TCG on a busy host (7 s seen from the kill to the re-adoption, 2 s of it the test's pause).
 ttl_ms=10000
 [[ $mode == restart ]] && ttl_ms=20000
-for ((i = 0; i < daemons; i++)); do
-  "$bin/farmemd" --listen "${addrs[$i]}:0" --port-file "$work/port$i" --capacity "$capacity" \
-    --slab-size 2M --max-client-share 1 --rdma on --secret-file "$work/secret" \
-    --lease-ttl-ms "$ttl_ms" \
-    --log-level warn 2>"$work/farmemd$i.log" &
-  pids+=($!)
-done
-peers=()
-for ((i = 0; i < daemons; i++)); do
-  for _ in $(seq 400); do [[ -s $work/port$i ]] && break; sleep 0.05; done
-  [[ -s $work/port$i ]] || fail "farmemd $i did not start"
-  peers+=("${addrs[$i]}:$(cat "$work/port$i")")
-done
-peer_list=$(IFS=,; echo "${peers[*]}")
+start_daemons "$work" "${addrs[@]:0:daemons}" -- --capacity "$capacity" --slab-size 2M \
+  --max-client-share 1 --rdma on --lease-ttl-ms "$ttl_ms" --log-level warn
 say "farmemd up at $(elapsed) s: $peer_list"
 
 # ---- the module and its control plane -------------------------------------------------------------

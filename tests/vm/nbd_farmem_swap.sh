@@ -39,6 +39,7 @@ bin=${1:?usage: nbd_farmem_swap.sh <bin dir> <none|ec|drain> <swap_workload>}
 mode=${2:?mode: none, ec or drain}
 workload=${3:?swap_workload path}
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+source "$here/guest_daemons.sh"
 case $mode in
   none) daemons=3 resilience=none victim="" capacity=96M mib=128 limit=32M ;;
   ec) daemons=7 resilience=ec:4+2 victim=2 capacity=64M mib=96 limit=24M ;;
@@ -86,23 +87,12 @@ trap cleanup EXIT
 # ---- the daemons (loopback, tcp) ------------------------------------------------------------------
 # The export is 256 MiB; at most (working set - limit) of it is ever in use. The daemons lend
 # 2 MiB slabs: 3 x 96 MiB for `none`, 7 x 64 MiB for ec:4+2 (1.5x, and still enough over 6).
-head -c 32 /dev/urandom | base64 >"$work/secret"
-chmod 600 "$work/secret"
-for ((i = 0; i < daemons; i++)); do
-  # One client: it may take all of a daemon's memory (--max-client-share 1; the default keeps a
-  # quarter for other clients, and the 256 MiB export would not fit the start-up check).
-  "$bin/farmemd" --listen 127.0.0.1:0 --port-file "$work/port$i" --capacity "$capacity" --slab-size 2M \
-    --max-client-share 1 --rdma off --secret-file "$work/secret" --lease-ttl-ms 30000 "${daemon_args[@]}" \
-    2>"$work/farmemd$i.log" &
-  pids+=($!)
-done
-peers=()
-for ((i = 0; i < daemons; i++)); do
-  for _ in $(seq 400); do [[ -s $work/port$i ]] && break; sleep 0.05; done
-  [[ -s $work/port$i ]] || fail "farmemd $i did not start"
-  peers+=("127.0.0.1:$(cat "$work/port$i")")
-done
-peer_list=$(IFS=,; echo "${peers[*]}")
+# One client: it may take all of a daemon's memory (--max-client-share 1; the default keeps a
+# quarter for other clients, and the 256 MiB export would not fit the start-up check).
+loopback=()
+for ((i = 0; i < daemons; i++)); do loopback+=(127.0.0.1); done
+start_daemons "$work" "${loopback[@]}" -- --capacity "$capacity" --slab-size 2M \
+  --max-client-share 1 --rdma off --lease-ttl-ms 30000 "${daemon_args[@]}"
 say "$daemons farmemd daemons up at $(elapsed) s: $peer_list"
 
 # ---- farmem-nbd (swap-safe mode: mlockall, PR_SET_IO_FLUSHER, oom_score_adj -1000) --------------

@@ -18,6 +18,9 @@
 //   - past the deadline, the fds are still looked at once (without waiting) before the wait gives
 //     up: replies that waited while this thread was held up must not be blamed on the daemon.
 //
+// RunBatch is the whole of that for one batch (post, flush, wait, fail what a down daemon or the
+// deadline leaves): the page store's rounds and member copies and far_ptr's span-set I/O run on it.
+//
 // Channels are opened lazily through client::Cluster::EnsureChannel, and replaced when broken or
 // opened to an earlier incarnation of the daemon (it restarted on the same address).
 //
@@ -38,6 +41,14 @@
 #include "farmem/transport/transport.h"
 
 namespace farmem::client {
+
+// One operation of a batch (ChannelSet::RunBatch): the daemon it goes to, the op, and whether its
+// outcome was handed out. A caller's own op type works too if it has these three members.
+struct BatchOp {
+  NodeId node = 0;
+  transport::Op op;
+  bool done = false;
+};
 
 class ChannelSet {
  public:
@@ -77,6 +88,21 @@ class ChannelSet {
   // (no completions, no down nodes, not idle, not deadline) is the end of a slice.
   Waited WaitAny(Deadline deadline);
 
+  // Runs one batch to its end. Posts ops[i].op to ops[i].node (as user_data i), rings the
+  // doorbells, and hands each op's outcome to on_done(i, status) exactly once, marking it done:
+  // its completion; the Post error if it could not be posted; Unavailable if its daemon was
+  // declared down while it was in flight; DeadlineExceeded if `deadline` passed first, or
+  // Unavailable if its channel was dropped (those two end the batch and ResetStuck: nothing lands
+  // in the ops' buffers afterwards). Waits until every op is done or enough() says the caller has
+  // what it needs (asked before every wait; ops left outstanding then are stragglers, see
+  // DrainStragglers). Op is BatchOp or a type with the same members.
+  template <typename Op, typename OnDone, typename Enough>
+  void RunBatch(std::span<Op> ops, Deadline deadline, OnDone&& on_done, Enough&& enough);
+  template <typename Op, typename OnDone>
+  void RunBatch(std::span<Op> ops, Deadline deadline, OnDone&& on_done) {
+    RunBatch(ops, deadline, on_done, [] { return false; });
+  }
+
   // Drops the channels that still have operations outstanding: their buffers are the caller's
   // again, nothing can land in them now.
   void ResetStuck();
@@ -93,6 +119,9 @@ class ChannelSet {
   // Drops the channels with operations outstanding to daemons the cluster has declared down;
   // their nodes go to down_.
   void DropDown();
+  // RunBatch's outcomes for an op that never completed on `node`.
+  Status DeclaredDown(NodeId node) const;
+  Status NoAnswer(NodeId node, bool dropped) const;
 
   Cluster* const cluster_;
   const std::chrono::milliseconds op_timeout_;
@@ -104,5 +133,44 @@ class ChannelSet {
   std::vector<NodeId> down_;
   Deadline next_down_check_{};
 };
+
+template <typename Op, typename OnDone, typename Enough>
+void ChannelSet::RunBatch(std::span<Op> ops, Deadline deadline, OnDone&& on_done, Enough&& enough) {
+  size_t left = ops.size();
+  auto finish = [&](size_t i, const Status& s) {
+    if (i >= ops.size() || ops[i].done) return;
+    ops[i].done = true;
+    --left;
+    on_done(i, s);
+  };
+  for (Op& o : ops) o.done = false;
+  for (size_t i = 0; i < ops.size(); ++i) {
+    transport::Op op = ops[i].op;
+    op.user_data = i;
+    if (Status s = Post(ops[i].node, op); !s.ok()) finish(i, s);
+  }
+  FlushAll();  // a failure completes the ops with errors
+  while (left > 0 && !enough()) {
+    const Waited got = WaitAny(deadline);
+    for (const transport::Completion& c : got.completions) {
+      finish(static_cast<size_t>(c.user_data), c.status);
+    }
+    // A gray failure (a daemon paused or cut off with its sockets open) breaks nothing: once the
+    // cluster has declared such a daemon down, the ops still waiting on it end here, and the set
+    // dropped their channel: nothing may land in their buffers afterwards.
+    for (NodeId n : got.down) {
+      for (size_t i = 0; i < ops.size(); ++i) {
+        if (!ops[i].done && ops[i].node == n) finish(i, DeclaredDown(n));
+      }
+    }
+    if (got.deadline || got.idle) {
+      for (size_t i = 0; i < ops.size(); ++i) {
+        if (!ops[i].done) finish(i, NoAnswer(ops[i].node, got.idle));
+      }
+      ResetStuck();
+      return;
+    }
+  }
+}
 
 }  // namespace farmem::client
