@@ -5,7 +5,11 @@
 #
 # none: two farmemd daemons with --rdma on, on 10.0.2.15 and 10.0.2.16 (rxe0); replicate: three
 # (.15, .16, .17), --resilience replicate:2, and one daemon SIGKILLed while the swap workload reads
-# its pages back (reads go to the surviving copy; nothing may be lost); restart: as none, but the
+# its pages back (reads go to the surviving copy; nothing may be lost); the keeper rebuilds every
+# lost copy on another daemon while the workload keeps swapping (and rewriting); once it reports
+# "rebuild done", a second original daemon is SIGKILLed: the slabs whose surviving copy it held
+# have only their rebuilt copy left, and every byte (two more verify passes of the workload, 8 MiB
+# written beyond the swap area before the first kill) must still verify; restart: as none, but the
 # lease keeper (farmemctl kmod attach) is SIGKILLed while the swap workload reads its pages back
 # and started again 2 s later: it re-adopts the device and renews the same leases, the device
 # never stops serving, and a pattern written and read back once the daemons' lease TTL has passed
@@ -37,7 +41,7 @@ workload=${3:?swap_workload path}
 mode=${4:-none}
 case $mode in
   none) daemons=2 resilience=none capacity=48M victim="" ;;
-  replicate) daemons=3 resilience=replicate:2 capacity=64M victim=1 ;;
+  replicate) daemons=3 resilience=replicate:2 capacity=64M victim=1 other=0 ;;
   restart) daemons=2 resilience=none capacity=48M victim="" ;;
   *) fail "mode must be none, replicate or restart, not $mode" ;;
 esac
@@ -91,7 +95,7 @@ say "farmemd up at $(elapsed) s: $peer_list"
 
 # ---- the module and its control plane -------------------------------------------------------------
 insmod "$ko" || fail "insmod $ko"
-[[ $(cat /sys/kernel/farmem/version) == 2 ]] || fail "unexpected interface version"
+[[ $(cat /sys/kernel/farmem/version) == 3 ]] || fail "unexpected interface version"
 start_attach() {  # log file
   "$bin/farmemctl" --log-level info kmod attach --peers "$peer_list" --secret-file "$work/secret" \
     --size 64M --resilience "$resilience" >"$1" 2>&1 &
@@ -150,29 +154,62 @@ blkdiscard /dev/farmem0 || fail "blkdiscard of the whole device"
 say "blkdiscard passed at $(elapsed) s"
 
 # ---- 3. swap on /dev/farmem0 ------------------------------------------------------------------------
-mkswap /dev/farmem0 >/dev/null || fail "mkswap"
+swap_kib=""
+if [[ -n $victim ]]; then
+  # replicate: swap on the first 48 MiB; the last 16 MiB hold data for the rebuild to carry: 8 MiB
+  # written now (48..56 MiB) and 4 MiB (57..61 MiB) the writer keeps rewriting during the rebuild.
+  swap_kib=$((48 << 10))
+  head -c $((8 << 20)) /dev/urandom >"$work/tail"
+  dd if="$work/tail" of=/dev/farmem0 bs=1M seek=48 oflag=direct status=none || fail "dd write tail"
+fi
+mkswap /dev/farmem0 $swap_kib >/dev/null || fail "mkswap"
 swapon /dev/farmem0 || fail "swapon"
 cg=/sys/fs/cgroup/kmod_smoke
 mkdir -p "$cg"
 echo "$limit" >"$cg/memory.max"
 out0=$(vmstat pswpout) in0=$(vmstat pswpin)
+# replicate: passes until the killer stops it (two verify passes after its second kill).
+wl_passes=2
+[[ -n $victim ]] && wl_passes=1000
+bash -c 'echo $$ >"$1/cgroup.procs" && shift && exec "$@"' _ "$cg" "$workload" -m "$mib" -p "$wl_passes" -r \
+  >"$work/wl.log" 2>&1 &
+wl=$!
 if [[ -n $victim ]]; then
   # SIGKILL one daemon once a quarter of the working set was swapped back in: well into the
   # first verify pass, long before its end.
   (
+    die() { echo "[kmod_smoke] $*"; kill "$wl" 2>/dev/null; exit 1; }
     while (($(vmstat pswpin) - in0 < mib * 256 / 4)); do sleep 0.2; done
     kill -9 "${pids[$victim]}"
-    echo "[kmod_smoke] SIGKILL farmemd $victim after $(($(vmstat pswpin) - in0)) pages swapped in"
+    echo "[kmod_smoke] SIGKILL farmemd $victim after $(($(vmstat pswpin) - in0)) pages swapped in at $(elapsed) s"
     touch "$work/killed"
-    # What the module sees after the kill, for the log of a run that then hangs or fails.
-    sleep 10
-    echo "[kmod_smoke] 10 s after the kill: $(cat /sys/kernel/farmem/status)"
-    dmesg | grep farmem | tail -n 8
+    # The keeper rebuilds the lost copies on the other daemons while the workload keeps
+    # swapping (its rewrites are the writes during the rebuild: they go to the survivors and to
+    # the copy being rebuilt). Wait for it to say "rebuild done" (its state, not a time).
+    give_up=$((SECONDS + 150))
+    until grep -q '^rebuild done' "$work/attach.log"; do
+      kill -0 "$attach" 2>/dev/null || die "the keeper exited"
+      kill -0 "$wl" 2>/dev/null || die "the workload ended during the rebuild"
+      ((SECONDS < give_up)) || die "no rebuild done after 150 s"
+      sleep 0.2
+    done
+    passes=$(grep -c 'verified' "$work/wl.log" || true)
+    echo "[kmod_smoke] $(grep '^rebuild done' "$work/attach.log") at $(elapsed) s, workload pass $passes; $(cat /sys/kernel/farmem/status)"
+    # The other original daemon: the slabs whose surviving copy it held have only their rebuilt
+    # copy left. Two more verify passes (every page swapped back in and checked after the kill)
+    # and the workload is stopped.
+    kill -9 "${pids[$other]}"
+    echo "[kmod_smoke] SIGKILL farmemd $other (the other original daemon) at $(elapsed) s"
+    until (($(grep -c 'verified' "$work/wl.log" || true) >= passes + 2)); do
+      kill -0 "$wl" 2>/dev/null || die "the workload ended after the second kill"
+      sleep 0.2
+    done
+    touch "$work/stopped"
+    kill "$wl"
+    echo "[kmod_smoke] two verify passes after the second kill: $(tail -n 1 "$work/wl.log")"
   ) &
   killer=$!
 fi
-bash -c 'echo $$ >"$1/cgroup.procs" && shift && exec "$@"' _ "$cg" "$workload" -m "$mib" -p 2 -r &
-wl=$!
 if [[ $mode == restart ]]; then
   # SIGKILL the lease keeper once a quarter of the working set was swapped back in, and start it
   # again 2 s (four missed heartbeats) later: systemd's Restart=on-failure, by hand.
@@ -197,18 +234,34 @@ fi
 rc=0
 wait "$wl" || rc=$?
 out=$(($(vmstat pswpout) - out0)) in=$(($(vmstat pswpin) - in0))
-say "swap: pswpout +$out pages, pswpin +$in pages at $(elapsed) s"
+say "swap: pswpout +$out pages, pswpin +$in pages at $(elapsed) s; $(grep -c verified "$work/wl.log" || true) verify passes"
+grep MISMATCH "$work/wl.log" && fail "swap_workload found a page it did not write"
+if [[ -n $victim ]]; then
+  krc=0
+  wait "$killer" || krc=$?
+  killer=""
+  ((krc == 0)) || fail "the kill / rebuild / kill sequence failed (above)"
+  # The killer stopped the workload with SIGTERM after its passes.
+  [[ $rc == 143 && -e $work/stopped ]] && rc=0
+fi
 ((rc == 0)) || fail "swap_workload exited with $rc"
 min=$(((mib * 256) / 2))
 ((out >= min && in >= min)) || fail "too little went through swap (want >= $min pages each way)"
 if [[ -n $victim ]]; then
-  [[ -e $work/killed ]] || fail "the workload ended before the daemon was killed"
-  killer=""
-  say "after the kill: $(cat /sys/kernel/farmem/status)"
-  grep -q 'connected=2 ' /sys/kernel/farmem/status || fail "the killed daemon is still connected"
+  say "after the kills: $(cat /sys/kernel/farmem/status)"
+  grep -q 'connected=1 ' /sys/kernel/farmem/status || fail "a killed daemon is still connected"
+  grep -Eq 'rebuilt=[1-9]' /sys/kernel/farmem/status || fail "the module rebuilt no copy"
 fi
 swapoff /dev/farmem0 || fail "swapoff"
 rmdir "$cg" 2>/dev/null || true
+if [[ -n $victim ]]; then
+  # Beyond the swap area, written before the first kill: only daemon $((3 - victim - other)) is
+  # left, so a third of these bytes come from copies the keeper rebuilt.
+  dd if=/dev/farmem0 of="$work/tail.back" bs=1M skip=48 count=8 iflag=direct status=none ||
+    fail "dd read of the data written before the first kill"
+  cmp "$work/tail" "$work/tail.back" || fail "data written before the first kill differs"
+  say "verified after both kills: the swapped pages (two passes) and 8 MiB written before them; $(grep -c 'rebuilt on' "$work/attach.log") copies rebuilt"
+fi
 if [[ $mode == restart ]]; then
   # Once the first keeper's last heartbeat is older than the daemons' lease TTL: had nobody
   # renewed the leases, their rkeys would be gone and this would fail (it does with a restarted
