@@ -439,7 +439,10 @@ class Rebuilder {
           break;
         }
         if (failed) continue;
-        if (Status s = RebuildOne(*sl, reps, held->slab_size); !s.ok()) {
+        const std::string_view why = sl->stale              ? "stale"
+                                     : !connected[sl->peer] ? "daemon disconnected"
+                                                            : "lease reported lost or noticed";
+        if (Status s = RebuildOne(*sl, reps, held->slab_size, why); !s.ok()) {
           Note(fmt::format("rebuilding slab {} copy {}: {} (retried every second)", index,
                            sl->replica, s.ToString()));
           failed = true;
@@ -469,12 +472,12 @@ class Rebuilder {
   }
 
   Status RebuildOne(const Held::Slab& sl, const std::vector<const Held::Slab*>& reps,
-                    uint64_t slab_size) {
+                    uint64_t slab_size, std::string_view why) {
     std::vector<client::NodeId> exclude;
     for (const Held::Slab* r : reps) exclude.push_back(peers_.node_of.at(r->peer));
     if (!degraded_) {
-      spdlog::warn("slab {} copy {} (lease {:#x}) is lost: rebuilding it", sl.index, sl.replica,
-                   sl.lease_id);
+      spdlog::warn("slab {} copy {} (lease {:#x}) is lost ({}): rebuilding it", sl.index,
+                   sl.replica, sl.lease_id, why);
     }
     degraded_ = true;
     FARMEM_ASSIGN_OR_RETURN(client::Lease lease, cl_.AllocateExcluding(exclude));

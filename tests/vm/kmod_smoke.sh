@@ -246,10 +246,12 @@ if [[ -n $victim ]]; then
   # ---- 3b. a second rebuild under a block-level writer, then the last original copies die -------
   # A fresh farmemd where daemon $victim was (same address and port: the keeper's Cluster finds it
   # again); every slab now has its copies on daemons $other and $third. Fill the device, kill
-  # $other: all 32 slabs are rebuilt onto the fresh daemon while a writer keeps rewriting 16 MiB
-  # (8 slabs) and reading them back. Once the keeper says "rebuild done" again, kill $third, the
+  # $other: all 32 slabs are rebuilt onto the fresh daemon while a writer keeps rewriting random
+  # 64 KiB blocks of 16 MiB (8 slabs) and reading them back. Once the keeper says "rebuild done"
+  # again, kill $third, the
   # other original daemon: every byte now comes from a rebuilt copy, and all 64 MiB must be what
   # was written last (a write during a slab's copy that missed the new copy would show here).
+  grep -E 'is lost|^rebuild done' "$work/attach.log" | sed 's/^/[kmod_smoke] keeper: /'
   "$bin/farmemd" --listen "${peers[$victim]}" --capacity "$capacity" \
     --slab-size 2M --max-client-share 1 --rdma on --secret-file "$work/secret" \
     --lease-ttl-ms "$ttl_ms" --log-level warn 2>"$work/farmemd${victim}b.log" &
@@ -259,25 +261,32 @@ if [[ -n $victim ]]; then
   say "64 MiB written at $(elapsed) s; daemon $victim restarted"
   rm -f "$work/stop"
   (
+    # Random 64 KiB blocks (not whole rounds: a later full rewrite would hide a lost write), each
+    # read back at once; $work/full follows every write.
     n=0
     while [[ ! -e $work/stop ]]; do
-      head -c $((16 << 20)) /dev/urandom >"$work/w.new"
-      dd if="$work/w.new" of=/dev/farmem0 bs=1M seek=40 oflag=direct status=none ||
+      blk=$((40 * 16 + RANDOM % 256))
+      head -c 65536 /dev/urandom >"$work/blk"
+      dd if="$work/blk" of=/dev/farmem0 bs=64K seek=$blk oflag=direct status=none ||
         { echo "[kmod_smoke] writer: dd write failed"; exit 1; }
-      dd if=/dev/farmem0 of="$work/w.back" bs=1M skip=40 count=16 iflag=direct status=none ||
+      dd if="$work/blk" of="$work/full" bs=64K seek=$blk conv=notrunc status=none
+      dd if=/dev/farmem0 of="$work/blk.back" bs=64K skip=$blk count=1 iflag=direct status=none ||
         { echo "[kmod_smoke] writer: dd read failed"; exit 1; }
-      cmp -s "$work/w.new" "$work/w.back" ||
-        { echo "[kmod_smoke] writer: round $n read back differs"; exit 1; }
-      mv "$work/w.new" "$work/w.last"
+      cmp -s "$work/blk" "$work/blk.back" ||
+        { echo "[kmod_smoke] writer: block $blk read back differs after $n writes"; exit 1; }
       n=$((n + 1))
     done
-    echo "[kmod_smoke] writer: $n rounds of 16 MiB written and read back"
+    echo "[kmod_smoke] writer: $n blocks of 64 KiB written and read back during the rebuild"
   ) &
   writer=$!
+  done_before=$(grep -c '^rebuild done' "$work/attach.log" || true)
+  rebuilt_before=$(sed -n 's/.* rebuilt=\([0-9]*\).*/\1/p' /sys/kernel/farmem/status)
   kill -9 "${pids[$other]}"
   say "SIGKILL farmemd $other at $(elapsed) s, the writer running"
   give_up=$((SECONDS + 150))
-  until (($(grep -c '^rebuild done' "$work/attach.log") >= 2)); do
+  # Every slab had a copy on it: all 32 rebuilt, and the keeper's word that it is done.
+  until (($(grep -c '^rebuild done' "$work/attach.log") > done_before &&
+          $(sed -n 's/.* rebuilt=\([0-9]*\).*/\1/p' /sys/kernel/farmem/status) >= rebuilt_before + 32)); do
     kill -0 "$attach" 2>/dev/null || fail "the keeper exited"
     kill -0 "$writer" 2>/dev/null || break
     ((SECONDS < give_up)) || fail "no second rebuild done 150 s after the kill"
@@ -290,11 +299,11 @@ if [[ -n $victim ]]; then
   say "$(grep '^rebuild done' "$work/attach.log" | tail -n 1) at $(elapsed) s: $(cat /sys/kernel/farmem/status)"
   kill -9 "${pids[$third]}"
   say "SIGKILL farmemd $third (the other original daemon) at $(elapsed) s"
-  dd if="$work/w.last" of="$work/full" bs=1M seek=40 conv=notrunc status=none
   dd if=/dev/farmem0 of="$work/full.back" bs=1M iflag=direct status=none ||
     fail "dd read of the whole device from the rebuilt copies"
   cmp "$work/full" "$work/full.back" || fail "the rebuilt copies differ from what was written last"
   grep -q 'connected=1 ' /sys/kernel/farmem/status || fail "a killed daemon is still connected"
+  grep -E 'is lost|^rebuild done' "$work/attach.log" | sed 's/^/[kmod_smoke] keeper: /'
   say "verified 64 MiB from the rebuilt copies alone; $(grep -c 'rebuilt on' "$work/attach.log") copies rebuilt in all"
 fi
 if [[ $mode == restart ]]; then
