@@ -21,7 +21,7 @@
 #include <rdma/ib_verbs.h>
 #include <rdma/rdma_cm.h>
 
-#define FARMEM_IFACE_VERSION 2
+#define FARMEM_IFACE_VERSION 3
 #define FARMEM_MAX_PEERS 64
 #define FARMEM_TOKEN_BYTES 32
 #define FARMEM_MAX_SEGS 16 /* scatter entries per work request (one request, one WR) */
@@ -29,6 +29,9 @@
 #define FARMEM_READ_DEPTH 16 /* RDMA READs we ask to have in flight per QP */
 #define FARMEM_MAX_REPLICAS 3
 #define FARMEM_NAME_BYTES 80 /* a peer's control endpoint, the owner's identity: opaque text */
+#define FARMEM_SYNC_SHIFT 16 /* a rebuild copies and tracks writes in chunks of 64 KiB */
+#define FARMEM_SYNC_CHUNK (1u << FARMEM_SYNC_SHIFT)
+#define FARMEM_NO_SYNC U32_MAX /* farmem_sync.slab when no copy is being rebuilt */
 
 /* One daemon: one rdma_cm id, one RC queue pair in its own PD, one CQ polled in softirq. */
 struct farmem_peer {
@@ -59,12 +62,29 @@ struct farmem_replica {
  * Where device bytes [index * slab_bytes, (index + 1) * slab_bytes) live: `replicas` copies on
  * distinct daemons. A write goes to every copy that is not stale; a read to the first one that is
  * not stale and whose daemon is connected, and on an error to the next. A copy that failed a write
- * (or a read) is stale from then on: it never serves a read again (rebuilding it is left to the
- * control tool, not done yet).
+ * (or a read) is stale from then on: it never serves a read again until the control tool gives
+ * it a new lease with the `rebuild` command (farmem_rebuild.c), which copies the slab there.
  */
 struct farmem_slab {
 	struct farmem_replica r[FARMEM_MAX_REPLICAS];
 	unsigned long stale; /* bit per replica; set_bit/test_bit */
+};
+
+/*
+ * The copy being rebuilt (`rebuild` command, farmem_rebuild.c): at most one at a time, set up and
+ * ended under farmem_ctl_lock. While `slab` names a slab, every write to it also goes to copy
+ * `replica` (stale until the copy is done: it serves no read), and counts itself per 64 KiB chunk:
+ * `inflight` while its work requests are out, then `dirty`. The copier copies a chunk only when no
+ * write to it is in flight, and again if one started meanwhile (docs/kmod.md "Rebuilding a copy").
+ */
+struct farmem_sync {
+	u32 slab; /* FARMEM_NO_SYNC when none; READ_ONCE on the I/O path */
+	int replica;
+	bool failed; /* a write to the new copy failed: the rebuild fails */
+	spinlock_t lock; /* inflight and dirty; taken from queue_rq and the completion (softirq) */
+	u32 nchunks; /* chunks per slab */
+	u32 *inflight; /* per chunk of the slab, allocated at the first rebuild */
+	unsigned long *dirty;
 };
 
 struct farmem_dev {
@@ -85,6 +105,8 @@ struct farmem_dev {
 	char owner_id[FARMEM_NAME_BYTES];
 	char owner_identity[FARMEM_NAME_BYTES];
 	bool tag_set_ready;
+	struct farmem_sync sync;
+	u64 rebuilt; /* copies rebuilt (status) */
 };
 
 /* One work request of a request: to one replica. */
@@ -104,7 +126,10 @@ struct farmem_cmd {
 	int mapped_nents;
 	enum dma_data_direction dir;
 	atomic_t pending; /* work requests not yet completed (writes) */
-	atomic_t ok; /* work requests that succeeded (writes) */
+	atomic_t ok; /* work requests that succeeded (writes; the copy being rebuilt does not count) */
+	int sync_r; /* the replica being rebuilt this write also went to, or -1 */
+	bool sync_counted; /* counted in farmem_sync.inflight [sync_c0, sync_c1] */
+	u32 sync_c0, sync_c1;
 	struct scatterlist sg[FARMEM_MAX_SEGS];
 	struct farmem_wr w[FARMEM_MAX_REPLICAS];
 };
@@ -121,6 +146,10 @@ void farmem_peer_destroy(struct farmem_peer *peer);
 int farmem_dev_create(u64 size_bytes, u64 slab_bytes, u32 replicas);
 int farmem_dev_start(void);
 void farmem_dev_destroy(void);
+
+/* farmem_rebuild.c: a lost copy of a slab onto a new lease, while the device serves. */
+int farmem_dev_rebuild(u32 slab, u32 replica, u32 peer, u64 lease_id, u64 raddr, u32 rkey);
+void farmem_sync_free(struct farmem_sync *sync);
 
 /* farmem_ctl.c: the sysfs interface. */
 int farmem_ctl_init(void);

@@ -1,20 +1,25 @@
 // SPDX-License-Identifier: GPL-2.0
 /*
  * The control interface, /sys/kernel/farmem/ (docs/kmod.md "Interface"):
- *   version  read: the interface version ("2")
+ *   version  read: the interface version ("3")
  *   control  write: one command per write(), words separated by spaces, first word the version:
- *     2 create SIZE_BYTES SLAB_BYTES [COPIES]  a device of SIZE bytes in slabs of SLAB bytes,
+ *     3 create SIZE_BYTES SLAB_BYTES [COPIES]  a device of SIZE bytes in slabs of SLAB bytes,
  *                                              each kept in COPIES (1..3, default 1) replicas
- *     2 owner CLIENT_ID_HEX32 IDENTITY         who holds the leases (kept for `slabs` only)
- *     2 peer INDEX IPV4 PORT TOKEN_HEX64 ENDPOINT
+ *     3 owner CLIENT_ID_HEX32 IDENTITY         who holds the leases (kept for `slabs` only)
+ *     3 peer INDEX IPV4 PORT TOKEN_HEX64 ENDPOINT
  *                                              connect to a daemon's rdma_cm port with its token;
  *                                              ENDPOINT: its control address (kept for `slabs`)
- *     2 slab INDEX PEER LEASE_ID RADDR RKEY [REPLICA]
+ *     3 slab INDEX PEER LEASE_ID RADDR RKEY [REPLICA]
  *                                              copy REPLICA (default 0) of slab INDEX lives at
  *                                              RADDR/RKEY on PEER
- *     2 start                                  add /dev/farmem0 (every slab given)
- *     2 remove                                 delete the disk, disconnect, forget everything
- *   status   read: "state=<none|created|running> size=.. slab=.. peers=N connected=N errors=N";
+ *     3 start                                  add /dev/farmem0 (every slab given)
+ *     3 rebuild INDEX REPLICA PEER LEASE_ID RADDR RKEY
+ *                                              (running) copy REPLICA of slab INDEX moves to this
+ *                                              new lease: copied from a live copy, returns once done
+ *     3 remove                                 delete the disk, disconnect, forget everything
+ *   A peer may be added while running (a daemon the device did not use yet, for a rebuild).
+ *   status   read: "state=<none|created|running> size=.. slab=.. peers=N connected=N errors=N
+ *            stale=N rebuilt=N";
  *            poll(2) for POLLPRI: it changes when the disk is added or removed or a daemon
  *            disconnects.
  *   slabs    read (root): what the module holds, for a restarted tool to re-adopt the device:
@@ -57,7 +62,9 @@ static int farmem_cmd_peer(char *args)
 	unsigned int index, port;
 	int ret;
 
-	if (!farmem_dev0 || farmem_dev0->disk)
+	/* Also while running: a rebuild may need a daemon the device does not use yet. The I/O
+	 * path reaches a peer only through a slab's copy, which a rebuild sets after this. */
+	if (!farmem_dev0)
 		return -EINVAL;
 	if (sscanf(args, "%u %31s %u %65s %79s", &index, ip, &port, hex, endpoint) != 5 ||
 	    index >= FARMEM_MAX_PEERS || port == 0 || port > 65535 ||
@@ -119,6 +126,18 @@ static int farmem_cmd_slab(char *args)
 	return 0;
 }
 
+/* `rebuild S R PEER LEASE RADDR RKEY`: copy R of slab S onto a new lease (farmem_rebuild.c). */
+static int farmem_cmd_rebuild(char *args)
+{
+	unsigned int index, replica, peer, rkey;
+	unsigned long long lease_id, raddr;
+
+	if (sscanf(args, "%u %u %u %llu %llu %u", &index, &replica, &peer, &lease_id, &raddr,
+		   &rkey) != 6)
+		return -EINVAL;
+	return farmem_dev_rebuild(index, replica, peer, lease_id, raddr, rkey);
+}
+
 /* `owner CLIENT_ID IDENTITY`: 32 hex digits and a name; the module only keeps them. */
 static int farmem_cmd_owner(char *args)
 {
@@ -169,6 +188,8 @@ static ssize_t control_store(struct kobject *kobj, struct kobj_attribute *attr, 
 		ret = farmem_cmd_peer(args);
 	} else if (!strcmp(verb, "slab")) {
 		ret = farmem_cmd_slab(args);
+	} else if (!strcmp(verb, "rebuild")) {
+		ret = farmem_cmd_rebuild(args);
 	} else if (!strcmp(verb, "start")) {
 		ret = farmem_dev_start();
 	} else if (!strcmp(verb, "remove")) {
@@ -209,9 +230,9 @@ static ssize_t status_show(struct kobject *kobj, struct kobj_attribute *attr, ch
 	for (i = 0; i < dev->nslabs; i++)
 		stale += hweight_long(READ_ONCE(dev->slabs[i].stale));
 	n = sysfs_emit(buf,
-		       "state=%s size=%llu slab=%llu copies=%u peers=%d connected=%d errors=%lld stale=%d\n",
+		       "state=%s size=%llu slab=%llu copies=%u peers=%d connected=%d errors=%lld stale=%d rebuilt=%llu\n",
 		       dev->disk ? "running" : "created", dev->size_bytes, dev->slab_bytes,
-		       dev->replicas, peers, connected, errors, stale);
+		       dev->replicas, peers, connected, errors, stale, dev->rebuilt);
 	mutex_unlock(&farmem_ctl_lock);
 	return n;
 }

@@ -69,13 +69,52 @@ static bool farmem_read_next(struct farmem_cmd *cmd, int after)
 	return false;
 }
 
-/* A write's work request to one replica ended (ok or not); the last one ends the request. */
-static void farmem_write_one_done(struct farmem_cmd *cmd, bool ok)
+/* A write to the slab being rebuilt: its chunks count as written-to until it ends. */
+static void farmem_sync_begin(struct farmem_cmd *cmd, u64 len)
 {
-	if (ok)
+	struct farmem_sync *sync = &cmd->dev->sync;
+	unsigned long flags;
+	u32 c;
+
+	cmd->sync_c0 = cmd->off >> FARMEM_SYNC_SHIFT;
+	cmd->sync_c1 = (cmd->off + len - 1) >> FARMEM_SYNC_SHIFT;
+	spin_lock_irqsave(&sync->lock, flags);
+	for (c = cmd->sync_c0; c <= cmd->sync_c1; c++)
+		sync->inflight[c]++;
+	spin_unlock_irqrestore(&sync->lock, flags);
+	cmd->sync_counted = true;
+}
+
+/* Every work request of the write ended: its chunks are no longer in flight, but dirty. */
+static void farmem_sync_end(struct farmem_cmd *cmd)
+{
+	struct farmem_sync *sync = &cmd->dev->sync;
+	unsigned long flags;
+	u32 c;
+
+	spin_lock_irqsave(&sync->lock, flags);
+	for (c = cmd->sync_c0; c <= cmd->sync_c1; c++) {
+		sync->inflight[c]--;
+		__set_bit(c, sync->dirty);
+	}
+	spin_unlock_irqrestore(&sync->lock, flags);
+}
+
+/*
+ * A write's work request to replica r ended (ok or not); the last one ends the request. The
+ * request succeeds if a copy that serves reads took it: the copy being rebuilt does not count.
+ */
+static void farmem_write_one_done(struct farmem_cmd *cmd, int r, bool ok)
+{
+	if (ok && r != cmd->sync_r)
 		atomic_inc(&cmd->ok);
-	if (atomic_dec_and_test(&cmd->pending))
+	if (!ok && r == cmd->sync_r)
+		WRITE_ONCE(cmd->dev->sync.failed, true);
+	if (atomic_dec_and_test(&cmd->pending)) {
+		if (cmd->sync_counted)
+			farmem_sync_end(cmd);
 		farmem_end(cmd, atomic_read(&cmd->ok) > 0 ? BLK_STS_OK : BLK_STS_IOERR);
+	}
 }
 
 static void farmem_rdma_done(struct ib_cq *cq, struct ib_wc *wc)
@@ -88,8 +127,10 @@ static void farmem_rdma_done(struct ib_cq *cq, struct ib_wc *wc)
 
 	if (unlikely(!ok)) {
 		atomic64_inc(&rep->peer->errors);
-		/* This copy may now be older than the others: it never serves a read again. */
-		set_bit(w->replica, &cmd->slab->stale);
+		/* This copy may now be older than the others: it serves no read until the tool
+		 * rebuilt it (the status change wakes the tool). */
+		if (!test_and_set_bit(w->replica, &cmd->slab->stale))
+			farmem_ctl_notify();
 		pr_err_ratelimited("farmem: %s of %u bytes at sector %llu on daemon %pI4:%u (replica %d) failed: %s\n",
 				   cmd->dir == DMA_FROM_DEVICE ? "RDMA READ" : "RDMA WRITE",
 				   blk_rq_bytes(rq), (unsigned long long)blk_rq_pos(rq),
@@ -97,7 +138,7 @@ static void farmem_rdma_done(struct ib_cq *cq, struct ib_wc *wc)
 				   w->replica, ib_wc_status_msg(wc->status));
 	}
 	if (cmd->dir == DMA_TO_DEVICE) {
-		farmem_write_one_done(cmd, ok);
+		farmem_write_one_done(cmd, w->replica, ok);
 		return;
 	}
 	if (ok || !farmem_read_next(cmd, w->replica))
@@ -110,6 +151,7 @@ static blk_status_t farmem_queue_rq(struct blk_mq_hw_ctx *hctx, const struct blk
 	struct farmem_dev *dev = hctx->queue->queuedata;
 	struct farmem_cmd *cmd = blk_mq_rq_to_pdu(rq);
 	int r, n, targets[FARMEM_MAX_REPLICAS], ntargets = 0;
+	bool syncing = false;
 	u64 pos, len;
 
 	switch (req_op(rq)) {
@@ -152,6 +194,19 @@ static blk_status_t farmem_queue_rq(struct blk_mq_hw_ctx *hctx, const struct blk
 	}
 	if (unlikely(ntargets == 0))
 		return BLK_STS_IOERR; /* every copy lost: a clean error for exactly this range */
+	cmd->sync_r = -1;
+	cmd->sync_counted = false;
+	if (cmd->dir == DMA_TO_DEVICE &&
+	    unlikely(READ_ONCE(dev->sync.slab) == (u32)(cmd->slab - dev->slabs))) {
+		/* A copy is being rebuilt here: it takes every write from now on (farmem_rebuild.c). */
+		syncing = true;
+		r = dev->sync.replica;
+		if (test_bit(r, &cmd->slab->stale) && !READ_ONCE(dev->sync.failed) &&
+		    READ_ONCE(cmd->slab->r[r].peer->connected)) {
+			targets[ntargets++] = r;
+			cmd->sync_r = r;
+		}
+	}
 
 	blk_mq_start_request(rq);
 	sg_init_table(cmd->sg, FARMEM_MAX_SEGS);
@@ -167,12 +222,14 @@ static blk_status_t farmem_queue_rq(struct blk_mq_hw_ctx *hctx, const struct blk
 		return BLK_STS_IOERR;
 	}
 	/* A write: every usable replica; the request ends when the last one answered. */
+	if (unlikely(syncing))
+		farmem_sync_begin(cmd, len);
 	atomic_set(&cmd->pending, ntargets);
 	atomic_set(&cmd->ok, 0);
 	for (n = 0; n < ntargets; n++) {
 		if (unlikely(farmem_post(cmd, targets[n]))) {
 			set_bit(targets[n], &cmd->slab->stale);
-			farmem_write_one_done(cmd, false);
+			farmem_write_one_done(cmd, targets[n], false);
 		}
 	}
 	return BLK_STS_OK;
@@ -202,6 +259,8 @@ int farmem_dev_create(u64 size_bytes, u64 slab_bytes, u32 replicas)
 	dev->slab_bytes = slab_bytes;
 	dev->replicas = replicas;
 	dev->nslabs = div64_u64(size_bytes + slab_bytes - 1, slab_bytes);
+	dev->sync.slab = FARMEM_NO_SYNC;
+	spin_lock_init(&dev->sync.lock);
 	dev->slabs = kvcalloc(dev->nslabs, sizeof(*dev->slabs), GFP_KERNEL);
 	if (!dev->slabs) {
 		kfree(dev);
@@ -293,6 +352,7 @@ void farmem_dev_destroy(void)
 		if (dev->peers[i])
 			farmem_peer_destroy(dev->peers[i]);
 	}
+	farmem_sync_free(&dev->sync);
 	kvfree(dev->slabs);
 	kfree(dev);
 	farmem_dev0 = NULL;

@@ -187,6 +187,33 @@ Result<Lease> Cluster::AllocateExcluding(std::span<const NodeId> exclude) {
   return PlaceOne(excluded);
 }
 
+// ---- adopting ----
+
+Result<std::vector<uint64_t>> Cluster::AdoptLeases(NodeId id, std::span<const uint64_t> lease_ids) {
+  FARMEM_RETURN_IF_ERROR(CheckOpen());
+  Node* node = FindNode(id);
+  if (node == nullptr) {
+    return Err(NotFound(fmt::format("node {}: the cluster has only {}", id, node_count())));
+  }
+  MutexLock call(&node->call_mu);
+  if (!node->conn) {
+    return Err(Unavailable(
+        fmt::format("{} is not connected: its leases cannot be adopted", node->name())));
+  }
+  std::vector<uint64_t> held, gone;
+  Status why;
+  if (!ProbeLeasesLocked(*node, lease_ids, &held, &gone, &why)) {
+    return Err(Unavailable(fmt::format("{}: the connection failed while checking leases {}",
+                                       node->name(), internal::FormatLeaseIds(lease_ids))));
+  }
+  MutexLock lock(&mu_);
+  for (uint64_t lease_id : held) {
+    node->leases.insert(lease_id);
+    node->accesses->Track(lease_id);
+  }
+  return gone;
+}
+
 // ---- freeing ----
 
 Status Cluster::Free(std::span<const Lease> leases) {

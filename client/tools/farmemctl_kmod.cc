@@ -14,7 +14,16 @@
 // while /dev/farmem0 is running (its keeper was killed: systemd restarts it) connects with that
 // client id, so its heartbeats renew the same leases (a daemon binds leases to identity + client
 // id, auth::LeaseOwner), and becomes the keeper; the device never stopped serving, as long as
-// the restart came within the daemons' lease TTL.
+// the restart came within the daemons' lease TTL. The re-adopted leases become the Cluster's
+// (Cluster::AdoptLeases): eviction notices and a daemon's restart or death reach this keeper
+// as they reached the first one.
+//
+// Rebuilding (replicate:N): the keeper watches the module's status (POLLPRI) and its Cluster's
+// events. A copy whose daemon disconnected, whose work requests failed (stale), or whose lease
+// its daemon reported lost or is about to evict, gets a new lease by the Cluster's placement on a
+// daemon the slab does not use; the module is handed it with the `rebuild` command, copies the
+// slab there from a live copy while serving (kmod/farmem_rebuild.c), and the old lease is freed.
+// "rebuild done" is printed once every slab has all its copies again.
 #include <arpa/inet.h>
 #include <fcntl.h>
 #include <fmt/format.h>
@@ -22,28 +31,33 @@
 #include <poll.h>
 #include <signal.h>
 #include <spdlog/spdlog.h>
+#include <sys/eventfd.h>
 #include <sys/signalfd.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstring>
 #include <map>
 #include <optional>
+#include <set>
 #include <sstream>
 #include <string>
 #include <vector>
 
 #include "farmem/common/auth.h"
 #include "farmem/common/config.h"
+#include "farmem/common/mutex.h"
 #include "farmem/common/wire.h"
 #include "farmemctl.h"
 
 namespace farmem::ctl {
 namespace {
 
-constexpr int kIfaceVersion = 2;  // kmod/farmem.h FARMEM_IFACE_VERSION
+constexpr int kIfaceVersion = 3;  // kmod/farmem.h FARMEM_IFACE_VERSION
 constexpr std::chrono::milliseconds kTokenTimeout{5000};
 constexpr size_t kMaxCopies = 3;  // kmod/farmem.h FARMEM_MAX_REPLICAS
 constexpr size_t kMaxName = 80;   // kmod/farmem.h FARMEM_NAME_BYTES, with its NUL
+constexpr int kMaxPeers = 64;     // kmod/farmem.h FARMEM_MAX_PEERS
 
 Status WriteControl(const std::string& dir, const std::string& line) {
   const std::string path = dir + "/control";
@@ -136,6 +150,8 @@ struct Held {
     uint32_t index = 0;
     int peer = 0;
     uint64_t lease_id = 0;
+    uint64_t remote_addr = 0;
+    uint32_t rkey = 0;
     uint32_t replica = 0;
     bool stale = false;
   };
@@ -164,8 +180,7 @@ Result<Held> ReadHeld(const std::string& dir) {
       h.peers.push_back(std::move(p));
     } else if (kind == "slab") {
       Held::Slab sl;
-      uint64_t raddr = 0, rkey = 0;
-      w >> sl.index >> sl.peer >> sl.lease_id >> raddr >> rkey >> sl.replica >> flag;
+      w >> sl.index >> sl.peer >> sl.lease_id >> sl.remote_addr >> sl.rkey >> sl.replica >> flag;
       sl.stale = flag == "stale=1";
       h.slabs.push_back(sl);
     } else {
@@ -184,11 +199,68 @@ std::string State(const std::string& dir) {
   return rest.substr(0, rest.find_first_of(" \n"));
 }
 
+// Which module peer (kmod/farmem.h: one rdma_cm connection) reaches which daemon.
+struct Peers {
+  std::map<int, client::NodeId> node_of;  // every module peer index given
+  std::map<client::NodeId, int> live;     // the index to use for a node (connected when given)
+  int next = 0;                           // the next unused index
+};
+
+// Connects the module to the daemon `node` as peer `peers->next`: an RDMA admission token asked
+// on a control connection of this client id, then the `peer` command. Running or not.
+Result<int> ConnectPeer(client::Cluster& cl, const std::string& dir, client::NodeId node,
+                        Peers* peers) {
+  if (peers->next >= kMaxPeers) {
+    return Err(ResourceExhausted(
+        fmt::format("farmem.ko holds at most {} daemon connections and all are used", kMaxPeers)));
+  }
+  const int index = peers->next;
+  const client::NodeInfo info = cl.node(node);
+  const std::string endpoint = info.endpoint.ToString();
+  if (endpoint.size() >= kMaxName || endpoint.find(' ') != std::string::npos) {
+    return Err(InvalidArgument(fmt::format(
+        "daemon '{}': farmem.ko keeps a daemon's address in {} characters without spaces: "
+        "name it by a shorter address in --peers",
+        endpoint, kMaxName - 1)));
+  }
+  FARMEM_ASSIGN_OR_RETURN(std::string ip, ResolveIpv4(info.endpoint.host));
+  FARMEM_ASSIGN_OR_RETURN(transport::TcpConnection conn, cl.ControlConnection(node));
+  auto reply = conn.Call(wire::Opcode::kRdmaToken, {}, kTokenTimeout);
+  if (!reply) return Err(reply.error().WithContext(endpoint + ": RDMA_TOKEN"));
+  FARMEM_ASSIGN_OR_RETURN(wire::RdmaTokenReply token, wire::DecodeRdmaTokenReply(*reply));
+  FARMEM_RETURN_IF_ERROR(
+      WriteControl(dir, fmt::format("{} peer {} {} {} {} {}", kIfaceVersion, index, ip,
+                                    token.rdma_port, Hex(token.token), endpoint))
+          .WithContext(fmt::format("connecting farmem.ko to {} (rdma_cm port {})", endpoint,
+                                   token.rdma_port)));
+  peers->node_of[index] = node;
+  peers->live[node] = index;
+  peers->next = index + 1;
+  return index;
+}
+
+// Every daemon must lend slabs of one size and serve RDMA: farmem.ko reads and writes slabs of
+// the device's slab size with RDMA only.
+Status CheckLease(client::Cluster& cl, const client::Lease& l, uint64_t slab_size) {
+  if (l.grant.length != slab_size) {
+    return InvalidArgument(fmt::format(
+        "daemon {} lends slabs of {}, others {}: farmem.ko needs one slab size",
+        cl.node(l.node).endpoint.ToString(), FormatSize(l.grant.length), FormatSize(slab_size)));
+  }
+  if (l.grant.rkey == 0 && l.grant.remote_addr == 0) {
+    return InvalidArgument(
+        fmt::format("daemon {} serves no RDMA (run it with --rdma on on an RDMA device's "
+                    "address): farmem.ko reads and writes slabs with RDMA only",
+                    cl.node(l.node).endpoint.ToString()));
+  }
+  return Status::Ok();
+}
+
 // Leases the slabs and configures the module; on failure the caller removes the device.
 // copies: 1 (resilience none) or N (replicate:N: every slab's N copies on N distinct daemons).
 // *leases holds slab s's copy r at s * copies + r.
 Status Configure(client::Cluster& cl, const std::string& dir, uint64_t size, size_t copies,
-                 std::vector<client::Lease>* leases) {
+                 std::vector<client::Lease>* leases, Peers* peers) {
   uint64_t slab_size = 0;
   for (client::NodeId id = 0; id < cl.node_count() && slab_size == 0; ++id) {
     if (auto st = cl.Stat(id)) slab_size = st->slab_size;
@@ -204,61 +276,26 @@ Status Configure(client::Cluster& cl, const std::string& dir, uint64_t size, siz
       leases->insert(leases->end(), group->begin(), group->end());
     }
   }
-  for (const client::Lease& l : *leases) {
-    if (l.grant.length != slab_size) {
-      return InvalidArgument(fmt::format(
-          "daemon {} lends slabs of {}, others {}: farmem.ko needs one slab size",
-          cl.node(l.node).endpoint.ToString(), FormatSize(l.grant.length), FormatSize(slab_size)));
-    }
-    if (l.grant.rkey == 0 && l.grant.remote_addr == 0) {
-      return InvalidArgument(
-          fmt::format("daemon {} serves no RDMA (run it with --rdma on on an RDMA device's "
-                      "address): farmem.ko reads and writes slabs with RDMA only",
-                      cl.node(l.node).endpoint.ToString()));
-    }
-  }
+  for (const client::Lease& l : *leases) FARMEM_RETURN_IF_ERROR(CheckLease(cl, l, slab_size));
   FARMEM_RETURN_IF_ERROR(WriteControl(dir, fmt::format("{} create {} {} {}", kIfaceVersion,
                                                        nslabs * slab_size, slab_size, copies)));
   // Who holds the leases, for a restarted attach to renew them (see the top of this file).
   FARMEM_RETURN_IF_ERROR(WriteControl(
       dir, fmt::format("{} owner {} {}", kIfaceVersion, auth::EncodeHex(cl.client_id()),
                        auth::CanonicalIdentity(cl.options().identity))));
-  std::map<client::NodeId, int> peer_index;
   for (const client::Lease& l : *leases) {
-    if (peer_index.contains(l.node)) continue;
-    const int index = static_cast<int>(peer_index.size());
-    const client::NodeInfo node = cl.node(l.node);
-    const std::string endpoint = node.endpoint.ToString();
-    if (endpoint.size() >= kMaxName || endpoint.find(' ') != std::string::npos) {
-      return InvalidArgument(fmt::format(
-          "daemon '{}': farmem.ko keeps a daemon's address in {} characters without spaces: "
-          "name it by a shorter address in --peers",
-          endpoint, kMaxName - 1));
-    }
-    FARMEM_ASSIGN_OR_RETURN(std::string ip, ResolveIpv4(node.endpoint.host));
-    FARMEM_ASSIGN_OR_RETURN(transport::TcpConnection conn, cl.ControlConnection(l.node));
-    auto reply = conn.Call(wire::Opcode::kRdmaToken, {}, kTokenTimeout);
-    if (!reply) return reply.error().WithContext(node.endpoint.ToString() + ": RDMA_TOKEN");
-    FARMEM_ASSIGN_OR_RETURN(wire::RdmaTokenReply token, wire::DecodeRdmaTokenReply(*reply));
-    FARMEM_RETURN_IF_ERROR(
-        WriteControl(dir, fmt::format("{} peer {} {} {} {} {}", kIfaceVersion, index, ip,
-                                      token.rdma_port, Hex(token.token), endpoint))
-            .WithContext(fmt::format("connecting farmem.ko to {} (rdma_cm port {})",
-                                     node.endpoint.ToString(), token.rdma_port)));
-    peer_index[l.node] = index;
+    if (peers->live.contains(l.node)) continue;
+    if (auto index = ConnectPeer(cl, dir, l.node, peers); !index) return index.error();
   }
   for (size_t i = 0; i < leases->size(); ++i) {
     const client::Lease& l = (*leases)[i];
     FARMEM_RETURN_IF_ERROR(WriteControl(
-        dir, fmt::format("{} slab {} {} {} {} {} {}", kIfaceVersion, i / copies, peer_index[l.node],
-                         l.id(), l.grant.remote_addr, l.grant.rkey, i % copies)));
+        dir,
+        fmt::format("{} slab {} {} {} {} {} {}", kIfaceVersion, i / copies, peers->live[l.node],
+                    l.id(), l.grant.remote_addr, l.grant.rkey, i % copies)));
   }
   return WriteControl(dir, fmt::format("{} start", kIfaceVersion));
 }
-
-// The leases of a re-adopted device, per node. The Cluster did not grant them, so its Close
-// does not free them: the keeper does, at the end (FreeAdopted).
-using Adopted = std::map<client::NodeId, std::vector<uint64_t>>;
 
 // Whether this attach may take over the running device `held`: same size and copies as asked
 // (systemd restarts it with the same command line; anything else is a mistake to report).
@@ -281,16 +318,18 @@ Status CheckAdoptable(const Held& held, const std::string& dir, uint64_t size, s
   return Status::Ok();
 }
 
-// Renews the device's leases now (a HEARTBEAT as their owner on each daemon) and says which
-// node holds which. Leases that lapsed before this restart are reported, not recovered: their
-// bytes are gone (the module's reads there fail with remote access errors).
-Result<Adopted> Adopt(client::Cluster& cl, const Held& held) {
-  std::map<int, client::NodeId> node_of;  // module peer index -> node
+// Takes over the device's leases (Cluster::AdoptLeases: checked on each daemon, renewed by this
+// Cluster's heartbeats from now on, and covered by its events, Free and Close) and learns which
+// module peer reaches which daemon. Leases that lapsed before this restart are reported, not
+// recovered here: their bytes are gone (with replicate:N the keeper rebuilds those copies).
+// Returns how many leases were adopted.
+Result<size_t> Adopt(client::Cluster& cl, const Held& held, Peers* peers) {
   for (const Held::Peer& p : held.peers) {
     bool found = false;
     for (const client::NodeInfo& n : cl.nodes()) {
       if (n.endpoint.ToString() == p.endpoint) {
-        node_of[p.index] = n.id;
+        peers->node_of[p.index] = n.id;
+        if (p.connected) peers->live[n.id] = p.index;
         found = true;
         break;
       }
@@ -301,65 +340,203 @@ Result<Adopted> Adopt(client::Cluster& cl, const Held& held) {
                       "daemons it was attached with",
                       p.endpoint)));
     }
+    peers->next = std::max(peers->next, p.index + 1);
   }
-  Adopted adopted;
-  for (const Held::Slab& sl : held.slabs) adopted[node_of.at(sl.peer)].push_back(sl.lease_id);
-  for (const auto& [node, ids] : adopted) {
+  std::map<client::NodeId, std::vector<uint64_t>> by_node;
+  for (const Held::Slab& sl : held.slabs)
+    by_node[peers->node_of.at(sl.peer)].push_back(sl.lease_id);
+  size_t adopted = 0;
+  for (const auto& [node, ids] : by_node) {
     const std::string name = cl.node(node).endpoint.ToString();
-    auto conn = cl.ControlConnection(node);
-    if (!conn) {
+    auto gone = cl.AdoptLeases(node, ids);
+    if (!gone) {
       spdlog::warn("re-adopting: {} is down ({}): its {} lease(s) cannot be renewed", name,
-                   conn.error().ToString(), ids.size());
+                   gone.error().ToString(), ids.size());
       continue;
     }
-    auto reply = conn->Call(wire::Opcode::kHeartbeat, {}, kTokenTimeout);
-    if (!reply) return Err(reply.error().WithContext(name + ": HEARTBEAT"));
-    FARMEM_ASSIGN_OR_RETURN(wire::HeartbeatReply hb, wire::DecodeHeartbeatReply(*reply));
-    if (hb.leases_held < ids.size()) {
+    adopted += ids.size() - gone->size();
+    if (!gone->empty()) {
       spdlog::error(
           "re-adopting: {} holds {} of the device's {} lease(s) there: the others lapsed before "
           "this restart (lease TTL {} ms) and their bytes are gone",
-          name, hb.leases_held, ids.size(), hb.lease_ttl_ms);
+          name, ids.size() - gone->size(), ids.size(), cl.node(node).lease_ttl_ms);
     } else {
       spdlog::info("re-adopted {} lease(s) on {} (lease TTL {} ms)", ids.size(), name,
-                   hb.lease_ttl_ms);
+                   cl.node(node).lease_ttl_ms);
     }
   }
   return adopted;
 }
 
-// Frees a re-adopted device's leases (FREE as their owner). A lease that lapsed meanwhile makes
-// a daemon refuse the whole call, so then they go one by one and lapsed ones are skipped.
-Status FreeAdopted(client::Cluster& cl, const Adopted& adopted) {
-  Status result = Status::Ok();
-  auto free = [](transport::TcpConnection& conn, std::span<const uint64_t> ids) {
-    wire::FreeRequest req;
-    req.lease_ids.assign(ids.begin(), ids.end());
-    std::vector<uint8_t> body;
-    wire::EncodeFree(req, &body);
-    return conn.Call(wire::Opcode::kFree, body, kTokenTimeout);
-  };
-  for (const auto& [node, ids] : adopted) {
-    const std::string name = cl.node(node).endpoint.ToString();
-    auto conn = cl.ControlConnection(node);
-    if (!conn) {
-      result = conn.error().WithContext(fmt::format(
-          "freeing {} lease(s) on {} (they lapse with the lease TTL)", ids.size(), name));
-      continue;
-    }
-    for (size_t i = 0; i < ids.size(); i += wire::kMaxLeasesPerCall) {
-      const std::span<const uint64_t> batch(
-          ids.data() + i, std::min<size_t>(wire::kMaxLeasesPerCall, ids.size() - i));
-      if (free(*conn, batch)) continue;
-      for (uint64_t id : batch) {
-        if (auto r = free(*conn, std::span<const uint64_t>(&id, 1)); !r) {
-          spdlog::warn("freeing lease {:#x} on {}: {}", id, name, r.error().ToString());
+// The lease keeper's reaction to lost copies (see the top of this file). Repair() runs on the
+// attach command's thread; the Cluster's event callback only records lease ids and wakes it.
+class Rebuilder {
+ public:
+  Rebuilder(client::Cluster& cl, std::string dir, size_t copies)
+      : cl_(cl), dir_(std::move(dir)), copies_(copies) {
+    wake_fd_ = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+  }
+  ~Rebuilder() {
+    if (wake_fd_ >= 0) ::close(wake_fd_);
+  }
+  Rebuilder(const Rebuilder&) = delete;
+  Rebuilder& operator=(const Rebuilder&) = delete;
+
+  int wake_fd() const { return wake_fd_; }
+  // Which module peer reaches which daemon: filled by Configure or Adopt before Repair runs.
+  Peers* peers() { return &peers_; }
+
+  // Called on the Cluster's thread: the leases named are gone or going (a daemon down or
+  // restarted, an eviction notice), or back (kLeasesReturned).
+  void OnEvent(const client::Event& e) {
+    spdlog::warn("{} {}: {} lease(s) {}", client::EventTypeName(e.type), e.endpoint.ToString(),
+                 e.lease_ids.size(), e.reason.ok() ? "" : e.reason.ToString());
+    {
+      MutexLock lock(&mu_);
+      for (uint64_t id : e.lease_ids) {
+        if (e.type == client::EventType::kLeasesReturned) {
+          doomed_.erase(id);
+        } else if (e.type != client::EventType::kNodeUp) {
+          doomed_.insert(id);
         }
       }
     }
+    const uint64_t one = 1;
+    (void)!::write(wake_fd_, &one, sizeof(one));
   }
-  return result;
-}
+
+  // Gives every lost copy a new lease and has the module rebuild it there; prints "rebuild
+  // done" once every slab has all its copies again. Failures are logged (once while they stay
+  // the same) and retried at the next call.
+  void Repair() {
+    uint64_t drained;
+    (void)!::read(wake_fd_, &drained, sizeof(drained));
+    auto held = ReadHeld(dir_);
+    if (!held) return Note("reading " + dir_ + "/slabs: " + held.error().ToString());
+    std::map<int, bool> connected;
+    for (const Held::Peer& p : held->peers) connected[p.index] = p.connected;
+    std::set<uint64_t> doomed;
+    {
+      MutexLock lock(&mu_);
+      doomed = doomed_;
+    }
+    // Per slab: its copies, and which are lost.
+    std::map<uint32_t, std::vector<const Held::Slab*>> slabs;
+    for (const Held::Slab& sl : held->slabs) slabs[sl.index].push_back(&sl);
+    auto lost = [&](const Held::Slab& sl) {
+      return sl.stale || !connected[sl.peer] || doomed.contains(sl.lease_id);
+    };
+    size_t bad = 0;
+    std::vector<uint32_t> dead;  // slabs with no live copy left
+    bool failed = false;         // a rebuild failed: the others wait for the next round
+    for (const auto& [index, reps] : slabs) {
+      const bool any_live = std::ranges::any_of(reps, [&](const auto* r) { return !lost(*r); });
+      for (const Held::Slab* sl : reps) {
+        if (!lost(*sl)) continue;
+        ++bad;
+        if (!any_live) {
+          dead.push_back(index);
+          break;
+        }
+        if (failed) continue;
+        const std::string_view why = sl->stale              ? "stale"
+                                     : !connected[sl->peer] ? "daemon disconnected"
+                                                            : "lease reported lost or noticed";
+        if (Status s = RebuildOne(*sl, reps, held->slab_size, why); !s.ok()) {
+          Note(fmt::format("rebuilding slab {} copy {}: {} (retried every second)", index,
+                           sl->replica, s.ToString()));
+          failed = true;
+          continue;
+        }
+        --bad;
+      }
+    }
+    if (!dead.empty()) {
+      Note(fmt::format("{} slab(s) have no live copy left{}: their bytes are lost (first: slab {})",
+                       dead.size(), copies_ == 1 ? " (resilience none)" : "", dead.front()));
+    }
+    if (bad == 0 && degraded_) {
+      fmt::print("rebuild done: every slab has its {} copies ({} rebuilt so far)\n", copies_,
+                 rebuilt_);
+      std::fflush(stdout);
+      last_note_.clear();
+    }
+    degraded_ = bad > 0;
+  }
+
+ private:
+  // A failure worth one log line while it stays the same (Repair retries every second).
+  void Note(const std::string& what) {
+    if (what != last_note_) spdlog::error("{}", what);
+    last_note_ = what;
+  }
+
+  Status RebuildOne(const Held::Slab& sl, const std::vector<const Held::Slab*>& reps,
+                    uint64_t slab_size, std::string_view why) {
+    std::vector<client::NodeId> exclude;
+    for (const Held::Slab* r : reps) exclude.push_back(peers_.node_of.at(r->peer));
+    if (!degraded_) {
+      spdlog::warn("slab {} copy {} (lease {:#x}) is lost ({}): rebuilding it", sl.index,
+                   sl.replica, sl.lease_id, why);
+    }
+    degraded_ = true;
+    FARMEM_ASSIGN_OR_RETURN(client::Lease lease, cl_.AllocateExcluding(exclude));
+    auto fail = [&](Status s) {
+      (void)cl_.Free(std::span<const client::Lease>(&lease, 1));
+      return s;
+    };
+    if (Status s = CheckLease(cl_, lease, slab_size); !s.ok()) return fail(s);
+    int index;
+    if (auto it = peers_.live.find(lease.node);
+        it != peers_.live.end() && PeerConnected(it->second)) {
+      index = it->second;
+    } else {
+      auto connected = ConnectPeer(cl_, dir_, lease.node, &peers_);
+      if (!connected) return fail(connected.error());
+      index = *connected;
+    }
+    const auto started = Clock::now();
+    if (Status s = WriteControl(
+            dir_, fmt::format("{} rebuild {} {} {} {} {} {}", kIfaceVersion, sl.index, sl.replica,
+                              index, lease.id(), lease.grant.remote_addr, lease.grant.rkey));
+        !s.ok()) {
+      return fail(s);
+    }
+    ++rebuilt_;
+    spdlog::info(
+        "slab {} copy {}: rebuilt on {} (lease {:#x}) in {} ms", sl.index, sl.replica,
+        cl_.node(lease.node).endpoint.ToString(), lease.id(),
+        std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - started).count());
+    // The old lease: gone with its daemon (Free accepts that), or about to be evicted.
+    client::Lease old{peers_.node_of.at(sl.peer), wire::LeaseGrant{.lease_id = sl.lease_id}};
+    if (Status s = cl_.Free(std::span<const client::Lease>(&old, 1)); !s.ok()) {
+      spdlog::debug("freeing the lost copy's lease {:#x}: {}", sl.lease_id, s.ToString());
+    }
+    MutexLock lock(&mu_);
+    doomed_.erase(sl.lease_id);
+    return Status::Ok();
+  }
+
+  bool PeerConnected(int index) {
+    auto held = ReadHeld(dir_);
+    if (!held) return false;
+    for (const Held::Peer& p : held->peers) {
+      if (p.index == index) return p.connected;
+    }
+    return false;
+  }
+
+  client::Cluster& cl_;
+  const std::string dir_;
+  const size_t copies_;
+  Peers peers_;
+  int wake_fd_ = -1;
+  Mutex mu_;
+  std::set<uint64_t> doomed_ GUARDED_BY(mu_);  // leases the Cluster reported gone or going
+  bool degraded_ = false;                      // some copy was lost and is not rebuilt yet
+  size_t rebuilt_ = 0;
+  std::string last_note_;
+};
 
 }  // namespace
 
@@ -430,51 +607,47 @@ int KmodAttachCmd(const Common& common, const std::string& size_text, const std:
     return 1;
   }
   client::Cluster& cl = **cluster;
-  Adopted adopted;
+  // Subscribed before any lease is this Cluster's, so no event about one is missed.
+  Rebuilder rebuilder(cl, dir, copies);
+  cl.Subscribe([&rebuilder](const client::Event& e) { rebuilder.OnEvent(e); });
   if (held) {
     const std::string_view me = auth::CanonicalIdentity(cl.options().identity);
-    Result<Adopted> a = me == held->identity
-                            ? Adopt(cl, *held)
-                            : Err(PermissionDenied(fmt::format(
-                                  "/dev/farmem0's leases belong to identity '{}', this attach "
-                                  "authenticates as '{}': give that identity's key",
-                                  held->identity, me)));
+    Result<size_t> a = me == held->identity
+                           ? Adopt(cl, *held, rebuilder.peers())
+                           : Err(PermissionDenied(fmt::format(
+                                 "/dev/farmem0's leases belong to identity '{}', this attach "
+                                 "authenticates as '{}': give that identity's key",
+                                 held->identity, me)));
     if (!a) {
       fmt::print(stderr, "farmemctl kmod attach: re-adopting /dev/farmem0: {}\n",
                  a.error().ToString());
       (void)cl.Close();
       return 1;
     }
-    adopted = std::move(*a);
-    size_t n = 0;
-    for (const auto& [node, ids] : adopted) n += ids.size();
+    std::set<client::NodeId> nodes;
+    for (const auto& [index, node] : rebuilder.peers()->node_of) nodes.insert(node);
     fmt::print(
         "re-adopted /dev/farmem0: {} in {} slabs ({}) on {} daemons, {} lease(s); keeping the "
         "leases alive (farmemctl kmod detach, or SIGTERM, ends it)\n",
-        FormatSize(held->size), held->size / held->slab_size, resilience, adopted.size(), n);
+        FormatSize(held->size), held->size / held->slab_size, resilience, nodes.size(), *a);
   } else {
     std::vector<client::Lease> leases;
-    if (Status s = Configure(cl, dir, *size, copies, &leases); !s.ok()) {
+    if (Status s = Configure(cl, dir, *size, copies, &leases, rebuilder.peers()); !s.ok()) {
       fmt::print(stderr, "farmemctl kmod attach: {}\n", s.ToString());
       (void)WriteControl(dir, fmt::format("{} remove", kIfaceVersion));
       (void)cl.Close();
       return 1;
     }
-    std::map<client::NodeId, int> per_node;
-    for (const auto& l : leases) per_node[l.node]++;
     fmt::print(
         "attached /dev/farmem0: {} in {} slabs ({}) on {} daemons; keeping the leases alive "
         "(farmemctl kmod detach, or SIGTERM, ends it)\n",
         FormatSize(leases.size() / copies * leases[0].grant.length), leases.size() / copies,
-        resilience, per_node.size());
+        resilience, rebuilder.peers()->live.size());
   }
   std::fflush(stdout);
-  cl.Subscribe([](const client::Event& e) {
-    spdlog::warn("{} {}: {} lease(s) {}", client::EventTypeName(e.type), e.endpoint.ToString(),
-                 e.lease_ids.size(), e.reason.ok() ? "" : e.reason.ToString());
-  });
 
-  // Wait for the device to go away (status changes wake poll with POLLPRI) or a signal.
+  // Wait for the device to go away (status changes wake poll with POLLPRI) or a signal; on a
+  // status change or a Cluster event, rebuild what was lost.
   const std::string status_path = dir + "/status";
   const int stfd = ::open(status_path.c_str(), O_RDONLY | O_CLOEXEC);
   std::string last;
@@ -488,9 +661,11 @@ int KmodAttachCmd(const Common& common, const std::string& size_text, const std:
       fmt::print("/dev/farmem0 was removed; freeing the leases\n");
       break;
     }
-    pollfd p[2] = {{sfd, POLLIN, 0}, {stfd, POLLPRI, 0}};
-    // The timeout only re-reads the status in case a notification was missed.
-    ::poll(p, stfd >= 0 ? 2 : 1, 1000);
+    rebuilder.Repair();
+    pollfd p[3] = {{sfd, POLLIN, 0}, {rebuilder.wake_fd(), POLLIN, 0}, {stfd, POLLPRI, 0}};
+    // The timeout re-reads the status in case a notification was missed, and retries a
+    // rebuild that failed.
+    ::poll(p, stfd >= 0 ? 3 : 2, 1000);
     if (p[0].revents & POLLIN) {
       fmt::print("signal: removing /dev/farmem0 and freeing the leases\n");
       if (Status s = WriteControl(dir, fmt::format("{} remove", kIfaceVersion)); !s.ok()) {
@@ -500,16 +675,12 @@ int KmodAttachCmd(const Common& common, const std::string& size_text, const std:
     }
   }
   if (stfd >= 0) ::close(stfd);
-  int rc = 0;
-  if (Status s = FreeAdopted(cl, adopted); !s.ok()) {
-    fmt::print(stderr, "farmemctl kmod attach: freeing the leases: {}\n", s.ToString());
-    rc = 1;
-  }
+  // Every lease, granted or adopted, is the Cluster's: Close frees them.
   if (Status s = cl.Close(); !s.ok()) {
     fmt::print(stderr, "farmemctl kmod attach: freeing the leases: {}\n", s.ToString());
     return 1;
   }
-  return rc;
+  return 0;
 }
 
 int KmodDetachCmd(const std::string& dir) {

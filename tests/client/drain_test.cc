@@ -79,6 +79,48 @@ TEST(DrainTest, FarmemctlDrainShowsInStatAndUndrainGrantsAgain) {
   EXPECT_TRUE((*cluster)->Free(*held).ok()) << "undrain lifted the notices: the leases stay";
 }
 
+// A Cluster given the client id of another (a restarted `farmemctl kmod attach` re-adopting a
+// device, docs/kmod.md) did not grant that one's leases: before AdoptLeases it got no eviction
+// notice (nor kNodeDown/kLeasesLost) for them and could not Free them.
+TEST(DrainTest, AdoptedLeasesGetEvictNoticesAndCanBeFreed) {
+  DaemonSet daemons({.extra_args = {"--no-mlock", "--memory-source", "off"}});
+  ASSERT_TRUE(daemons.Start(1).ok()) << daemons.Logs();
+  auto first = Cluster::Connect(Options(daemons));
+  ASSERT_TRUE(first.has_value()) << first.error().ToString();
+  auto held = (*first)->Allocate(2);
+  ASSERT_TRUE(held.has_value());
+  ClusterOptions o = Options(daemons);
+  o.client_id = (*first)->client_id();
+  auto second = Cluster::Connect(o);
+  ASSERT_TRUE(second.has_value()) << second.error().ToString();
+  std::vector<uint64_t> ids = {(*held)[0].id(), (*held)[1].id(), 0xdead};
+  auto gone = (*second)->AdoptLeases(0, ids);
+  ASSERT_TRUE(gone.has_value()) << gone.error().ToString();
+  EXPECT_EQ(*gone, std::vector<uint64_t>{0xdead}) << "a lease the daemon never granted is gone";
+  EXPECT_EQ((*second)->node(0).leases_held, 2u);
+  std::mutex mu;
+  std::vector<uint64_t> noticed;
+  (*second)->Subscribe([&](const Event& e) {
+    if (e.type != EventType::kEvictNotice) return;
+    std::lock_guard lock(mu);
+    noticed.insert(noticed.end(), e.lease_ids.begin(), e.lease_ids.end());
+  });
+  testing::CommandResult r =
+      Farmemctl(daemons, {"drain", daemons[0].endpoint().ToString(), "--grace-ms", "60000"});
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  ASSERT_TRUE(WaitUntil(
+      [&] {
+        std::lock_guard lock(mu);
+        return noticed.size() == 2;
+      },
+      milliseconds(5000)))
+      << "the adopting Cluster got no eviction notice for the adopted leases\n"
+      << daemons.Logs();
+  EXPECT_TRUE((*second)->Free(*held).ok()) << "adopted leases can be freed";
+  EXPECT_EQ((*second)->node(0).leases_held, 0u);
+  (void)(*first)->Close();  // its leases are freed already
+}
+
 TEST(DrainTest, SigtermDrainsAMovingBorrowerLosesNothingDaemonExitsEarly) {
   DaemonSet daemons(
       {.extra_args = {"--no-mlock", "--memory-source", "off", "--drain-timeout", "20000"}});

@@ -3,11 +3,12 @@
 # directives, sandboxing values, specifiers and that ExecStart= is executable: the templates'
 # @FARMEM_SBINDIR@ is pointed at this build's binaries for the check; the installed units are
 # checked by tests/package/deb_test.sh).
-#   tests/deploy/systemd_verify.sh <source dir> <farmemd> <farmem-nbd>
+#   tests/deploy/systemd_verify.sh <source dir> <farmemd> <farmem-nbd> <farmemctl>
 set -euo pipefail
-src=${1:?usage: systemd_verify.sh <source dir> <farmemd> <farmem-nbd>}
+src=${1:?usage: systemd_verify.sh <source dir> <farmemd> <farmem-nbd> <farmemctl>}
 farmemd=${2:?}
 nbd=${3:?}
+farmemctl=${4:?}
 fail() { echo "FAIL: $*" >&2; exit 1; }
 command -v systemd-analyze >/dev/null ||
   fail "systemd-analyze not found: apt-get install systemd (deploy/install-deps.sh installs it)"
@@ -16,13 +17,14 @@ tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 for in in "$src"/deploy/systemd/*.in; do
   u=$(basename "$in" .in)
+  # (farmem-kmod.service names farmemctl without a directory: systemd's search path.)
   sed -e "s#@FARMEM_SBINDIR@/farmemd #$farmemd #" -e "s#@FARMEM_SBINDIR@/farmem-nbd #$nbd #" \
-    "$in" >"$tmp/$u"
+    -e "s#^ExecStart=farmemctl #ExecStart=$farmemctl #" "$in" >"$tmp/$u"
 done
 grep -q '@[A-Z_]*@' "$tmp"/* && fail "a @VARIABLE@ of the unit templates the check does not know about"
 cp "$tmp/farmemd@.service" "$tmp/farmemd@main.service"  # a template is verified as an instance
 cd "$tmp"
-units=(farmemd@main.service farmemd.service farmem-nbd.socket farmem-nbd.service)
+units=(farmemd@main.service farmemd.service farmem-nbd.socket farmem-nbd.service farmem-kmod.service)
 if ! out=$(systemd-analyze verify "${units[@]/#/./}" 2>&1) || [[ -n "$out" ]]; then
   fail "systemd-analyze verify: ${out:-non-zero exit}"
 fi
@@ -40,4 +42,9 @@ for u in farmemd@main.service farmemd.service farmem-nbd.service; do
   grep -q '^Type=notify$' "$u" || fail "$u: not Type=notify"
 done
 grep -q '^ListenStream=' farmem-nbd.socket || fail "farmem-nbd.socket listens on nothing"
+# The lease keeper: a killed one comes back and re-adopts /dev/farmem0; a detached one (exit 0)
+# stays stopped; and it must be able to write /sys/kernel/farmem/control.
+grep -q '^ExecStart=[^ ]*farmemctl kmod attach ' farmem-kmod.service || fail "farmem-kmod.service ExecStart="
+grep -q '^Restart=on-failure$' farmem-kmod.service || fail "farmem-kmod.service: Restart=on-failure"
+grep -q '^ProtectKernelTunables=yes' farmem-kmod.service && fail "farmem-kmod.service: /sys read-only"
 echo "deploy/systemd: ${units[*]} verify clean"

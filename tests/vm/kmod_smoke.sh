@@ -5,7 +5,11 @@
 #
 # none: two farmemd daemons with --rdma on, on 10.0.2.15 and 10.0.2.16 (rxe0); replicate: three
 # (.15, .16, .17), --resilience replicate:2, and one daemon SIGKILLed while the swap workload reads
-# its pages back (reads go to the surviving copy; nothing may be lost); restart: as none, but the
+# its pages back (reads go to the surviving copy; nothing may be lost); the keeper rebuilds every
+# lost copy on another daemon while the workload keeps swapping (and rewriting); once it reports
+# "rebuild done", a second original daemon is SIGKILLed: the slabs whose surviving copy it held
+# have only their rebuilt copy left, and every byte (two more verify passes of the workload, 8 MiB
+# written beyond the swap area before the first kill) must still verify; restart: as none, but the
 # lease keeper (farmemctl kmod attach) is SIGKILLed while the swap workload reads its pages back
 # and started again 2 s later: it re-adopts the device and renews the same leases, the device
 # never stops serving, and a pattern written and read back once the daemons' lease TTL has passed
@@ -39,7 +43,7 @@ workload=${3:?swap_workload path}
 mode=${4:-none}
 case $mode in
   none) daemons=2 resilience=none capacity=48M victim="" ;;
-  replicate) daemons=3 resilience=replicate:2 capacity=64M victim=1 ;;
+  replicate) daemons=3 resilience=replicate:2 capacity=64M victim=1 other=0 third=2 ;;
   restart) daemons=2 resilience=none capacity=48M victim="" ;;
   *) fail "mode must be none, replicate or restart, not $mode" ;;
 esac
@@ -55,10 +59,11 @@ start=$(date +%s.%N)
 elapsed() { awk -v a="$start" -v b="$(date +%s.%N)" 'BEGIN { printf "%.1f", b - a }'; }
 vmstat() { awk -v k="$1" '$1 == k { print $2 }' /proc/vmstat; }
 mkdir -p "$work"
-pids=() attach="" killer=""
+pids=() attach="" killer="" writer=""
 cleanup() {
   set +e
   [[ -n $killer ]] && kill "$killer" 2>/dev/null
+  [[ -n $writer ]] && touch "$work/stop"
   swapoff /dev/farmem0 2>/dev/null
   [[ -n $attach ]] && kill "$attach" 2>/dev/null && wait "$attach" 2>/dev/null
   [[ -n ${wl:-} ]] && kill "$wl" 2>/dev/null
@@ -79,7 +84,7 @@ say "farmemd up at $(elapsed) s: $peer_list"
 
 # ---- the module and its control plane -------------------------------------------------------------
 insmod "$ko" || fail "insmod $ko"
-[[ $(cat /sys/kernel/farmem/version) == 2 ]] || fail "unexpected interface version"
+[[ $(cat /sys/kernel/farmem/version) == 3 ]] || fail "unexpected interface version"
 start_attach() {  # log file
   "$bin/farmemctl" --log-level info kmod attach --peers "$peer_list" --secret-file "$work/secret" \
     --size 64M --resilience "$resilience" >"$1" 2>&1 &
@@ -138,29 +143,45 @@ blkdiscard /dev/farmem0 || fail "blkdiscard of the whole device"
 say "blkdiscard passed at $(elapsed) s"
 
 # ---- 3. swap on /dev/farmem0 ------------------------------------------------------------------------
-mkswap /dev/farmem0 >/dev/null || fail "mkswap"
+swap_kib=""
+if [[ -n $victim ]]; then
+  # replicate: swap on the first 48 MiB; the last 16 MiB hold data for the rebuild to carry: 8 MiB
+  # written now (48..56 MiB) and 4 MiB (57..61 MiB) the writer keeps rewriting during the rebuild.
+  swap_kib=$((48 << 10))
+  head -c $((8 << 20)) /dev/urandom >"$work/tail"
+  dd if="$work/tail" of=/dev/farmem0 bs=1M seek=48 oflag=direct status=none || fail "dd write tail"
+fi
+mkswap /dev/farmem0 $swap_kib >/dev/null || fail "mkswap"
 swapon /dev/farmem0 || fail "swapon"
 cg=/sys/fs/cgroup/kmod_smoke
 mkdir -p "$cg"
 echo "$limit" >"$cg/memory.max"
 out0=$(vmstat pswpout) in0=$(vmstat pswpin)
+bash -c 'echo $$ >"$1/cgroup.procs" && shift && exec "$@"' _ "$cg" "$workload" -m "$mib" -p 2 -r \
+  >"$work/wl.log" 2>&1 &
+wl=$!
 if [[ -n $victim ]]; then
   # SIGKILL one daemon once a quarter of the working set was swapped back in: well into the
   # first verify pass, long before its end.
   (
+    die() { echo "[kmod_smoke] $*"; exit 1; }
     while (($(vmstat pswpin) - in0 < mib * 256 / 4)); do sleep 0.2; done
     kill -9 "${pids[$victim]}"
-    echo "[kmod_smoke] SIGKILL farmemd $victim after $(($(vmstat pswpin) - in0)) pages swapped in"
+    echo "[kmod_smoke] SIGKILL farmemd $victim after $(($(vmstat pswpin) - in0)) pages swapped in at $(elapsed) s"
     touch "$work/killed"
-    # What the module sees after the kill, for the log of a run that then hangs or fails.
-    sleep 10
-    echo "[kmod_smoke] 10 s after the kill: $(cat /sys/kernel/farmem/status)"
-    dmesg | grep farmem | tail -n 8
+    # The keeper rebuilds the lost copies on the other daemons while the workload keeps
+    # swapping (its rewrites go to the survivors and to the copy being rebuilt). Wait for it to
+    # say "rebuild done" (its state, not a time).
+    give_up=$((SECONDS + 150))
+    until grep -q '^rebuild done' "$work/attach.log"; do
+      kill -0 "$attach" 2>/dev/null || die "the keeper exited"
+      ((SECONDS < give_up)) || die "no rebuild done 150 s after the kill"
+      sleep 0.2
+    done
+    echo "[kmod_smoke] $(grep '^rebuild done' "$work/attach.log") at $(elapsed) s, $(grep -c verified "$work/wl.log" || true) workload pass(es) done"
   ) &
   killer=$!
 fi
-bash -c 'echo $$ >"$1/cgroup.procs" && shift && exec "$@"' _ "$cg" "$workload" -m "$mib" -p 2 -r &
-wl=$!
 if [[ $mode == restart ]]; then
   # SIGKILL the lease keeper once a quarter of the working set was swapped back in, and start it
   # again 2 s (four missed heartbeats) later: systemd's Restart=on-failure, by hand.
@@ -185,18 +206,94 @@ fi
 rc=0
 wait "$wl" || rc=$?
 out=$(($(vmstat pswpout) - out0)) in=$(($(vmstat pswpin) - in0))
-say "swap: pswpout +$out pages, pswpin +$in pages at $(elapsed) s"
+say "swap: pswpout +$out pages, pswpin +$in pages at $(elapsed) s; $(grep -c verified "$work/wl.log" || true) verify passes"
+grep MISMATCH "$work/wl.log" && fail "swap_workload found a page it did not write"
+if [[ -n $victim ]]; then
+  krc=0
+  wait "$killer" || krc=$?
+  killer=""
+  ((krc == 0)) || fail "the kill and rebuild failed (above)"
+fi
 ((rc == 0)) || fail "swap_workload exited with $rc"
 min=$(((mib * 256) / 2))
 ((out >= min && in >= min)) || fail "too little went through swap (want >= $min pages each way)"
 if [[ -n $victim ]]; then
-  [[ -e $work/killed ]] || fail "the workload ended before the daemon was killed"
-  killer=""
-  say "after the kill: $(cat /sys/kernel/farmem/status)"
+  say "after the kill and the rebuild: $(cat /sys/kernel/farmem/status)"
   grep -q 'connected=2 ' /sys/kernel/farmem/status || fail "the killed daemon is still connected"
+  grep -q 'stale=0 ' /sys/kernel/farmem/status || fail "a copy is still stale after the rebuild"
 fi
 swapoff /dev/farmem0 || fail "swapoff"
 rmdir "$cg" 2>/dev/null || true
+if [[ -n $victim ]]; then
+  # Beyond the swap area, written before the kill: half of the slabs now read from copies the
+  # keeper rebuilt (copy 0 first).
+  dd if=/dev/farmem0 of="$work/tail.back" bs=1M skip=48 count=8 iflag=direct status=none ||
+    fail "dd read of the data written before the kill"
+  cmp "$work/tail" "$work/tail.back" || fail "data written before the kill differs after the rebuild"
+
+  # ---- 3b. a second rebuild under a block-level writer, then the last original copies die -------
+  # A fresh farmemd where daemon $victim was (same address and port: the keeper's Cluster finds it
+  # again); every slab now has its copies on daemons $other and $third. Fill the device, kill
+  # $other: all 32 slabs are rebuilt onto the fresh daemon while a writer keeps rewriting random
+  # 64 KiB blocks of 16 MiB (8 slabs) and reading them back. Once the keeper says "rebuild done"
+  # again, kill $third, the
+  # other original daemon: every byte now comes from a rebuilt copy, and all 64 MiB must be what
+  # was written last (a write during a slab's copy that missed the new copy would show here).
+  grep -E 'is lost|^rebuild done' "$work/attach.log" | sed 's/^/[kmod_smoke] keeper: /'
+  "$bin/farmemd" --listen "${peers[$victim]}" --capacity "$capacity" \
+    --slab-size 2M --max-client-share 1 --rdma on --secret-file "$work/secret" \
+    --lease-ttl-ms "$ttl_ms" --log-level warn 2>"$work/farmemd${victim}b.log" &
+  pids[$victim]=$!
+  head -c $((64 << 20)) /dev/urandom >"$work/full"
+  dd if="$work/full" of=/dev/farmem0 bs=1M oflag=direct status=none || fail "dd write of 64 MiB"
+  say "64 MiB written at $(elapsed) s; daemon $victim restarted"
+  rm -f "$work/stop"
+  (
+    # Random 64 KiB blocks (not whole rounds: a later full rewrite would hide a lost write), each
+    # read back at once; $work/full follows every write.
+    n=0
+    while [[ ! -e $work/stop ]]; do
+      blk=$((40 * 16 + RANDOM % 256))
+      head -c 65536 /dev/urandom >"$work/blk"
+      dd if="$work/blk" of=/dev/farmem0 bs=64K seek=$blk oflag=direct status=none ||
+        { echo "[kmod_smoke] writer: dd write failed"; exit 1; }
+      dd if="$work/blk" of="$work/full" bs=64K seek=$blk conv=notrunc status=none
+      dd if=/dev/farmem0 of="$work/blk.back" bs=64K skip=$blk count=1 iflag=direct status=none ||
+        { echo "[kmod_smoke] writer: dd read failed"; exit 1; }
+      cmp -s "$work/blk" "$work/blk.back" ||
+        { echo "[kmod_smoke] writer: block $blk read back differs after $n writes"; exit 1; }
+      n=$((n + 1))
+    done
+    echo "[kmod_smoke] writer: $n blocks of 64 KiB written and read back during the rebuild"
+  ) &
+  writer=$!
+  done_before=$(grep -c '^rebuild done' "$work/attach.log" || true)
+  rebuilt_before=$(sed -n 's/.* rebuilt=\([0-9]*\).*/\1/p' /sys/kernel/farmem/status)
+  kill -9 "${pids[$other]}"
+  say "SIGKILL farmemd $other at $(elapsed) s, the writer running"
+  give_up=$((SECONDS + 150))
+  # Every slab had a copy on it: all 32 rebuilt, and the keeper's word that it is done.
+  until (($(grep -c '^rebuild done' "$work/attach.log") > done_before &&
+          $(sed -n 's/.* rebuilt=\([0-9]*\).*/\1/p' /sys/kernel/farmem/status) >= rebuilt_before + 32)); do
+    kill -0 "$attach" 2>/dev/null || fail "the keeper exited"
+    kill -0 "$writer" 2>/dev/null || break
+    ((SECONDS < give_up)) || fail "no second rebuild done 150 s after the kill"
+    sleep 0.2
+  done
+  touch "$work/stop"
+  rc=0
+  wait "$writer" || rc=$?
+  ((rc == 0)) || fail "the writer failed during the rebuild (above)"
+  say "$(grep '^rebuild done' "$work/attach.log" | tail -n 1) at $(elapsed) s: $(cat /sys/kernel/farmem/status)"
+  kill -9 "${pids[$third]}"
+  say "SIGKILL farmemd $third (the other original daemon) at $(elapsed) s"
+  dd if=/dev/farmem0 of="$work/full.back" bs=1M iflag=direct status=none ||
+    fail "dd read of the whole device from the rebuilt copies"
+  cmp "$work/full" "$work/full.back" || fail "the rebuilt copies differ from what was written last"
+  grep -q 'connected=1 ' /sys/kernel/farmem/status || fail "a killed daemon is still connected"
+  grep -E 'is lost|^rebuild done' "$work/attach.log" | sed 's/^/[kmod_smoke] keeper: /'
+  say "verified 64 MiB from the rebuilt copies alone; $(grep -c 'rebuilt on' "$work/attach.log") copies rebuilt in all"
+fi
 if [[ $mode == restart ]]; then
   # Once the first keeper's last heartbeat is older than the daemons' lease TTL: had nobody
   # renewed the leases, their rkeys would be gone and this would fail (it does with a restarted

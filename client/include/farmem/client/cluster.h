@@ -239,6 +239,15 @@ class Cluster {
   // that lost one (the rebuilt copy must not share a node with the survivors).
   Result<Lease> AllocateExcluding(std::span<const NodeId> exclude);
 
+  // Takes over leases that this client id holds on the node but this Cluster did not grant: a
+  // process given the client id of one that died (ClusterOptions::client_id; farmemctl kmod
+  // attach re-adopting a device, docs/kmod.md). Each is checked there (a one-byte READ, which a
+  // daemon serves only for a lease its client still holds); the held ones are this Cluster's from
+  // then on, as if granted here: the events (kNodeDown, kLeasesLost, kEvictNotice), Free and
+  // Close cover them. Returns the ids the daemon no longer holds (they lapsed, or were never this
+  // client's). Unavailable when the node is down or the connection fails meanwhile.
+  Result<std::vector<uint64_t>> AdoptLeases(NodeId id, std::span<const uint64_t> lease_ids);
+
   // Returns leases to their daemons. Leases already lost (their node went down or restarted) are
   // accepted and ignored. If a daemon cannot be reached, the leases are forgotten by this call
   // and freed in the background once it answers; the returned error says so. NotFound for a lease
