@@ -17,9 +17,8 @@ tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 for in in "$src"/deploy/systemd/*.in; do
   u=$(basename "$in" .in)
-  # (farmem-kmod.service names farmemctl without a directory: systemd's search path.)
   sed -e "s#@FARMEM_SBINDIR@/farmemd #$farmemd #" -e "s#@FARMEM_SBINDIR@/farmem-nbd #$nbd #" \
-    -e "s#^ExecStart=farmemctl #ExecStart=$farmemctl #" "$in" >"$tmp/$u"
+    -e "s#@FARMEM_BINDIR@/farmemctl #$farmemctl #" "$in" >"$tmp/$u"
 done
 grep -q '@[A-Z_]*@' "$tmp"/* && fail "a @VARIABLE@ of the unit templates the check does not know about"
 cp "$tmp/farmemd@.service" "$tmp/farmemd@main.service"  # a template is verified as an instance

@@ -45,21 +45,23 @@ done
 [[ -n $(find "$root/usr/lib" -name farmem.pc) ]] || fail "farmem.pc not in the package"
 
 units=$root/usr/lib/systemd/system
-for u in farmemd.service farmemd@.service farmem-nbd.service farmem-nbd.socket; do
+for u in farmemd.service farmemd@.service farmem-nbd.service farmem-nbd.socket farmem-kmod.service; do
   [[ -f "$units/$u" ]] || fail "unit $u not in the package"
 done
 grep -q '^ExecStart=/usr/sbin/farmemd ' "$units/farmemd.service" || fail "farmemd.service: $(grep ExecStart "$units/farmemd.service")"
 grep -q '^ExecStart=/usr/sbin/farmem-nbd ' "$units/farmem-nbd.service" || fail "farmem-nbd.service ExecStart="
+grep -q '^ExecStart=/usr/bin/farmemctl kmod attach ' "$units/farmem-kmod.service" || fail "farmem-kmod.service ExecStart="
 # systemd-analyze verify on the installed units, with the host's systemd units around them
 # (--root would need a whole systemd in the root). The only change: /usr/sbin/ -> the root's, so
 # that ExecStart= is checked against the packaged binaries, not whatever the host has.
 check=$tmp/verify
 mkdir "$check"
-for u in farmemd.service farmemd@.service farmem-nbd.service farmem-nbd.socket; do
-  sed -e "s#^ExecStart=/usr/sbin/#ExecStart=$root/usr/sbin/#" "$units/$u" >"$check/$u"
+for u in farmemd.service farmemd@.service farmem-nbd.service farmem-nbd.socket farmem-kmod.service; do
+  sed -e "s#^ExecStart=/usr/sbin/#ExecStart=$root/usr/sbin/#" \
+    -e "s#^ExecStart=/usr/bin/#ExecStart=$root/usr/bin/#" "$units/$u" >"$check/$u"
 done
 mv "$check/farmemd@.service" "$check/farmemd@main.service"  # a template is verified as an instance
-verify=(farmemd.service farmemd@main.service farmem-nbd.socket farmem-nbd.service)
+verify=(farmemd.service farmemd@main.service farmem-nbd.socket farmem-nbd.service farmem-kmod.service)
 if ! out=$(cd "$check" && systemd-analyze verify "${verify[@]/#/./}" 2>&1) || [[ -n "$out" ]]; then
   fail "systemd-analyze verify of the installed units: ${out:-non-zero exit}"
 fi

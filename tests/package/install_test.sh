@@ -34,12 +34,12 @@ for f in share/man/man8/farmemd.8 share/man/man8/farmem-nbd.8 share/man/man1/far
   [[ -f "$prefix/$f" ]] || fail "$f not installed"
 done
 units=$prefix/lib/systemd/system
-for u in farmemd.service farmemd@.service farmem-nbd.service farmem-nbd.socket; do
+for u in farmemd.service farmemd@.service farmem-nbd.service farmem-nbd.socket farmem-kmod.service; do
   [[ -f "$units/$u" ]] || fail "unit $u not installed"
 done
-for u in farmemd.service farmemd@.service farmem-nbd.service; do
+for u in farmemd.service farmemd@.service farmem-nbd.service farmem-kmod.service; do
   exe=$(sed -n 's/^ExecStart=\([^ ]*\).*/\1/p' "$units/$u")
-  [[ "$exe" == "$prefix/sbin/"* && -x "$exe" ]] || fail "$u: ExecStart=$exe is not an installed binary"
+  [[ "$exe" == "$prefix/"*bin/* && -x "$exe" ]] || fail "$u: ExecStart=$exe is not an installed binary"
 done
 grep -rq '@[A-Z_]*@' "$units" && fail "an unsubstituted @VARIABLE@ in the installed units"
 [[ -e "$prefix/include/farmem/common/command_line.h" ]] && fail "command_line.h (programs only) installed"
