@@ -80,7 +80,7 @@ struct WriteCache::Scratch {
   std::vector<Deferred> deferred;
   std::vector<std::pair<int32_t, int32_t>> fills;  // slot, backend op or kNone
   std::vector<int32_t> wb;
-  std::vector<BlockOp> wb_ops;
+  size_t need = 0;  // pages the op that got kNeedSlots needs
   bool empty() const { return backend.empty() && deferred.empty() && fills.empty(); }
   void ClearSub() {
     backend.clear();
@@ -346,7 +346,10 @@ WriteCache::Plan WriteCache::PlanReadWrite(BlockOp& op, size_t i, uint64_t sub, 
       if (!sl.dirty) ++clean_in_range;
     }
   }
-  if (need > free_.size() + clean_.size - clean_in_range) return Plan::kNeedSlots;
+  if (need > free_.size() + clean_.size - clean_in_range) {
+    s.need = need;
+    return Plan::kNeedSlots;
+  }
 
   // Pass 2. Runs of bytes the cache does not hold become backend ops.
   OpState& st = s.state[i];
@@ -541,7 +544,7 @@ void WriteCache::ExecuteBatch(std::span<BlockOp> ops, BatchListener* listener) {
           continue;
         }
         lock.Unlock();
-        Status st = Reclaim(op.offset / kPage, (op.offset + op.length - 1) / kPage);
+        Status st = Reclaim(op.offset / kPage, (op.offset + op.length - 1) / kPage, s.need);
         lock.Lock();
         if (!st.ok()) ops[next++].status = st;
       }
@@ -696,15 +699,17 @@ Status WriteCache::WriteBackSlots(std::span<const int32_t> slots, bool fua, bool
   return first;
 }
 
-Status WriteCache::Reclaim(uint64_t lo, uint64_t hi) {
+Status WriteCache::Reclaim(uint64_t lo, uint64_t hi, size_t need) {
   Scratch& s = *ThreadScratch();
   s.wb.clear();
   {
     MutexLock lock(&mu_);
-    if (!free_.empty()) return Status::Ok();  // someone freed pages meanwhile
-    for (int32_t i = clean_.tail; i != kNone; i = slots_[i].prev) {
-      if (slots_[i].page < lo || slots_[i].page > hi) return Status::Ok();
+    // Enough pages free or clean now (someone freed some meanwhile)?
+    size_t have = free_.size();
+    for (int32_t i = clean_.tail; i != kNone && have < need; i = slots_[i].prev) {
+      if (slots_[i].page < lo || slots_[i].page > hi) ++have;
     }
+    if (have >= need) return Status::Ok();
     bool in_flight = false;
     for (int32_t i = dirty_.tail; i != kNone && s.wb.size() < options_.writeback_batch;
          i = slots_[i].prev) {

@@ -143,8 +143,8 @@ class WriteCache final : public BlockBackend {
   void FinishSubBatch(std::span<BlockOp> ops, Scratch& s) REQUIRES(mu_);
   // Makes room when an op needs pages and none is free or clean: writes back the least recently
   // used dirty pages, or waits for write-backs in flight. An error when no page can be freed.
-  // [lo, hi]: the pages of the op that needs them (evicting those would not help it).
-  Status Reclaim(uint64_t lo, uint64_t hi) EXCLUDES(mu_);
+  // [lo, hi]: the pages of the op that needs `need` pages (evicting those would not help it).
+  Status Reclaim(uint64_t lo, uint64_t hi, size_t need) EXCLUDES(mu_);
   // Writes back the dirty pages in [offset, offset + length) (a FUA write's), waiting for those
   // already going back.
   Status WriteBackRange(uint64_t offset, uint64_t length) EXCLUDES(mu_);
