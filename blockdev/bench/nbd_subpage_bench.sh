@@ -13,6 +13,7 @@
 #
 #   blockdev/bench/nbd_subpage_bench.sh [--build-dir DIR] [--runtime SECONDS] [--repeat N]
 #                                       [--size SIZE] [--targets "a b ..."]
+#                                       [--workloads "randwrite:1k write:1k ..."]
 #
 # Defaults: build dir ./build, 5 s per job (after 1 s ramp), 3 repetitions, 256M export, all
 # targets. Six farmemd daemons on loopback (tcp, 64 MiB slabs) serve both farmem exports. Every
@@ -26,6 +27,7 @@ runtime=5
 repeat=3
 size=256M
 targets="nbdkit-mem farmem-ec farmem-ec-nocache farmem-none farmem-none-nocache"
+workloads="randwrite:512 randwrite:1k randwrite:4k write:1k"
 while [ $# -gt 0 ]; do
   case $1 in
     --build-dir) build=$2; shift 2 ;;
@@ -33,7 +35,8 @@ while [ $# -gt 0 ]; do
     --repeat) repeat=$2; shift 2 ;;
     --size) size=$2; shift 2 ;;
     --targets) targets=$2; shift 2 ;;
-    -h|--help) sed -n '2,22p' "$0"; exit 0 ;;
+    --workloads) workloads=$2; shift 2 ;;
+    -h|--help) sed -n '2,23p' "$0"; exit 0 ;;
     *) echo "unknown argument $1 (try --help)" >&2; exit 2 ;;
   esac
 done
@@ -93,7 +96,6 @@ for t in $targets; do
 done
 echo "fio $(fio --version | sed 's/fio-//'), nbdkit $(nbdkit --version | awk '{print $2}')," \
   "$(nproc) CPUs, export $size, ${runtime}s x $repeat per job, uptime: $(uptime)"
-workloads="randwrite:512 randwrite:1k randwrite:4k write:1k"
 read -r -a tlist <<<"$targets"
 n=${#tlist[@]}
 for rep in $(seq "$repeat"); do
