@@ -1,13 +1,18 @@
 // WriteCache (write_cache.h): planning a batch against the cache, the backend ops it needs, and
 // the write-backs.
 //
+// A cached page knows which of its 512-byte sectors it holds (`valid`): a write smaller than a
+// page to a page not cached takes a slot and holds just the sectors written, without reading
+// anything. The rest of the page is read from the backend only when the page goes back (then all
+// the pages of a write-back batch that need it are read together, merged, and written), and not at
+// all when later writes filled the page (sequential small writes). A read of sectors a page does
+// not hold reads the backend and lays the page's sectors over it (the page is pinned meanwhile).
+//
 // A batch runs as one or more sub-batches. Planning (under mu_) walks the ops in order: what the
-// cache can serve now is copied now; pages to be read from the backend to merge a partial write
-// are claimed ("filling", owned by this sub-batch) and the copies that touch them are deferred;
-// what is not cached becomes backend ops. When an op would have to wait (a page another thread is
-// filling or writing back) or needs pages while none is free or clean, planning stops: the planned
-// part runs first (so that no thread ever waits while holding pages it has not filled yet), then
-// the op is retried. The backend ops of a sub-batch run as one backend batch, outside mu_.
+// cache can serve now is copied now; what is not cached becomes backend ops. When an op would have
+// to wait (a page going back, a pinned page a discard would drop) or needs pages while none is free
+// or clean, planning stops: the planned part runs first, then the op is retried. The backend ops
+// of a sub-batch run as one backend batch, outside mu_.
 #include "farmem/blockdev/write_cache.h"
 
 #include <fmt/format.h>
@@ -21,7 +26,7 @@ namespace farmem::blockdev {
 using SteadyClock = std::chrono::steady_clock;
 
 struct WriteCache::Slot {
-  enum class State : uint8_t { kFree, kFilling, kReady };
+  enum class State : uint8_t { kFree, kReady };
   uint64_t page = 0;
   int32_t hash_next = -1;
   int32_t prev = -1, next = -1;  // in clean_ or dirty_ (ready pages only)
@@ -29,14 +34,8 @@ struct WriteCache::Slot {
   bool dirty = false;
   bool writeback = false;  // its bytes are being written to the backend
   bool failed = false;     // its last write-back failed (still dirty)
-  // Filling: the sub-batch that owns the fill, the 512-byte sectors its writes cover, whether a
-  // deferred read needs the page's old contents, whether a write landed, and whether the fill
-  // read failed.
-  uint64_t owner = 0;
-  uint8_t sectors = 0;
-  bool needs_old = false;
-  bool written = false;
-  bool fill_failed = false;
+  uint8_t valid = 0;       // the 512-byte sectors the page holds (all of them unless dirty)
+  uint16_t pins = 0;  // reads that will lay this page over backend data: not evicted or dropped
   uint64_t dirty_seq = 0;  // when it became dirty (dirty_seq_)
   uint64_t flush_epoch = 0;
   SteadyClock::time_point dirty_since{};
@@ -45,7 +44,6 @@ struct WriteCache::Slot {
 
 namespace {
 constexpr int32_t kNone = -1;
-constexpr uint32_t kFillOp = ~0u;  // a backend op that fills a slot, of no request
 constexpr uint8_t kAllSectors = 0xff;
 
 uint8_t SectorMask(uint64_t from, uint64_t to) {  // bytes [from, to) of a page, 512-aligned
@@ -63,13 +61,13 @@ struct OpState {
   bool flush = false;
 };
 
-// A copy deferred until the fill of its page (owned by this sub-batch) is done.
-struct Deferred {
+// A read that got bytes of a pinned page from the backend: the page's valid sectors are laid over
+// them once the backend read is done.
+struct Overlay {
   size_t op;
   int32_t slot;
-  uint32_t at, len;     // within the page
-  const uint8_t* from;  // a write's data
-  uint8_t* to;          // a read's destination
+  uint32_t at, len;  // within the page
+  uint8_t* to;       // the read's destination
 };
 
 struct WriteCache::Scratch {
@@ -77,16 +75,14 @@ struct WriteCache::Scratch {
   std::vector<BlockOp> backend;
   std::vector<uint32_t> backend_op;  // request of each backend op, or kFillOp
   std::vector<uint8_t> backend_done;
-  std::vector<Deferred> deferred;
-  std::vector<std::pair<int32_t, int32_t>> fills;  // slot, backend op or kNone
+  std::vector<Overlay> overlays;
   std::vector<int32_t> wb;
   size_t need = 0;  // pages the op that got kNeedSlots needs
-  bool empty() const { return backend.empty() && deferred.empty() && fills.empty(); }
+  bool empty() const { return backend.empty() && overlays.empty(); }
   void ClearSub() {
     backend.clear();
     backend_op.clear();
-    deferred.clear();
-    fills.clear();
+    overlays.clear();
   }
 };
 
@@ -100,7 +96,6 @@ class WriteCache::Translator final : public BatchListener {
     if (s_.backend_done[bi] != 0) return;
     s_.backend_done[bi] = 1;
     const uint32_t i = s_.backend_op[bi];
-    if (i == kFillOp) return;
     OpState& st = s_.state[i];
     if (!s_.backend[bi].status.ok() && ops_[i].status.ok()) ops_[i].status = s_.backend[bi].status;
     if (--st.backend_ops == 0 && !st.cache_work && !st.reported && outer_ != nullptr) {
@@ -290,7 +285,7 @@ int32_t WriteCache::AllocSlot(uint64_t lo, uint64_t hi) {
     free_.pop_back();
   } else {
     for (int32_t i = clean_.tail; i != kNone; i = slots_[i].prev) {
-      if (slots_[i].page >= lo && slots_[i].page <= hi) continue;
+      if ((slots_[i].page >= lo && slots_[i].page <= hi) || slots_[i].pins > 0) continue;
       Unlink(clean_, i);
       Erase(i);
       slot = i;
@@ -305,7 +300,7 @@ int32_t WriteCache::AllocSlot(uint64_t lo, uint64_t hi) {
 // ---------------------------------------------------------------------------------------------
 // The request path
 
-WriteCache::Plan WriteCache::PlanOp(BlockOp& op, size_t i, uint64_t sub, Scratch& s) {
+WriteCache::Plan WriteCache::PlanOp(BlockOp& op, size_t i, Scratch& s) {
   if (op.offset > size() || op.length > size() - op.offset) {
     op.status = OutOfRange(fmt::format("{} bytes at {} pass the end of the {}-byte export",
                                        op.length, op.offset, size()));
@@ -315,7 +310,7 @@ WriteCache::Plan WriteCache::PlanOp(BlockOp& op, size_t i, uint64_t sub, Scratch
   switch (op.kind) {
     case BlockOp::Kind::kRead:
     case BlockOp::Kind::kWrite:
-      return PlanReadWrite(op, i, sub, s);
+      return PlanReadWrite(op, i, s);
     case BlockOp::Kind::kTrim:
     case BlockOp::Kind::kWriteZeroes:
       return PlanZero(op, i, s);
@@ -325,7 +320,7 @@ WriteCache::Plan WriteCache::PlanOp(BlockOp& op, size_t i, uint64_t sub, Scratch
   return Plan::kPlanned;
 }
 
-WriteCache::Plan WriteCache::PlanReadWrite(BlockOp& op, size_t i, uint64_t sub, Scratch& s) {
+WriteCache::Plan WriteCache::PlanReadWrite(BlockOp& op, size_t i, Scratch& s) {
   const bool write = op.kind == BlockOp::Kind::kWrite;
   const uint64_t end = op.offset + op.length;
   const uint64_t first = op.offset / kPage, last = (end - 1) / kPage;
@@ -339,14 +334,10 @@ WriteCache::Plan WriteCache::PlanReadWrite(BlockOp& op, size_t i, uint64_t sub, 
       continue;
     }
     const Slot& sl = slots_[slot];
-    if (sl.state == Slot::State::kFilling) {
-      if (sl.owner != sub) return Plan::kWait;
-    } else {
-      if (write && sl.writeback) return Plan::kWait;
-      if (!sl.dirty) ++clean_in_range;
-    }
+    if (write && sl.writeback) return Plan::kWait;
+    if (!sl.dirty) ++clean_in_range;
   }
-  if (need > free_.size() + clean_.size - clean_in_range) {
+  if (need > 0 && need + clean_in_range + pinned_ > free_.size() + clean_.size) {
     s.need = need;
     return Plan::kNeedSlots;
   }
@@ -372,46 +363,47 @@ WriteCache::Plan WriteCache::PlanReadWrite(BlockOp& op, size_t i, uint64_t sub, 
     ++st.backend_ops;
     run_from = run_to = 0;
   };
+  auto add_to_run = [&](uint64_t from, uint64_t to) {
+    if (run_to != from) end_run();
+    if (run_to == run_from) run_from = from;
+    run_to = to;
+  };
   for (uint64_t p = first; p <= last; ++p) {
     const uint64_t from = std::max(op.offset, p * kPage), to = std::min(end, (p + 1) * kPage);
     const uint64_t at = from - op.offset;  // in the op's buffer
     const uint32_t in_page = static_cast<uint32_t>(from - p * kPage);
     const uint32_t len = static_cast<uint32_t>(to - from);
+    const uint8_t mask = SectorMask(in_page, in_page + len);
     int32_t slot = Lookup(p);
     if (slot == kNone && write && len < kPage) {
       slot = AllocSlot(first, last);  // pass 1 made sure there is one
       Slot& sl = slots_[slot];
       sl.page = p;
-      sl.state = Slot::State::kFilling;
-      sl.owner = sub;
+      sl.state = Slot::State::kReady;
       Insert(slot);
-      s.fills.push_back({slot, kNone});
+      PushFront(clean_, slot);  // MarkDirty below moves it
     }
     if (slot == kNone) {  // straight to the backend
-      if (run_to != from) end_run();
-      if (run_to == run_from) run_from = from;
-      run_to = to;
+      add_to_run(from, to);
       continue;
     }
-    end_run();
     st.cache_work = true;
     Slot& sl = slots_[slot];
-    if (sl.state == Slot::State::kFilling) {  // ours: copy once it is filled
-      if (write) {
-        sl.sectors = static_cast<uint8_t>(sl.sectors | SectorMask(in_page, in_page + len));
-      } else if (sl.sectors != kAllSectors) {
-        sl.needs_old = true;  // a read before the page was written whole needs what was there
-      }
-      s.deferred.push_back({i, slot, in_page, len, write ? op.data.data() + at : nullptr,
-                            write ? nullptr : op.read_into.data() + at});
-      continue;
-    }
     if (write) {
+      end_run();
       std::memcpy(Buf(slot) + in_page, op.data.data() + at, len);
+      sl.valid = static_cast<uint8_t>(sl.valid | mask);
       MarkDirty(slot);
-    } else {
+    } else if ((mask & ~sl.valid) == 0) {
+      end_run();
       std::memcpy(op.read_into.data() + at, Buf(slot) + in_page, len);
       Touch(slot);
+    } else {  // the page holds some of these sectors: the backend's, then the page's over them
+      add_to_run(from, to);
+      if (sl.valid != 0) {
+        if (sl.pins++ == 0) ++pinned_;
+        s.overlays.push_back({i, slot, in_page, len, op.read_into.data() + at});
+      }
     }
   }
   end_run();
@@ -442,7 +434,7 @@ WriteCache::Plan WriteCache::PlanZero(BlockOp& op, size_t i, Scratch& s) {
   // A page going back or being filled must finish first: its write-back must not land after the
   // zeroes, and a fill must not resurrect the old bytes.
   const bool idle = for_each_cached([&](int32_t slot) REQUIRES(mu_) {
-    return slots_[slot].state == Slot::State::kReady && !slots_[slot].writeback;
+    return !slots_[slot].writeback && slots_[slot].pins == 0;
   });
   if (!idle) return Plan::kWait;
   s.wb.clear();
@@ -457,6 +449,8 @@ WriteCache::Plan WriteCache::PlanZero(BlockOp& op, size_t i, Scratch& s) {
       Drop(slot);  // the backend's zeroes (or unspecified trimmed contents) supersede it
     } else if (op.kind == BlockOp::Kind::kWriteZeroes) {
       std::memset(Buf(slot) + (from - p * kPage), 0, to - from);
+      slots_[slot].valid =
+          static_cast<uint8_t>(slots_[slot].valid | SectorMask(from - p * kPage, to - p * kPage));
       MarkDirty(slot);
     }  // a partly trimmed page keeps its bytes: trimmed contents are unspecified
   }
@@ -469,47 +463,15 @@ WriteCache::Plan WriteCache::PlanZero(BlockOp& op, size_t i, Scratch& s) {
 }
 
 void WriteCache::FinishSubBatch(std::span<BlockOp> ops, Scratch& s) {
-  for (const auto& [slot, bi] : s.fills) {
-    if (bi != kNone && !s.backend[static_cast<size_t>(bi)].status.ok()) {
-      slots_[slot].fill_failed = true;
-    }
-  }
-  for (const Deferred& d : s.deferred) {
-    Slot& sl = slots_[d.slot];
-    if (sl.fill_failed) {
-      if (ops[d.op].status.ok()) {
-        ops[d.op].status =
-            s.backend[static_cast<size_t>(std::find_if(s.fills.begin(), s.fills.end(),
-                                                       [&](auto& f) { return f.first == d.slot; })
-                                              ->second)]
-                .status.WithContext(
-                    fmt::format("reading the page at {} to merge a {}-byte write into it",
-                                sl.page * kPage, d.len));
+  for (const Overlay& o : s.overlays) {
+    Slot& sl = slots_[o.slot];
+    if (ops[o.op].status.ok()) {
+      for (uint32_t sec = o.at / 512; sec < (o.at + o.len) / 512; ++sec) {
+        if ((sl.valid & (1u << sec)) == 0) continue;
+        std::memcpy(o.to + (sec * 512 - o.at), Buf(o.slot) + sec * 512, 512);
       }
-      continue;
     }
-    if (d.from != nullptr) {
-      std::memcpy(Buf(d.slot) + d.at, d.from, d.len);
-      sl.written = true;
-    } else {
-      std::memcpy(d.to, Buf(d.slot) + d.at, d.len);
-    }
-  }
-  for (const auto& [slot, bi] : s.fills) {
-    Slot& sl = slots_[slot];
-    if (sl.fill_failed) {
-      Erase(slot);
-      sl = Slot{};
-      free_.push_back(slot);
-      continue;
-    }
-    sl.owner = 0;
-    if (sl.written) {
-      MarkDirty(slot);  // while still kFilling: it is in no list yet
-    } else {
-      PushFront(clean_, slot);
-    }
-    sl.state = Slot::State::kReady;
+    if (--sl.pins == 0) --pinned_;
   }
   changed_.SignalAll();
 }
@@ -522,7 +484,6 @@ void WriteCache::ExecuteBatch(std::span<BlockOp> ops, BatchListener* listener) {
   size_t next = 0;
   while (next < ops.size()) {
     s.ClearSub();
-    const uint64_t sub = next_sub_.fetch_add(1) + 1;
     const size_t start = next;
     {
       MutexLock lock(&mu_);
@@ -532,7 +493,7 @@ void WriteCache::ExecuteBatch(std::span<BlockOp> ops, BatchListener* listener) {
           s.state[next++].flush = flush = true;
           continue;
         }
-        const Plan plan = PlanOp(op, next, sub, s);
+        const Plan plan = PlanOp(op, next, s);
         if (plan == Plan::kPlanned) {
           ++next;
           continue;
@@ -548,24 +509,6 @@ void WriteCache::ExecuteBatch(std::span<BlockOp> ops, BatchListener* listener) {
         lock.Lock();
         if (!st.ok()) ops[next++].status = st;
       }
-      // Fill reads: only pages that the sub-batch's writes do not cover whole (or that a
-      // deferred read wants as they were).
-      for (auto& [slot, bi] : s.fills) {
-        const Slot& sl = slots_[slot];
-        if (sl.sectors == kAllSectors && !sl.needs_old) {
-          ++stats_.fills_saved;
-          continue;
-        }
-        ++stats_.fills;
-        BlockOp b;
-        b.kind = BlockOp::Kind::kRead;
-        b.offset = sl.page * kPage;
-        b.length = kPage;
-        b.read_into = {Buf(slot), kPage};
-        bi = static_cast<int32_t>(s.backend.size());
-        s.backend.push_back(b);
-        s.backend_op.push_back(kFillOp);
-      }
     }
     if (!s.backend.empty()) {
       s.backend_done.assign(s.backend.size(), 0);
@@ -573,7 +516,7 @@ void WriteCache::ExecuteBatch(std::span<BlockOp> ops, BatchListener* listener) {
       inner_->ExecuteBatch(s.backend, &t);
       for (size_t bi = 0; bi < s.backend.size(); ++bi) t.OpDone(bi);  // those not reported
     }
-    if (!s.fills.empty() || !s.deferred.empty()) {
+    if (!s.overlays.empty()) {
       MutexLock lock(&mu_);
       FinishSubBatch(ops, s);
     }
@@ -644,23 +587,72 @@ Status WriteCache::WriteZeroes(uint64_t offset, uint64_t length, bool may_trim, 
 
 Status WriteCache::WriteBackSlots(std::span<const int32_t> slots, bool fua, bool to_lru_tail) {
   if (slots.empty()) return Status::Ok();
-  std::vector<BlockOp> ops;  // the caller's scratch holds `slots`; this one is ours
-  thread_local std::vector<BlockOp> reuse;
-  ops.swap(reuse);
+  // The caller's scratch holds `slots`; these are this function's own (capacity kept).
+  thread_local std::vector<BlockOp> ops;
+  thread_local std::vector<Status> result;
+  thread_local std::vector<uint8_t> merge_buf;
+  thread_local std::vector<size_t> merging;  // indexes into `slots`
   ops.clear();
+  merging.clear();
+  result.assign(slots.size(), Status::Ok());
+  thread_local std::vector<uint64_t> page_of;
+  page_of.clear();
   {
-    MutexLock lock(&mu_);  // for the analysis: the pages' numbers are stable while going back
-    for (int32_t slot : slots) {
+    MutexLock lock(&mu_);  // the pages' numbers and valid sectors are stable while going back
+    for (size_t j = 0; j < slots.size(); ++j) {
+      if (slots_[slots[j]].valid == kAllSectors) continue;
+      merging.push_back(j);
+      page_of.push_back(slots_[slots[j]].page);
+    }
+  }
+  // Pages holding only some sectors: read the rest from the backend, all of them together.
+  if (!merging.empty()) {
+    if (merge_buf.size() < merging.size() * kPage) merge_buf.resize(merging.size() * kPage);
+    for (size_t m = 0; m < merging.size(); ++m) {
+      BlockOp b;
+      b.kind = BlockOp::Kind::kRead;
+      b.offset = page_of[m] * kPage;
+      b.length = kPage;
+      b.read_into = {merge_buf.data() + m * kPage, kPage};
+      ops.push_back(b);
+    }
+    inner_->ExecuteBatch(ops);
+    MutexLock lock(&mu_);
+    stats_.fills += merging.size();
+    for (size_t m = 0; m < merging.size(); ++m) {
+      const int32_t slot = slots[merging[m]];
+      Slot& sl = slots_[slot];
+      if (!ops[m].status.ok()) {
+        result[merging[m]] = ops[m].status.WithContext(
+            fmt::format("reading the rest of the page at {} to write it back", sl.page * kPage));
+        continue;
+      }
+      for (uint32_t sec = 0; sec < kPage / 512; ++sec) {
+        if ((sl.valid & (1u << sec)) != 0) continue;
+        std::memcpy(Buf(slot) + sec * 512, merge_buf.data() + m * kPage + sec * 512, 512);
+      }
+      sl.valid = kAllSectors;
+    }
+  }
+  ops.clear();
+  thread_local std::vector<size_t> writing;  // indexes into `slots`
+  writing.clear();
+  {
+    MutexLock lock(&mu_);
+    for (size_t j = 0; j < slots.size(); ++j) {
+      if (!result[j].ok()) continue;
       BlockOp b;
       b.kind = BlockOp::Kind::kWrite;
       b.fua = fua;
-      b.offset = slots_[slot].page * kPage;
+      b.offset = slots_[slots[j]].page * kPage;
       b.length = kPage;
-      b.data = {Buf(slot), kPage};
+      b.data = {Buf(slots[j]), kPage};
       ops.push_back(b);
+      writing.push_back(j);
     }
   }
-  inner_->ExecuteBatch(ops);
+  if (!ops.empty()) inner_->ExecuteBatch(ops);
+  for (size_t w = 0; w < writing.size(); ++w) result[writing[w]] = ops[w].status;
   Status first;
   {
     MutexLock lock(&mu_);
@@ -668,7 +660,7 @@ Status WriteCache::WriteBackSlots(std::span<const int32_t> slots, bool fua, bool
     for (size_t j = 0; j < slots.size(); ++j) {
       Slot& sl = slots_[slots[j]];
       sl.writeback = false;
-      if (ops[j].status.ok()) {
+      if (result[j].ok()) {
         ++stats_.writebacks;
         Unlink(dirty_, slots[j]);
         sl.dirty = false;
@@ -683,7 +675,7 @@ Status WriteCache::WriteBackSlots(std::span<const int32_t> slots, bool fua, bool
       ++stats_.writeback_failures;
       sl.failed = true;
       sl.retry_at = now + options_.max_dirty_age;
-      Status err = ops[j].status.WithContext(
+      Status err = result[j].WithContext(
           fmt::format("write cache: writing back the page at {}", sl.page * kPage));
       if (first.ok()) first = err;
       if (latched_error_.ok()) latched_error_ = err;
@@ -695,7 +687,6 @@ Status WriteCache::WriteBackSlots(std::span<const int32_t> slots, bool fua, bool
     spdlog::warn("{} (the page stays cached and dirty; it is retried, and the next flush fails)",
                  first.ToString());
   }
-  ops.swap(reuse);
   return first;
 }
 
@@ -707,7 +698,7 @@ Status WriteCache::Reclaim(uint64_t lo, uint64_t hi, size_t need) {
     // Enough pages free or clean now (someone freed some meanwhile)?
     size_t have = free_.size();
     for (int32_t i = clean_.tail; i != kNone && have < need; i = slots_[i].prev) {
-      if (slots_[i].page < lo || slots_[i].page > hi) ++have;
+      if ((slots_[i].page < lo || slots_[i].page > hi) && slots_[i].pins == 0) ++have;
     }
     if (have >= need) return Status::Ok();
     bool in_flight = false;
@@ -720,7 +711,7 @@ Status WriteCache::Reclaim(uint64_t lo, uint64_t hi, size_t need) {
       s.wb.push_back(i);
     }
     if (s.wb.empty()) {
-      if (in_flight || dirty_.size + clean_.size < slots_.size()) {  // going back or filling
+      if (in_flight || pinned_ > 0) {  // pages going back, or pinned by reads in flight
         ++stats_.waits;
         changed_.Wait(&mu_);
         return Status::Ok();

@@ -71,12 +71,13 @@ struct WriteCacheOptions {
 };
 
 struct WriteCacheStats {
-  uint64_t pages = 0;        // capacity
-  uint64_t cached = 0;       // now: pages holding data
-  uint64_t dirty = 0;        // now: pages not yet written back
-  uint64_t fills = 0;        // pages read from the backend to merge a partial write
-  uint64_t fills_saved = 0;  // partial pages a batch covered whole: no read needed
-  uint64_t writebacks = 0;   // pages written back
+  uint64_t pages = 0;   // capacity
+  uint64_t cached = 0;  // now: pages holding data
+  uint64_t dirty = 0;   // now: pages not yet written back
+  // Partly written pages whose other sectors were read from the backend to write them back
+  // (pages that later writes filled whole need no read).
+  uint64_t fills = 0;
+  uint64_t writebacks = 0;  // pages written back
   uint64_t writeback_failures = 0;
   uint64_t expired = 0;  // of the write-backs: by the flusher (max_dirty_age)
   uint64_t waits = 0;    // requests that waited for a page's fill or write-back
@@ -136,10 +137,10 @@ class WriteCache final : public BlockBackend {
   // ---- the request path ----
   // Plans op i of the current sub-batch `sub` (mu_ held): copies from/to ready cached pages now,
   // queues backend ops and deferred copies in `s`. kWait / kNeedSlots: nothing was planned.
-  Plan PlanOp(BlockOp& op, size_t i, uint64_t sub, Scratch& s) REQUIRES(mu_);
-  Plan PlanReadWrite(BlockOp& op, size_t i, uint64_t sub, Scratch& s) REQUIRES(mu_);
+  Plan PlanOp(BlockOp& op, size_t i, Scratch& s) REQUIRES(mu_);
+  Plan PlanReadWrite(BlockOp& op, size_t i, Scratch& s) REQUIRES(mu_);
   Plan PlanZero(BlockOp& op, size_t i, Scratch& s) REQUIRES(mu_);
-  // Applies the fills and deferred copies of a sub-batch whose backend ops have run.
+  // Lays the pinned pages of a sub-batch whose backend ops have run over its reads; unpins them.
   void FinishSubBatch(std::span<BlockOp> ops, Scratch& s) REQUIRES(mu_);
   // Makes room when an op needs pages and none is free or clean: writes back the least recently
   // used dirty pages, or waits for write-backs in flight. An error when no page can be freed.
@@ -193,7 +194,7 @@ class WriteCache final : public BlockBackend {
   uint64_t latched_failures_ GUARDED_BY(mu_) = 0;
   WriteCacheStats stats_ GUARDED_BY(mu_);
   bool stopping_ GUARDED_BY(mu_) = false;
-  std::atomic<uint64_t> next_sub_{0};
+  size_t pinned_ GUARDED_BY(mu_) = 0;  // pages with pins > 0
   std::thread flusher_;
 };
 
