@@ -351,8 +351,9 @@ void RegisterExportMetrics(farmem::metrics::Registry* r, BackendConfig* cfg, Blo
           "Pages of the write cache not yet written back to the page store.", Type::kGauge,
           [](const CacheStats& s) { return s.dirty; });
     cstat("farmem_write_cache_fills_total",
-          "Pages read from the page store to merge a write smaller than a page.", Type::kCounter,
-          [](const CacheStats& s) { return s.fills; });
+          "Partly written pages whose other sectors were read from the page store to write "
+          "them back.",
+          Type::kCounter, [](const CacheStats& s) { return s.fills; });
     cstat("farmem_write_cache_writebacks_total", "Pages written back to the page store.",
           Type::kCounter, [](const CacheStats& s) { return s.writebacks; });
     cstat("farmem_write_cache_writeback_failures_total",

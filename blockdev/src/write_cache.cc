@@ -431,8 +431,8 @@ WriteCache::Plan WriteCache::PlanZero(BlockOp& op, size_t i, Scratch& s) {
     }
     return true;
   };
-  // A page going back or being filled must finish first: its write-back must not land after the
-  // zeroes, and a fill must not resurrect the old bytes.
+  // A page going back must get there first (its write-back must not land after the zeroes), and
+  // a pinned page must stay until the reads that pinned it have it laid over their bytes.
   const bool idle = for_each_cached([&](int32_t slot) REQUIRES(mu_) {
     return !slots_[slot].writeback && slots_[slot].pins == 0;
   });

@@ -6,14 +6,16 @@
 // write it back before replying — two round trips, serialized with every other partial write.
 // Clients with 512-byte sectors (filesystems, VM images, nbd-tester-client) meet that path all the
 // time. The cache keeps a bounded number of pages in this process:
-//  - A write that covers part of a page lands in the cached copy of that page. A page not cached
-//    is read once from the backend first (all the reads a batch needs go out together), unless the
-//    batch's writes cover the whole page anyway (sequential small writes: no read at all).
+//  - A write that covers part of a page lands in the cached copy of that page, which records the
+//    512-byte sectors it holds; nothing is read. The rest of a partly written page is read from
+//    the backend when the page goes back (for all such pages of a write-back batch together), and
+//    not at all if later writes filled it (sequential small writes).
 //  - A write that covers whole pages that are not cached goes straight to the backend, as before
 //    (the cache adds nothing but a lookup to 4 KiB and larger I/O); whole pages that are cached
 //    are updated in the cache.
 //  - Reads see the cache (read-your-writes, also for reads that overlap cached pages partly);
-//    what is not cached is read from the backend.
+//    what is not cached, and sectors a cached page lacks, are read from the backend (the page's
+//    sectors are then laid over that; the page is pinned meanwhile).
 //  - Dirty pages go back to the backend, as whole-page writes in batches: when a slot is needed
 //    and no clean page is left (least recently used dirty pages first); on Flush() (NBD_CMD_FLUSH,
 //    answered only once every page that was dirty when it arrived is durable in the backend, and
@@ -34,8 +36,8 @@
 //
 // Threading: every BlockBackend method may be called from any number of threads (one per NBD
 // connection), plus the flusher thread. One mutex (mu_) guards the cache's map and lists; backend
-// I/O never runs under it. A page being filled from the backend or written back to it is marked
-// busy: writes to it (and reads of a page being filled) wait for that I/O, which itself never
+// I/O never runs under it. A page being written back is busy: writes to it (and a trim or
+// write-zeroes that would drop it, or drop a pinned page) wait for that I/O, which itself never
 // waits on anything, so there is no deadlock: a batch first sends what it has planned before it
 // waits. The request path does not allocate in the common case (pages are allocated up front; the
 // per-thread scratch vectors keep their capacity).
@@ -58,7 +60,7 @@
 namespace farmem::blockdev {
 
 struct WriteCacheOptions {
-  // Pages (4 KiB) the cache holds at most; at least kMinPages. 1024 pages = 4 MiB.
+  // Pages (4 KiB) the cache holds at most; kMinPages to 2^24. 1024 pages = 4 MiB.
   size_t pages = 1024;
   // A dirty page goes back to the backend once it has been dirty this long (the flusher thread).
   std::chrono::milliseconds max_dirty_age{100};
@@ -80,7 +82,7 @@ struct WriteCacheStats {
   uint64_t writebacks = 0;  // pages written back
   uint64_t writeback_failures = 0;
   uint64_t expired = 0;  // of the write-backs: by the flusher (max_dirty_age)
-  uint64_t waits = 0;    // requests that waited for a page's fill or write-back
+  uint64_t waits = 0;    // requests that waited for a page's write-back (or pin)
 };
 
 class WriteCache final : public BlockBackend {
@@ -135,8 +137,8 @@ class WriteCache final : public BlockBackend {
   std::chrono::steady_clock::time_point Now() const;
 
   // ---- the request path ----
-  // Plans op i of the current sub-batch `sub` (mu_ held): copies from/to ready cached pages now,
-  // queues backend ops and deferred copies in `s`. kWait / kNeedSlots: nothing was planned.
+  // Plans op i of the current sub-batch (mu_ held): copies from/to cached pages now, queues
+  // backend ops and overlays in `s`. kWait / kNeedSlots: nothing was planned.
   Plan PlanOp(BlockOp& op, size_t i, Scratch& s) REQUIRES(mu_);
   Plan PlanReadWrite(BlockOp& op, size_t i, Scratch& s) REQUIRES(mu_);
   Plan PlanZero(BlockOp& op, size_t i, Scratch& s) REQUIRES(mu_);
@@ -149,8 +151,9 @@ class WriteCache final : public BlockBackend {
   // Writes back the dirty pages in [offset, offset + length) (a FUA write's), waiting for those
   // already going back.
   Status WriteBackRange(uint64_t offset, uint64_t length) EXCLUDES(mu_);
-  // Writes the slots (marked writeback by the caller) to the backend as one batch; then marks
-  // them clean, or failed (still dirty, error latched). Returns the first error.
+  // Writes the slots (marked writeback by the caller) to the backend as one batch, after reading
+  // the sectors that partly written ones lack (one batch too); then marks them clean, or failed
+  // (still dirty, error latched). Returns the first error.
   Status WriteBackSlots(std::span<const int32_t> slots, bool fua, bool to_lru_tail) EXCLUDES(mu_);
   void FlusherLoop() EXCLUDES(mu_);
 
@@ -174,8 +177,8 @@ class WriteCache final : public BlockBackend {
   const WriteCacheOptions options_;
   const uint64_t pages_in_export_;
   // Page contents, options_.pages * kPage bytes. A slot's bytes are guarded by mu_ while it is
-  // ready and not busy; while it is filled or written back the thread doing that I/O owns them
-  // (readers may still copy from a page going back: nobody writes it meanwhile).
+  // not busy; while it is written back the thread doing that I/O owns the bytes (readers may still
+  // copy its valid sectors under mu_: nobody else writes it meanwhile).
   std::unique_ptr<uint8_t[]> buffers_;
 
   mutable Mutex mu_;
