@@ -8,6 +8,7 @@
 
 #include <CLI/CLI.hpp>
 #include <algorithm>
+#include <charconv>
 #include <chrono>
 #include <cstdio>
 #include <memory>
@@ -19,6 +20,7 @@
 #include "farmem/blockdev/block_backend.h"
 #include "farmem/blockdev/nbd_server.h"
 #include "farmem/blockdev/swap_safety.h"
+#include "farmem/blockdev/write_cache.h"
 #include "farmem/client/cluster.h"
 #include "farmem/common/aead.h"
 #include "farmem/common/auth.h"
@@ -47,6 +49,8 @@ struct BackendConfig {
   std::string peers, peers_dns, secret_file, key_file, resilience = "ec:4+2", backup,
                                                        transport = "auto";
   uint32_t heartbeat_ms = 500, failure_timeout_ms = 2000, peer_wait_ms = 5000;
+  // The write-back page cache in front of the page store (write_cache.h, docs/nbd.md).
+  uint32_t write_cache_pages = 1024, write_cache_max_age_ms = 100;
   bool overcommit = false;
   // Page encryption (docs/security.md): on unless --no-encrypt; the key from --data-key-file
   // (created if absent) or a fresh one per start.
@@ -115,6 +119,31 @@ void AddBackendFlags(CLI::App& app, BackendConfig* cfg) {
                  "fail), and for every peer to answer before checking that the export fits")
       ->capture_default_str()
       ->check(CLI::Range(0u, 600u * 1000u));
+  app.add_option("--write-cache-pages", cfg->write_cache_pages,
+                 "farmem: 4 KiB pages of the write-back cache that absorbs writes smaller than a "
+                 "page (no read-modify-write per request); written back on FLUSH, FUA, after "
+                 "--write-cache-max-age-ms and when full. 0 turns it off")
+      ->capture_default_str()
+      ->check(CLI::Validator(
+          [](std::string& text) -> std::string {
+            // Validators see the text before CLI11 converts it: all of it must be the number.
+            unsigned long long n = 0;
+            const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), n);
+            if (ec != std::errc() || end != text.data() + text.size()) {
+              return fmt::format("'{}' is not a number of pages", text);
+            }
+            if (n == 0 || (n >= farmem::blockdev::WriteCache::kMinPages && n <= (1ull << 24))) {
+              return std::string();
+            }
+            return fmt::format("{} pages: give 0 (no cache) or {} to {}", text,
+                               farmem::blockdev::WriteCache::kMinPages, 1ull << 24);
+          },
+          "0|8..16777216"));
+  app.add_option("--write-cache-max-age-ms", cfg->write_cache_max_age_ms,
+                 "farmem: a page of the write cache goes back to the page store at the latest "
+                 "this long after it was first written")
+      ->capture_default_str()
+      ->check(CLI::Range(1u, 60u * 1000u));
 }
 
 // The flags of --backend farmem: given with another backend they would be ignored (a --peers
@@ -125,7 +154,7 @@ Status CheckFlagsApply(const CLI::App& app, const BackendConfig& cfg) {
       app,
       {"--peers", "--peers-dns", "--secret-file", "--key-file", "--resilience", "--backup",
        "--transport", "--heartbeat-ms", "--failure-timeout-ms", "--overcommit", "--peer-wait-ms",
-       "--encrypt", "--data-key-file"},
+       "--encrypt", "--data-key-file", "--write-cache-pages", "--write-cache-max-age-ms"},
       "only to --backend farmem, and this is --backend " + cfg.kind +
           " (the device lives in this process's RAM): add --backend farmem, or leave "
           "them out");
@@ -274,7 +303,23 @@ Result<std::unique_ptr<BlockBackend>> OpenBackend(BackendConfig& cfg) {
     }
     FARMEM_ASSIGN_OR_RETURN(auto store,
                             farmem::blockdev::PageStore::Create(cfg.cluster.get(), std::move(po)));
-    return std::unique_ptr<BlockBackend>(std::move(store));
+    if (cfg.write_cache_pages == 0) {
+      spdlog::info(
+          "farmem-nbd: write cache off: each write smaller than 4 KiB reads, patches "
+          "and writes back its page before it is answered");
+      return std::unique_ptr<BlockBackend>(std::move(store));
+    }
+    farmem::blockdev::WriteCacheOptions wo;
+    wo.pages = cfg.write_cache_pages;
+    wo.max_dirty_age = std::chrono::milliseconds(cfg.write_cache_max_age_ms);
+    FARMEM_ASSIGN_OR_RETURN(auto cache,
+                            farmem::blockdev::WriteCache::Create(std::move(store), std::move(wo)));
+    spdlog::info(
+        "farmem-nbd: write cache of {} pages ({}): writes are durable on FLUSH or FUA, or {} ms "
+        "after they were made",
+        cfg.write_cache_pages, farmem::FormatSize(uint64_t{cfg.write_cache_pages} * 4096),
+        cfg.write_cache_max_age_ms);
+    return std::unique_ptr<BlockBackend>(std::move(cache));
   }
   if (cfg.kind == "memory") {
     FARMEM_ASSIGN_OR_RETURN(uint64_t size, farmem::ParseSize(cfg.size));
@@ -290,7 +335,32 @@ void RegisterExportMetrics(farmem::metrics::Registry* r, BackendConfig* cfg, Blo
                            const std::string& export_name) {
   using farmem::metrics::Type;
   using Emit = farmem::metrics::Registry::Emit;
-  auto* store = dynamic_cast<farmem::blockdev::PageStore*>(backend);
+  auto* cache = dynamic_cast<farmem::blockdev::WriteCache*>(backend);
+  auto* store =
+      dynamic_cast<farmem::blockdev::PageStore*>(cache != nullptr ? cache->inner() : backend);
+  if (cache != nullptr) {
+    using CacheStats = farmem::blockdev::WriteCacheStats;
+    auto cstat = [&](const char* name, const char* help, Type type, auto value) {
+      r->AddCallback(name, help, type, [cache, value](const Emit& emit) {
+        emit({}, static_cast<double>(value(cache->stats())));
+      });
+    };
+    cstat("farmem_write_cache_pages", "Capacity of the write cache, in 4 KiB pages.", Type::kGauge,
+          [](const CacheStats& s) { return s.pages; });
+    cstat("farmem_write_cache_dirty_pages",
+          "Pages of the write cache not yet written back to the page store.", Type::kGauge,
+          [](const CacheStats& s) { return s.dirty; });
+    cstat("farmem_write_cache_fills_total",
+          "Partly written pages whose other sectors were read from the page store to write "
+          "them back.",
+          Type::kCounter, [](const CacheStats& s) { return s.fills; });
+    cstat("farmem_write_cache_writebacks_total", "Pages written back to the page store.",
+          Type::kCounter, [](const CacheStats& s) { return s.writebacks; });
+    cstat("farmem_write_cache_writeback_failures_total",
+          "Page write-backs that failed (the page stays dirty and is retried; the next FLUSH "
+          "fails).",
+          Type::kCounter, [](const CacheStats& s) { return s.writeback_failures; });
+  }
   r->AddCallback("farmem_export_info", "This export: program version, backend and resilience.",
                  Type::kGauge, [cfg, export_name](const Emit& emit) {
                    emit({{"version", std::string(farmem::kVersionString)},

@@ -124,6 +124,11 @@ void NbdConnection::Transmit() {
     }
     if (disconnect) {
       end_reason_ = "client sent NBD_CMD_DISC";
+      // A client that leaves cleanly gets its writes made durable, as if it had flushed (the
+      // backend may cache writes: the farmem backend's write cache).
+      if (Status s = backend_->Flush(); !s.ok()) {
+        spdlog::warn("nbd: {}: flush at disconnect failed: {}", peer_, s.ToString());
+      }
       return;
     }
   }

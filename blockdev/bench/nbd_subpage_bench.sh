@@ -1,0 +1,127 @@
+#!/usr/bin/env bash
+# nbd_subpage_bench.sh: writes smaller than a page (issue 13, item 2) on farmem-nbd with its write
+# cache on (the default, --write-cache-pages 1024) and off (--write-cache-pages 0), against
+# `nbdkit memory` (the local-RAM ceiling of an NBD server), in ONE run, with fio's nbd engine:
+#
+#   randwrite 512 B, 1 KiB and 4 KiB (for comparison) at queue depth 16, and sequential 1 KiB
+#   writes at depth 16 (what nbd-tester-client's write-throughput test sends), one connection.
+#
+#   targets  nbdkit-mem        nbdkit memory
+#            farmem-ec         farmem-nbd --resilience ec:4+2 (write cache on, encryption on)
+#            farmem-ec-nocache the same with --write-cache-pages 0
+#            farmem-none, farmem-none-nocache: --resilience none, cache on / off
+#
+#   blockdev/bench/nbd_subpage_bench.sh [--build-dir DIR] [--runtime SECONDS] [--repeat N]
+#                                       [--size SIZE] [--targets "a b ..."]
+#                                       [--workloads "randwrite:1k write:1k ..."]
+#
+# Defaults: build dir ./build, 5 s per job (after 1 s ramp), 3 repetitions, 256M export, all
+# targets. Six farmemd daemons on loopback (tcp, 64 MiB slabs) serve both farmem exports. Every
+# export is written whole first (reads and fills then hit allocated memory everywhere). Each
+# workload runs on every target back to back, the order rotated every repetition; the table shows
+# the median IOPS and each repetition's, and the ratio to nbdkit-mem.
+set -euo pipefail
+
+build=build
+runtime=5
+repeat=3
+size=256M
+targets="nbdkit-mem farmem-ec farmem-ec-nocache farmem-none farmem-none-nocache"
+workloads="randwrite:512 randwrite:1k randwrite:4k write:1k"
+while [ $# -gt 0 ]; do
+  case $1 in
+    --build-dir) build=$2; shift 2 ;;
+    --runtime) runtime=$2; shift 2 ;;
+    --repeat) repeat=$2; shift 2 ;;
+    --size) size=$2; shift 2 ;;
+    --targets) targets=$2; shift 2 ;;
+    --workloads) workloads=$2; shift 2 ;;
+    -h|--help) sed -n '2,23p' "$0"; exit 0 ;;
+    *) echo "unknown argument $1 (try --help)" >&2; exit 2 ;;
+  esac
+done
+bin=$build/bin
+for tool in fio nbdkit python3; do
+  command -v $tool >/dev/null || { echo "$tool not found" >&2; exit 1; }
+done
+for b in farmem-nbd farmemd; do
+  [ -x "$bin/$b" ] || { echo "$bin/$b not built (cmake --build $build --target $b)" >&2; exit 1; }
+done
+work=$(mktemp -d /tmp/nbd-subpage-bench.XXXXXX)
+pids=()
+cleanup() {
+  for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; wait "$p" 2>/dev/null || true; done
+  rm -rf "$work"
+}
+trap cleanup EXIT
+wait_file() {  # -S or -s, path
+  for _ in $(seq 600); do [ "$1" "$2" ] && return 0; sleep 0.05; done
+  echo "timed out waiting for $2" >&2
+  exit 1
+}
+has() { case " $targets " in *" $1 "*) return 0 ;; esac; return 1; }
+
+if has nbdkit-mem; then
+  nbdkit --foreground --unix "$work/nbdkit-mem.sock" memory "$size" 2>"$work/nbdkit-mem.log" &
+  pids+=($!)
+fi
+head -c 32 /dev/urandom | base64 >"$work/secret"
+chmod 600 "$work/secret"
+peers=""
+for i in 0 1 2 3 4 5; do
+  "$bin/farmemd" --listen 127.0.0.1:0 --port-file "$work/port$i" --capacity 512M --slab-size 64M \
+    --rdma off --secret-file "$work/secret" --log-level warn 2>"$work/farmemd$i.log" &
+  pids+=($!)
+done
+for i in 0 1 2 3 4 5; do
+  wait_file -s "$work/port$i"
+  peers="$peers${peers:+,}127.0.0.1:$(cat "$work/port$i")"
+done
+for t in farmem-ec farmem-ec-nocache farmem-none farmem-none-nocache; do
+  has $t || continue
+  res=ec:4+2
+  case $t in farmem-none*) res=none ;; esac
+  cache=()
+  case $t in *-nocache) cache=(--write-cache-pages 0) ;; esac
+  "$bin/farmem-nbd" --backend farmem --peers "$peers" --secret-file "$work/secret" \
+    --resilience "$res" --transport tcp --size "$size" --unix "$work/$t.sock" --log-level warn \
+    --no-swap-safe "${cache[@]}" 2>"$work/$t.log" &
+  pids+=($!)
+done
+uri() { echo "nbd+unix:///?socket=$work/$1.sock"; }
+for t in $targets; do
+  wait_file -S "$work/$t.sock"
+  fio --name=prefill --ioengine=nbd --uri="$(uri "$t")" --rw=write --bs=1m --iodepth=8 \
+    --size="$size" >/dev/null
+done
+echo "fio $(fio --version | sed 's/fio-//'), nbdkit $(nbdkit --version | awk '{print $2}')," \
+  "$(nproc) CPUs, export $size, ${runtime}s x $repeat per job, uptime: $(uptime)"
+read -r -a tlist <<<"$targets"
+n=${#tlist[@]}
+for rep in $(seq "$repeat"); do
+  for w in $workloads; do
+    for ((i = 0; i < n; i++)); do
+      t=${tlist[$(((i + rep) % n))]}
+      fio --name="$t" --ioengine=nbd --uri="$(uri "$t")" --rw="${w%%:*}" --bs="${w##*:}" \
+        --iodepth=16 --numjobs=1 --size="$size" --time_based --runtime="$runtime" --ramp_time=1 \
+        --output-format=json --output="$work/$t-${w/:/-}-$rep.json" >/dev/null
+    done
+  done
+done
+echo "uptime at the end: $(uptime)"
+python3 - "$work" "$repeat" "$targets" "$workloads" <<'EOF'
+import json, statistics, sys
+d, reps, targets, workloads = sys.argv[1], int(sys.argv[2]), sys.argv[3].split(), sys.argv[4].split()
+print()
+print(f"{'workload (qd16)':<18}{'target':<22}{'IOPS':>9}{'x nbdkit':>10}   IOPS per run")
+for w in workloads:
+    med = {}
+    for t in targets:
+        runs = [json.load(open(f"{d}/{t}-{w.replace(':', '-')}-{r}.json"))["jobs"][0]["write"]["iops"]
+                for r in range(1, reps + 1)]
+        med[t] = (statistics.median(runs), runs)
+    for t in targets:
+        ratio = f"{med[t][0] / med['nbdkit-mem'][0]:.2f}" if "nbdkit-mem" in med else "-"
+        print(f"{w.replace(':', ' '):<18}{t:<22}{med[t][0]:>9.0f}{ratio:>10}   "
+              + " ".join(f"{x:.0f}" for x in med[t][1]))
+EOF

@@ -1,0 +1,368 @@
+// WriteCache (write_cache.h) over a recording in-memory backend: partial writes merge into cached
+// pages (one backend read at most, none when a batch covers the page), reads see the cache, dirty
+// pages go back on eviction (least recently used first), FLUSH, FUA and the dirty-age deadline (a
+// fake clock, no sleeps), and a failed write-back is kept and surfaces at the next FLUSH.
+#include "farmem/blockdev/write_cache.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <atomic>
+#include <random>
+#include <thread>
+
+#include "test_backends.h"
+
+namespace farmem::blockdev {
+namespace {
+
+using testing::RecordedOp;
+using testing::RecordingBackend;
+constexpr uint64_t kPage = 4096;
+
+struct Fixture {
+  RecordingBackend* backend = nullptr;  // owned by cache
+  std::unique_ptr<WriteCache> cache;
+  std::chrono::steady_clock::time_point now{std::chrono::hours(1)};
+
+  explicit Fixture(size_t pages = 16, size_t batch = 64, uint64_t size = 1u << 20) {
+    auto mem = MemoryBackend::Create(size);
+    EXPECT_TRUE(mem.has_value());
+    auto rec = std::make_unique<RecordingBackend>(std::move(*mem));
+    backend = rec.get();
+    WriteCacheOptions o;
+    o.pages = pages;
+    o.writeback_batch = batch;
+    o.flusher_thread = false;
+    o.now = [this] { return now; };
+    auto c = WriteCache::Create(std::move(rec), o);
+    EXPECT_TRUE(c.has_value()) << c.error().ToString();
+    cache = std::move(*c);
+  }
+  // What the backend holds (bypassing the cache), recorded ops cleared afterwards.
+  std::vector<uint8_t> Backing(uint64_t offset, uint64_t len) {
+    std::vector<uint8_t> out(len);
+    EXPECT_TRUE(backend->Read(offset, out).ok());
+    return out;
+  }
+  std::vector<RecordedOp> Ops(BlockOp::Kind kind) {
+    std::vector<RecordedOp> out;
+    for (const RecordedOp& op : backend->ops()) {
+      if (op.kind == kind) out.push_back(op);
+    }
+    return out;
+  }
+};
+
+std::vector<uint8_t> Bytes(size_t n, uint8_t v) { return std::vector<uint8_t>(n, v); }
+
+TEST(WriteCache, PartialWritesMergeInTheCacheAndTheRestIsReadOnceAtWriteBack) {
+  Fixture f;
+  ASSERT_TRUE(f.backend->Write(8192, Bytes(kPage, 0xaa), false).ok());
+  f.backend->clear();
+  ASSERT_TRUE(f.cache->Write(8192 + 1024, Bytes(1024, 1), false).ok());
+  ASSERT_TRUE(f.cache->Write(8192 + 3072, Bytes(512, 2), false).ok());
+  // Nothing read, nothing written yet.
+  EXPECT_TRUE(f.Ops(BlockOp::Kind::kRead).empty());
+  EXPECT_TRUE(f.Ops(BlockOp::Kind::kWrite).empty());
+  EXPECT_EQ(f.cache->stats().dirty, 1u);
+  std::vector<uint8_t> part(1536);
+  ASSERT_TRUE(f.cache->Read(8192 + 1024, {part.data(), 1024}).ok());
+  EXPECT_EQ(std::vector<uint8_t>(part.begin(), part.begin() + 1024), Bytes(1024, 1));
+  EXPECT_TRUE(f.Ops(BlockOp::Kind::kRead).empty()) << "sectors the page holds: from the cache";
+
+  std::vector<uint8_t> want = Bytes(kPage, 0xaa);
+  std::fill_n(want.begin() + 1024, 1024, 1);
+  std::fill_n(want.begin() + 3072, 512, 2);
+  std::vector<uint8_t> got(kPage);
+  ASSERT_TRUE(f.cache->Read(8192, got).ok());  // backend bytes, the cached sectors over them
+  EXPECT_EQ(got, want);
+  EXPECT_EQ(f.Ops(BlockOp::Kind::kRead).size(), 1u);
+
+  ASSERT_TRUE(f.cache->Flush().ok());
+  auto reads = f.Ops(BlockOp::Kind::kRead);
+  ASSERT_EQ(reads.size(), 2u) << "one read of the page to complete it for the write-back";
+  EXPECT_EQ(reads[1].offset, 8192u);
+  EXPECT_EQ(reads[1].length, kPage);
+  auto writes = f.Ops(BlockOp::Kind::kWrite);
+  ASSERT_EQ(writes.size(), 1u);
+  EXPECT_EQ(writes[0].offset, 8192u);
+  EXPECT_EQ(writes[0].length, kPage);
+  EXPECT_EQ(f.Ops(BlockOp::Kind::kFlush).size(), 1u) << "the backend's flush runs after";
+  EXPECT_EQ(f.Backing(8192, kPage), want);
+  EXPECT_EQ(f.cache->stats().dirty, 0u);
+}
+
+TEST(WriteCache, SmallWritesThatFillAPageNeedNoRead) {
+  Fixture f;
+  std::vector<std::vector<uint8_t>> data;
+  std::vector<BlockOp> ops(8);
+  for (size_t i = 0; i < ops.size(); ++i) {
+    data.push_back(Bytes(512, static_cast<uint8_t>(i + 1)));
+    ops[i].kind = BlockOp::Kind::kWrite;
+    ops[i].offset = kPage + i * 512;
+    ops[i].length = 512;
+    ops[i].data = data[i];
+  }
+  f.cache->ExecuteBatch(ops);
+  for (const BlockOp& op : ops) EXPECT_TRUE(op.status.ok()) << op.status.ToString();
+  ASSERT_TRUE(f.cache->Write(3 * kPage, Bytes(1024, 9), false).ok());  // and one at a time
+  ASSERT_TRUE(f.cache->Write(3 * kPage + 1024, Bytes(3072, 9), false).ok());
+  ASSERT_TRUE(f.cache->Flush().ok());
+  EXPECT_TRUE(f.Ops(BlockOp::Kind::kRead).empty());
+  EXPECT_EQ(f.cache->stats().fills, 0u);
+  EXPECT_EQ(f.Backing(3 * kPage, kPage), Bytes(kPage, 9));
+  const auto back = f.Backing(kPage, kPage);
+  for (size_t i = 0; i < 8; ++i) EXPECT_EQ(back[i * 512], i + 1);
+}
+
+TEST(WriteCache, ReadsSeeCachedBytesAlsoWhenTheyOverlapCachedPagesPartly) {
+  Fixture f;
+  ASSERT_TRUE(f.backend->Write(0, Bytes(4 * kPage, 7), false).ok());
+  ASSERT_TRUE(f.cache->Write(kPage + 512, Bytes(1024, 9), false).ok());
+  std::vector<uint8_t> got(2 * kPage);
+  ASSERT_TRUE(f.cache->Read(512, got).ok());  // pages 0 (backend), 1 (cache), 2 (backend)
+  std::vector<uint8_t> want = Bytes(2 * kPage, 7);
+  std::fill_n(want.begin() + kPage, 1024, 9);
+  EXPECT_EQ(got, want);
+}
+
+TEST(WriteCache, EvictionWritesBackTheLeastRecentlyUsedDirtyPageFirst) {
+  Fixture f(/*pages=*/8, /*batch=*/1);
+  for (uint64_t p = 0; p < 8; ++p)
+    ASSERT_TRUE(f.cache->Write(p * kPage, Bytes(512, 1), false).ok());
+  ASSERT_TRUE(f.cache->Write(0, Bytes(512, 2), false).ok());  // page 0 used again: page 1 is LRU
+  EXPECT_TRUE(f.Ops(BlockOp::Kind::kWrite).empty());
+  ASSERT_TRUE(f.cache->Write(8 * kPage, Bytes(512, 3), false).ok());  // needs a page
+  auto writes = f.Ops(BlockOp::Kind::kWrite);
+  ASSERT_EQ(writes.size(), 1u);
+  EXPECT_EQ(writes[0].offset, 1 * kPage);
+  ASSERT_TRUE(f.cache->Write(9 * kPage, Bytes(512, 3), false).ok());
+  writes = f.Ops(BlockOp::Kind::kWrite);
+  ASSERT_EQ(writes.size(), 2u);
+  EXPECT_EQ(writes[1].offset, 2 * kPage);
+  // Evicted pages still read back right (from the backend now).
+  std::vector<uint8_t> got(512);
+  ASSERT_TRUE(f.cache->Read(1 * kPage, got).ok());
+  EXPECT_EQ(got, Bytes(512, 1));
+}
+
+TEST(WriteCache, FuaWriteIsInTheBackendWhenItReturnsAndTakesOnlyItsPages) {
+  Fixture f;
+  ASSERT_TRUE(f.cache->Write(0, Bytes(1024, 1), false).ok());
+  ASSERT_TRUE(f.cache->Write(5 * kPage + 2048, Bytes(1024, 2), /*fua=*/true).ok());
+  auto writes = f.Ops(BlockOp::Kind::kWrite);
+  ASSERT_EQ(writes.size(), 1u);
+  EXPECT_EQ(writes[0].offset, 5 * kPage);
+  EXPECT_TRUE(writes[0].fua);
+  EXPECT_EQ(f.Backing(5 * kPage + 2048, 1024), Bytes(1024, 2));
+  EXPECT_EQ(f.cache->stats().dirty, 1u);  // page 0 is still only cached
+}
+
+TEST(WriteCache, DirtyPagesGoBackWhenTheyReachTheirDeadline) {
+  Fixture f;  // the fake clock: time moves only when the test says so
+  ASSERT_TRUE(f.cache->Write(0, Bytes(512, 1), false).ok());
+  f.now += std::chrono::milliseconds(60);
+  ASSERT_TRUE(f.cache->Write(kPage, Bytes(512, 2), false).ok());
+  f.now += std::chrono::milliseconds(39);  // page 0 dirty 99 ms
+  ASSERT_TRUE(f.cache->WriteBackExpired().ok());
+  EXPECT_TRUE(f.Ops(BlockOp::Kind::kWrite).empty());
+  f.now += std::chrono::milliseconds(1);  // 100 ms
+  ASSERT_TRUE(f.cache->WriteBackExpired().ok());
+  auto writes = f.Ops(BlockOp::Kind::kWrite);
+  ASSERT_EQ(writes.size(), 1u);
+  EXPECT_EQ(writes[0].offset, 0u);
+  f.now += std::chrono::milliseconds(60);  // page 1 dirty 100 ms
+  ASSERT_TRUE(f.cache->WriteBackExpired().ok());
+  EXPECT_EQ(f.Ops(BlockOp::Kind::kWrite).size(), 2u);
+  EXPECT_EQ(f.cache->stats().expired, 2u);
+  EXPECT_EQ(f.cache->stats().dirty, 0u);
+}
+
+TEST(WriteCache, FailedWriteBackIsKeptAndFailsTheNextFlush) {
+  Fixture f;
+  ASSERT_TRUE(f.cache->Write(kPage, Bytes(1024, 5), false).ok());
+  f.backend->set_fail(true);
+  f.now += std::chrono::milliseconds(100);
+  EXPECT_FALSE(f.cache->WriteBackExpired().ok());  // the flusher's write-back fails
+  f.backend->set_fail(false);
+  // The data is still there for readers, and the next flush reports the failure although its
+  // own retry of the page succeeds (reported once, like fsync).
+  std::vector<uint8_t> got(1024);
+  ASSERT_TRUE(f.cache->Read(kPage, got).ok());
+  EXPECT_EQ(got, Bytes(1024, 5));
+  const Status first = f.cache->Flush();
+  EXPECT_FALSE(first.ok());
+  EXPECT_NE(first.message().find("write-back"), std::string::npos) << first.ToString();
+  EXPECT_EQ(f.Backing(kPage, 1024), Bytes(1024, 5)) << "the failed page was retried, not dropped";
+  EXPECT_TRUE(f.cache->Flush().ok());
+
+  // A flush whose own write-backs fail fails, and so does the next until they succeed.
+  ASSERT_TRUE(f.cache->Write(2 * kPage, Bytes(512, 6), false).ok());
+  f.backend->set_fail(true);
+  EXPECT_FALSE(f.cache->Flush().ok());
+  EXPECT_FALSE(f.cache->Flush().ok());
+  f.backend->set_fail(false);
+  EXPECT_TRUE(f.cache->Flush().ok());
+  EXPECT_EQ(f.Backing(2 * kPage, 512), Bytes(512, 6));
+  EXPECT_GE(f.cache->stats().writeback_failures, 3u);
+}
+
+TEST(WriteCache, FuaWriteFailsWhenItsPageCannotGoBack) {
+  Fixture f;
+  ASSERT_TRUE(f.cache->Write(0, Bytes(512, 1), false).ok());  // page 0 cached (filled)
+  f.backend->set_fail(true);
+  EXPECT_FALSE(f.cache->Write(512, Bytes(512, 2), /*fua=*/true).ok());
+  f.backend->set_fail(false);
+  EXPECT_FALSE(f.cache->Flush().ok()) << "the failed write-back is reported once more";
+  EXPECT_TRUE(f.cache->Flush().ok());
+  EXPECT_EQ(f.Backing(512, 512), Bytes(512, 2));
+  std::vector<uint8_t> got(1024);
+  ASSERT_TRUE(f.cache->Read(0, got).ok());
+  EXPECT_EQ(got[0], 1);
+  EXPECT_EQ(got[512], 2);
+}
+
+TEST(WriteCache, WhenEveryPageFailedToGoBackWritesThatNeedAPageFail) {
+  Fixture f(/*pages=*/8);
+  for (uint64_t p = 0; p < 8; ++p)
+    ASSERT_TRUE(f.cache->Write(p * kPage, Bytes(512, 1), false).ok());
+  f.backend->set_fail(true);
+  EXPECT_FALSE(f.cache->Flush().ok());
+  const Status st = f.cache->Write(8 * kPage, Bytes(512, 2), false);
+  EXPECT_FALSE(st.ok());
+  EXPECT_NE(st.message().find("write-back failed"), std::string::npos) << st.ToString();
+  f.backend->set_fail(false);
+  EXPECT_TRUE(f.cache->Flush().ok());
+  EXPECT_TRUE(f.cache->Write(8 * kPage, Bytes(512, 2), false).ok());
+}
+
+TEST(WriteCache, WriteZeroesAndTrimDropOrPatchCachedPages) {
+  Fixture f;
+  ASSERT_TRUE(f.cache->Write(0, Bytes(2 * kPage, 3), false).ok());  // whole pages: backend
+  ASSERT_TRUE(f.cache->Write(512, Bytes(512, 4), false).ok());      // page 0 cached
+  ASSERT_TRUE(f.cache->Write(kPage + 512, Bytes(512, 4), false).ok());
+  ASSERT_TRUE(f.cache->WriteZeroes(1024, 2 * kPage - 1024, false, false).ok());
+  std::vector<uint8_t> got(2 * kPage);
+  ASSERT_TRUE(f.cache->Read(0, got).ok());
+  std::vector<uint8_t> want(2 * kPage, 0);
+  std::fill_n(want.begin(), 512, 3);
+  std::fill_n(want.begin() + 512, 512, 4);
+  EXPECT_EQ(got, want);
+  ASSERT_TRUE(f.cache->Flush().ok());
+  EXPECT_EQ(f.Backing(0, 2 * kPage), want);
+  // A trim of a cached page drops it: nothing of it is written back later.
+  ASSERT_TRUE(f.cache->Write(4 * kPage, Bytes(512, 8), false).ok());
+  ASSERT_TRUE(f.cache->Trim(4 * kPage, kPage, false).ok());
+  f.backend->clear();
+  ASSERT_TRUE(f.cache->Flush().ok());
+  EXPECT_TRUE(f.Ops(BlockOp::Kind::kWrite).empty());
+}
+
+// Random mixed-size reads, writes and zeroes in batches of non-overlapping ops, against a
+// reference buffer; a cache much smaller than the range, so pages are evicted all the time.
+TEST(WriteCache, RandomMixedSizesMatchAReferenceBuffer) {
+  constexpr uint64_t kRange = 64 * kPage;
+  Fixture f(/*pages=*/8, /*batch=*/3);
+  std::vector<uint8_t> ref(kRange, 0);
+  std::mt19937_64 rng(42);
+  const uint64_t sizes[] = {512, 1024, 1536, 4096, 8192, 3072};
+  std::vector<std::vector<uint8_t>> bufs(16);
+  for (int round = 0; round < 400; ++round) {
+    std::vector<BlockOp> ops;
+    std::vector<std::pair<uint64_t, uint64_t>> taken;
+    const size_t n = 1 + rng() % 12;
+    for (size_t k = 0; k < n; ++k) {
+      const uint64_t len = sizes[rng() % std::size(sizes)];
+      const uint64_t off = (rng() % ((kRange - len) / 512 + 1)) * 512;
+      bool overlaps = false;
+      for (auto [a, b] : taken) overlaps = overlaps || (off < b && a < off + len);
+      if (overlaps) continue;
+      taken.push_back({off, off + len});
+      BlockOp op;
+      op.offset = off;
+      op.length = len;
+      op.fua = rng() % 16 == 0;
+      std::vector<uint8_t>& buf = bufs[ops.size()];
+      buf.resize(len);
+      const int kind = static_cast<int>(rng() % 10);
+      if (kind < 6) {
+        op.kind = BlockOp::Kind::kWrite;
+        for (auto& b : buf) b = static_cast<uint8_t>(rng());
+        op.data = buf;
+      } else if (kind < 9) {
+        op.kind = BlockOp::Kind::kRead;
+        op.read_into = buf;
+      } else {
+        op.kind = BlockOp::Kind::kWriteZeroes;
+      }
+      ops.push_back(op);
+    }
+    f.cache->ExecuteBatch(ops);
+    for (BlockOp& op : ops) {
+      ASSERT_TRUE(op.status.ok()) << op.status.ToString();
+      if (op.kind == BlockOp::Kind::kWrite) {
+        std::copy(op.data.begin(), op.data.end(), ref.begin() + op.offset);
+      } else if (op.kind == BlockOp::Kind::kWriteZeroes) {
+        std::fill_n(ref.begin() + op.offset, op.length, 0);
+      } else {
+        ASSERT_TRUE(std::equal(op.read_into.begin(), op.read_into.end(), ref.begin() + op.offset))
+            << "round " << round << ": read of " << op.length << " at " << op.offset;
+      }
+    }
+    if (round % 50 == 0) {
+      f.now += std::chrono::milliseconds(100);
+      ASSERT_TRUE(f.cache->WriteBackExpired().ok());
+    }
+  }
+  std::vector<uint8_t> all(kRange);
+  ASSERT_TRUE(f.cache->Read(0, all).ok());
+  EXPECT_TRUE(all == ref);
+  ASSERT_TRUE(f.cache->Flush().ok());
+  EXPECT_TRUE(f.Backing(0, kRange) == ref);
+  const WriteCacheStats s = f.cache->stats();
+  EXPECT_GT(s.fills, 0u);
+  EXPECT_GT(s.writebacks, 0u);
+}
+
+// Several threads, disjoint regions, small writes each read back at once; then everything.
+TEST(WriteCache, ThreadsWritingSmallPiecesReadTheirOwnWrites) {
+  constexpr int kThreads = 4;
+  constexpr uint64_t kRegion = 32 * kPage;
+  Fixture f(/*pages=*/16, /*batch=*/4, kThreads * kRegion);
+  std::vector<std::vector<uint8_t>> ref(kThreads, std::vector<uint8_t>(kRegion, 0));
+  std::atomic<int> bad{0};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      std::mt19937_64 rng(t);
+      for (int i = 0; i < 300; ++i) {
+        const uint64_t len = 512u << (rng() % 3);
+        const uint64_t off = (rng() % ((kRegion - len) / 512 + 1)) * 512;
+        std::vector<uint8_t> data(len, static_cast<uint8_t>(rng()));
+        if (!f.cache->Write(t * kRegion + off, data, false).ok()) ++bad;
+        std::copy(data.begin(), data.end(), ref[t].begin() + off);
+        std::vector<uint8_t> back(len);
+        if (!f.cache->Read(t * kRegion + off, back).ok() || back != data) ++bad;
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  EXPECT_EQ(bad.load(), 0);
+  ASSERT_TRUE(f.cache->Flush().ok());
+  for (int t = 0; t < kThreads; ++t) EXPECT_TRUE(f.Backing(t * kRegion, kRegion) == ref[t]);
+}
+
+TEST(WriteCache, RefusesBadOptions) {
+  auto mem = MemoryBackend::Create(1u << 20);
+  ASSERT_TRUE(mem.has_value());
+  WriteCacheOptions o;
+  o.pages = 4;
+  EXPECT_FALSE(WriteCache::Create(std::move(*mem), o).has_value());
+  auto odd = MemoryBackend::Create((1u << 20) + 512);
+  ASSERT_TRUE(odd.has_value());
+  EXPECT_FALSE(WriteCache::Create(std::move(*odd), WriteCacheOptions{}).has_value());
+}
+
+}  // namespace
+}  // namespace farmem::blockdev
