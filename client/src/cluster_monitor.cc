@@ -1,8 +1,11 @@
 // The Cluster's background thread: heartbeats (which keep leases alive), failure detection,
 // reconnection, DNS refresh, retried FREEs, and delivery of events to subscribers.
 //
-// One thread does all of it, node after node: a call to a hung daemon delays the others' heartbeats
-// by at most failure_timeout, and no daemon is declared down without a failed exchange of its own.
+// The monitor thread keeps the rounds; each node's heartbeat and reconnect run on that node's own
+// worker thread (Node::worker). A daemon that hangs holds up only its own worker, which the next
+// rounds skip until it is done: every responsive daemon is renewed once per heartbeat interval
+// however many others are slow or stopped, so a slow daemon never costs the leases on healthy ones
+// (docs/reliability.md). No daemon is declared down without a failed exchange of its own.
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>
 
@@ -50,45 +53,30 @@ void Cluster::MonitorLoop() {
     const bool beat = now >= next_beat;
     if (beat) next_beat = std::max(next_beat + interval, now);
 
-    struct Due {
-      Node* node;
-      bool heartbeat;
-    };
-    std::vector<Due> due;
+    // Queue this round's heartbeats and reconnects on the nodes' workers. One still busy with an
+    // earlier one (a daemon that does not answer, a reconnect waiting out its timeout) is
+    // skipped: it must not hold up the renewal of anyone else's leases. (Leases past their
+    // EVICT_NOTICE deadline are ended by the worker after its heartbeat: ExpireNoticed.)
+    std::vector<Node*> start;
     {
       MutexLock lock(&mu_);
       for (const auto& n : nodes_) {
         ExpireRetained(*n);
+        if (n->working || n->work != Node::Work::kNone) continue;
         if (n->alive && (beat || n->probe)) {
-          due.push_back({n.get(), true});
+          n->work = Node::Work::kHeartbeat;
         } else if (!n->alive && n->next_reconnect != Clock::time_point::max() &&
                    now >= n->next_reconnect) {
-          due.push_back({n.get(), false});
+          n->work = Node::Work::kReconnect;
+        } else {
+          continue;
         }
+        if (!n->worker.joinable()) start.push_back(n.get());
+        n->work_cv.SignalAll();
       }
     }
-    for (const Due& d : due) {
-      {
-        MutexLock lock(&mu_);
-        if (stopping_) break;
-      }
-      if (d.heartbeat) {
-        Heartbeat(*d.node);
-      } else {
-        Reconnect(*d.node);
-      }
-    }
+    for (Node* n : start) n->worker = std::thread([this, n] { NodeWorkerLoop(*n); });
 
-    {
-      std::vector<Node*> all;
-      {
-        MutexLock lock(&mu_);
-        for (const auto& n : nodes_) {
-          if (!n->noticed.empty()) all.push_back(n.get());
-        }
-      }
-      for (Node* n : all) ExpireNoticed(*n);
-    }
     now = Clock::now();
     if (dns_endpoint_ && now >= next_dns) {
       RefreshDns();
@@ -96,7 +84,55 @@ void Cluster::MonitorLoop() {
     }
     DispatchEvents();
   }
+  {
+    MutexLock lock(&mu_);
+    for (const auto& n : nodes_) n->work_cv.SignalAll();  // stopping_ is set: workers end
+  }
+  // Only this thread adds nodes (RefreshDns) and starts workers: the list is stable here.
+  std::vector<Node*> all;
+  {
+    MutexLock lock(&mu_);
+    for (const auto& n : nodes_) all.push_back(n.get());
+  }
+  for (Node* n : all) {
+    if (n->worker.joinable()) n->worker.join();
+  }
   internal::t_monitor_of = nullptr;
+}
+
+void Cluster::NodeWorkerLoop(Node& node) {
+  for (;;) {
+    Node::Work work;
+    {
+      MutexLock lock(&mu_);
+      node.work_cv.Wait(&mu_, [&] {
+        mu_.AssertHeld();
+        return stopping_ || node.work != Node::Work::kNone;
+      });
+      if (stopping_) return;
+      work = node.work;
+      node.work = Node::Work::kNone;
+      node.working = true;
+    }
+    if (work == Node::Work::kHeartbeat) {
+      Heartbeat(node);
+    } else {
+      Reconnect(node);
+    }
+    bool noticed;
+    {
+      MutexLock lock(&mu_);
+      noticed = !node.noticed.empty();
+    }
+    if (noticed) ExpireNoticed(node);
+    MutexLock lock(&mu_);
+    node.working = false;
+    // A probe asked for while this one ran: the monitor queues it now, not at the next beat.
+    if (node.probe) {
+      probe_requested_ = true;
+      wake_.SignalAll();
+    }
+  }
 }
 
 void Cluster::Heartbeat(Node& node) {
@@ -120,8 +156,9 @@ void Cluster::Heartbeat(Node& node) {
     node.probe = false;
     // failure_timeout after the last answer, plus the time this process itself did not run
     // since then (a deadline that expired while we were descheduled is no evidence against the
-    // daemon), but never less than half of it from now: if this thread itself was held up (a
-    // slow reconnect elsewhere, a slow callback), the node still gets a fair chance to answer.
+    // daemon), but never less than half of it from now: if this node's worker itself was held
+    // up (a slow reconnect of this node, a user call holding call_mu), the node still gets a
+    // fair chance to answer.
     stalled = std::clamp(stall_meter_->total() - node.stall_at_contact, std::chrono::nanoseconds(0),
                          std::chrono::nanoseconds(options_.failure_timeout));
     deadline = std::max(node.last_contact + options_.failure_timeout +

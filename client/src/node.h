@@ -21,10 +21,10 @@ namespace farmem::client {
 // Invariants:
 //  - call_mu serializes every exchange on `conn` and is held across network I/O; it is taken
 //    before Cluster::mu_, never after.
-//  - Only the background thread changes alive / daemon_id and moves leases to `lost`, and it does
-//    so holding call_mu and Cluster::mu_. So a thread that holds call_mu and finds `conn` set is
-//    talking to the daemon incarnation the bookkeeping describes: a lease it gets there can be
-//    recorded without re-checking.
+//  - Only the background threads (the monitor and this node's worker, cluster_monitor.cc) change
+//    alive / daemon_id and move leases to `lost`, and they do so holding call_mu and Cluster::mu_.
+//    So a thread that holds call_mu and finds `conn` set is talking to the daemon incarnation the
+//    bookkeeping describes: a lease it gets there can be recorded without re-checking.
 //  - conn set implies alive. User threads may drop `conn` after a transport failure (the node
 //    stays alive until the background thread decides).
 struct Cluster::Node {
@@ -76,6 +76,18 @@ struct Cluster::Node {
   // (see Cluster::ReportFailure).
   Clock::time_point suspect_until{};
   std::chrono::milliseconds suspect_window{0};
+
+  // ---- this node's heartbeat worker (cluster_monitor.cc) ----
+  // The monitor queues the node's heartbeat or reconnect here each round and its own worker
+  // thread runs it, so a daemon that does not answer holds up only its own worker: every other
+  // daemon's leases are renewed on time (docs/reliability.md). A node whose worker is still busy
+  // is skipped for the round. `work` and `working` are guarded by Cluster::mu_; work_cv waits on
+  // it; `worker` is started (on first use) and joined by the monitor thread only.
+  enum class Work { kNone, kHeartbeat, kReconnect };
+  Work work = Work::kNone;  // queued, not yet taken by the worker
+  bool working = false;     // the worker runs one now
+  CondVar work_cv;
+  std::thread worker;
 
   std::string name() const {
     return "node " + std::to_string(id) + " (" + endpoint.ToString() + ")";

@@ -463,6 +463,68 @@ TEST(Cluster, HungDaemonIsDeclaredDownAndKeepsItsLeasesWhenItWakes) {
   EXPECT_EQ(FreeSlabs(*c, 1), 16u);
 }
 
+// A slow daemon never costs the leases on healthy ones: four of six daemons stop (SIGSTOP: they
+// accept TCP connections and answer nothing), and each costs about failure_timeout to detect plus
+// a connect timeout per reconnect. One after another, that exceeds the healthy daemons' lease TTL
+// (fc7: ec:4+2 lost a span although no daemon died). Heartbeats to every responsive daemon must
+// still arrive within its TTL, however many others hang.
+TEST(Cluster, StoppedDaemonsDoNotDelayLeaseRenewalOnHealthyOnes) {
+  constexpr size_t kDaemons = 6, kHealthy = 2;
+  constexpr milliseconds kTtl{1200 * kTimeScale};
+  DaemonSet daemons(DaemonConfig{.lease_ttl_ms = kTtl.count()});
+  const Status started = daemons.Start(kDaemons);
+  ASSERT_TRUE(started.ok()) << started.ToString();
+  ClusterOptions o = OptionsFor(daemons);
+  o.failure_timeout = milliseconds(600 * kTimeScale);
+  o.connect_timeout = milliseconds(600 * kTimeScale);
+  // The property only bites when the stopped daemons' timeouts add up past the TTL.
+  ASSERT_GT((kDaemons - kHealthy) * o.failure_timeout, kTtl);
+  auto c = MustConnect(o, daemons);
+  ASSERT_TRUE(c);
+  auto log = Record(*c);
+  ASSERT_TRUE(WaitUntil([&] { return c->node(0).lease_ttl_ms == uint64_t(kTtl.count()); }, kSlack));
+  auto leases = c->AllocateGroup(kDaemons);  // one slab on each daemon
+  ASSERT_TRUE(leases.has_value()) << leases.error().ToString();
+
+  for (size_t i = kHealthy; i < kDaemons; ++i) daemons[i].Pause();
+  // Stopped long enough for the healthy daemons to reclaim everything twice over if no
+  // heartbeat reached them: detection of all four, then two TTLs (plus the daemon's reaper
+  // period, TTL/4).
+  const auto paused_at = Clock::now();
+  for (NodeId n = kHealthy; n < kDaemons; ++n) {
+    EXPECT_TRUE(log->WaitFor(EventType::kNodeDown, n, kDaemons * (o.failure_timeout + kSlack)))
+        << "no kNodeDown for stopped node " << n;
+  }
+  const auto hold_until = std::max(Clock::now(), paused_at + 2 * kTtl + kTtl / 4) + kTtl / 4;
+  auto lost_on_healthy = [&] {
+    for (const Event& e : log->events()) {
+      if (e.type == EventType::kLeasesLost && e.node < kHealthy) return true;
+    }
+    return false;
+  };
+  (void)WaitUntil(lost_on_healthy,
+                  std::chrono::duration_cast<milliseconds>(hold_until - Clock::now()));
+  // Ask the healthy daemons themselves (STAT) while the others are still stopped.
+  std::vector<uint32_t> free_on_healthy;
+  for (NodeId n = 0; n < kHealthy; ++n) free_on_healthy.push_back(FreeSlabs(*c, n));
+  const bool lost = lost_on_healthy();
+  for (size_t i = kHealthy; i < kDaemons; ++i) daemons[i].Resume();
+
+  EXPECT_FALSE(lost) << "kLeasesLost on a healthy daemon while others were stopped";
+  for (NodeId n = 0; n < kHealthy; ++n) {
+    EXPECT_TRUE(c->node(n).alive) << "healthy node " << n << " declared down";
+    EXPECT_EQ(free_on_healthy[n], 15u)
+        << "healthy daemon " << n << " reclaimed this client's lease (no heartbeat within "
+        << kTtl.count() << " ms)\n"
+        << daemons.Logs();
+    for (const Lease& l : *leases) {
+      if (l.node == n) {
+        EXPECT_EQ(c->GetLeaseState(l), LeaseState::kHeld) << "node " << n;
+      }
+    }
+  }
+}
+
 // A lease the borrower replaced (and freed) while its daemon was down is FREEd when the same
 // daemon answers again; the others come back.
 TEST(Cluster, LeaseFreedWhileItsDaemonIsDownIsFreedWhenItAnswers) {

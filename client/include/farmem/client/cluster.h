@@ -354,6 +354,9 @@ class Cluster {
 
   // ---- background thread (cluster_monitor.cc) ----
   void MonitorLoop();
+  // A node's own thread: runs the heartbeats and reconnects the monitor queues for it (Node::work)
+  // until the Cluster stops.
+  void NodeWorkerLoop(Node& node);
   void Heartbeat(Node& node);
   void Reconnect(Node& node);
   void RefreshDns();
