@@ -24,4 +24,34 @@ void BlockBackend::ExecuteBatch(std::span<BlockOp> ops, BatchListener* /*listene
   }
 }
 
+Status BatchBackend::RunOne(BlockOp op) {
+  ExecuteBatch({&op, 1});
+  return op.status;
+}
+
+Status BatchBackend::Read(uint64_t offset, std::span<uint8_t> buf) {
+  return RunOne(
+      {.kind = BlockOp::Kind::kRead, .offset = offset, .length = buf.size(), .read_into = buf});
+}
+
+Status BatchBackend::Write(uint64_t offset, std::span<const uint8_t> data, bool fua) {
+  return RunOne({.kind = BlockOp::Kind::kWrite,
+                 .fua = fua,
+                 .offset = offset,
+                 .length = data.size(),
+                 .data = data});
+}
+
+Status BatchBackend::Trim(uint64_t offset, uint64_t length, bool fua) {
+  return RunOne({.kind = BlockOp::Kind::kTrim, .fua = fua, .offset = offset, .length = length});
+}
+
+Status BatchBackend::WriteZeroes(uint64_t offset, uint64_t length, bool may_trim, bool fua) {
+  return RunOne({.kind = BlockOp::Kind::kWriteZeroes,
+                 .fua = fua,
+                 .may_trim = may_trim,
+                 .offset = offset,
+                 .length = length});
+}
+
 }  // namespace farmem::blockdev

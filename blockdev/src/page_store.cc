@@ -410,51 +410,9 @@ Status PageStore::DoZero(Worker& w, uint64_t offset, uint64_t length, bool may_t
   return Status::Ok();
 }
 
-Status PageStore::Read(uint64_t offset, std::span<uint8_t> buf) {
-  BlockOp op;
-  op.kind = BlockOp::Kind::kRead;
-  op.offset = offset;
-  op.length = buf.size();
-  op.read_into = buf;
-  ExecuteBatch({&op, 1});
-  return op.status;
-}
-
-Status PageStore::Write(uint64_t offset, std::span<const uint8_t> data, bool fua) {
-  BlockOp op;
-  op.kind = BlockOp::Kind::kWrite;
-  op.offset = offset;
-  op.length = data.size();
-  op.data = data;
-  op.fua = fua;
-  ExecuteBatch({&op, 1});
-  return op.status;
-}
-
 Status PageStore::Flush() {
   if (backup_) return backup_->Flush();
   return Status::Ok();  // remote writes are acknowledged only once they are on the daemons
-}
-
-Status PageStore::Trim(uint64_t offset, uint64_t length, bool fua) {
-  BlockOp op;
-  op.kind = BlockOp::Kind::kTrim;
-  op.offset = offset;
-  op.length = length;
-  op.fua = fua;
-  ExecuteBatch({&op, 1});
-  return op.status;
-}
-
-Status PageStore::WriteZeroes(uint64_t offset, uint64_t length, bool may_trim, bool fua) {
-  BlockOp op;
-  op.kind = BlockOp::Kind::kWriteZeroes;
-  op.offset = offset;
-  op.length = length;
-  op.may_trim = may_trim;
-  op.fua = fua;
-  ExecuteBatch({&op, 1});
-  return op.status;
 }
 
 void PageStore::ExecuteBatch(std::span<BlockOp> ops, BatchListener* listener) {

@@ -172,18 +172,14 @@ struct PageStoreStats {
   uint64_t episode_degraded_ms = 0;
 };
 
-class PageStore final : public BlockBackend {
+class PageStore final : public BatchBackend {
  public:
   static Result<std::unique_ptr<PageStore>> Create(client::Cluster* cluster,
                                                    PageStoreOptions options);
   ~PageStore() override;
 
   uint64_t size() const override { return options_.size; }
-  Status Read(uint64_t offset, std::span<uint8_t> buf) override;
-  Status Write(uint64_t offset, std::span<const uint8_t> data, bool fua) override;
   Status Flush() override;
-  Status Trim(uint64_t offset, uint64_t length, bool fua) override;
-  Status WriteZeroes(uint64_t offset, uint64_t length, bool may_trim, bool fua) override;
   void ExecuteBatch(std::span<BlockOp> ops, BatchListener* listener = nullptr) override;
 
   bool can_flush() const override { return true; }

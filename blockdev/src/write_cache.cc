@@ -540,48 +540,6 @@ void WriteCache::ExecuteBatch(std::span<BlockOp> ops, BatchListener* listener) {
   }
 }
 
-Status WriteCache::Read(uint64_t offset, std::span<uint8_t> buf) {
-  BlockOp op;
-  op.kind = BlockOp::Kind::kRead;
-  op.offset = offset;
-  op.length = buf.size();
-  op.read_into = buf;
-  ExecuteBatch({&op, 1});
-  return op.status;
-}
-
-Status WriteCache::Write(uint64_t offset, std::span<const uint8_t> data, bool fua) {
-  BlockOp op;
-  op.kind = BlockOp::Kind::kWrite;
-  op.offset = offset;
-  op.length = data.size();
-  op.data = data;
-  op.fua = fua;
-  ExecuteBatch({&op, 1});
-  return op.status;
-}
-
-Status WriteCache::Trim(uint64_t offset, uint64_t length, bool fua) {
-  BlockOp op;
-  op.kind = BlockOp::Kind::kTrim;
-  op.offset = offset;
-  op.length = length;
-  op.fua = fua;
-  ExecuteBatch({&op, 1});
-  return op.status;
-}
-
-Status WriteCache::WriteZeroes(uint64_t offset, uint64_t length, bool may_trim, bool fua) {
-  BlockOp op;
-  op.kind = BlockOp::Kind::kWriteZeroes;
-  op.offset = offset;
-  op.length = length;
-  op.may_trim = may_trim;
-  op.fua = fua;
-  ExecuteBatch({&op, 1});
-  return op.status;
-}
-
 // ---------------------------------------------------------------------------------------------
 // Write-back
 

@@ -99,6 +99,21 @@ class BlockBackend {
   virtual void ExecuteBatch(std::span<BlockOp> ops, BatchListener* listener = nullptr);
 };
 
+// A backend whose one implementation of every operation is ExecuteBatch (the page store, the
+// write cache): Read, Write, Trim and WriteZeroes run as batches of one op.
+class BatchBackend : public BlockBackend {
+ public:
+  [[nodiscard]] Status Read(uint64_t offset, std::span<uint8_t> buf) override;
+  [[nodiscard]] Status Write(uint64_t offset, std::span<const uint8_t> data, bool fua) override;
+  [[nodiscard]] Status Trim(uint64_t offset, uint64_t length, bool fua) override;
+  [[nodiscard]] Status WriteZeroes(uint64_t offset, uint64_t length, bool may_trim,
+                                   bool fua) override;
+  void ExecuteBatch(std::span<BlockOp> ops, BatchListener* listener = nullptr) override = 0;
+
+ private:
+  Status RunOne(BlockOp op);
+};
+
 // An export held in this process's memory, allocated (and, under mlockall, locked) up front.
 // Contents start as zeroes. Trim and WriteZeroes zero the range. Flush and FUA have nothing to do:
 // there is nothing more durable than this memory. Thread-safe; ranges are guarded by striped

@@ -85,7 +85,7 @@ struct WriteCacheStats {
   uint64_t waits = 0;    // requests that waited for a page's write-back (or pin)
 };
 
-class WriteCache final : public BlockBackend {
+class WriteCache final : public BatchBackend {
  public:
   static constexpr uint64_t kPage = 4096;
   static constexpr size_t kMinPages = 8;
@@ -100,11 +100,7 @@ class WriteCache final : public BlockBackend {
   WriteCache& operator=(const WriteCache&) = delete;
 
   uint64_t size() const override { return inner_->size(); }
-  Status Read(uint64_t offset, std::span<uint8_t> buf) override;
-  Status Write(uint64_t offset, std::span<const uint8_t> data, bool fua) override;
   Status Flush() override EXCLUDES(mu_);
-  Status Trim(uint64_t offset, uint64_t length, bool fua) override;
-  Status WriteZeroes(uint64_t offset, uint64_t length, bool may_trim, bool fua) override;
   void ExecuteBatch(std::span<BlockOp> ops, BatchListener* listener = nullptr) override
       EXCLUDES(mu_);
 
