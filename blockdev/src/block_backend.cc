@@ -30,28 +30,41 @@ Status BatchBackend::RunOne(BlockOp op) {
 }
 
 Status BatchBackend::Read(uint64_t offset, std::span<uint8_t> buf) {
-  return RunOne(
-      {.kind = BlockOp::Kind::kRead, .offset = offset, .length = buf.size(), .read_into = buf});
+  BlockOp op;
+  op.kind = BlockOp::Kind::kRead;
+  op.offset = offset;
+  op.length = buf.size();
+  op.read_into = buf;
+  return RunOne(op);
 }
 
 Status BatchBackend::Write(uint64_t offset, std::span<const uint8_t> data, bool fua) {
-  return RunOne({.kind = BlockOp::Kind::kWrite,
-                 .fua = fua,
-                 .offset = offset,
-                 .length = data.size(),
-                 .data = data});
+  BlockOp op;
+  op.kind = BlockOp::Kind::kWrite;
+  op.fua = fua;
+  op.offset = offset;
+  op.length = data.size();
+  op.data = data;
+  return RunOne(op);
 }
 
 Status BatchBackend::Trim(uint64_t offset, uint64_t length, bool fua) {
-  return RunOne({.kind = BlockOp::Kind::kTrim, .fua = fua, .offset = offset, .length = length});
+  BlockOp op;
+  op.kind = BlockOp::Kind::kTrim;
+  op.fua = fua;
+  op.offset = offset;
+  op.length = length;
+  return RunOne(op);
 }
 
 Status BatchBackend::WriteZeroes(uint64_t offset, uint64_t length, bool may_trim, bool fua) {
-  return RunOne({.kind = BlockOp::Kind::kWriteZeroes,
-                 .fua = fua,
-                 .may_trim = may_trim,
-                 .offset = offset,
-                 .length = length});
+  BlockOp op;
+  op.kind = BlockOp::Kind::kWriteZeroes;
+  op.fua = fua;
+  op.may_trim = may_trim;
+  op.offset = offset;
+  op.length = length;
+  return RunOne(op);
 }
 
 }  // namespace farmem::blockdev
