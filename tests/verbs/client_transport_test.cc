@@ -284,12 +284,14 @@ TEST_F(ClientTransportTest, TransportOptionIsObeyed) {
 // eight look idle and the four are picked at random.
 TEST_F(ClientTransportTest, VerbsOperationsAreReportedAndColdLeasesAreEvictedFirst) {
   constexpr uint64_t kMiB = 1 << 20;
-  testing::FakeCgroup cgroup(std::filesystem::path(work_dir_->path()) / "cgroup", 1024 * kMiB);
-  StartDaemon(
-      0, true,
-      {"--no-mlock", "--memory-source", "cgroup:" + cgroup.dir().string(), "--reserve", "100M",
-       "--evict-grace-ms", "600000", "--pressure-interval-ms", "100", "--evict-sample-extra", "4"},
-      "16M");
+  testing::FakeCgroup cgroup(1024 * kMiB);
+  StartDaemon(0, true,
+              cgroup.LenderArgs({.reserve = 100 * kMiB,
+                                 .grace = std::chrono::milliseconds(600000),
+                                 .interval = std::chrono::milliseconds(100),
+                                 .sample_extra = 4},
+                                {"--no-mlock"}),
+              "16M");
   if (HasFailure()) return;
   auto cluster = Connect("verbs");
   ASSERT_TRUE(cluster.has_value()) << cluster.error().ToString() << Logs();
