@@ -30,9 +30,7 @@ inline constexpr int kTsanScale = 1;
 
 // The divisor of the long workloads (far_stress_test, far_containers_test): CI runs them at a
 // quarter of their by-hand size (FARMEM_LONG_TESTS=1 runs them whole; docs/testing.md).
-inline int LongWorkloadScale() {
-  return kTsanScale * (farmem::testing::LongTests() ? 1 : 4);
-}
+inline int LongWorkloadScale() { return kTsanScale * (farmem::testing::LongTests() ? 1 : 4); }
 
 // Deterministic contents for object `id` at `version` (tests/support/object_pattern.h).
 inline void Fill(std::span<std::byte> out, uint64_t id, uint64_t version) {
