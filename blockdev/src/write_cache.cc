@@ -197,21 +197,20 @@ WriteCacheStats WriteCache::stats() const {
 // The map and the lists
 
 int32_t WriteCache::Lookup(uint64_t page) const {
-  for (int32_t i = buckets_[(page * 0x9E3779B97F4A7C15ull >> 20) & bucket_mask_]; i != kNone;
-       i = slots_[i].hash_next) {
+  for (int32_t i = buckets_[BucketOf(page)]; i != kNone; i = slots_[i].hash_next) {
     if (slots_[i].page == page) return i;
   }
   return kNone;
 }
 
 void WriteCache::Insert(int32_t slot) {
-  int32_t& head = buckets_[(slots_[slot].page * 0x9E3779B97F4A7C15ull >> 20) & bucket_mask_];
+  int32_t& head = buckets_[BucketOf(slots_[slot].page)];
   slots_[slot].hash_next = head;
   head = slot;
 }
 
 void WriteCache::Erase(int32_t slot) {
-  int32_t* at = &buckets_[(slots_[slot].page * 0x9E3779B97F4A7C15ull >> 20) & bucket_mask_];
+  int32_t* at = &buckets_[BucketOf(slots_[slot].page)];
   while (*at != slot) at = &slots_[*at].hash_next;
   *at = slots_[slot].hash_next;
   slots_[slot].hash_next = kNone;

@@ -155,6 +155,10 @@ class WriteCache final : public BatchBackend {
 
   // ---- the map and the lists (mu_ held) ----
   int32_t Lookup(uint64_t page) const REQUIRES(mu_);
+  // The index in buckets_ of `page`'s hash chain (Fibonacci hashing).
+  size_t BucketOf(uint64_t page) const {
+    return (page * 0x9E3779B97F4A7C15ull >> 20) & bucket_mask_;
+  }
   void Insert(int32_t slot) REQUIRES(mu_);
   void Erase(int32_t slot) REQUIRES(mu_);
   void PushFront(List& l, int32_t slot) REQUIRES(mu_);
