@@ -46,8 +46,12 @@ configure() {  # configure DIR with clang >= 16
 }
 
 has_target() {
-  ninja -C "$1" -t targets all 2>/dev/null | grep -q '^fuzz_frame_parser:' &&
-    ninja -C "$1" -t targets all 2>/dev/null | grep -q '^fuzz_handshake:'
+  # Not `ninja ... | grep -q`: under pipefail, grep -q leaving at the first match gives ninja a
+  # SIGPIPE (its list is long) and the pipeline "fails" — a fuzz build that has the targets was
+  # taken for one that has not (a local fresh-clone CI run failed so).
+  local targets
+  targets=$(ninja -C "$1" -t targets all 2>/dev/null) || return 1
+  grep -q '^fuzz_frame_parser:' <<<"$targets" && grep -q '^fuzz_handshake:' <<<"$targets"
 }
 
 target_dir=$build_dir
