@@ -57,13 +57,20 @@ function(farmem_add_vm_test)
     COMMAND bash ${CMAKE_SOURCE_DIR}/deploy/vm/run ${args} -- ${T_COMMAND}
     WORKING_DIRECTORY ${CMAKE_CURRENT_BINARY_DIR})
   # A guest keeps one host core busy per vCPU (TCG runs each vCPU on a host thread): it counts as
-  # that many ctest jobs. Under `ctest -j2` (tests/run) a two-vCPU guest runs alone and two
-  # one-vCPU guests (the swap tests) run side by side, each on a core of its own.
+  # that many ctest jobs. Under `ctest -j2` a two-vCPU guest runs alone and two one-vCPU guests
+  # (the swap and kmod tests) run side by side, each on a core of its own. The one-vCPU guests
+  # carry the label vm-smp1: tests/run's stage vm1 runs them (two at a time in .ci/run, once the
+  # sanitizer trees are built), stage vm2 the others, one at a time.
   if(NOT T_SMP)
     set(T_SMP 2)
   endif()
+  set(labels vm)
+  if(T_SMP EQUAL 1)
+    list(APPEND labels vm-smp1)
+  endif()
+  list(APPEND labels ${T_LABELS})
   set_tests_properties(${T_NAME} PROPERTIES
-    LABELS "vm;${T_LABELS}"
+    LABELS "${labels}"
     TIMEOUT ${T_TIMEOUT}
     SKIP_RETURN_CODE 77
     PROCESSORS ${T_SMP}
