@@ -107,6 +107,8 @@ struct farmem_dev {
 	bool tag_set_ready;
 	struct farmem_sync sync;
 	u64 rebuilt; /* copies rebuilt (status) */
+	atomic64_t rebuild_writes; /* writes that also went to a copy being rebuilt (status) */
+	u64 recopied; /* chunks the copier copied again because a write overtook it (status) */
 };
 
 /* One work request of a request: to one replica. */

@@ -205,6 +205,7 @@ static blk_status_t farmem_queue_rq(struct blk_mq_hw_ctx *hctx, const struct blk
 		    READ_ONCE(cmd->slab->r[r].peer->connected)) {
 			targets[ntargets++] = r;
 			cmd->sync_r = r;
+			atomic64_inc(&dev->rebuild_writes);
 		}
 	}
 

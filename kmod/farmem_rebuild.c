@@ -16,6 +16,7 @@
  */
 #include <linux/blk-mq.h>
 #include <linux/delay.h>
+#include <linux/moduleparam.h>
 #include <linux/slab.h>
 
 #include "farmem.h"
@@ -23,6 +24,16 @@
 #define FARMEM_COPY_PAGES DIV_ROUND_UP(FARMEM_SYNC_CHUNK, PAGE_SIZE)
 #define FARMEM_COPY_TIMEOUT (30 * HZ) /* a work request to a dead daemon fails well before */
 #define FARMEM_COPY_RETRIES 1000 /* copies of one chunk that writes kept overtaking */
+
+/*
+ * Test knob: a pause between the chunks of a rebuild, so that a test's writes land while a copy
+ * is half copied (kmod_smoke_replicate; under TCG a rebuild is otherwise over before a writer
+ * gets many writes in). 0, the default, in any real use.
+ */
+static unsigned int rebuild_chunk_delay_ms;
+module_param(rebuild_chunk_delay_ms, uint, 0644);
+MODULE_PARM_DESC(rebuild_chunk_delay_ms,
+		 "test knob: milliseconds to pause between the 64 KiB chunks of a rebuild (default 0)");
 
 /* The copier's bounce buffer and its one work request (one outstanding at a time). */
 struct farmem_copy {
@@ -184,6 +195,7 @@ static int farmem_copy_chunk(struct farmem_dev *dev, struct farmem_copy *cp,
 		spin_unlock_irqrestore(&sync->lock, flags);
 		if (clean)
 			return 0;
+		dev->recopied++;
 	}
 	return -EBUSY;
 }
@@ -253,8 +265,11 @@ int farmem_dev_rebuild(u32 s, u32 r, u32 peer_index, u64 lease_id, u64 raddr, u3
 	WRITE_ONCE(dev->sync.slab, s);
 	blk_mq_unfreeze_queue(q);
 
-	for (c = 0; c < dev->sync.nchunks && !ret; c++)
+	for (c = 0; c < dev->sync.nchunks && !ret; c++) {
 		ret = farmem_copy_chunk(dev, cp, slab, src, r, c);
+		if (!ret && READ_ONCE(rebuild_chunk_delay_ms))
+			msleep(READ_ONCE(rebuild_chunk_delay_ms));
+	}
 	if (!ret)
 		clear_bit(r, &slab->stale); /* it holds every byte: it serves reads from now on */
 	smp_mb__after_atomic();

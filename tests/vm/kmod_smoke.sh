@@ -1,7 +1,7 @@
 #!/bin/bash
 # Guest side of the kmod_smoke_* vm tests (issue 15): farmem.ko serves /dev/farmem0 from farmemd
 # slabs over soft-RoCE, with farmemctl kmod attach as the control plane (docs/kmod.md).
-#   deploy/vm/run --addrs 2 -- bash tests/vm/kmod_smoke.sh <bin dir> <farmem.ko> <swap_workload> [none|replicate|restart]
+#   deploy/vm/run --addrs 2 -- bash tests/vm/kmod_smoke.sh <bin dir> <farmem.ko> <swap_workload> [none|replicate|restart] [<block_writer>]
 #
 # none: two farmemd daemons with --rdma on, on 10.0.2.15 and 10.0.2.16 (rxe0); replicate: three
 # (.15, .16, .17), --resilience replicate:2, and one daemon SIGKILLed while the swap workload reads
@@ -41,12 +41,14 @@ bin=${1:?usage: kmod_smoke.sh <bin dir> <farmem.ko> <swap_workload>}
 ko=${2:?farmem.ko path}
 workload=${3:?swap_workload path}
 mode=${4:-none}
+block_writer=${5:-}
 case $mode in
   none) daemons=2 resilience=none capacity=48M victim="" ;;
   replicate) daemons=3 resilience=replicate:2 capacity=64M victim=1 other=0 third=2 ;;
   restart) daemons=2 resilience=none capacity=48M victim="" ;;
   *) fail "mode must be none, replicate or restart, not $mode" ;;
 esac
+[[ $mode != replicate || -x $block_writer ]] || fail "replicate needs the block_writer program (5th argument)"
 if [[ ! -f $ko ]]; then
   say "SKIP: $ko was not built (no kernel headers for the guest: deploy/install-deps.sh --vm)"
   exit 77
@@ -235,7 +237,7 @@ if [[ -n $victim ]]; then
   # A fresh farmemd where daemon $victim was (same address and port: the keeper's Cluster finds it
   # again); every slab now has its copies on daemons $other and $third. Fill the device, kill
   # $other: all 32 slabs are rebuilt onto the fresh daemon while a writer keeps rewriting random
-  # 64 KiB blocks of 16 MiB (8 slabs) and reading them back. Once the keeper says "rebuild done"
+  # 64 KiB blocks of the last two slabs and reading them back. Once the keeper says "rebuild done"
   # again, kill $third, the
   # other original daemon: every byte now comes from a rebuilt copy, and all 64 MiB must be what
   # was written last (a write during a slab's copy that missed the new copy would show here).
@@ -248,42 +250,46 @@ if [[ -n $victim ]]; then
   dd if="$work/full" of=/dev/farmem0 bs=1M oflag=direct status=none || fail "dd write of 64 MiB"
   say "64 MiB written at $(elapsed) s; daemon $victim restarted"
   rm -f "$work/stop"
-  (
-    # Random 64 KiB blocks (not whole rounds: a later full rewrite would hide a lost write), each
-    # read back at once; $work/full follows every write.
-    n=0
-    while [[ ! -e $work/stop ]]; do
-      blk=$((40 * 16 + RANDOM % 256))
-      head -c 65536 /dev/urandom >"$work/blk"
-      dd if="$work/blk" of=/dev/farmem0 bs=64K seek=$blk oflag=direct status=none ||
-        { echo "[kmod_smoke] writer: dd write failed"; exit 1; }
-      dd if="$work/blk" of="$work/full" bs=64K seek=$blk conv=notrunc status=none
-      dd if=/dev/farmem0 of="$work/blk.back" bs=64K skip=$blk count=1 iflag=direct status=none ||
-        { echo "[kmod_smoke] writer: dd read failed"; exit 1; }
-      cmp -s "$work/blk" "$work/blk.back" ||
-        { echo "[kmod_smoke] writer: block $blk read back differs after $n writes"; exit 1; }
-      n=$((n + 1))
-    done
-    echo "[kmod_smoke] writer: $n blocks of 64 KiB written and read back during the rebuild"
-  ) &
+  # Random 64 KiB blocks of the last two slabs, 30 and 31, which the keeper rebuilds last (it goes
+  # by slab number), each read back at once; $work/full follows every write
+  # (tests/vm/block_writer.c: no process per block). Once 28 slabs are rebuilt the copier pauses
+  # 100 ms between 64 KiB chunks (a module test knob), so the writes land in half-copied slabs;
+  # the writer stops when the keeper says "rebuild done", so a write that missed a new copy is
+  # not overwritten again before the last original copies die and everything is read back.
+  status_field() { sed -n "s/.* $1=\([0-9]*\).*/\1/p" /sys/kernel/farmem/status; }
+  delay_knob=/sys/module/farmem/parameters/rebuild_chunk_delay_ms
+  rebuild_writes_before=$(status_field rebuild_writes)
+  "$block_writer" /dev/farmem0 "$work/full" $((30 * 32)) 64 65536 "$work/stop" >"$work/writer.log" 2>&1 &
   writer=$!
   done_before=$(grep -c '^rebuild done' "$work/attach.log" || true)
-  rebuilt_before=$(sed -n 's/.* rebuilt=\([0-9]*\).*/\1/p' /sys/kernel/farmem/status)
+  rebuilt_before=$(status_field rebuilt)
   kill -9 "${pids[$other]}"
   say "SIGKILL farmemd $other at $(elapsed) s, the writer running"
   give_up=$((SECONDS + 150))
   # Every slab had a copy on it: all 32 rebuilt, and the keeper's word that it is done.
   until (($(grep -c '^rebuild done' "$work/attach.log") > done_before &&
-          $(sed -n 's/.* rebuilt=\([0-9]*\).*/\1/p' /sys/kernel/farmem/status) >= rebuilt_before + 32)); do
+          $(status_field rebuilt) >= rebuilt_before + 32)); do
     kill -0 "$attach" 2>/dev/null || fail "the keeper exited"
     kill -0 "$writer" 2>/dev/null || break
-    ((SECONDS < give_up)) || fail "no second rebuild done 150 s after the kill"
+    ((SECONDS < give_up)) ||
+      fail "no second rebuild done 150 s after the kill (rebuilt= was $rebuilt_before, $done_before 'rebuild done' before): $(cat /sys/kernel/farmem/status)"
+    echo "$(elapsed) s: $(cat /sys/kernel/farmem/status) knob=$(cat "$delay_knob")" >>"$work/rebuild-wait.log"
+    if (($(cat "$delay_knob") == 0 && $(status_field rebuilt) >= rebuilt_before + 28)); then
+      echo 100 >"$delay_knob"
+    fi
     sleep 0.2
   done
   touch "$work/stop"
+  echo 0 >"$delay_knob"
   rc=0
   wait "$writer" || rc=$?
+  cat "$work/writer.log"
   ((rc == 0)) || fail "the writer failed during the rebuild (above)"
+  # The point of this phase: writes that reached a copy while it was being rebuilt (the module
+  # counts them). With too few of them, a module that lost such writes would still pass.
+  overlapped=$(($(status_field rebuild_writes) - rebuild_writes_before))
+  say "$overlapped writes went to a copy while it was being rebuilt; $(status_field recopied) chunks copied again because a write overtook them"
+  ((overlapped >= 10)) || fail "only $overlapped writes overlapped a rebuild: this phase proves nothing"
   say "$(grep '^rebuild done' "$work/attach.log" | tail -n 1) at $(elapsed) s: $(cat /sys/kernel/farmem/status)"
   kill -9 "${pids[$third]}"
   say "SIGKILL farmemd $third (the other original daemon) at $(elapsed) s"
