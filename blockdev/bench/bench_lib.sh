@@ -53,8 +53,12 @@ start_farmemds() {
 # clock_getcpuclockid's id, ns resolution). Where the kernel refuses that clock it falls back to
 # /proc/PID/stat utime + stime (clock ticks, 10 ms: coarse for a few-second job) and prints the
 # sum followed by " ticks" so that the caller can say so.
+#
+# It runs the interpreter python3 resolves to directly: a version manager's shim in front of it
+# (pyenv's is a bash script) took seconds per call on the loaded machine, twice per job.
+bench_python=$(python3 -c 'import sys; print(sys.executable)')
 cpu_ns() {
-  python3 -c '
+  "$bench_python" -c '
 import os, sys, time
 total, ticks = 0, False
 hz = os.sysconf("SC_CLK_TCK")
