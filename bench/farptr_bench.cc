@@ -17,6 +17,7 @@
 //           swapped in (where lazy opening moves the rest of the work)
 //
 //   farptr_bench [--mode all|local|miss|tput|compact|crypto] [--daemons 6] [--span 65536]
+//                [--pairs 16]
 //
 // Starts its own farmemd processes (next to this binary, or $FARMEM_BIN_DIR).
 #include <time.h>
@@ -55,6 +56,7 @@ struct Args {
   std::string mode = "all";
   size_t daemons = 6;
   uint32_t span = 64u << 10;
+  int pairs = 16;  // --mode crypto: pairs of rounds (encryption off / on, ABBA order)
 };
 
 [[noreturn]] void Die(const std::string& m) {
@@ -257,7 +259,7 @@ void BenchCrypto(farmem::testing::DaemonSet& d, const Args& a) {
   // the two rounds' median miss (wall and the thread's CPU time); reported as the median over
   // pairs with a 95% confidence interval of that median.
   constexpr size_t kSpans = 256;
-  constexpr int kPairs = 16;
+  const int pairs = a.pairs;
   for (uint32_t obj : {64u, 4096u, a.span}) {
     const size_t per_span = a.span / obj;
     struct Side {
@@ -305,13 +307,13 @@ void BenchCrypto(farmem::testing::DaemonSet& d, const Args& a) {
       Percentiles(cpu, &med, &p99);
       sd.round_cpu.push_back(med);
     };
-    for (int p = 0; p < kPairs; ++p) {
+    for (int p = 0; p < pairs; ++p) {
       const bool on_first = p % 2 == 1;
       round(side[on_first]);
       round(side[!on_first]);
     }
     std::vector<double> d_wall, d_cpu;
-    for (int p = 0; p < kPairs; ++p) {
+    for (int p = 0; p < pairs; ++p) {
       d_wall.push_back(side[1].round_miss[p] - side[0].round_miss[p]);
       d_cpu.push_back(side[1].round_cpu[p] - side[0].round_cpu[p]);
     }
@@ -327,7 +329,7 @@ void BenchCrypto(farmem::testing::DaemonSet& d, const Args& a) {
         "encryption off median %.1f us p99 %.1f us | on median %.1f us p99 %.1f us\n"
         "  added per miss, median over pairs [95%% CI]: wall %+.1f us [%+.1f, %+.1f], CPU time "
         "of the thread %+.2f us [%+.2f, %+.2f] (CPU median off %.1f us, on %.1f us)\n",
-        a.span, obj, kPairs, kSpans, med[0], p99[0], med[1], p99[1], wall.median, wall.lo, wall.hi,
+        a.span, obj, pairs, kSpans, med[0], p99[0], med[1], p99[1], wall.median, wall.lo, wall.hi,
         cpu.median, cpu.lo, cpu.hi, cpu_med[0], cpu_med[1]);
     if (per_span >= 2) {
       std::printf(
@@ -594,6 +596,10 @@ int main(int argc, char** argv) {
       ->check(farmem::cli::OneOf({"all", "local", "miss", "tput", "compact", "crypto"}));
   app.add_option("--daemons", a.daemons, "farmemd processes to start")->capture_default_str();
   app.add_option("--span", a.span, "span size in bytes")->capture_default_str();
+  app.add_option("--pairs", a.pairs,
+                 "--mode crypto: pairs of rounds of misses, encryption off and on in ABBA order")
+      ->capture_default_str()
+      ->check(CLI::Range(2, 1000));
   CLI11_PARSE(app, argc, argv);
   farmem::bench::UseBinariesBeside(argv[0]);
   farmem::testing::DaemonConfig cfg;
