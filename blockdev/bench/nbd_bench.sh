@@ -292,6 +292,17 @@ if [ -n "$ab" ]; then
   # ---- A/B: baseline, then A and B back to back, their order swapped every pair ------------------
   echo "A/B: A = $ab_a, B = $ab_b, baseline $baseline; $pairs pairs x workloads ($workloads)," \
     "${runtime}s per job, no ramp"
+  # Each server set's CPU while no job runs (heartbeats, timers, the metrics scrapes), per second
+  # over 5 s: subtracted from each job's CPU (rate x the job's run time) so that a job the load
+  # starved down to a few requests is not charged the background as per-request cost.
+  for t in $targets; do
+    # shellcheck disable=SC2086
+    c0=$(cpu_ns ${server_pids[$t]})
+    sleep 5  # the subject here is time: CPU used over an interval with no requests
+    # shellcheck disable=SC2086
+    c1=$(cpu_ns ${server_pids[$t]})
+    echo "$(((${c1%% *} - ${c0%% *}) / 5))" >"$json_dir/$t.idle"
+  done
   for p in $(seq "$pairs"); do
     for w in $workloads; do
       rw=${w%%:*}
@@ -308,6 +319,7 @@ import json, math, os, statistics, sys
 d, n, a, b, base, workloads = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4], \
     sys.argv[5], sys.argv[6].split()
 coarse = False
+idle = {t: int(open(f"{d}/{t}.idle").read()) for t in (a, b, base) if t != "none"}
 def one(t, rw, qd, p):
     global coarse
     j = json.load(open(f"{d}/{t}-{rw}-qd{qd}-{p}.json"))["jobs"][0]
@@ -315,7 +327,9 @@ def one(t, rw, qd, p):
     ns, *flag = open(f"{d}/{t}-{rw}-qd{qd}-{p}.cpu").read().split()
     coarse |= bool(flag)
     ios = max(s["total_ios"], 1)
-    return {"iops": s["iops"], "lat": s["lat_ns"]["mean"] / 1000, "cpu": int(ns) / 1000 / ios}
+    busy = max(int(ns) - idle[t] * j["job_runtime"] / 1000, 0)  # minus the background
+    return {"iops": s["iops"], "lat": s["lat_ns"]["mean"] / 1000, "cpu": busy / 1000 / ios,
+            "cpu_ns": busy, "ios": ios}
 def ci(xs):
     """Median with a distribution-free ~95% confidence interval (order statistics: the
     interval [x_(k), x_(n+1-k)] with P(Binomial(n, 1/2) < k) <= 2.5%); None if n is too small."""
@@ -349,13 +363,21 @@ for w in workloads:
         "A": A, "B": B, "Z": Z}
 print()
 print(f"A = {a}, B = {b}: per-pair values, median [95% CI of the median] over {n} pairs;")
-print("CPU = servers' CPU time (NBD server + its farmemd) per request, us" +
+print("CPU = servers' CPU time (NBD server + its farmemd) per request, us, less their background"
+      " (idle CPU per s: " + ", ".join(f"{t} {v / 1e6:.1f} ms" for t, v in idle.items()) + ")" +
       (" (from clock ticks: COARSE)" if coarse else ""))
 print(f"{'workload':<16}{'IOPS A/B':>24}{'mean lat A-B us':>28}{'CPU/req A-B us':>28}{'CPU/req A/B':>24}")
 for w in workloads:
     r = res[w]
     print(f"{w.replace(':', ' qd'):<16}{fmt_ci(r['iops'], r2):>24}{fmt_ci(r['lat'], us):>28}"
           f"{fmt_ci(r['cpud'], us):>28}{fmt_ci(r['cpur'], r2):>24}")
+print()
+print("CPU per request pooled over all pairs (sum of CPU / sum of requests), us: A, B, A-B, A/B")
+for w in workloads:
+    r = res[w]
+    pa, pb = (sum(x["cpu_ns"] for x in r[k]) / 1000 / sum(x["ios"] for x in r[k]) for k in "AB")
+    r["pooled"] = (pa, pb)
+    print(f"{w.replace(':', ' qd'):<16}{pa:>10.2f}{pb:>10.2f}{pa - pb:>+10.2f}{pa / pb:>10.3f}")
 print()
 print("medians per target (range over pairs): IOPS; mean latency us; CPU/req us")
 for w in workloads:
