@@ -37,13 +37,14 @@
 #   blockdev/bench/nbd_bench.sh --ab "A B" [--pairs N] [--baseline TARGET|none]
 #                               [--workloads "randread:1 randwrite:16 ..."] [other options]
 #
-# --cpu: also the servers' CPU time per request: utime + stime of every process serving the
-# target (nbdkit; farmem-nbd AND the farmemd daemons it uses), over each job, divided by the
-# requests fio completed. A loaded machine distorts it far less than IOPS and latency: it is the
-# cost of what runs on the request path, e.g. page encryption (farmem-none vs farmem-none-plain).
-# It drops the ramp (--ramp_time 0) so that every request of the job is counted; the exports are
-# written whole beforehand either way. Daemons shared by several targets are idle while another
-# target's job runs (one job at a time), so each job's CPU is its own.
+# --cpu: also the servers' CPU time per request: the CPU time (user + system, all threads) of
+# every process serving the target (nbdkit; farmem-nbd AND the farmemd daemons it uses) over each
+# job, from their process CPU clocks (bench_lib.sh cpu_ns), divided by the requests fio
+# completed. A loaded machine distorts it less than IOPS and latency: it is the cost of what runs
+# on the request path, e.g. page encryption (farmem-none vs farmem-none-plain). It drops the ramp
+# (--ramp_time 0) so that every request of the job is counted; the exports are written whole
+# beforehand either way. Daemons shared by several targets are idle while another target's job
+# runs (one job at a time), so each job's CPU is its own.
 #
 # --ab "A B": the on-vs-off mode for a shared, loaded machine, where one target's IOPS swing by
 # several times between runs a minute apart. Only A, B and the baseline (default nbdkit-mem) are
@@ -52,12 +53,13 @@
 # B first in even ones (A B | B A | A B ...: a drift in load hits both alike), each a short job
 # (--runtime, default 3 s, no ramp). It prints per workload the median over pairs of the per-pair
 # IOPS ratio A/B with a 95% confidence interval of that median (distribution-free, from order
-# statistics) and the range, the per-pair difference of mean latency (A - B), and the servers'
-# CPU per request (as --cpu; always on here) of A and B with the median per-pair difference and
-# ratio; then the baseline's IOPS and CPU per request from the same run; then the issue's target
-# for known pairs (farmem-none vs farmem-none-prefaulted, farmem-none-metrics vs farmem-none,
-# farmem-none/ec vs -plain) as met / not met / not resolved by this run, both from IOPS and from
-# CPU per request (for a CPU-bound server, IOPS scale as 1 / CPU per request).
+# statistics), the per-pair difference of mean latency (A - B), and the servers' CPU per request
+# (as --cpu, always on here, less each server set's background CPU rate measured over 5 s with no
+# job) as the per-pair difference and ratio, and pooled over all pairs; then each target's
+# medians and ranges, the baseline's among them; then the issues' targets for known pairs
+# (farmem-none vs farmem-none-prefaulted, farmem-none-metrics vs farmem-none, farmem-none/ec vs
+# -plain) as met / NOT MET / not resolved by this run, both from IOPS and from CPU per request
+# (for a CPU-bound server, IOPS scale as 1 / CPU per request).
 #
 # Defaults: build dir ./build, 10 s per job (after 2 s ramp), 3 repetitions, 1G export/file, all
 # targets, the disk file in ./build (it must be a real disk, not tmpfs: O_DIRECT), swap-safe off
@@ -97,7 +99,7 @@ while [ $# -gt 0 ]; do
     --pairs) pairs=$2; shift 2 ;;
     --baseline) baseline=$2; shift 2 ;;
     --workloads) workloads=$2; shift 2 ;;
-    -h|--help) sed -n '2,69p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d'; exit 0 ;;
     *) echo "unknown argument $1 (try --help)" >&2; exit 2 ;;
   esac
 done
