@@ -11,11 +11,13 @@
 //   compact remote bytes before/after compaction of a churned heap, and the bytes the client
 //           moved to do it
 //   crypto  raw AES-256-GCM seal/open of a span's worth of 64 B / 4 KiB / span-sized objects, and
-//           the deref miss with encryption off vs on (same run): wall time, the thread's CPU time
-//           (what encryption adds, whatever the machine's load), and the first deref of a
-//           neighbour in the span just swapped in (where lazy opening moves the rest of the work)
+//           the deref miss with encryption off vs on (same run, two runtimes side by side, rounds
+//           in ABBA order; the added wall and thread CPU time per miss as the median of per-pair
+//           differences with a 95% CI), and the first deref of a neighbour in the span just
+//           swapped in (where lazy opening moves the rest of the work)
 //
 //   farptr_bench [--mode all|local|miss|tput|compact|crypto] [--daemons 6] [--span 65536]
+//                [--pairs 16]
 //
 // Starts its own farmemd processes (next to this binary, or $FARMEM_BIN_DIR).
 #include <time.h>
@@ -54,6 +56,7 @@ struct Args {
   std::string mode = "all";
   size_t daemons = 6;
   uint32_t span = 64u << 10;
+  int pairs = 16;  // --mode crypto: pairs of rounds (encryption off / on, ABBA order)
 };
 
 [[noreturn]] void Die(const std::string& m) {
@@ -138,6 +141,28 @@ void Percentiles(std::vector<double>& v, double* med, double* p99) {
   std::sort(v.begin(), v.end());
   *med = v[v.size() / 2];
   *p99 = v[std::min(v.size() - 1, v.size() * 99 / 100)];
+}
+
+// The median of per-pair differences with a distribution-free ~95% confidence interval of it
+// (order statistics: [x_(k), x_(n+1-k)] with P(Binomial(n, 1/2) < k) <= 2.5%; n >= 6).
+struct MedianCi {
+  double median, lo, hi;
+};
+MedianCi MedianWithCi(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  const double median = n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
+  size_t k = 0;
+  double cum = 0;
+  for (size_t j = 0; j <= n; ++j) {
+    double c = 1;  // C(n, j) / 2^n, computed in doubles
+    for (size_t i = 0; i < j; ++i) c *= static_cast<double>(n - i) / static_cast<double>(i + 1);
+    cum += c / std::pow(2.0, static_cast<double>(n));
+    if (cum > 0.025) break;
+    k = j + 1;
+  }
+  if (k == 0) return {median, v.front(), v.back()};
+  return {median, v[k - 1], v[n - k]};
 }
 
 void BenchMiss(farmem::testing::DaemonSet& d, const Args& a) {
@@ -228,56 +253,85 @@ void BenchCrypto(farmem::testing::DaemonSet& d, const Args& a) {
         "%.2f GB/s), open %.2f us\n",
         a.span, n, obj, seal_us, seal_us * 1000 / n, a.span / seal_us / 1000, open_us);
   }
+  // The miss path, encryption off vs on, as pairs of rounds in ABBA order (off on | on off | ...)
+  // on two runtimes open side by side: on this shared machine the load drifts by more than
+  // encryption costs, and a drift hits both sides of a pair alike. Per pair: the difference of
+  // the two rounds' median miss (wall and the thread's CPU time); reported as the median over
+  // pairs with a 95% confidence interval of that median.
   constexpr size_t kSpans = 256;
-  constexpr int kRounds = 8;
+  const int pairs = a.pairs;
   for (uint32_t obj : {64u, 4096u, a.span}) {
-    double med[2] = {}, p99[2] = {}, next_med[2] = {}, next_p99[2] = {};
-    double cpu_med[2] = {}, cpu_p99[2] = {};
-    for (bool enc : {false, true}) {
-      auto rt = OpenRuntime(d, 64u << 20, a.span, "ec:4+2", enc);
-      const size_t per_span = a.span / obj;
+    const size_t per_span = a.span / obj;
+    struct Side {
+      std::unique_ptr<farmem::Runtime> rt;
       std::vector<farmem::far_bytes> objs;
+      std::vector<double> miss_us, cpu_us, next_us;  // every miss of every round
+      std::vector<double> round_miss, round_cpu;     // each round's median
+    } side[2];
+    for (bool enc : {false, true}) {
+      Side& sd = side[enc];
+      sd.rt = OpenRuntime(d, 64u << 20, a.span, "ec:4+2", enc);
       for (size_t i = 0; i < kSpans * per_span; ++i) {
-        objs.push_back(farmem::make_far_bytes_in(*rt, obj));
+        sd.objs.push_back(farmem::make_far_bytes_in(*sd.rt, obj));
         DerefScope s;
-        std::memset(objs.back().deref_mut(s).data(), static_cast<int>(i), obj);
+        std::memset(sd.objs.back().deref_mut(s).data(), static_cast<int>(i), obj);
       }
-      std::vector<double> miss_us, next_us, cpu_us;
-      for (int round = 0; round < kRounds; ++round) {
-        if (auto s = rt->EvictUntil(0); !s.ok()) Die(s.ToString());
-        // One deref per span (objects fill spans in allocation order): each a swap-in.
-        for (size_t i = 0; i < objs.size(); i += per_span) {
-          if (objs[i].is_local()) continue;
-          const double c0 = ThreadCpuNs();
-          const auto t0 = Clock::now();
-          DerefScope s;
-          auto bytes = objs[i].deref(s);
-          miss_us.push_back(Ns(Clock::now() - t0) / 1000);
-          cpu_us.push_back((ThreadCpuNs() - c0) / 1000);
-          if (bytes.size() != obj) Die("bad size");
-          if (per_span < 2) continue;
-          // The first deref of a neighbour, in the span just swapped in: a local hit without
-          // encryption; with it, the object is opened now (objects are opened lazily).
-          const auto t1 = Clock::now();
-          auto next = objs[i + 1].deref(s);
-          next_us.push_back(Ns(Clock::now() - t1) / 1000);
-          if (next.size() != obj || next[0] != static_cast<std::byte>(i + 1)) Die("bad bytes");
-        }
-      }
-      Percentiles(miss_us, &med[enc], &p99[enc]);
-      Percentiles(cpu_us, &cpu_med[enc], &cpu_p99[enc]);
-      if (!next_us.empty()) Percentiles(next_us, &next_med[enc], &next_p99[enc]);
-      objs.clear();
     }
+    auto round = [&](Side& sd) {
+      if (auto s = sd.rt->EvictUntil(0); !s.ok()) Die(s.ToString());
+      std::vector<double> miss, cpu;
+      // One deref per span (objects fill spans in allocation order): each a swap-in.
+      for (size_t i = 0; i < sd.objs.size(); i += per_span) {
+        if (sd.objs[i].is_local()) continue;
+        const double c0 = ThreadCpuNs();
+        const auto t0 = Clock::now();
+        DerefScope s;
+        auto bytes = sd.objs[i].deref(s);
+        miss.push_back(Ns(Clock::now() - t0) / 1000);
+        cpu.push_back((ThreadCpuNs() - c0) / 1000);
+        if (bytes.size() != obj) Die("bad size");
+        if (per_span < 2) continue;
+        // The first deref of a neighbour, in the span just swapped in: a local hit without
+        // encryption; with it, the object is opened now (objects are opened lazily).
+        const auto t1 = Clock::now();
+        auto next = sd.objs[i + 1].deref(s);
+        sd.next_us.push_back(Ns(Clock::now() - t1) / 1000);
+        if (next.size() != obj || next[0] != static_cast<std::byte>(i + 1)) Die("bad bytes");
+      }
+      if (miss.empty()) Die("no misses in a round");
+      sd.miss_us.insert(sd.miss_us.end(), miss.begin(), miss.end());
+      sd.cpu_us.insert(sd.cpu_us.end(), cpu.begin(), cpu.end());
+      double med, p99;
+      Percentiles(miss, &med, &p99);
+      sd.round_miss.push_back(med);
+      Percentiles(cpu, &med, &p99);
+      sd.round_cpu.push_back(med);
+    };
+    for (int p = 0; p < pairs; ++p) {
+      const bool on_first = p % 2 == 1;
+      round(side[on_first]);
+      round(side[!on_first]);
+    }
+    std::vector<double> d_wall, d_cpu;
+    for (int p = 0; p < pairs; ++p) {
+      d_wall.push_back(side[1].round_miss[p] - side[0].round_miss[p]);
+      d_cpu.push_back(side[1].round_cpu[p] - side[0].round_cpu[p]);
+    }
+    double med[2], p99[2], cpu_med[2], cpu_p99[2], next_med[2] = {}, next_p99[2] = {};
+    for (int e : {0, 1}) {
+      Percentiles(side[e].miss_us, &med[e], &p99[e]);
+      Percentiles(side[e].cpu_us, &cpu_med[e], &cpu_p99[e]);
+      if (!side[e].next_us.empty()) Percentiles(side[e].next_us, &next_med[e], &next_p99[e]);
+    }
+    const MedianCi wall = MedianWithCi(d_wall), cpu = MedianWithCi(d_cpu);
     std::printf(
-        "deref miss (ec:4+2, %u B span of %u B objects): encryption off median %.1f us p99 %.1f "
-        "us | on median %.1f us p99 %.1f us | added median %+.1f us\n",
-        a.span, obj, med[0], p99[0], med[1], p99[1], med[1] - med[0]);
-    std::printf(
-        "  the same misses, CPU time of the thread: encryption off median %.1f us p99 %.1f us | "
-        "on median %.1f us p99 %.1f us | added median %+.1f us\n",
-        cpu_med[0], cpu_p99[0], cpu_med[1], cpu_p99[1], cpu_med[1] - cpu_med[0]);
-    if (a.span / obj >= 2) {
+        "deref miss (ec:4+2, %u B span of %u B objects, %d pairs of rounds x %zu misses, ABBA): "
+        "encryption off median %.1f us p99 %.1f us | on median %.1f us p99 %.1f us\n"
+        "  added per miss, median over pairs [95%% CI]: wall %+.1f us [%+.1f, %+.1f], CPU time "
+        "of the thread %+.2f us [%+.2f, %+.2f] (CPU median off %.1f us, on %.1f us)\n",
+        a.span, obj, pairs, kSpans, med[0], p99[0], med[1], p99[1], wall.median, wall.lo, wall.hi,
+        cpu.median, cpu.lo, cpu.hi, cpu_med[0], cpu_med[1]);
+    if (per_span >= 2) {
       std::printf(
           "  then the first deref of a neighbour in that span: encryption off median %.2f us p99 "
           "%.2f us | on median %.2f us p99 %.2f us\n",
@@ -542,6 +596,10 @@ int main(int argc, char** argv) {
       ->check(farmem::cli::OneOf({"all", "local", "miss", "tput", "compact", "crypto"}));
   app.add_option("--daemons", a.daemons, "farmemd processes to start")->capture_default_str();
   app.add_option("--span", a.span, "span size in bytes")->capture_default_str();
+  app.add_option("--pairs", a.pairs,
+                 "--mode crypto: pairs of rounds of misses, encryption off and on in ABBA order")
+      ->capture_default_str()
+      ->check(CLI::Range(2, 1000));
   CLI11_PARSE(app, argc, argv);
   farmem::bench::UseBinariesBeside(argv[0]);
   farmem::testing::DaemonConfig cfg;

@@ -11,9 +11,11 @@
 #   farmem-ec     farmem-nbd --backend farmem --resilience ec:4+2               nbd engine, Unix socket
 #   disk          a file on the local disk, O_DIRECT, libaio (what swap on a    fio's own engine
 #                 local disk does: direct block I/O, no page cache)
-#   farmem-mem-metrics, farmem-none-metrics: farmem-mem / farmem-none with --metrics-listen on
-#                 loopback, scraped every second while fio runs (the cost of the metrics; not in
-#                 the default targets)
+#   farmem-mem-metrics: farmem-mem with --metrics-listen on loopback, scraped every second while
+#                 fio runs; farmem-none-metrics: farmem-none on six daemons of its own, farmem-nbd
+#                 AND every farmemd with --metrics-listen, all seven scraped every second (the cost
+#                 of the metrics, issue 14: farmem-none-metrics vs farmem-none); not in the default
+#                 targets
 #   farmem-none-prefaulted: farmem-none on six daemons of its own run with --populate-at-start
 #                 (every slab populated at start, as farmemd did before memory on demand): the
 #                 cost of memory on demand to steady-state I/O is farmem-none vs this; not in the
@@ -24,21 +26,40 @@
 #                 prints `openssl speed` for AES-256-GCM on 4 KiB blocks, one core (the raw cost of
 #                 sealing a page) as the baseline.
 #
-# farmem-none and farmem-ec share six farmemd daemons on loopback (tcp transport, 64 MiB slabs).
-# Prints IOPS, mean and p99 latency (submission to completion, fio lat_ns) per target, the ratios
-# the issue asks about, and whether its targets hold (farmem-none depth 16 >= 3x nbdkit-nbd and
-# >= 0.6x nbdkit-mem; farmem-ec within 1.5x of farmem-none).
+# farmem-none, farmem-ec and the -plain targets share six farmemd daemons on loopback (tcp
+# transport, 64 MiB slabs). Prints IOPS, mean and p99 latency (submission to completion, fio
+# lat_ns) per target, the ratios the issue asks about, and whether its targets hold (farmem-none
+# depth 16 >= 3x nbdkit-nbd and >= 0.6x nbdkit-mem; farmem-ec within 1.5x of farmem-none).
 #
 #   blockdev/bench/nbd_bench.sh [--build-dir DIR] [--runtime SECONDS] [--repeat N] [--size SIZE]
 #                               [--targets "a b ..."] [--disk-dir DIR] [--swap-safe]
 #                               [--json-dir DIR] [--cpu]
+#   blockdev/bench/nbd_bench.sh --ab "A B" [--pairs N] [--baseline TARGET|none]
+#                               [--workloads "randread:1 randwrite:16 ..."] [other options]
 #
-# --cpu: also the server's CPU time per request (utime + stime of the server process — nbdkit,
-# farmem-nbd; not the farmemd daemons — over each job, from /proc/PID/stat, divided by the
-# requests fio completed), which a loaded machine distorts far less than IOPS and latency: the
-# cost of what runs on the server's request path, e.g. page encryption (farmem-none vs
-# farmem-none-plain). It drops the ramp (--ramp_time 0) so that every request of the job is
-# counted; the exports are written whole beforehand either way.
+# --cpu: also the servers' CPU time per request: the CPU time (user + system, all threads) of
+# every process serving the target (nbdkit; farmem-nbd AND the farmemd daemons it uses) over each
+# job, from their process CPU clocks (bench_lib.sh cpu_ns), divided by the requests fio
+# completed. A loaded machine distorts it less than IOPS and latency: it is the cost of what runs
+# on the request path, e.g. page encryption (farmem-none vs farmem-none-plain). It drops the ramp
+# (--ramp_time 0) so that every request of the job is counted; the exports are written whole
+# beforehand either way. Daemons shared by several targets are idle while another target's job
+# runs (one job at a time), so each job's CPU is its own.
+#
+# --ab "A B": the on-vs-off mode for a shared, loaded machine, where one target's IOPS swing by
+# several times between runs a minute apart. Only A, B and the baseline (default nbdkit-mem) are
+# started. For each of --pairs N (default 12) and each workload (default randread and randwrite at
+# depth 1 and 16, 4 KiB) it runs the baseline, then A and B back to back, A first in odd pairs and
+# B first in even ones (A B | B A | A B ...: a drift in load hits both alike), each a short job
+# (--runtime, default 3 s, no ramp). It prints per workload the median over pairs of the per-pair
+# IOPS ratio A/B with a 95% confidence interval of that median (distribution-free, from order
+# statistics), the per-pair difference of mean latency (A - B), and the servers' CPU per request
+# (as --cpu, always on here, less each server set's background CPU rate measured over 5 s with no
+# job) as the per-pair difference and ratio, and pooled over all pairs; then each target's
+# medians and ranges, the baseline's among them; then the issues' targets for known pairs
+# (farmem-none vs farmem-none-prefaulted, farmem-none-metrics vs farmem-none, farmem-none/ec vs
+# -plain) as met / NOT MET / not resolved by this run, both from IOPS and from CPU per request
+# (for a CPU-bound server, IOPS scale as 1 / CPU per request).
 #
 # Defaults: build dir ./build, 10 s per job (after 2 s ramp), 3 repetitions, 1G export/file, all
 # targets, the disk file in ./build (it must be a real disk, not tmpfs: O_DIRECT), swap-safe off
@@ -51,7 +72,7 @@
 set -euo pipefail
 
 build=build
-runtime=10
+runtime=
 repeat=3
 size=1G
 swap_safe=0
@@ -59,6 +80,10 @@ json_dir=
 cpu=0
 targets="nbdkit-mem nbdkit-nbd farmem-mem farmem-none farmem-ec disk"
 disk_dir=
+ab=
+pairs=12
+baseline=nbdkit-mem
+workloads="randread:1 randread:16 randwrite:1 randwrite:16"
 while [ $# -gt 0 ]; do
   case $1 in
     --build-dir) build=$2; shift 2 ;;
@@ -70,10 +95,29 @@ while [ $# -gt 0 ]; do
     --swap-safe) swap_safe=1; shift ;;
     --json-dir) json_dir=$2; shift 2 ;;
     --cpu) cpu=1; shift ;;
-    -h|--help) sed -n '2,51p' "$0"; exit 0 ;;
+    --ab) ab=$2; shift 2 ;;
+    --pairs) pairs=$2; shift 2 ;;
+    --baseline) baseline=$2; shift 2 ;;
+    --workloads) workloads=$2; shift 2 ;;
+    -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d'; exit 0 ;;
     *) echo "unknown argument $1 (try --help)" >&2; exit 2 ;;
   esac
 done
+if [ -n "$ab" ]; then
+  read -r ab_a ab_b ab_rest <<<"$ab"
+  if [ -z "${ab_b:-}" ] || [ -n "${ab_rest:-}" ] || [ "$ab_a" = "$ab_b" ] ||
+    [ "$baseline" = "$ab_a" ] || [ "$baseline" = "$ab_b" ]; then
+    echo "--ab wants two different targets, neither of them the baseline," \
+      "e.g. --ab \"farmem-none farmem-none-plain\"" >&2
+    exit 2
+  fi
+  targets="$ab_a $ab_b"
+  [ "$baseline" = none ] || targets="$baseline $targets"
+  cpu=1
+  : "${runtime:=3}"
+else
+  : "${runtime:=10}"
+fi
 [ -n "$disk_dir" ] || disk_dir=$build
 bin=$build/bin
 for tool in fio nbdkit python3; do
@@ -94,38 +138,55 @@ cleanup() {
   rm -f "$disk_file"
 }
 trap cleanup EXIT
+# wait_file, bench_secret, start_farmemds, cpu_ns
+# shellcheck source=blockdev/bench/bench_lib.sh
+source "$(dirname "$0")/bench_lib.sh"
 
-wait_file() {  # -S or -s, path
-  for _ in $(seq 600); do [ "$1" "$2" ] && return 0; sleep 0.05; done
-  echo "timed out waiting for $2" >&2
-  exit 1
-}
 has() { case " $targets " in *" $1 "*) return 0 ;; esac; return 1; }
-declare -A server_pid  # target -> the process serving it (--cpu)
-# utime + stime of a process and all its threads, dead ones included, in clock ticks.
-cpu_ticks() { awk '{print $14 + $15}' "/proc/$1/stat"; }
+declare -A server_pids  # target -> every process serving it (--cpu): NBD server and its daemons
 
 nbdkit_extra=()
 farmem_extra=(--no-swap-safe)
 if [ $swap_safe = 1 ]; then nbdkit_extra=(--swap); farmem_extra=(); fi
+
+# Each daemon's --capacity for exports adding up to HALVES/2 x --size spread over six daemons:
+# doubled for placement slack, in whole 64 MiB slabs, at least 4 (memory is leased on demand, so
+# the ceiling costs nothing until used; with --populate-at-start it is populated at start).
+capacity_for() {
+  python3 -c "import math,re,sys; m=re.fullmatch(r'(\d+)([KMG]?)',sys.argv[1]); \
+v=int(m[1])*{'':1,'K':1<<10,'M':1<<20,'G':1<<30}[m[2]]; \
+print(f'{max(4,math.ceil(v*int(sys.argv[2])/2*2/6/(64<<20)))*64}M')" "$size" "$1"
+}
+# start_farmem_nbd TARGET PEERS RESILIENCE DAEMON_PIDS [farmem-nbd args...]: an export of the
+# remote page store on those daemons, served on $work/TARGET.sock.
+start_farmem_nbd() {
+  local t=$1 peers=$2 res=$3 dpids=$4
+  shift 4
+  "$bin/farmem-nbd" --backend farmem --peers "$peers" --secret-file "$work/secret" \
+    --resilience "$res" --transport tcp --size "$size" --unix "$work/$t.sock" \
+    --log-level warn "${farmem_extra[@]}" "$@" 2>"$work/$t.log" &
+  pids+=($!)
+  server_pids[$t]="$! $dpids"
+}
 
 # ---- servers ----------------------------------------------------------------------------------------
 if has nbdkit-mem; then
   nbdkit --foreground --unix "$work/nbdkit-mem.sock" "${nbdkit_extra[@]}" memory "$size" \
     2>"$work/nbdkit-mem.log" &
   pids+=($!)
-  server_pid[nbdkit-mem]=$!
+  server_pids[nbdkit-mem]=$!
 fi
 if has nbdkit-nbd; then
   port=$((20000 + $$ % 20000))
   nbdkit --foreground --port "$port" --ipaddr 127.0.0.1 "${nbdkit_extra[@]}" memory "$size" \
     2>"$work/nbdkit-remote.log" &
   pids+=($!)
+  remote=$!
   for _ in $(seq 200); do (exec 3<>/dev/tcp/127.0.0.1/$port) 2>/dev/null && break; sleep 0.05; done
   nbdkit --foreground --unix "$work/nbdkit-nbd.sock" "${nbdkit_extra[@]}" nbd hostname=127.0.0.1 \
     port="$port" 2>"$work/nbdkit-nbd.log" &
   pids+=($!)
-  server_pid[nbdkit-nbd]=$!
+  server_pids[nbdkit-nbd]="$! $remote"
 fi
 scrape_ports=()
 for t in farmem-mem farmem-mem-metrics; do
@@ -138,67 +199,44 @@ for t in farmem-mem farmem-mem-metrics; do
   "$bin/farmem-nbd" --backend memory --size "$size" --unix "$work/$t.sock" \
     --log-level warn "${farmem_extra[@]}" "${metrics[@]}" 2>"$work/$t.log" &
   pids+=($!)
-  server_pid[$t]=$!
+  server_pids[$t]=$!
 done
-if has farmem-none || has farmem-ec || has farmem-none-metrics || has farmem-none-plain ||
-  has farmem-ec-plain; then
-  head -c 32 /dev/urandom | base64 >"$work/secret"
-  chmod 600 "$work/secret"
-  peers=""
-  for i in 0 1 2 3 4 5; do
-    # Room for both exports: none (1x) and ec:4+2 (1.5x) over six daemons, with placement slack.
-    "$bin/farmemd" --listen 127.0.0.1:0 --port-file "$work/port$i" --capacity 768M --slab-size 64M \
-      --rdma off --secret-file "$work/secret" --log-level warn 2>"$work/farmemd$i.log" &
-    pids+=($!)
-  done
-  for i in 0 1 2 3 4 5; do
-    wait_file -s "$work/port$i"
-    peers="$peers${peers:+,}127.0.0.1:$(cat "$work/port$i")"
-  done
-  for res in none ec:4+2 none-metrics none-plain ec:4+2-plain; do
-    t=farmem-${res%%:*}
-    [ "$res" = none-metrics ] && t=farmem-none-metrics
-    [ "$res" = none-plain ] && t=farmem-none-plain
-    [ "$res" = ec:4+2-plain ] && t=farmem-ec-plain
-    has "$t" || continue
-    metrics=()
-    if [ "$res" = none-metrics ]; then
-      metrics=(--metrics-listen 127.0.0.1:0 --metrics-port-file "$work/$t.mport")
-      scrape_ports+=("$work/$t.mport")
-    fi
+# farmem-none, farmem-ec and their -plain twins share six daemons, with room for all of them
+# (none 1x, ec:4+2 1.5x the export).
+halves=0
+for t in farmem-none farmem-none-plain; do has $t && halves=$((halves + 2)); done
+for t in farmem-ec farmem-ec-plain; do has $t && halves=$((halves + 3)); done
+if [ $halves -gt 0 ]; then
+  shared_pids=()
+  peers=''
+  start_farmemds peers shared_pids d 6 --capacity "$(capacity_for $halves)" --slab-size 64M
+  for t in farmem-none farmem-ec farmem-none-plain farmem-ec-plain; do
+    has $t || continue
+    res=none
+    case $t in farmem-ec*) res=ec:4+2 ;; esac
     crypt=()
-    case $res in *-plain) crypt=(--no-encrypt) ;; esac
-    r=${res%-metrics}
-    "$bin/farmem-nbd" --backend farmem --peers "$peers" --secret-file "$work/secret" \
-      --resilience "${r%-plain}" --transport tcp --size "$size" --unix "$work/$t.sock" \
-      --log-level warn "${farmem_extra[@]}" "${metrics[@]}" "${crypt[@]}" 2>"$work/$t.log" &
-    pids+=($!)
-    server_pid[$t]=$!
+    case $t in *-plain) crypt=(--no-encrypt) ;; esac
+    start_farmem_nbd $t "$peers" $res "${shared_pids[*]}" "${crypt[@]}"
   done
 fi
-
+# farmem-none-prefaulted and farmem-none-metrics each on six daemons of their own, as large as
+# farmem-none's when it runs alone, differing from them only in the flag compared.
 if has farmem-none-prefaulted; then
-  [ -f "$work/secret" ] || { head -c 32 /dev/urandom | base64 >"$work/secret"; chmod 600 "$work/secret"; }
-  ppeers=""
-  # Room for the none export alone (1x over six daemons, twice that for placement slack and
-  # --max-client-share), all of it populated before the daemons listen.
-  pcap=$(python3 -c "import math,re,sys; s=sys.argv[1]; m=re.fullmatch(r'(\d+)([KMG]?)',s); \
-v=int(m[1])*{'':1,'K':1<<10,'M':1<<20,'G':1<<30}[m[2]]; print(max(4,math.ceil(v*2/6/(64<<20)))*64)" "$size")M
-  for i in 0 1 2 3 4 5; do
-    "$bin/farmemd" --listen 127.0.0.1:0 --port-file "$work/pport$i" --capacity "$pcap" \
-      --slab-size 64M --rdma off --secret-file "$work/secret" --log-level warn --populate-at-start \
-      2>"$work/farmemd-prefaulted$i.log" &
-    pids+=($!)
-  done
-  for i in 0 1 2 3 4 5; do
-    wait_file -s "$work/pport$i"
-    ppeers="$ppeers${ppeers:+,}127.0.0.1:$(cat "$work/pport$i")"
-  done
-  "$bin/farmem-nbd" --backend farmem --peers "$ppeers" --secret-file "$work/secret" \
-    --resilience none --transport tcp --size "$size" --unix "$work/farmem-none-prefaulted.sock" \
-    --log-level warn "${farmem_extra[@]}" 2>"$work/farmem-none-prefaulted.log" &
-  pids+=($!)
-  server_pid[farmem-none-prefaulted]=$!
+  prefaulted_pids=()
+  ppeers=''
+  start_farmemds ppeers prefaulted_pids dprefaulted 6 --capacity "$(capacity_for 2)" \
+    --slab-size 64M --populate-at-start
+  start_farmem_nbd farmem-none-prefaulted "$ppeers" none "${prefaulted_pids[*]}"
+fi
+if has farmem-none-metrics; then
+  metrics_pids=()
+  mpeers=''
+  start_farmemds mpeers metrics_pids dmetrics 6 --capacity "$(capacity_for 2)" --slab-size 64M \
+    --metrics-listen 127.0.0.1:0 --metrics-port-file "$work/dmetrics{i}.mport"
+  for i in 0 1 2 3 4 5; do scrape_ports+=("$work/dmetrics$i.mport"); done
+  start_farmem_nbd farmem-none-metrics "$mpeers" none "${metrics_pids[*]}" \
+    --metrics-listen 127.0.0.1:0 --metrics-port-file "$work/farmem-none-metrics.mport"
+  scrape_ports+=("$work/farmem-none-metrics.mport")
 fi
 
 uri() { echo "nbd+unix:///?socket=$work/$1.sock"; }
@@ -225,34 +263,216 @@ for f in "${scrape_ports[@]}"; do
   pids+=($!)
 done
 echo "fio $(fio --version | sed 's/fio-//'), nbdkit $(nbdkit --version | awk '{print $2}')," \
-  "$(nproc) CPUs, export $size, ${runtime}s x $repeat per job, swap-safe=$swap_safe," \
+  "$(nproc) CPUs, export $size, swap-safe=$swap_safe," \
   "disk file on $(df --output=source,fstype "$disk_dir" | tail -1 | tr -s ' ')," \
-  "load average $(cut -d' ' -f1-3 /proc/loadavg)"
+  "load average $(cut -d' ' -f1-3 /proc/loadavg), $(date -u +%H:%M) UTC"
 if has farmem-none-plain || has farmem-ec-plain; then
   # The raw cost of sealing one page on one core: AES-256-GCM, 4 KiB blocks (openssl's EVP, the
   # same AES-NI/PCLMUL code farmem-nbd calls). Opening costs the same.
   echo "baseline: $(openssl speed -seconds 3 -bytes 4096 -evp aes-256-gcm 2>/dev/null |
     awk 'tolower($1) ~ /^aes-256-gcm/ {kb=$NF; sub(/k$/,"",kb); printf "openssl AES-256-GCM 4 KiB, 1 core: %.0f MB/s = %.2f us per page", kb*1000/1e6, 4096/(kb*1000)*1e6}')"
 fi
+
+# run_job TARGET RW QD RAMP OUT: one fio job, 4 KiB, one connection; fio's JSON in OUT.json and,
+# with --cpu, the servers' CPU time over the job in OUT.cpu ("NS" or "NS ticks", see cpu_ns).
+run_job() {
+  local t=$1 rw=$2 qd=$3 ramp=$4 out=$5 sp=${server_pids[$1]:-} c0='' c1
+  # shellcheck disable=SC2086  # $sp is a list of pids
+  [ $cpu = 1 ] && [ -n "$sp" ] && c0=$(cpu_ns $sp)
+  # shellcheck disable=SC2046
+  fio --name="$t-$rw-qd$qd" $(reach "$t") --rw="$rw" --bs=4k --iodepth="$qd" \
+    --numjobs=1 --size="$size" --time_based --runtime="$runtime" --ramp_time="$ramp" \
+    --lat_percentiles=1 --output-format=json --output="$out.json" >/dev/null
+  if [ -n "$c0" ]; then
+    # shellcheck disable=SC2086
+    c1=$(cpu_ns $sp)
+    echo "$((${c1%% *} - ${c0%% *}))$(case "$c0$c1" in *ticks*) echo " ticks" ;; esac)" >"$out.cpu"
+  fi
+}
+
+if [ -n "$ab" ]; then
+  # ---- A/B: baseline, then A and B back to back, their order swapped every pair ------------------
+  echo "A/B: A = $ab_a, B = $ab_b, baseline $baseline; $pairs pairs x workloads ($workloads)," \
+    "${runtime}s per job, no ramp"
+  # Each server set's CPU while no job runs (heartbeats, timers, the metrics scrapes), per second
+  # over 5 s: subtracted from each job's CPU (rate x the job's run time) so that a job the load
+  # starved down to a few requests is not charged the background as per-request cost.
+  for t in $targets; do
+    # shellcheck disable=SC2086
+    c0=$(cpu_ns ${server_pids[$t]})
+    sleep 5  # the subject here is time: CPU used over an interval with no requests
+    # shellcheck disable=SC2086
+    c1=$(cpu_ns ${server_pids[$t]})
+    echo "$(((${c1%% *} - ${c0%% *}) / 5))" >"$json_dir/$t.idle"
+  done
+  for p in $(seq "$pairs"); do
+    for w in $workloads; do
+      rw=${w%%:*}
+      qd=${w##*:}
+      order=("$ab_a" "$ab_b")
+      [ $((p % 2)) = 0 ] && order=("$ab_b" "$ab_a")
+      [ "$baseline" = none ] || run_job "$baseline" "$rw" "$qd" 0 "$json_dir/$baseline-$rw-qd$qd-$p"
+      for t in "${order[@]}"; do run_job "$t" "$rw" "$qd" 0 "$json_dir/$t-$rw-qd$qd-$p"; done
+    done
+  done
+  echo "load average at the end $(cut -d' ' -f1-3 /proc/loadavg), $(date -u +%H:%M) UTC"
+  python3 - "$json_dir" "$pairs" "$ab_a" "$ab_b" "$baseline" "$workloads" <<'EOF'
+import json, math, os, statistics, sys
+d, n, a, b, base, workloads = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4], \
+    sys.argv[5], sys.argv[6].split()
+coarse = False
+idle = {t: int(open(f"{d}/{t}.idle").read()) for t in (a, b, base) if t != "none"}
+def one(t, rw, qd, p):
+    global coarse
+    j = json.load(open(f"{d}/{t}-{rw}-qd{qd}-{p}.json"))["jobs"][0]
+    s = j["read" if rw == "randread" else "write"]
+    ns, *flag = open(f"{d}/{t}-{rw}-qd{qd}-{p}.cpu").read().split()
+    coarse |= bool(flag)
+    ios = max(s["total_ios"], 1)
+    busy = max(int(ns) - idle[t] * j["job_runtime"] / 1000, 0)  # minus the background
+    return {"iops": s["iops"], "lat": s["lat_ns"]["mean"] / 1000, "cpu": busy / 1000 / ios,
+            "cpu_ns": busy, "ios": ios}
+def ci(xs):
+    """Median with a distribution-free ~95% confidence interval (order statistics: the
+    interval [x_(k), x_(n+1-k)] with P(Binomial(n, 1/2) < k) <= 2.5%); None if n is too small."""
+    xs = sorted(xs)
+    m, k, cum = len(xs), 0, 0.0
+    for j in range(m + 1):
+        cum += math.comb(m, j) / 2**m
+        if cum > 0.025:
+            break
+        k = j + 1
+    med = statistics.median(xs)
+    if k == 0:
+        return med, None, None
+    return med, xs[k - 1], xs[m - k]
+def fmt_ci(c, f):
+    med, lo, hi = c
+    return f"{f(med)} [{f(lo)}, {f(hi)}]" if lo is not None else f"{f(med)} [n too small]"
+r2 = lambda x: f"{x:.3f}"
+us = lambda x: f"{x:+.2f}"
+res = {}
+for w in workloads:
+    rw, qd = w.split(":")
+    A = [one(a, rw, qd, p) for p in range(1, n + 1)]
+    B = [one(b, rw, qd, p) for p in range(1, n + 1)]
+    Z = [one(base, rw, qd, p) for p in range(1, n + 1)] if base != "none" else []
+    res[w] = {
+        "iops": ci([x["iops"] / y["iops"] for x, y in zip(A, B)]),
+        "lat": ci([x["lat"] - y["lat"] for x, y in zip(A, B)]),
+        "cpud": ci([x["cpu"] - y["cpu"] for x, y in zip(A, B)]),
+        "cpur": ci([x["cpu"] / y["cpu"] for x, y in zip(A, B)]),
+        "A": A, "B": B, "Z": Z}
+print()
+print(f"A = {a}, B = {b}: per-pair values, median [95% CI of the median] over {n} pairs;")
+print("CPU = servers' CPU time (NBD server + its farmemd) per request, us, less their background"
+      " (idle CPU per s: " + ", ".join(f"{t} {v / 1e6:.1f} ms" for t, v in idle.items()) + ")" +
+      (" (from clock ticks: COARSE)" if coarse else ""))
+print(f"{'workload':<16}{'IOPS A/B':>24}{'mean lat A-B us':>28}{'CPU/req A-B us':>28}{'CPU/req A/B':>24}")
+for w in workloads:
+    r = res[w]
+    print(f"{w.replace(':', ' qd'):<16}{fmt_ci(r['iops'], r2):>24}{fmt_ci(r['lat'], us):>28}"
+          f"{fmt_ci(r['cpud'], us):>28}{fmt_ci(r['cpur'], r2):>24}")
+print()
+print("CPU per request pooled over all pairs (sum of CPU / sum of requests), us: A, B, A-B, A/B")
+for w in workloads:
+    r = res[w]
+    pa, pb = (sum(x["cpu_ns"] for x in r[k]) / 1000 / sum(x["ios"] for x in r[k]) for k in "AB")
+    r["pooled"] = (pa, pb)
+    print(f"{w.replace(':', ' qd'):<16}{pa:>10.2f}{pb:>10.2f}{pa - pb:>+10.2f}{pa / pb:>10.3f}")
+print()
+print("medians per target (range over pairs): IOPS; mean latency us; CPU/req us")
+for w in workloads:
+    for name, runs in ((a, res[w]["A"]), (b, res[w]["B"]), (base + " (baseline)", res[w]["Z"])):
+        if not runs:
+            continue
+        col = lambda k, f: (f"{f(statistics.median(x[k] for x in runs))} "
+                            f"({f(min(x[k] for x in runs))}-{f(max(x[k] for x in runs))})")
+        print(f"{w.replace(':', ' qd'):<16}{name:<32}{col('iops', lambda v: f'{v:.0f}'):>26}"
+              f"{col('lat', lambda v: f'{v:.1f}'):>24}{col('cpu', lambda v: f'{v:.1f}'):>22}")
+# The issues' targets, each written as (on, off): the ratio or difference of "on" to "off".
+checks = [
+    ("farmem-none", "farmem-none-prefaulted", "iops", ("1", "16"), 0.95,
+     "issue 12: memory on demand vs prefaulted, IOPS within 5%"),
+    ("farmem-none-metrics", "farmem-none", "iops", ("1", "16"), 0.98,
+     "issue 14: metrics on vs off, <= 2% IOPS"),
+    ("farmem-none", "farmem-none-plain", "iops", ("16",), 0.90,
+     "issue 16: none, encryption <= 10% IOPS"),
+    ("farmem-none", "farmem-none-plain", "lat", ("1",), 3.0,
+     "issue 16: none, encryption <= 3 us added latency"),
+    ("farmem-ec", "farmem-ec-plain", "iops", ("16",), 0.90,
+     "issue 16: ec:4+2, encryption <= 10% IOPS"),
+    ("farmem-ec", "farmem-ec-plain", "lat", ("1",), 3.0,
+     "issue 16: ec:4+2, encryption <= 3 us added latency"),
+]
+def verdict(lo, hi, ok, bad):
+    if lo is None:
+        return "not resolved (too few pairs)"
+    if ok(lo, hi):
+        return "met"
+    if bad(lo, hi):
+        return "NOT MET"
+    return "not resolved (the CI spans the target)"
+lines = []
+for on, off, kind, depths, want, text in checks:
+    if {on, off} != {a, b}:
+        continue
+    flip = on != a  # the run's A is the "off" side: invert
+    for w in workloads:
+        rw, qd = w.split(":")
+        if qd not in depths:
+            continue
+        r = res[w]
+        if kind == "iops":
+            med, lo, hi = r["iops"]
+            if flip and lo is not None:
+                med, lo, hi = 1 / med, 1 / hi, 1 / lo
+            elif flip:
+                med = 1 / med
+            # CPU-bound server: IOPS on/off = CPU/req off/on
+            cm, clo, chi = r["cpur"]
+            if not flip and clo is not None:
+                cm, clo, chi = 1 / cm, 1 / chi, 1 / clo
+            elif not flip:
+                cm = 1 / cm
+            v1 = verdict(lo, hi, lambda l, h: l >= want, lambda l, h: h < want)
+            v2 = verdict(clo, chi, lambda l, h: l >= want, lambda l, h: h < want)
+            lines.append(f"{text:<52}{w.replace(':', ' qd'):<16}IOPS on/off {fmt_ci((med, lo, hi), r2)}: "
+                         f"{v1}; 1/(CPU/req on/off) {fmt_ci((cm, clo, chi), r2)}: {v2}")
+        else:
+            sign = -1 if flip else 1
+            def oriented(c):
+                med, lo, hi = c
+                if sign > 0 or lo is None:
+                    return (sign * med, lo, hi) if lo is None else c
+                return (-med, -hi, -lo)
+            lm, llo, lhi = oriented(r["lat"])
+            cm, clo, chi = oriented(r["cpud"])
+            v1 = verdict(llo, lhi, lambda l, h: h <= want, lambda l, h: l > want)
+            v2 = verdict(clo, chi, lambda l, h: h <= want, lambda l, h: l > want)
+            lines.append(f"{text:<52}{w.replace(':', ' qd'):<16}mean latency on-off us "
+                         f"{fmt_ci((lm, llo, lhi), us)}: {v1}; CPU/req on-off us "
+                         f"{fmt_ci((cm, clo, chi), us)}: {v2}")
+if lines:
+    print()
+    print("targets (met: the whole 95% CI on the right side; NOT MET: the whole CI on the wrong side)")
+    for l in lines:
+        print(l)
+EOF
+  exit 0
+fi
+
 read -r -a tlist <<<"$targets"
 n=${#tlist[@]}
 ramp=2
 [ $cpu = 1 ] && ramp=0
+echo "${runtime}s x $repeat per job"
 for rep in $(seq "$repeat"); do
   for rw in randread randwrite; do
     for qd in 1 16; do
       for ((i = 0; i < n; i++)); do
         t=${tlist[$(((i + rep) % n))]}
-        sp=${server_pid[$t]:-}
-        [ $cpu = 1 ] && [ -n "$sp" ] && c0=$(cpu_ticks "$sp")
-        # shellcheck disable=SC2046
-        fio --name="$t-$rw-qd$qd" $(reach "$t") --rw="$rw" --bs=4k --iodepth="$qd" \
-          --numjobs=1 --size="$size" --time_based --runtime="$runtime" --ramp_time=$ramp \
-          --lat_percentiles=1 --output-format=json \
-          --output="$json_dir/$t-$rw-qd$qd-$rep.json" >/dev/null
-        if [ $cpu = 1 ] && [ -n "$sp" ]; then
-          echo "$(($(cpu_ticks "$sp") - c0)) $(getconf CLK_TCK)" >"$json_dir/$t-$rw-qd$qd-$rep.cpu"
-        fi
+        run_job "$t" "$rw" "$qd" $ramp "$json_dir/$t-$rw-qd$qd-$rep"
       done
     done
   done
@@ -269,8 +489,7 @@ def one(t, rw, qd, rep):
     cpu = math.nan  # server CPU per request, us (--cpu)
     f = f"{d}/{t}-{rw}-qd{qd}-{rep}.cpu"
     if os.path.exists(f) and s["total_ios"] > 0:
-        ticks, hz = map(int, open(f).read().split())
-        cpu = ticks / hz * 1e6 / s["total_ios"]
+        cpu = int(open(f).read().split()[0]) / 1000 / s["total_ios"]
     return s["iops"], lat["mean"] / 1000.0, lat["percentile"]["99.000000"] / 1000.0, cpu
 res = {}
 print()
@@ -314,7 +533,7 @@ if lat:
             for rw in ("randread", "randwrite")))
     if not math.isnan(res[(lat[0][0], "randread", 1)][3]):
         print()
-        print("Encryption: farmem-nbd CPU added per request, us (medians; qd1 / qd16)")
+        print("Encryption: servers' (farmem-nbd + farmemd) CPU added per request, us (medians; qd1 / qd16)")
         for a, b in lat:
             print(f"{a + ' - ' + b:<36}" + "".join(
                 f"{rw + ' ' + format(res[(a, rw, 1)][3] - res[(b, rw, 1)][3], '+.1f') + ' / ' + format(res[(a, rw, 16)][3] - res[(b, rw, 16)][3], '+.1f'):>28}"

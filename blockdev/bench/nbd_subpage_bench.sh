@@ -54,29 +54,19 @@ cleanup() {
   rm -rf "$work"
 }
 trap cleanup EXIT
-wait_file() {  # -S or -s, path
-  for _ in $(seq 600); do [ "$1" "$2" ] && return 0; sleep 0.05; done
-  echo "timed out waiting for $2" >&2
-  exit 1
-}
+# wait_file, start_farmemds (six farmemd on loopback, their ports collected)
+# shellcheck source=blockdev/bench/bench_lib.sh
+source "$(dirname "$0")/bench_lib.sh"
 has() { case " $targets " in *" $1 "*) return 0 ;; esac; return 1; }
 
 if has nbdkit-mem; then
   nbdkit --foreground --unix "$work/nbdkit-mem.sock" memory "$size" 2>"$work/nbdkit-mem.log" &
   pids+=($!)
 fi
-head -c 32 /dev/urandom | base64 >"$work/secret"
-chmod 600 "$work/secret"
-peers=""
-for i in 0 1 2 3 4 5; do
-  "$bin/farmemd" --listen 127.0.0.1:0 --port-file "$work/port$i" --capacity 512M --slab-size 64M \
-    --rdma off --secret-file "$work/secret" --log-level warn 2>"$work/farmemd$i.log" &
-  pids+=($!)
-done
-for i in 0 1 2 3 4 5; do
-  wait_file -s "$work/port$i"
-  peers="$peers${peers:+,}127.0.0.1:$(cat "$work/port$i")"
-done
+peers=''
+# shellcheck disable=SC2034  # start_farmemds fills it (unused here)
+daemon_pids=()
+start_farmemds peers daemon_pids d 6 --capacity 512M --slab-size 64M
 for t in farmem-ec farmem-ec-nocache farmem-none farmem-none-nocache; do
   has $t || continue
   res=ec:4+2
