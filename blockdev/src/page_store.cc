@@ -196,6 +196,7 @@ PageStore::~PageStore() {
   rebuild_cv_.SignalAll();
   members_cv_.SignalAll();
   if (rebuild_thread_.joinable()) rebuild_thread_.join();
+  FlushLostPages(/*force=*/true);  // no lost page goes unnamed
   std::vector<client::Lease> leases;
   for (auto& e : extents_) {
     if (!e->mapped.load()) continue;

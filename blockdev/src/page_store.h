@@ -61,6 +61,7 @@
 
 #include <atomic>
 #include <deque>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -244,6 +245,14 @@ class PageStore final : public BatchBackend {
   // plaintext is in `out` and *bad has the members whose copy disagrees with it.
   bool FindGoodCopy(Worker& w, Extent& e, uint64_t index, uint64_t page, uint8_t* out,
                     uint32_t* bad);
+  // A page that no copy opens (RecoverPage's error) while the integrity log is rate-limited: it
+  // is kept, merged into ranges, and named by FlushLostPages — every such page is named, in
+  // lines the rate limit allows (one per range of consecutive pages of an extent).
+  void NoteLostPage(uint64_t global_page) EXCLUDES(lost_pages_mu_);
+  // Logs the pages NoteLostPage kept ("N pages of extent E (export bytes A..B) are LOST ...", the
+  // format of every lost range) if the last such flush was `kLostPagesPeriod` ago, or `force`
+  // (shutdown). Called by the rebuild thread on each periodic tick.
+  void FlushLostPages(bool force) EXCLUDES(lost_pages_mu_);
   // Appends the page-aligned pieces of [offset, offset+len) (both page multiples).
   void SplitPieces(uint64_t offset, uint64_t len, uint8_t* buf, bool write, size_t op,
                    std::vector<Piece>* out);
@@ -404,6 +413,12 @@ class PageStore final : public BatchBackend {
   mutable CondVar members_cv_;
   uint64_t member_changes_ GUARDED_BY(rebuild_mu_) = 0;
   std::thread rebuild_thread_;
+
+  // Pages that failed authentication on every copy and are not named in the log yet (first page
+  // -> one past the last, consecutive pages merged), and when they were last named.
+  Mutex lost_pages_mu_;
+  std::map<uint64_t, uint64_t> lost_pages_ GUARDED_BY(lost_pages_mu_);
+  Clock::time_point lost_pages_logged_ GUARDED_BY(lost_pages_mu_){};
 
   mutable Mutex stats_mu_;
   PageStoreStats stats_ GUARDED_BY(stats_mu_);

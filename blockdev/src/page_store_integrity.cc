@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <bit>
 #include <cstring>
+#include <iterator>
 #include <thread>
 
 #include "page_store.h"
@@ -21,8 +22,9 @@ namespace farmem::blockdev {
 using namespace pagestore;
 
 namespace {
+constexpr std::chrono::seconds kIntegrityLogPeriod{10};
 LogEvery& IntegrityLog() {
-  static LogEvery log(std::chrono::seconds(10));
+  static LogEvery log(kIntegrityLogPeriod);
   return log;
 }
 // A failed page whose entry changes while it is checked is being rewritten (a race with a
@@ -219,12 +221,63 @@ Status PageStore::RecoverPage(Worker& w, Piece& p, uint64_t page) {
         backup_ ? ", nor the backup file's" : "", options_.resilience.ToString()));
     if (uint64_t left_out = 0; IntegrityLog().Allow(&left_out)) {
       spdlog::error("page store: {}{}", err.message(), Suppressed(left_out));
+    } else {
+      NoteLostPage(global);  // named by the next flush: a lost page is never left unsaid
     }
     return err;
   }
   return IoError(fmt::format(
       "export page {}: it kept being rewritten while it was read ({} attempts); read it again",
       global, kRaceAttempts));
+}
+
+void PageStore::NoteLostPage(uint64_t global_page) {
+  MutexLock lock(&lost_pages_mu_);
+  // Merge into the range that ends at or contains it, and with the one that starts after it.
+  auto next = lost_pages_.upper_bound(global_page);
+  if (next != lost_pages_.begin()) {
+    auto prev = std::prev(next);
+    if (prev->second > global_page) return;  // kept already
+    if (prev->second == global_page) {
+      prev->second = global_page + 1;
+      if (next != lost_pages_.end() && next->first == prev->second) {
+        prev->second = next->second;
+        lost_pages_.erase(next);
+      }
+      return;
+    }
+  }
+  uint64_t end = global_page + 1;
+  if (next != lost_pages_.end() && next->first == end) {
+    end = next->second;
+    lost_pages_.erase(next);
+  }
+  lost_pages_.emplace(global_page, end);
+}
+
+void PageStore::FlushLostPages(bool force) {
+  std::map<uint64_t, uint64_t> ranges;
+  {
+    MutexLock lock(&lost_pages_mu_);
+    if (lost_pages_.empty()) return;
+    const Clock::time_point now = Clock::now();
+    if (!force && now - lost_pages_logged_ < kIntegrityLogPeriod) return;
+    lost_pages_logged_ = now;
+    ranges.swap(lost_pages_);
+  }
+  const uint64_t per_extent = extent_bytes_ / kPage;
+  for (const auto& [begin, end] : ranges) {
+    for (uint64_t first = begin; first < end;) {  // one line per extent a range spans
+      const uint64_t index = first / per_extent;
+      const uint64_t last = std::min(end, (index + 1) * per_extent);
+      spdlog::error(
+          "page store: {} pages of extent {} (export bytes {}..{}) are LOST until written again: "
+          "no copy of them passed authentication when read (resilience {}), while the "
+          "per-page lines were rate-limited",
+          last - first, index, first * kPage, last * kPage, options_.resilience.ToString());
+      first = last;
+    }
+  }
 }
 
 }  // namespace farmem::blockdev

@@ -271,6 +271,7 @@ void PageStore::RebuildLoop() {
     Reprotect(w, std::move(todo), all);
     if (periodic) {
       CheckCapacity();
+      FlushLostPages(/*force=*/false);
       next_reconcile = Clock::now() + options_.reconcile_interval;
     }
     lock.Lock();

@@ -462,20 +462,23 @@ Connection::Next Connection::HandleBatch(const wire::FrameHeader& h) {
 
 template <typename Req>
 Connection::Next Connection::HandleOffload(const wire::FrameHeader& h, const char* name,
-                                           Result<Req> req, Status (Offload::*run)(const Req&)) {
+                                           Result<Req> req,
+                                           Status (Offload::*run)(const Req&,
+                                                                  std::vector<uint8_t>*)) {
   if (!req.has_value()) {
     ReplyError(h, req.error());
     return Next::kContinue;
   }
   // What is already answered goes out first: this request may take a while.
   if (!FlushReplies()) return Next::kClose;
-  Status s = (offload_.*run)(*req);
+  std::vector<uint8_t> reply;
+  Status s = (offload_.*run)(*req, &reply);
   if (!s.ok()) {
     spdlog::debug("{} ({}): {} failed: {}", peer_, client_name_, name, s.ToString());
     ReplyError(h, s);
     return Next::kContinue;
   }
-  Reply(h, {});
+  Reply(h, reply);
   return Next::kContinue;
 }
 

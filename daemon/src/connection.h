@@ -60,11 +60,11 @@ class Connection {
   Next HandleWrite(const wire::FrameHeader& h);
   Next HandleBatch(const wire::FrameHeader& h);
   // A daemon-to-daemon offload request (decoded into `req`): the replies already owed go out
-  // first (it may take a while and blocks this connection's thread), then `run`'s empty reply or
-  // its error.
+  // first (it may take a while and blocks this connection's thread), then the reply body `run`
+  // made (empty for PARITY_ENCODE) or its error.
   template <typename Req>
   Next HandleOffload(const wire::FrameHeader& h, const char* name, Result<Req> req,
-                     Status (Offload::*run)(const Req&));
+                     Status (Offload::*run)(const Req&, std::vector<uint8_t>*));
 
   // Moves `len` payload bytes into dst (nullptr: discard): first what is buffered, then straight
   // from the socket. False if the connection broke.

@@ -4,6 +4,8 @@
 
 #include <cstring>
 
+#include "farmem/common/wire_gather.h"
+#include "farmem/ec/crc32c.h"
 #include "server.h"
 
 namespace farmem::daemon {
@@ -18,7 +20,8 @@ Offload::Offload(Server* server, const wire::ClientId& client_id, std::string id
 
 Offload::~Offload() = default;
 
-Status Offload::ParityEncode(const wire::ParityEncodeRequest& req) {
+Status Offload::ParityEncode(const wire::ParityEncodeRequest& req,
+                             std::vector<uint8_t>* /*reply: none*/) {
   SlabPool& pool = server_->pool();
   const uint32_t len = req.length;
   // The target is checked before anything is read: a cell we could not store is not computed.
@@ -75,7 +78,7 @@ PeerReader& Offload::Peers() {
   return *peers_;
 }
 
-Status Offload::GatherCell(const wire::GatherCellRequest& req) {
+Status Offload::GatherCell(const wire::GatherCellRequest& req, std::vector<uint8_t>* reply) {
   SlabPool& pool = server_->pool();
   const uint32_t len = req.length;
   {
@@ -84,6 +87,8 @@ Status Offload::GatherCell(const wire::GatherCellRequest& req) {
   }
   const size_t n = req.sources.size();
   if (cells_.size() < n * len) cells_.resize(n * len);
+  wire::GatherCellReply out;
+  out.source_crcs.reserve(n);
   if (n > 0) {
     PeerReader& peers = Peers();
     const Deadline deadline = DeadlineIn(std::chrono::milliseconds(req.timeout_ms));
@@ -98,6 +103,7 @@ Status Offload::GatherCell(const wire::GatherCellRequest& req) {
                                        c.lease_id, c.offset, Endpoint{c.host, c.port}.ToString(),
                                        s.message()));
       }
+      out.source_crcs.push_back(ec::Crc32c({cells_.data() + i * len, len}));
     }
   }
   parity_.assign(len, 0);
@@ -109,6 +115,8 @@ Status Offload::GatherCell(const wire::GatherCellRequest& req) {
   if (!pin.has_value()) return pin.error().WithContext("GATHER_CELL target");
   std::memcpy(pin->data() + req.offset, parity_.data(), len);
   pin->Reset();
+  out.cell_crc = ec::Crc32c({parity_.data(), len});
+  wire::EncodeGatherCellReply(out, reply);
   server_->counters().ops.fetch_add(1, std::memory_order_relaxed);
   server_->counters().bytes_written.fetch_add(len, std::memory_order_relaxed);
   server_->counters().request_bytes[static_cast<size_t>(wire::Opcode::kGatherCell)].fetch_add(

@@ -32,8 +32,12 @@ class Offload {
   Offload(const Offload&) = delete;
   Offload& operator=(const Offload&) = delete;
 
-  Status ParityEncode(const wire::ParityEncodeRequest& req);
-  Status GatherCell(const wire::GatherCellRequest& req);
+  // *reply stays empty (PARITY_ENCODE's reply has no body).
+  Status ParityEncode(const wire::ParityEncodeRequest& req, std::vector<uint8_t>* reply);
+  // *reply: the GATHER_CELL reply body (farmem/common/wire_gather.h): the CRC-32C of each source
+  // cell as read and of the cell stored, so the client can tell a source that was corrupted here
+  // (a bit flip in a lender's memory) from the one it wrote, without this daemon holding its key.
+  Status GatherCell(const wire::GatherCellRequest& req, std::vector<uint8_t>* reply);
 
  private:
   PeerReader& Peers();  // created on first use

@@ -18,6 +18,16 @@
 // it wrote and moves the bytes itself: every live byte crosses the client twice (read back,
 // written out), and with offload on the r parity cells are still computed by the daemons.
 // Counters: compaction_client_bytes_* and compaction_cpu_ns (this thread's CPU clock).
+//
+// Corruption (a bit flip in a lender's memory) must not ride along: an object moved unopened
+// into a new set gets new parity computed over its corrupted bytes, and the old set — the copy
+// that could have rebuilt it — is freed. So every source cell is checked against the CRC-32C it
+// was written with (Span::cell_crc; a checksum needs no key, so the daemons check what they
+// gather and report it in GATHER_CELL's reply; here the client checks what it read). A cell that
+// fails is reported like a failed tag (RemoteStore::ReportCorrupt: the member is re-protected)
+// and read again, rebuilt from the other members, before anything moves; with no redundancy to
+// rebuild it, it moves as it is and its objects fail authentication when dereferenced, as they
+// would have where they were.
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>
 #include <time.h>
@@ -27,6 +37,7 @@
 #include <map>
 #include <set>
 
+#include "farmem/ec/crc32c.h"
 #include "heap.h"
 
 namespace farmem::farptr_internal {
@@ -198,6 +209,7 @@ Status Heap::CompactOnce(size_t* moved) NO_THREAD_SAFETY_ANALYSIS {
     written.clear();
   };
 
+  std::vector<uint32_t> new_crcs(targets.size(), 0);  // each new data cell's CRC-32C
   // With offload the daemons move the objects themselves (GATHER_CELL) and compute parity
   // (PARITY_ENCODE): no span crosses this process. On any error, undo and move them here.
   bool offloaded = false;
@@ -214,19 +226,28 @@ Status Heap::CompactOnce(size_t* moved) NO_THREAD_SAFETY_ANALYSIS {
           pieces.back().dst_offset + pieces.back().length == dst) {
         pieces.back().length += size;  // contiguous in both: one copy
       } else {
-        pieces.push_back({from->set, from->member, src, dst, size});
+        pieces.push_back({from->set, from->member, from->cell_crc, src, dst, size});
       }
     }
     Status gather_error;
+    std::vector<std::pair<SpanSet*, int>> corrupt;
     for (size_t i = 0; i < targets.size(); i += k) {
       const size_t n = std::min(k, targets.size() - i);
-      Result<SpanSet*> set =
-          store_->WriteSetGathered(*io, {cells.data() + i, n}, {targets.data() + i, n});
+      Result<SpanSet*> set = store_->WriteSetGathered(
+          *io, {cells.data() + i, n}, {targets.data() + i, n}, {new_crcs.data() + i, n}, &corrupt);
       if (!set) {
         gather_error = set.error();
         break;
       }
       written.emplace_back(*set, i);
+    }
+    // Sources the daemons found corrupted: repaired (re-protected) and read rebuilt below.
+    for (auto& [set, member] : corrupt) {
+      Span* from = nullptr;
+      for (Span* w : work) {
+        if (w->set == set && w->member == member) from = w;
+      }
+      if (from != nullptr) ReportCorruptCell(from, "the daemon gathering it");
     }
     if (gather_error.ok()) {
       offloaded = true;
@@ -245,8 +266,15 @@ Status Heap::CompactOnce(size_t* moved) NO_THREAD_SAFETY_ANALYSIS {
     // Read the victims back and pack them here.
     std::vector<uint8_t> in(static_cast<size_t>(span_size_) * work.size());
     for (size_t i = 0; i < work.size() && st.ok(); ++i) {
-      st = store_->ReadSpan(*io, work[i]->set, work[i]->member,
-                            in.data() + i * static_cast<size_t>(span_size_));
+      uint8_t* cell = in.data() + i * static_cast<size_t>(span_size_);
+      st = store_->ReadSpan(*io, work[i]->set, work[i]->member, cell);
+      if (st.ok() && ec::Crc32c({cell, span_size_}) != work[i]->cell_crc &&
+          ReportCorruptCell(work[i], "this client reading it back")) {
+        // Read again: rebuilt from the other members now. If even that does not match, it
+        // moves as it is (its objects fail authentication when dereferenced, as they would
+        // have where they were).
+        st = store_->ReadSpan(*io, work[i]->set, work[i]->member, cell);
+      }
       if (st.code() == StatusCode::kDataLoss) {
         // Nothing to move: the span is lost (deref reports it). Try again without it.
         MarkLostLocked(work[i], Status(st.code(), Describe(work[i]) + " is lost: " + st.message()));
@@ -266,6 +294,9 @@ Status Heap::CompactOnce(size_t* moved) NO_THREAD_SAFETY_ANALYSIS {
       const size_t size = work[m.from]->cls->size;
       std::memcpy(out.data() + m.target * span_size_ + m.slot * size,
                   in.data() + m.from * span_size_ + m.from_slot * size, size);
+    }
+    for (size_t t = 0; t < targets.size(); ++t) {
+      new_crcs[t] = ec::Crc32c({out.data() + t * span_size_, span_size_});
     }
     // Write the new span sets (parity by the daemons when offload is on).
     for (size_t i = 0; i < targets.size() && st.ok(); i += k) {
@@ -312,6 +343,7 @@ Status Heap::CompactOnce(size_t* moved) NO_THREAD_SAFETY_ANALYSIS {
     for (size_t j = 0; j < k && first + j < targets.size(); ++j) {
       targets[first + j]->set = set;
       targets[first + j]->member = static_cast<int>(j);
+      targets[first + j]->cell_crc = new_crcs[first + j];
     }
   }
   for (const Move& m : moves) {
@@ -341,6 +373,33 @@ Status Heap::CompactOnce(size_t* moved) NO_THREAD_SAFETY_ANALYSIS {
   spdlog::debug("far memory: compacted {} remote spans ({} sets) into {}", work.size(),
                 sets_touched.size(), fresh_count);
   return Status::Ok();
+}
+
+bool Heap::ReportCorruptCell(Span* s, const char* found_by) {
+  compaction_corrupt_cells_.fetch_add(1, std::memory_order_relaxed);
+  const int member = s->member;
+  const Status why = DataLoss(fmt::format(
+      "{} in span set member {} failed its checksum (CRC-32C), found by {} for compaction: its "
+      "bytes on the daemon were corrupted",
+      Describe(s), member, found_by));
+  const bool repair = store_->ReportCorrupt(s->set, member, why);
+  // Logged as the failed tags of OpenSealedLocked are, and as often (they count alike).
+  const int64_t now =
+      std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now().time_since_epoch())
+          .count();
+  int64_t last = last_auth_log_ms_.load(std::memory_order_relaxed);
+  if (now - last >= 5000 &&
+      last_auth_log_ms_.compare_exchange_strong(last, now, std::memory_order_relaxed)) {
+    spdlog::error(
+        "far memory: {}; {} ({} such cells found by compaction so far; logged at most "
+        "every 5 s)",
+        why.message(),
+        repair ? "the member is being re-protected and the span is read from the other "
+                 "members before it moves"
+               : "nothing else holds it: it moves as it is",
+        compaction_corrupt_cells_.load(std::memory_order_relaxed));
+  }
+  return repair;
 }
 
 }  // namespace farmem::farptr_internal

@@ -19,6 +19,7 @@
 #include <cstring>
 #include <thread>
 
+#include "farmem/ec/crc32c.h"
 #include "heap.h"
 
 namespace farmem::farptr_internal {
@@ -384,6 +385,9 @@ size_t Heap::WriteOut(std::vector<Span*>& spans) {
       if (ShouldLog()) spdlog::error("far memory: cannot seal spans: {}", seal_error.ToString());
       break;
     }
+    // What compaction checks each cell against before it moves it (Span::cell_crc).
+    uint32_t crcs[kMaxSetWidth];
+    for (size_t j = 0; j < n; ++j) crcs[j] = ec::Crc32c({data[j], span_size_});
     Result<SpanSet*> set = store_->WriteSet(*io, {data, n}, {members, n});
     if (!set && set.error().code() == StatusCode::kResourceExhausted) {
       // The daemons are full: compaction may give rows back.
@@ -419,6 +423,7 @@ size_t Heap::WriteOut(std::vector<Span*>& spans) {
         s->state = SpanState::kRemote;
         s->set = *set;
         s->member = static_cast<int>(j);
+        s->cell_crc = crcs[j];
         remote_spans_.fetch_add(1, std::memory_order_relaxed);
         remote_object_bytes_.fetch_add(static_cast<uint64_t>(live) * s->cls->size,
                                        std::memory_order_relaxed);

@@ -73,6 +73,9 @@ struct Span {
   std::atomic<uint32_t> live{0};  // written under mu; read racily by stats and the compactor
   SpanSet* set GUARDED_BY(mu) = nullptr;
   int member GUARDED_BY(mu) = -1;
+  // CRC-32C of the whole cell as written (valid while `set` is): compaction checks each cell it
+  // moves against it, so a corrupted one is repaired before it moves (compactor.cc).
+  uint32_t cell_crc GUARDED_BY(mu) = 0;
   Status lost GUARDED_BY(mu);
   // Slots still sealed (see kLocal above); empty or all false without encryption.
   std::vector<bool> sealed GUARDED_BY(mu);
@@ -243,6 +246,9 @@ class Heap {
   // ---- compactor.cc ----
   bool CompactionWanted() const;
   Status CompactOnce(size_t* moved);
+  // A cell compaction was about to move failed its checksum: counts and logs it and reports the
+  // member corrupt (RemoteStore::ReportCorrupt). True if a read now rebuilds it from the others.
+  bool ReportCorruptCell(Span* s, const char* found_by) REQUIRES(s->mu);
 
   Runtime* rt_;
   RuntimeOptions options_;
@@ -303,7 +309,7 @@ class Heap {
   std::atomic<uint64_t> compaction_client_bytes_{0};
   std::atomic<uint64_t> compaction_bytes_sent_{0}, compaction_bytes_received_{0};
   std::atomic<uint64_t> compaction_cpu_ns_{0}, compaction_offloaded_sets_{0};
-  std::atomic<uint64_t> compaction_offload_fallbacks_{0};
+  std::atomic<uint64_t> compaction_offload_fallbacks_{0}, compaction_corrupt_cells_{0};
   std::atomic<uint64_t> bytes_read_{0}, bytes_written_{0};
   std::atomic<uint64_t> auth_failures_{0}, auth_failed_objects_{0}, auth_lost_objects_{0};
   std::atomic<int64_t> last_auth_log_ms_{-100000};

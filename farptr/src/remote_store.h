@@ -177,15 +177,25 @@ class RemoteStore {
   // member i (spans[i]); members past cells.size() are zero. The source cells must not change
   // meanwhile (the compactor holds their spans' locks). Any error: nothing is committed, the
   // caller falls back to moving the bytes itself.
+  // Each gathering daemon answers with the CRC-32C of every source cell as it read it and of the
+  // cell it stored (farmem/common/wire_gather.h): a source whose checksum differs from the one
+  // it was written with (GatherPiece::cell_crc) was corrupted on its daemon (a bit flip). Then
+  // nothing is committed, the error is DataLoss, and *corrupt gets each such source (set,
+  // member), for the caller to report (ReportCorrupt) and read rebuilt from the other members:
+  // moved unopened, the corruption would become consistent with the new set's parity and the
+  // old set, its good copy, would be freed. On success cell_crcs[i] is the checksum of data
+  // cell i as stored. A daemon that sends no checksums (older) fails the call (Unimplemented).
   struct GatherPiece {
     SpanSet* set = nullptr;  // source: data member `member` of `set`
     int member = 0;
+    uint32_t cell_crc = 0;  // CRC-32C of that whole source cell as it was written
     uint32_t src_offset = 0;
     uint32_t dst_offset = 0;
     uint32_t length = 0;
   };
   Result<SpanSet*> WriteSetGathered(IoContext& io, std::span<const std::vector<GatherPiece>> cells,
-                                    std::span<Span* const> spans);
+                                    std::span<Span* const> spans, std::span<uint32_t> cell_crcs,
+                                    std::vector<std::pair<SpanSet*, int>>* corrupt);
   // Reads data member `member` of `set` into dst (span_size bytes); degraded if needed. Errors
   // say where the span lived; the caller adds what it was.
   Status ReadSpan(IoContext& io, SpanSet* set, int member, uint8_t* dst);
@@ -194,11 +204,12 @@ class RemoteStore {
   // ReadSpan (degraded if needed). results[i] is the status of read i.
   void ReadSpans(IoContext& io, std::span<SpanSet* const> sets, std::span<const int> members,
                  std::span<uint8_t* const> dsts, std::span<Status> results);
-  // A cell read from data member `member` of `set` failed authentication
+  // A cell read from data member `member` of `set` failed authentication or its checksum
   // (remote_store_integrity.cc). If the group can lose that member and still produce the span, the
   // member is marked failed — re-protected like a lost one — and true returned: ReadSpan then
-  // rebuilds the cell from the other members. False (none, or no redundancy left): the caller loses
-  // what failed.
+  // rebuilds the cell from the other members. True also when the member is failed already (the
+  // cell was read before that, e.g. a span swapped in whose objects are opened lazily): ReadSpan
+  // rebuilds it all the same. False (none, or no redundancy left): the caller loses what failed.
   bool ReportCorrupt(SpanSet* set, int member, const Status& why);
   // Where data member `member` of `set` lies: (lease, byte offset of the cell) for the member
   // and, with replicate, for every copy. For tests (LocateObjectForTest).
@@ -285,8 +296,10 @@ class RemoteStore {
   // (PARITY_ENCODE); OK once every parity cell is in place.
   Status EncodeParityRemotely(IoContext& io, const std::vector<client::Lease>& members,
                               uint64_t off, uint32_t timeout_ms);
+  // `replies` (if given): the body of each successful reply (at most kMaxCallReply bytes).
   Status CallAll(IoContext& io, wire::Opcode op, std::span<const client::NodeId> nodes,
-                 std::span<const std::vector<uint8_t>> bodies);
+                 std::span<const std::vector<uint8_t>> bodies,
+                 std::vector<std::vector<uint8_t>>* replies = nullptr);
   void OnClusterEvent(const client::Event& ev);
   // ---- moving noticed members (remote_store_move.cc) ----
   // One noticed member to move: member `member` of `group`, still holding lease `lease`.

@@ -15,9 +15,15 @@ bool RemoteStore::ReportCorrupt(SpanSet* set, int member, const Status& why) {
     g = set->group;
     const uint32_t bit = 1u << member;
     const uint32_t bad = g->failed_mask | g->lost_mask;
-    // Already failed: the cell came from a degraded read, nothing else to read it from.
-    if ((bad & bit) != 0) return false;
     const int tolerance = res_.width() - MinMembers();
+    // Failed already (by another cell of this member): this cell was read before that — a span
+    // swapped in keeps its objects sealed until their first deref, and the compactor reads
+    // several cells before it checks them. A read now rebuilds it from the other members (or
+    // reads the member re-protected). If this cell was itself rebuilt, the read gives the same
+    // bytes, they fail again, and the caller loses them then.
+    if ((bad & bit) != 0) {
+      return (g->lost_mask & bit) == 0 && std::popcount(bad) <= tolerance;
+    }
     if (std::popcount(bad | bit) > tolerance) return false;
     lease_id = g->members[static_cast<size_t>(member)].id();
     // Its bytes cannot be trusted any more: it is rebuilt, never used again as it is (the

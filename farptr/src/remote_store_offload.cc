@@ -13,9 +13,15 @@
 #include <algorithm>
 #include <map>
 
+#include "farmem/common/wire_gather.h"
 #include "remote_store.h"
 
 namespace farmem::farptr_internal {
+
+namespace {
+// The largest success reply body CallAll keeps (GATHER_CELL's: 8 + 4 per source, <= 136 B).
+constexpr uint32_t kMaxCallReply = 4096;
+}  // namespace
 
 transport::TcpConnection* RemoteStore::CallConnectionFor(IoContext& io, client::NodeId node,
                                                          Status* error) {
@@ -133,7 +139,8 @@ Status RemoteStore::EncodeParityRemotely(IoContext& io, const std::vector<client
 }
 
 Status RemoteStore::CallAll(IoContext& io, wire::Opcode op, std::span<const client::NodeId> nodes,
-                            std::span<const std::vector<uint8_t>> bodies) {
+                            std::span<const std::vector<uint8_t>> bodies,
+                            std::vector<std::vector<uint8_t>>* replies) {
   const Deadline deadline = DeadlineIn(op_timeout_);
   const size_t n = nodes.size();
   std::vector<transport::TcpConnection*> conns(n, nullptr);
@@ -163,34 +170,53 @@ Status RemoteStore::CallAll(IoContext& io, wire::Opcode op, std::span<const clie
     conns[i] = conn;
     ids[i] = *id;
   }
+  if (replies != nullptr) replies->assign(n, {});
   for (size_t i = 0; i < sent; ++i) {
-    // The reply's body (an error's message) is all there is; a success has none to keep.
+    // An error's body is its message (in the Status); a success's is kept if asked for.
     Result<transport::TcpConnection::Reply> r = conns[i]->Receive(ids[i], {}, deadline);
     if (!r) {
       note(i, r.error());
       continue;
     }
     io.offload_bytes_received += wire::kHeaderSize + r->body_len;
+    if (replies == nullptr || r->body_len == 0 || r->in_place) continue;
+    if (r->body_len > kMaxCallReply) {
+      note(i, ProtocolError(fmt::format("a reply of {} bytes (at most {} expected)", r->body_len,
+                                        kMaxCallReply)));
+      continue;  // the next Receive drops the body
+    }
+    (*replies)[i].resize(r->body_len);
+    if (Status st = conns[i]->ReadBody((*replies)[i]); !st.ok()) note(i, st);
   }
   return first;
 }
 
 Result<SpanSet*> RemoteStore::WriteSetGathered(IoContext& io,
                                                std::span<const std::vector<GatherPiece>> cells,
-                                               std::span<Span* const> spans) {
+                                               std::span<Span* const> spans,
+                                               std::span<uint32_t> cell_crcs,
+                                               std::vector<std::pair<SpanSet*, int>>* corrupt) {
   const int k = res_.k;
   const int r = res_.r;
   const size_t span = span_size_;
   if (res_.mode != SpanResilience::Mode::kErasure || r == 0) {
     return Err(Unimplemented("compaction offload needs erasure coding with parity"));
   }
-  if (cells.empty() || cells.size() > static_cast<size_t>(k) || spans.size() != cells.size()) {
+  if (cells.empty() || cells.size() > static_cast<size_t>(k) || spans.size() != cells.size() ||
+      cell_crcs.size() != cells.size()) {
     return Err(Internal(fmt::format("WriteSetGathered with {} cells (k = {})", cells.size(), k)));
   }
   const uint32_t timeout_ms =
       static_cast<uint32_t>(std::clamp<int64_t>(op_timeout_.count() / 2, 1, 60000));
   // Where the pieces live now. Their spans are locked by the caller, so their sets stay.
   std::vector<wire::GatherCellRequest> reqs(static_cast<size_t>(k));
+  // Per cell, per source: which cell it is and the checksum it was written with.
+  struct Source {
+    SpanSet* set;
+    int member;
+    uint32_t crc;
+  };
+  std::vector<std::vector<Source>> expect(static_cast<size_t>(k));
   {
     MutexLock lock(&mu_);
     for (size_t c = 0; c < cells.size(); ++c) {
@@ -206,6 +232,7 @@ Result<SpanSet*> RemoteStore::WriteSetGathered(IoContext& io,
         auto [it, fresh] =
             index.try_emplace({p.set, p.member}, static_cast<uint16_t>(req.sources.size()));
         if (fresh) {
+          expect[c].push_back({p.set, p.member, p.cell_crc});
           const client::Lease& l = g->members[static_cast<size_t>(p.member)];
           const Endpoint ep = cluster_->node(l.node).endpoint;
           req.sources.push_back(
@@ -248,9 +275,40 @@ Result<SpanSet*> RemoteStore::WriteSetGathered(IoContext& io,
     }
     nodes[m] = members[static_cast<size_t>(m)].node;
   }
-  if (Status s = CallAll(io, wire::Opcode::kGatherCell, {nodes, static_cast<size_t>(k)}, bodies);
+  std::vector<std::vector<uint8_t>> replies;
+  if (Status s =
+          CallAll(io, wire::Opcode::kGatherCell, {nodes, static_cast<size_t>(k)}, bodies, &replies);
       !s.ok()) {
     return give_up(s);
+  }
+  // Every source must be what it was written as: a cell that is not would carry its corruption
+  // into the new set, under new parity, and the old set (the good copy) would be freed.
+  std::string bad;
+  for (int m = 0; m < k; ++m) {
+    const auto& want = expect[static_cast<size_t>(m)];
+    Result<wire::GatherCellReply> got =
+        wire::DecodeGatherCellReply(replies[static_cast<size_t>(m)], want.size());
+    if (!got) {
+      return give_up(Unimplemented(fmt::format(
+          "GATHER_CELL on {} did not report the checksums of the cells it read (a farmemd too "
+          "old to check them?): {}",
+          cluster_->node(nodes[m]).endpoint.ToString(), got.error().message())));
+    }
+    for (size_t i = 0; i < want.size(); ++i) {
+      if (got->source_crcs[i] == want[i].crc) continue;
+      const std::pair<SpanSet*, int> cell{want[i].set, want[i].member};
+      if (std::find(corrupt->begin(), corrupt->end(), cell) != corrupt->end()) continue;
+      corrupt->push_back(cell);
+      bad += fmt::format("{}span set {} member {} (CRC-32C {:08x}, written as {:08x})",
+                         bad.empty() ? "" : ", ", want[i].set->id, want[i].member,
+                         got->source_crcs[i], want[i].crc);
+    }
+    if (static_cast<size_t>(m) < cell_crcs.size()) {
+      cell_crcs[static_cast<size_t>(m)] = got->cell_crc;
+    }
+  }
+  if (!bad.empty()) {
+    return give_up(DataLoss("source cells corrupted on their daemons: " + bad));
   }
 
   // 2. Each parity daemon computes its cell from the k new data cells.

@@ -252,6 +252,7 @@ RuntimeStats Heap::stats() const {
   s.compaction_cpu_ns = compaction_cpu_ns_.load();
   s.compaction_offloaded_sets = compaction_offloaded_sets_.load();
   s.compaction_offload_fallbacks = compaction_offload_fallbacks_.load();
+  s.compaction_corrupt_cells = compaction_corrupt_cells_.load();
   s.auth_failures = auth_failures_.load();
   s.auth_failed_objects = auth_failed_objects_.load();
   s.auth_lost_objects = auth_lost_objects_.load();

@@ -50,11 +50,13 @@ const std::regex kFailedMemberPattern(
 // src/object_heap.cc, OpenSealedLocked): "page store: export page 9 (offset 36864, extent 0)
 // failed authentication on member 1 (...): served from the other members; ...", "page store:
 // export page 9 (offset 36864, extent 0): no copy passes authentication (...)", "far memory:
-// span ...: 1 of its objects failed authentication (AES-GCM tag) ...".
+// span ...: 1 of its objects failed authentication (AES-GCM tag) ...", and a cell far_ptr's
+// compaction found corrupted before moving it (farptr/src/compactor.cc, ReportCorruptCell): "far
+// memory: span ... in span set member 0 failed its checksum (CRC-32C) when ...".
 const std::regex kIntegrityPatterns[] = {
     std::regex(
         R"(page store: export page \d+ \(offset \d+, extent \d+\):? (failed|no copy passes) authentication)"),
-    std::regex(R"(far memory: .*failed authentication)"),
+    std::regex(R"(far memory: .*failed (authentication|its checksum))"),
 };
 
 const std::regex kNotable(

@@ -91,7 +91,10 @@ int main(int argc, char** argv) {
     ::setenv("FARMEM_BIN_DIR", bin.c_str(), 1);
   }
   cfg.farmemctl = std::string(std::getenv("FARMEM_BIN_DIR")) + "/farmemctl";
-  cfg.farptr_workload = FARMEM_CHAOS_FARPTR_WORKLOAD;
+  // $FARMEM_CHAOS_FARPTR_WORKLOAD replaces the far_ptr workload built with this driver (to run a
+  // scenario against another build of the runtime, e.g. before and after a fix).
+  const char* workload = std::getenv("FARMEM_CHAOS_FARPTR_WORKLOAD");
+  cfg.farptr_workload = workload != nullptr ? workload : FARMEM_CHAOS_FARPTR_WORKLOAD;
   // The idle-socket flood needs a few thousand descriptors.
   rlimit nofile{};
   if (::getrlimit(RLIMIT_NOFILE, &nofile) == 0 && nofile.rlim_cur < nofile.rlim_max) {

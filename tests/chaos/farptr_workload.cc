@@ -12,6 +12,8 @@
 // checks every object and prints one line
 //   result verified=B lost=B corrupt=B failed=N ops=N stall_ms=X reprotected=N spans_lost=N
 //          auth_failures=N
+// (auth_failures: cells that failed authentication when read, plus those compaction found
+// corrupted by their checksum before it moved them — both are a detected flip)
 // then exits 0. Logs (spdlog) go to stderr, which the driver parses like farmem-nbd's.
 //
 // Threads: the worker threads own their objects; the main thread waits for the signal.
@@ -230,7 +232,7 @@ int main(int argc, char** argv) {
       "result verified=%lu lost=%lu corrupt=%lu failed=%lu ops=%lu stall_ms=%.1f "
       "reprotected=%lu spans_lost=%lu auth_failures=%lu\n",
       verified, lost, corrupt, failed, ops, stall, st.members_reprotected, st.spans_lost,
-      st.auth_failures);
+      st.auth_failures + st.compaction_corrupt_cells);
   if (!problem.empty()) std::printf("problem %s\n", problem.c_str());
   std::fflush(stdout);
   for (auto& w : workers) w.objs.clear();

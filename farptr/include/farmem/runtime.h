@@ -178,8 +178,10 @@ struct RuntimeStats {
                                      // read from the other members, or its objects lost)
   uint64_t auth_failed_objects = 0;  // objects whose tag failed on such a read (before any retry)
   uint64_t auth_lost_objects = 0;    // ... of those that could not be produced: DataLoss
-  uint64_t bytes_read = 0;           // all remote reads
-  uint64_t bytes_written = 0;        // all remote writes
+  uint64_t compaction_corrupt_cells = 0;  // cells compaction was to move that failed their
+                                          // checksum (CRC-32C): repaired first (compactor.cc)
+  uint64_t bytes_read = 0;                // all remote reads
+  uint64_t bytes_written = 0;             // all remote writes
 };
 
 class Runtime {
