@@ -96,7 +96,8 @@ Result<std::unique_ptr<transport::Channel>> Cluster::OpenChannel(NodeId id) {
                     : !verbs_                           ? "no RDMA device here"
                     : !(features & wire::kFeatureVerbs) ? "the daemon serves no RDMA"
                                                         : "verbs failed";
-  spdlog::info("farmem client: data channel to {} uses tcp ({})", node->name(), why);
+  spdlog::info("farmem client: data channel to {} uses {} ({})", node->name(), transport_->kind(),
+               options_.data_transport ? "a test's data_transport" : why);
   return CountedIfReported(
       *node, features,
       transport::WithFaults(std::move(*channel), o.endpoint, options_.fault_injector, o.op_timeout),

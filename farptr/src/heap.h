@@ -139,7 +139,7 @@ class Heap {
   RuntimeStats stats() const;
   std::vector<std::vector<Endpoint>> GroupLayout() const { return store_->GroupLayout(); }
 
-  // Object paths (object_heap.cc).
+  // Object paths (object_heap.cc; the deref miss and prefetch: object_swap_in.cc).
   ObjectEntry* Allocate(size_t size, void** addr);
   void Free(ObjectEntry* e);
   Result<void*> Deref(ObjectEntry* e, bool mut);
@@ -162,7 +162,7 @@ class Heap {
  private:
   friend struct SpanLocker;
 
-  // ---- object_heap.cc ----
+  // ---- object_heap.cc, object_swap_in.cc ----
   SizeClass* ClassFor(size_t size);
   Span* NewSpan(SizeClass* cls, SpanState state);
   ObjectEntry* NewEntry();

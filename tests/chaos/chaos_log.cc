@@ -47,7 +47,7 @@ const std::regex kFailedMemberPattern(
     R"(far memory: slab group (\d+) member (\d+) \(([^,]+), lease \d+\) failed)");
 
 // A page or object whose tag failed (blockdev/src/page_store_integrity.cc, RecoverPage; farptr/
-// src/object_heap.cc, OpenSealedLocked): "page store: export page 9 (offset 36864, extent 0)
+// src/object_swap_in.cc, OpenSealedLocked): "page store: export page 9 (offset 36864, extent 0)
 // failed authentication on member 1 (...): served from the other members; ...", "page store:
 // export page 9 (offset 36864, extent 0): no copy passes authentication (...)", "far memory:
 // span ...: 1 of its objects failed authentication (AES-GCM tag) ...", and a cell far_ptr's

@@ -113,6 +113,10 @@ struct ClusterOptions {
   // Tests: every data channel is wrapped with these deterministic faults
   // (transport/fault_injection.h). Unset in production.
   std::shared_ptr<transport::FaultInjector> fault_injector;
+  // Tests: data channels are opened through this transport (never verbs) instead of tcp: an
+  // in-process fake that serves the slabs from memory with scripted faults
+  // (tests/support/fake_fabric.h). Unset in production.
+  std::shared_ptr<transport::Transport> data_transport;
 };
 
 // One slab lent to this client.
@@ -287,7 +291,7 @@ class Cluster {
 
   explicit Cluster(ClusterOptions options);
 
-  // ---- setup (cluster.cc) ----
+  // ---- setup (cluster_setup.cc; FindNode in cluster.cc) ----
   // A daemon to dial at start: named in peers (a node even while down), or found in peers_dns
   // (a node only once it answers).
   struct DialTarget {
@@ -366,6 +370,7 @@ class Cluster {
   // Adopts a fresh connection: notices a daemon restart (kLeasesLost) or a return (kNodeUp).
   // False if the daemon turned out to be another node's (an alias); the connection is dropped.
   bool Adopt(Node& node, transport::TcpConnection conn);
+  // ---- lease checks, called from the rounds (cluster_lease_checks.cc) ----
   void RetryPendingFreesLocked(Node& node);
   // After a reconnect to the same daemon process: checks each retained lease there (a one-byte
   // READ) and hands it back (kLeasesReturned) or reports it gone (kLeasesLost).
@@ -394,7 +399,7 @@ class Cluster {
   wire::ClientId client_id_{};
   transport::Credentials credentials_;
   std::optional<Endpoint> dns_endpoint_;  // parsed peers_dns
-  std::unique_ptr<transport::Transport> transport_;
+  std::shared_ptr<transport::Transport> transport_;  // tcp, or options_.data_transport
   std::unique_ptr<transport::Transport> verbs_;  // null: transport=tcp, or no RDMA device here
   std::chrono::milliseconds reconnect_interval_;
   // How long this process did not run (failure detection does not count it against daemons).

@@ -1,0 +1,390 @@
+// Object paths, the remote side: deref miss (swap-in of one span, opening sealed objects, losing
+// the ones no copy can produce) and prefetch. Allocation, free, frames, entries and span
+// bookkeeping are in object_heap.cc.
+#include <fmt/format.h>
+#include <spdlog/spdlog.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+
+#include "heap.h"
+
+namespace farmem::farptr_internal {
+
+// ---------------------------------------------------------------------------------------------
+// Deref miss
+
+Result<void*> Heap::Deref(ObjectEntry* e, bool mut) {
+  const uint64_t bits = kHot | (mut ? kDirty : 0);
+  for (;;) {
+    uint64_t w = LoadWord(e);
+    if ((w & kPresent) != 0 && (w & kEvacuating) == 0 && (!mut || (w & kDirty) != 0)) {
+      // Present, only the hot bit missing. (A first write takes the span lock below: the span's
+      // clean remote copy must become a hole first.)
+      if (e->word.compare_exchange_weak(w, w | bits, std::memory_order_seq_cst)) {
+        return reinterpret_cast<void*>(w & kAddrMask);
+      }
+      continue;
+    }
+    Span* s = e->span.load(std::memory_order_acquire);
+    MutexLock lock(&s->mu);
+    if (e->span.load(std::memory_order_acquire) != s) continue;
+    bool add_partial = false;
+    switch (s->state) {
+      case SpanState::kEvicting: {
+        // The bytes are still here: take the span back rather than wait for the evictor (which
+        // may be waiting for this very scope).
+        for (ObjectEntry* o : s->owner) {
+          if (o != nullptr) o->word.fetch_and(~kEvacuating, std::memory_order_seq_cst);
+        }
+        s->state = SpanState::kLocal;
+        eviction_cancels_.fetch_add(1, std::memory_order_relaxed);
+        break;
+      }
+      case SpanState::kLocal:
+        // A hot-object relocation was pending for this object: cancel it.
+        e->word.fetch_and(~kEvacuating, std::memory_order_seq_cst);
+        break;
+      case SpanState::kWriting:
+        s->cv.Wait(&s->mu, [&] {
+          s->mu.AssertHeld();
+          return s->state != SpanState::kWriting;
+        });
+        continue;
+      case SpanState::kRemote: {
+        FARMEM_RETURN_IF_ERROR(SwapInLocked(s, false));
+        // This very object may have failed authentication and moved to a kLost span.
+        if (e->span.load(std::memory_order_acquire) != s) continue;
+        add_partial = !s->free_slots.empty();
+        break;
+      }
+      case SpanState::kLost:
+        return Err(s->lost);
+      case SpanState::kFree:
+        return Err(Internal("deref of an object whose span was freed (use after free?)"));
+    }
+    if (s->sealed_left > 0) {
+      // Encryption: the object's bytes are still ciphertext (only what is dereferenced is
+      // opened, see heap.h).
+      const uint32_t slot = e->slot.load(std::memory_order_relaxed);
+      if (s->sealed[slot]) {
+        FARMEM_RETURN_IF_ERROR(OpenSealedLocked(s, {&slot, 1}));
+        // It may have failed authentication and moved to a kLost span.
+        if (e->span.load(std::memory_order_acquire) != s) continue;
+      }
+    }
+    if (mut) DropCopyLocked(s);
+    const uint64_t now = e->word.fetch_or(bits, std::memory_order_seq_cst);
+    lock.Unlock();
+    if (add_partial) AddPartial(s);
+    return reinterpret_cast<void*>(now & kAddrMask);
+  }
+}
+
+Status Heap::SwapInLocked(Span* s, bool prefetch) {
+  uint8_t* frame = GetFrame();
+  IoContext* io = CheckoutIo();
+  Status st = store_->ReadSpan(*io, s->set, s->member, frame);
+  ReturnIo(io);
+  if (!st.ok()) {
+    PutFrame(frame);
+    return SwapInFailedLocked(s, st);
+  }
+  FinishSwapInLocked(s, frame, prefetch);
+  return Status::Ok();
+}
+
+Status Heap::OpenSealedLocked(Span* s, std::span<const uint32_t> slots) {
+  const uint32_t csize = s->cls->size;
+  // Opened out of place, so that the ciphertext of a slot whose tag fails stays in the frame.
+  thread_local std::vector<uint8_t> plain;
+  if (plain.size() < span_size_) plain.resize(span_size_);
+  std::vector<uint32_t> failed;
+  crypto_->OpenSlots(s->frame, plain.data(), csize, s->owner, slots, &failed);
+  MarkOpenedLocked(s, slots, failed, plain.data());
+  if (failed.empty()) return Status::Ok();
+  // A failed tag means the cell's bytes are not what this process sealed: corrupted (a bit flip
+  // in the lender's memory) or tampered with. Treat the member like a failed one.
+  auth_failures_.fetch_add(1, std::memory_order_relaxed);
+  auth_failed_objects_.fetch_add(failed.size(), std::memory_order_relaxed);
+  SpanSet* set = s->set;
+  const int member = s->member;
+  const Status why = DataLoss(fmt::format(
+      "{} of its objects failed authentication (AES-GCM tag) when read back from span set "
+      "member {}: its bytes on the daemon were corrupted or tampered with",
+      failed.size(), member));
+  const bool reread = store_->ReportCorrupt(set, member, why);
+  bool recovered = false;
+  if (reread) {
+    uint8_t* cell = GetFrame();
+    IoContext* io = CheckoutIo();
+    Status st = store_->ReadSpan(*io, set, member, cell);
+    ReturnIo(io);
+    if (st.ok()) {
+      // Every slot still sealed came from the member just reported: take the others' bytes.
+      for (uint32_t i = 0; i < s->sealed.size(); ++i) {
+        if (!s->sealed[i]) continue;
+        const size_t off = static_cast<size_t>(i) * csize;
+        std::memcpy(s->frame + off, cell + off, s->owner[i]->size);
+      }
+      PutFrame(cell);
+      std::vector<uint32_t> again;
+      crypto_->OpenSlots(s->frame, plain.data(), csize, s->owner, failed, &again);
+      MarkOpenedLocked(s, failed, again, plain.data());
+      recovered = again.empty();
+      if (!recovered) {
+        auth_failures_.fetch_add(1, std::memory_order_relaxed);
+        failed = std::move(again);
+      }
+    } else {
+      PutFrame(cell);
+      // Unreadable for now: the failed slots stay sealed, a later deref reads them again.
+      if (st.code() != StatusCode::kDataLoss) return st.WithContext(Describe(s));
+    }
+  }
+  const int64_t now =
+      std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now().time_since_epoch())
+          .count();
+  int64_t last = last_auth_log_ms_.load(std::memory_order_relaxed);
+  const bool log = now - last >= 5000 &&
+                   last_auth_log_ms_.compare_exchange_strong(last, now, std::memory_order_relaxed);
+  if (recovered) {
+    if (log) {
+      spdlog::error(
+          "far memory: {}: {}; read it from the other members, the member is being "
+          "re-protected ({} such cells so far; logged at most every 5 s)",
+          Describe(s), why.message(), auth_failures_.load());
+    }
+    return Status::Ok();
+  }
+  auth_lost_objects_.fetch_add(failed.size(), std::memory_order_relaxed);
+  const Status lost = DataLoss(
+      fmt::format("{} is lost: {}{}; resilience {} has no other copy to read it from", Describe(s),
+                  why.message(), reread ? " (and again when rebuilt from the other members)" : "",
+                  res_.ToString()));
+  if (log) {
+    spdlog::error(
+        "far memory: {} object(s) lost: {} ({} such cells so far; logged at most "
+        "every 5 s)",
+        failed.size(), lost.message(), auth_failures_.load());
+  }
+  // A span left with no object is released by the evictor's next sweep (PickVictims).
+  LoseObjectsLocked(s, failed, lost);
+  return Status::Ok();
+}
+
+void Heap::MarkOpenedLocked(Span* s, std::span<const uint32_t> slots,
+                            const std::vector<uint32_t>& failed, const uint8_t* plain) {
+  const uint32_t csize = s->cls->size;
+  for (const uint32_t i : slots) {
+    if (std::find(failed.begin(), failed.end(), i) != failed.end()) continue;
+    ObjectEntry* o = s->owner[i];
+    const size_t off = static_cast<size_t>(i) * csize;
+    std::memcpy(s->frame + off, plain + off, o->size);
+    s->sealed[i] = false;
+    --s->sealed_left;
+    // The word of a sealed object holds no address, only flags (kHot, kEvacuating).
+    o->word.fetch_or(reinterpret_cast<uint64_t>(s->frame + off) | kPresent,
+                     std::memory_order_seq_cst);
+  }
+}
+
+Status Heap::OpenAllSealedLocked(Span* s) {
+  std::vector<uint32_t> slots;
+  slots.reserve(s->sealed_left);
+  for (uint32_t i = 0; i < s->sealed.size(); ++i) {
+    if (s->sealed[i]) slots.push_back(i);
+  }
+  return OpenSealedLocked(s, slots);
+}
+
+void Heap::LoseObjectsLocked(Span* s, std::span<const uint32_t> slots, const Status& why) {
+  // A span of their own, kLost, so that each deref of them says why and frees retire it.
+  Span* lost = NewSpan(s->cls, SpanState::kLost);
+  MutexLock ll(&lost->mu);  // nobody else can reach it until the entries point to it
+  lost->lost = why;
+  lost->free_slots.clear();
+  const bool local = s->state == SpanState::kLocal || s->state == SpanState::kEvicting;
+  for (uint32_t slot : slots) {
+    if (s->sealed_left > 0 && s->sealed[slot]) {
+      s->sealed[slot] = false;
+      --s->sealed_left;
+    }
+    ObjectEntry* e = s->owner[slot];
+    s->owner[slot] = nullptr;
+    s->free_slots.push_back(slot);
+    s->live.fetch_sub(1, std::memory_order_relaxed);
+    lost->owner[slot] = e;
+    lost->live.fetch_add(1, std::memory_order_relaxed);
+    e->word.store(0, std::memory_order_release);
+    e->span.store(lost, std::memory_order_release);
+  }
+  remote_object_bytes_.fetch_sub(static_cast<uint64_t>(slots.size()) * s->cls->size,
+                                 std::memory_order_relaxed);
+  if (local && s->set != nullptr) {  // they were counted as the local span's clean copy too
+    copy_object_bytes_.fetch_sub(static_cast<uint64_t>(slots.size()) * s->cls->size,
+                                 std::memory_order_relaxed);
+  }
+  spans_lost_.fetch_add(1, std::memory_order_relaxed);
+}
+
+Result<std::vector<ObjectPlace>> Heap::Locate(ObjectEntry* e) {
+  for (;;) {
+    Span* s = e->span.load(std::memory_order_acquire);
+    MutexLock lock(&s->mu);
+    if (e->span.load(std::memory_order_acquire) != s) continue;
+    if (s->set == nullptr) return Err(NotFound("the object has no remote cell"));
+    const uint64_t slot_off =
+        static_cast<uint64_t>(e->slot.load(std::memory_order_relaxed)) * s->cls->size;
+    std::vector<ObjectPlace> out;
+    for (auto& [lease, off] : store_->CellPlaces(s->set, s->member)) {
+      out.push_back({lease, off + slot_off, e->size});
+    }
+    return out;
+  }
+}
+
+Result<std::vector<ObjectPlace>> LocateObjectForTest(ObjectEntry* e) {
+  return e->span.load(std::memory_order_acquire)->heap->Locate(e);
+}
+
+Status Heap::SwapInFailedLocked(Span* s, Status st) {
+  st = Status(st.code(), fmt::format("{} {}: {}", Describe(s),
+                                     st.code() == StatusCode::kDataLoss ? "is lost" : "unreadable",
+                                     st.message()));
+  if (st.code() == StatusCode::kDataLoss) MarkLostLocked(s, st);
+  return st;
+}
+
+void Heap::FinishSwapInLocked(Span* s, uint8_t* frame, bool prefetch) {
+  s->frame = frame;
+  s->state = SpanState::kLocal;
+  const uint32_t csize = s->cls->size;
+  uint32_t live = 0;
+  // Encryption: every object stays sealed until its first deref (heap.h, kLocal).
+  const bool sealed = crypto_ != nullptr;
+  if (sealed) s->sealed.assign(s->owner.size(), false);
+  for (uint32_t i = 0; i < s->owner.size(); ++i) {
+    if (ObjectEntry* o = s->owner[i]; o != nullptr) {
+      // A prefetched span counts as hot for one CLOCK sweep, so the evictor does not take it
+      // back before the scan that asked for it arrives.
+      const uint64_t hot = prefetch ? kHot : 0;
+      if (sealed) {
+        s->sealed[i] = true;
+        o->word.store(hot, std::memory_order_release);
+      } else {
+        o->word.store(
+            reinterpret_cast<uint64_t>(frame + static_cast<size_t>(i) * csize) | kPresent | hot,
+            std::memory_order_release);
+      }
+      ++live;
+    }
+  }
+  s->sealed_left = sealed ? live : 0;
+  // The remote cell stays as the span's clean copy (remote_object_bytes_ keeps counting it):
+  // evicting the span again before anything in it is written costs no I/O.
+  AddResident(s);
+  remote_spans_.fetch_sub(1, std::memory_order_relaxed);
+  copy_object_bytes_.fetch_add(static_cast<uint64_t>(live) * csize, std::memory_order_relaxed);
+  swap_ins_.fetch_add(1, std::memory_order_relaxed);
+  if (prefetch) prefetches_.fetch_add(1, std::memory_order_relaxed);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Prefetch
+
+void Heap::Prefetch(ObjectEntry* e) {
+  if (prefetchers_.empty()) return;
+  {
+    MutexLock lock(&prefetch_mu_);
+    if (prefetch_queue_.size() >= 256) return;  // behind: drop hints rather than queue forever
+    prefetch_queue_.push_back(e);
+  }
+  prefetch_cv_.Signal();
+}
+
+// NO_THREAD_SAFETY_ANALYSIS: holds a batch of span locks in an array across the batched read; the
+// analysis cannot follow span locks held that way.
+void Heap::PrefetchLoop() NO_THREAD_SAFETY_ANALYSIS {
+  // Hints are taken in batches; the spans they name are read together (one doorbell per daemon,
+  // round trips overlapping), so a scan's prefetch keeps several reads in flight.
+  constexpr size_t kBatch = 8;
+  std::vector<ObjectEntry*> hints;
+  for (;;) {
+    hints.clear();
+    {
+      MutexLock lock(&prefetch_mu_);
+      prefetch_cv_.Wait(&prefetch_mu_, [&] {
+        prefetch_mu_.AssertHeld();
+        MutexLock el(&evict_mu_);
+        return stopping_ || !prefetch_queue_.empty();
+      });
+      {
+        MutexLock el(&evict_mu_);
+        if (stopping_) return;
+      }
+      while (!prefetch_queue_.empty() && hints.size() < 4 * kBatch) {
+        hints.push_back(prefetch_queue_.front());
+        prefetch_queue_.pop_front();
+      }
+    }
+    size_t next = 0;
+    while (next < hints.size()) {
+      // The entries may have been freed (and even reused) since the hint: every step re-checks
+      // under the span lock, and a stale hint at worst swaps in a span someone else wanted.
+      Span* spans[kBatch];
+      SpanLock locks[kBatch];
+      uint8_t* frames[kBatch];
+      SpanSet* sets[kBatch];
+      int members[kBatch];
+      Status results[kBatch];
+      size_t n = 0;
+      for (; next < hints.size() && n < kBatch; ++next) {
+        ObjectEntry* e = hints[next];
+        if ((LoadWord(e) & kPresent) != 0) continue;
+        Span* s = e->span.load(std::memory_order_acquire);
+        if (s == nullptr || std::find(spans, spans + n, s) != spans + n) continue;
+        // try_lock: this thread holds other span locks; whoever holds this one is using it.
+        SpanLock lock(&s->mu, std::try_to_lock);
+        if (!lock.owns_lock() || s->state != SpanState::kRemote) continue;
+        if (frames_in_use_.load(std::memory_order_relaxed) + 1 >= high_frames_) break;  // no room
+        spans[n] = s;
+        sets[n] = s->set;
+        members[n] = s->member;
+        frames[n] = GetFrame();
+        locks[n++] = std::move(lock);
+      }
+      if (n == 0) {
+        if (next < hints.size() &&
+            frames_in_use_.load(std::memory_order_relaxed) + 1 >= high_frames_) {
+          break;  // no room for the rest of this batch
+        }
+        continue;
+      }
+      IoContext* io = CheckoutIo();
+      store_->ReadSpans(*io, {sets, n}, {members, n}, {frames, n}, {results, n});
+      for (size_t i = 0; i < n; ++i) {
+        Span* s = spans[i];
+        bool partial = false;
+        Status st = results[i];
+        if (st.ok()) {
+          FinishSwapInLocked(s, frames[i], true);
+          // A prefetch opens the whole span here, off the scan's path (what a miss leaves to
+          // each first deref). A re-read that fails for now leaves those objects sealed: their
+          // derefs try again.
+          if (s->sealed_left > 0) (void)OpenAllSealedLocked(s);
+          partial = !s->free_slots.empty();
+        } else {
+          PutFrame(frames[i]);
+          (void)SwapInFailedLocked(s, st);  // a deref reports it
+        }
+        locks[i].unlock();
+        if (partial) AddPartial(s);
+      }
+      ReturnIo(io);
+    }
+  }
+}
+
+}  // namespace farmem::farptr_internal
