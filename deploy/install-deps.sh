@@ -21,6 +21,7 @@ tool_pkgs=(
 vm_pkgs=(
   qemu-system-x86 busybox-static kmod cpio rdma-core ibverbs-providers ibverbs-utils
   rdmacm-utils perftest
+  docker.io debootstrap  # tests/deploy/docker_cluster_vm.sh: the engine in the guest, a registry-free base
   "linux-headers-$(apt-cache depends linux-image-amd64 2>/dev/null |
     awk '$1 == "Depends:" && $2 ~ /^linux-image-[0-9]/ { sub(/^linux-image-/, "", $2); print $2; exit }')"  # kmod/: farmem.ko for the guest's kernel
 )
