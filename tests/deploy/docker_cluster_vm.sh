@@ -16,7 +16,7 @@
 # Prints the image size and the start-up time (compose up until every daemon answers farmemctl
 # stat). Short form (CI): 2 daemons, an 8 MiB demo, a 16 MiB write. FARMEM_DOCKER_LONG=1: all 3
 # daemons of compose.host.yaml, a 64 MiB demo, a 64 MiB write.
-# Exit 77 when docker.io or docker-compose is missing (deploy/install-deps.sh --vm installs them),
+# Exit 77 when docker.io or docker-compose is missing (deploy/install-deps.sh --docker installs them),
 # or the base image was not built; with FARMEM_VM_REQUIRED=1 those fail instead.
 set -euo pipefail
 bin=${FARMEM_BIN_DIR:?}
@@ -38,7 +38,7 @@ addr=${FARMEM_VM_ADDRS%% *}
 # Debian's client, not another docker on PATH.
 docker=/usr/bin/docker
 for t in /usr/sbin/dockerd "$docker" /usr/bin/containerd /usr/sbin/runc /usr/bin/docker-compose; do
-  [[ -x $t ]] || unavailable "$t not found: apt-get install docker.io docker-compose (deploy/install-deps.sh --vm)"
+  [[ -x $t ]] || unavailable "$t not found: apt-get install docker.io docker-compose (deploy/install-deps.sh --docker)"
 done
 base=$("$src/deploy/docker/base-image" --print) ||
   unavailable "no base image at $base: deploy/docker/base-image builds it (ctest fixture deploy_docker_base_image)"
