@@ -3,6 +3,8 @@
 # Idempotent: packages already present are skipped by apt-get. Run as root (or via sudo).
 #   deploy/install-deps.sh          build + host tests + demo
 #   deploy/install-deps.sh --vm     also what the qemu guest tests need
+#   deploy/install-deps.sh --docker also what the container cluster guest test needs (docker.io,
+#                                   debootstrap; the test runs only with -DFARMEM_DOCKER_VM_TEST=ON)
 set -euo pipefail
 
 build_pkgs=(
@@ -25,8 +27,18 @@ vm_pkgs=(
     awk '$1 == "Depends:" && $2 ~ /^linux-image-[0-9]/ { sub(/^linux-image-/, "", $2); print $2; exit }')"  # kmod/: farmem.ko for the guest's kernel
 )
 
+# deploy_docker_cluster_vm (by hand: FARMEM_DOCKER_VM_TEST=ON): the engine in the guest and the
+# registry-free base image.
+docker_pkgs=(docker.io debootstrap)
+
 want=("${build_pkgs[@]}" "${tool_pkgs[@]}")
-if [[ "${1:-}" == "--vm" ]]; then want+=("${vm_pkgs[@]}"); fi
+for arg in "$@"; do
+  case $arg in
+    --vm) want+=("${vm_pkgs[@]}") ;;
+    --docker) want+=("${docker_pkgs[@]}") ;;
+    *) echo "install-deps: unknown option $arg (--vm, --docker)" >&2; exit 2 ;;
+  esac
+done
 
 missing=()
 for p in "${want[@]}"; do

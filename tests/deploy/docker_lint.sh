@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # deploy/docker: the compose files parse and say what the README promises (`docker-compose
 # config`, Compose v1 from Debian), the entrypoint passes shellcheck. The Dockerfile is not built
-# and nothing is started here: CI has no Docker engine. hadolint is not in Debian 12.
+# and nothing is started here (CI's host has no Docker engine: deploy_docker_cluster_vm does that
+# in the qemu guest). hadolint is not in Debian 12.
 #   tests/deploy/docker_lint.sh <source dir>
 set -euo pipefail
 src=${1:?usage: docker_lint.sh <source dir>}
