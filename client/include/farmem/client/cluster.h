@@ -398,9 +398,9 @@ class Cluster {
   const ClusterOptions options_;
   wire::ClientId client_id_{};
   transport::Credentials credentials_;
-  std::optional<Endpoint> dns_endpoint_;  // parsed peers_dns
+  std::optional<Endpoint> dns_endpoint_;             // parsed peers_dns
   std::shared_ptr<transport::Transport> transport_;  // tcp, or options_.data_transport
-  std::unique_ptr<transport::Transport> verbs_;  // null: transport=tcp, or no RDMA device here
+  std::unique_ptr<transport::Transport> verbs_;      // null: transport=tcp, or no RDMA device here
   std::chrono::milliseconds reconnect_interval_;
   // How long this process did not run (failure detection does not count it against daemons).
   std::unique_ptr<internal::StallMeter> stall_meter_;
