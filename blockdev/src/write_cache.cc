@@ -14,7 +14,7 @@
 // or clean, planning stops: the planned part runs first, then the op is retried. The backend ops
 // of a sub-batch run as one backend batch, outside mu_.
 //
-// Why one file of ~830 lines (the ~600-line rule, docs/architecture.md): the planner and the
+// Why one file of ~830 lines (longer than the ~600 lines a file keeps to): the planner and the
 // write-back are two halves of one state machine over one slot table, two LRU lists and mu_, and
 // the types they share (Slot, Scratch, Translator) are private to this file; a split would move
 // them into a private header and make each half harder to read without the other.
