@@ -221,28 +221,25 @@ class FakeChannel final : public transport::Channel {
                                             dead ? " (the daemon is gone)" : " (scripted)")));
         return;
       }
-      case Action::kDropReply: {
-        Status applied = fabric_->Apply(node_, incarnation_, owner_, op);
-        (void)applied;
-        std::lock_guard lock(mu_);
-        if (broken_) {
-          done_.push_back({op.user_data, Unavailable("fake channel broke")});
-          Signal();
-        } else {
-          held_.push_back({op, SteadyClock::now(), true});
-        }
+      case Action::kDropReply:
+        (void)fabric_->Apply(node_, incarnation_, owner_, op);  // takes effect; no reply comes
+        Hold(op, /*applied=*/true);
         return;
-      }
-      case Action::kStall: {
-        std::lock_guard lock(mu_);
-        if (broken_) {
-          done_.push_back({op.user_data, Unavailable("fake channel broke")});
-          Signal();
-        } else {
-          held_.push_back({op, SteadyClock::now(), false});
-        }
+      case Action::kStall:
+        Hold(op, /*applied=*/false);
         return;
-      }
+    }
+  }
+
+  // Keeps the op unanswered (until a Resume, a break or its timeout), or fails it at once if the
+  // channel is already broken.
+  void Hold(const transport::Op& op, bool applied) {
+    std::lock_guard lock(mu_);
+    if (broken_) {
+      done_.push_back({op.user_data, Unavailable("fake channel broke")});
+      Signal();
+    } else {
+      held_.push_back({op, SteadyClock::now(), applied});
     }
   }
 
