@@ -48,6 +48,8 @@ struct RawHeader {
   uint16_t reserved = 0;
 };
 
+// Written out field by field on purpose, the same shape as wire::EncodeHeader: that one fixes
+// the magic and the reserved field, and these tests must be able to get them wrong.
 inline std::vector<uint8_t> EncodeRawHeader(const RawHeader& h) {
   std::vector<uint8_t> out;
   wire::Writer w(&out);
