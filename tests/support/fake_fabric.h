@@ -113,7 +113,8 @@ class FakeFabric {
   }
   // Serves the ops held by Stall now, and lifts the stall.
   void Resume(size_t i);
-  // Forgets every rule for node i (a stall too, without serving what it holds).
+  // Forgets every numbered rule for node i (a stall too, without serving what it holds); rules
+  // by predicate are not per node and stay until they fire.
   void ClearScript(size_t i);
 
   uint64_t ops(size_t i) const;  // data ops to node i so far
