@@ -55,11 +55,7 @@ void NbdConnection::Transmit() {
         break;  // data_ is full; this read starts the next batch
       }
       Pending& p = (*pending_)[count++];
-      p.request = r;
-      p.error = check.error;
-      p.message = check.message;
-      p.op = -1;
-      p.replied = false;
+      p = Pending{.request = r, .error = check.error, .message = check.message};
       if (check.error == 0) {
         BlockOp& op = (*ops_)[n_ops];
         (*op_pending_)[n_ops] = static_cast<uint16_t>(count - 1);
@@ -161,11 +157,7 @@ bool NbdConnection::HandleLargeWrite(const nbd::Request& r, const nbd::RequestCh
   in_start_ += kRequestHeaderSize;
   const size_t have = in_end_ - in_start_;  // less than r.length, or we would not be here
   Pending& p = (*pending_)[0];
-  p.request = r;
-  p.error = check.error;
-  p.message = check.message;
-  p.op = -1;
-  p.replied = false;
+  p = Pending{.request = r, .error = check.error, .message = check.message};
   if (check.error == 0) {
     // Valid, so r.length <= kMaxPayload: the whole payload fits in data_.
     std::memcpy(data_.get(), in_.get() + in_start_, have);

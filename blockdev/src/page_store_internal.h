@@ -150,6 +150,14 @@ struct Piece {
   uint32_t bad = 0;       // pages that failed authentication (RunPieces recovers them)
   Status first_error;
 
+  // Forgets what one attempt found (masks, arrivals, errors), before the piece runs again.
+  void ResetForRetry() {
+    ok_mask = fail_mask = posted_mask = 0;
+    arrived = 0;
+    finished = false;
+    bad = 0;
+    first_error = Status();
+  }
   // A write is about to go out (its round holds the extent shared): a member copy running now
   // must redo these pages.
   void MarkDirty() {

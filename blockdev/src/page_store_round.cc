@@ -450,13 +450,7 @@ void PageStore::RunPieces(Worker& w, std::vector<Piece>& pieces, std::span<Statu
     const auto wait = MemberReturnWait();
     if (WaitForMembers(extents, Clock::now() + wait)) {
       // Back, or known gone (then the next attempt rebuilds or reports the pages lost).
-      for (Piece& p : held) {
-        p.ok_mask = p.fail_mask = p.posted_mask = 0;
-        p.arrived = 0;
-        p.finished = false;
-        p.bad = 0;
-        p.first_error = Status();
-      }
+      for (Piece& p : held) p.ResetForRetry();
       RunPieces(w, held, op_status, attempt + 1, early);
     } else {
       for (const Piece& p : held) {
@@ -485,13 +479,7 @@ void PageStore::RunPieces(Worker& w, std::vector<Piece>& pieces, std::span<Statu
       }
       return;
     }
-    for (Piece& p : retry) {
-      p.ok_mask = p.fail_mask = p.posted_mask = 0;
-      p.arrived = 0;
-      p.finished = false;
-      p.bad = 0;
-      p.first_error = Status();
-    }
+    for (Piece& p : retry) p.ResetForRetry();
     for (const Piece& p : retry) (void)RebuildExtent(w, p.index, /*wait=*/false);
     RunPieces(w, retry, op_status, attempt + 1, early);
   }

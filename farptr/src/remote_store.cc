@@ -375,6 +375,24 @@ RemoteStoreStats RemoteStore::stats() const {
 // ---------------------------------------------------------------------------------------------
 // Failures
 
+std::optional<std::pair<Group*, int>> RemoteStore::MemberOfLocked(uint64_t id,
+                                                                  client::NodeId node) {
+  auto it = by_lease_.find(id);
+  if (it == by_lease_.end()) return std::nullopt;
+  const auto [g, m] = it->second;
+  if (g->members[static_cast<size_t>(m)].node != node) return std::nullopt;
+  return it->second;
+}
+
+std::vector<uint32_t> RemoteStore::StartRebuildLocked(Group* g) {
+  g->rebuilding = true;  // from here, rows committed in g are the ones returned
+  std::vector<uint32_t> rows;
+  for (uint32_t r = 0; r < rows_per_group_; ++r) {
+    if (g->rows[r] != nullptr && !g->rows[r]->writing) rows.push_back(r);
+  }
+  return rows;
+}
+
 void RemoteStore::MarkFailed(Group* g, int m, uint64_t lease_id, const Status& why) {
   {
     MutexLock lock(&mu_);
@@ -441,11 +459,8 @@ void RemoteStore::OnClusterEvent(const client::Event& ev) {
     {
       MutexLock lock(&mu_);
       for (uint64_t id : ev.lease_ids) {
-        auto it = by_lease_.find(id);
-        if (it == by_lease_.end()) continue;
-        auto [g, m] = it->second;
-        if (g->members[static_cast<size_t>(m)].node != ev.node) continue;
-        if (RevalidateLocked(g, m)) ++back;
+        auto member = MemberOfLocked(id, ev.node);
+        if (member && RevalidateLocked(member->first, member->second)) ++back;
       }
       retry_all_ = true;  // stale ones: rebuild them now
     }
@@ -472,11 +487,9 @@ void RemoteStore::OnClusterEvent(const client::Event& ev) {
   {
     MutexLock lock(&mu_);
     for (uint64_t id : ev.lease_ids) {
-      auto it = by_lease_.find(id);
-      if (it == by_lease_.end()) continue;
-      auto [g, m] = it->second;
-      if (g->members[static_cast<size_t>(m)].node != ev.node) continue;  // another daemon's id
-      hits.push_back({g, m, id});
+      if (auto member = MemberOfLocked(id, ev.node)) {
+        hits.push_back({member->first, member->second, id});
+      }
     }
   }
   for (const Hit& h : hits) MarkFailed(h.group, h.member, h.lease, why);

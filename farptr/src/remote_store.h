@@ -289,6 +289,13 @@ class RemoteStore {
   // that is up and not suspect. Bumps the epoch: a set being written degraded past it now is
   // placed elsewhere. True if it did.
   bool RevalidateLocked(Group* g, int m) REQUIRES(mu_);
+  // The member that lease `id` of daemon `node` is (an event names leases of one daemon; a lease
+  // id known here under another daemon is not the one meant), or nullopt.
+  std::optional<std::pair<Group*, int>> MemberOfLocked(uint64_t id, client::NodeId node)
+      REQUIRES(mu_);
+  // Marks g as having a member rebuilt or moved (no new rows are placed in it from here) and
+  // returns the rows committed in it now: the ones to copy.
+  std::vector<uint32_t> StartRebuildLocked(Group* g) REQUIRES(mu_);
   // Sends bodies[i] as `op` to nodes[i] on the offload connections, all before waiting for any
   // reply, then collects every reply. Returns the first error (replies to the others are still
   // read, so the connections stay in step).

@@ -46,10 +46,9 @@ void RemoteStore::OnEvictNotice(const client::Event& ev) {
   {
     MutexLock lock(&mu_);
     for (uint64_t id : ev.lease_ids) {
-      auto it = by_lease_.find(id);
-      if (it == by_lease_.end()) continue;
-      auto [g, m] = it->second;
-      if (g->members[static_cast<size_t>(m)].node != ev.node) continue;  // another daemon's id
+      auto member = MemberOfLocked(id, ev.node);
+      if (!member) continue;
+      auto [g, m] = *member;
       const uint32_t bit = 1u << m;
       // Re-protection must not place the member back on a daemon that wants its memory.
       g->evicted_mask |= bit;
@@ -204,10 +203,7 @@ void RemoteStore::Move(IoContext& io, PendingMove mv) {
   std::vector<uint32_t> rows;
   {
     MutexLock lock(&mu_);
-    g->rebuilding = true;  // from here, rows committed in g are the ones below
-    for (uint32_t r = 0; r < rows_per_group_; ++r) {
-      if (g->rows[r] != nullptr && !g->rows[r]->writing) rows.push_back(r);
-    }
+    rows = StartRebuildLocked(g);
   }
   // Runs one batch of reads from `from` or writes to `fresh`; a stale channel is reopened once.
   auto run = [&](transport::OpType type, const client::Lease& lease, size_t first,

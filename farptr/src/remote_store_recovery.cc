@@ -193,10 +193,7 @@ void RemoteStore::Reprotect(IoContext& io, Group* g) {
     std::vector<uint32_t> rows;
     {
       MutexLock lock(&mu_);
-      g->rebuilding = true;  // from here, rows committed in g are the ones below
-      for (uint32_t r = 0; r < rows_per_group_; ++r) {
-        if (g->rows[r] != nullptr && !g->rows[r]->writing) rows.push_back(r);
-      }
+      rows = StartRebuildLocked(g);
     }
     Status s;
     bool stale = false;

@@ -155,6 +155,7 @@ Status Heap::Start() {
   co.failure_timeout = options_.failure_timeout;
   co.op_timeout = options_.op_timeout;
   co.fault_injector = options_.fault_injector;
+  co.data_transport = options_.data_transport;
   FARMEM_ASSIGN_OR_RETURN(cluster_, client::Cluster::Connect(std::move(co)));
   FARMEM_ASSIGN_OR_RETURN(store_,
                           RemoteStore::Create(cluster_.get(), res_, span_size_, options_.op_timeout,

@@ -258,6 +258,7 @@ void NbdVerifier::Start() {
                !stop_.load(std::memory_order_relaxed)) {
           if (interval.count() > 0) {
             if (SteadyClock::now() < next && !k.pending.empty()) break;
+            // Pacing to the configured request rate: time is the subject, not a wait on state.
             if (SteadyClock::now() < next) std::this_thread::sleep_until(next);
             next += interval;
           }

@@ -214,6 +214,11 @@ std::vector<FaultTimes> Analyze(const std::vector<Fault>& faults, const std::vec
 // The workload under test: farmem-nbd + the verifying NBD client, or the far_ptr program.
 class Workload {
  public:
+  // What every workload runs against: the scenario, the run's settings, the daemons, and their
+  // work directory (where the workload keeps its socket and log). Public so that the workloads
+  // inherit it as their own (the class is abstract).
+  Workload(const Scenario& s, const RunConfig& c, testing::DaemonSet& d)
+      : scenario_(s), config_(c), daemons_(d), dir_(d.work_dir()) {}
   virtual ~Workload() = default;
   virtual Status Start() = 0;
   virtual uint64_t progress() = 0;
@@ -225,12 +230,17 @@ class Workload {
   // Whether the program itself knows everything is re-protected; nullopt if it cannot tell
   // (then the log lines decide).
   virtual std::optional<bool> Recovered() { return std::nullopt; }
+
+ protected:
+  const Scenario& scenario_;
+  const RunConfig& config_;
+  testing::DaemonSet& daemons_;
+  std::string dir_;
 };
 
 class NbdWorkload : public Workload {
  public:
-  NbdWorkload(const Scenario& s, const RunConfig& c, testing::DaemonSet& d)
-      : scenario_(s), config_(c), daemons_(d), dir_(d.work_dir()) {}
+  using Workload::Workload;
 
   Status Start() override {
     const std::string peers = PeerList(daemons_);
@@ -334,10 +344,6 @@ class NbdWorkload : public Workload {
     return *v;
   }
 
-  const Scenario& scenario_;
-  const RunConfig& config_;
-  testing::DaemonSet& daemons_;
-  std::string dir_;
   std::string socket_;
   std::optional<ChildProcess> nbd_;
   std::unique_ptr<NbdVerifier> verifier_;
@@ -346,8 +352,7 @@ class NbdWorkload : public Workload {
 
 class FarptrWorkload : public Workload {
  public:
-  FarptrWorkload(const Scenario& s, const RunConfig& c, testing::DaemonSet& d)
-      : scenario_(s), config_(c), daemons_(d), dir_(d.work_dir()) {}
+  using Workload::Workload;
 
   Status Start() override {
     const std::string peers = PeerList(daemons_);
@@ -447,10 +452,6 @@ class FarptrWorkload : public Workload {
 
  private:
   int questions_ = 0;
-  const Scenario& scenario_;
-  const RunConfig& config_;
-  testing::DaemonSet& daemons_;
-  std::string dir_;
   std::optional<ChildProcess> proc_;
 };
 

@@ -246,27 +246,20 @@ class ImpostorDaemon {
     Socket s(::accept(listener_.fd(), nullptr, nullptr));
     if (!s.valid()) return;
     const Deadline deadline = DeadlineIn(std::chrono::milliseconds(5000));
-    uint8_t hdr[wire::kHeaderSize];
-    if (!RecvExact(s.fd(), hdr, deadline).ok()) return;
-    auto h = wire::DecodeHeader(hdr);
-    if (!h.has_value()) return;
-    std::vector<uint8_t> body(h->body_len);
-    if (!RecvExact(s.fd(), body, deadline).ok()) return;
-    auto hello = wire::DecodeHello(body);
+    auto hello_frame = RecvFrame(s.fd(), deadline);
+    if (!hello_frame.has_value()) return;
+    auto hello = wire::DecodeHello(hello_frame->body);
     if (!hello.has_value()) return;
     wire::HelloReply reply;
     reply.features = wire::kFeatureAuthRequired;
     (void)auth::RandomBytes(reply.server_nonce);
-    body.clear();
+    std::vector<uint8_t> body;
     wire::EncodeHelloReply(reply, &body);
-    if (!Send(s, *h, body, deadline)) return;
+    if (!SendReply(s.fd(), hello_frame->header, body, deadline).ok()) return;
 
-    if (!RecvExact(s.fd(), hdr, deadline).ok()) return;
-    h = wire::DecodeHeader(hdr);
-    if (!h.has_value()) return;
-    body.resize(h->body_len);
-    if (!RecvExact(s.fd(), body, deadline).ok()) return;
-    auto client = wire::DecodeAuth(body);
+    auto auth_frame = RecvFrame(s.fd(), deadline);
+    if (!auth_frame.has_value()) return;
+    auto client = wire::DecodeAuth(auth_frame->body);
     if (!client.has_value()) return;
     wire::AuthReply proof;
     switch (answer_) {
@@ -283,21 +276,10 @@ class ImpostorDaemon {
     }
     body.clear();
     wire::EncodeAuthReply(proof, &body);
-    (void)Send(s, *h, body, deadline);
+    (void)SendReply(s.fd(), auth_frame->header, body, deadline);
     // Hold the connection until the client hangs up.
     uint8_t byte;
     (void)RecvExact(s.fd(), {&byte, 1}, deadline);
-  }
-
-  static bool Send(Socket& s, const wire::FrameHeader& req, const std::vector<uint8_t>& body,
-                   Deadline deadline) {
-    wire::FrameHeader h = req;
-    h.flags = wire::kFlagReply;
-    h.body_len = static_cast<uint32_t>(body.size());
-    std::vector<uint8_t> out(wire::kHeaderSize);
-    wire::EncodeHeader(h, out.data());
-    out.insert(out.end(), body.begin(), body.end());
-    return SendAll(s.fd(), out, deadline).ok();
   }
 
   Answer answer_;

@@ -270,21 +270,11 @@ TEST(TransportRegression, ZeroTimeoutPollNoticesADaemonThatClosedTheConnection) 
     if (::poll(&p, 1, 5000) <= 0) return;
     Socket s(::accept(listener->fd(), nullptr, nullptr));
     const Deadline deadline = DeadlineIn(milliseconds(5000));
-    uint8_t hdr[wire::kHeaderSize];
-    if (!RecvExact(s.fd(), hdr, deadline).ok()) return;
-    auto h = wire::DecodeHeader(hdr);
-    if (!h.has_value()) return;
-    std::vector<uint8_t> body(h->body_len);
-    if (!RecvExact(s.fd(), body, deadline).ok()) return;
+    auto hello = RecvFrame(s.fd(), deadline);
+    if (!hello.has_value()) return;
     std::vector<uint8_t> reply_body;
     wire::EncodeHelloReply({}, &reply_body);
-    wire::FrameHeader r = *h;
-    r.flags = wire::kFlagReply;
-    r.body_len = static_cast<uint32_t>(reply_body.size());
-    std::vector<uint8_t> out(wire::kHeaderSize);
-    wire::EncodeHeader(r, out.data());
-    out.insert(out.end(), reply_body.begin(), reply_body.end());
-    if (!SendAll(s.fd(), out, deadline).ok()) return;
+    if (!SendReply(s.fd(), hello->header, reply_body, deadline).ok()) return;
     std::vector<uint8_t> read_req(wire::kHeaderSize + wire::kDataOpSize);
     (void)RecvExact(s.fd(), read_req, deadline);
     // Closing with nothing unread sends FIN, not RST.

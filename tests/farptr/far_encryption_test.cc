@@ -152,17 +152,23 @@ void FlipBitUnder(Runtime& rt, const far_bytes& obj, uint32_t byte) {
   ASSERT_TRUE((*ch)->Write(p.lease.slab(), p.offset + byte, {&b, 1}).ok());
 }
 
-class FarBitFlipTest : public FarEncryptionTest,
-                       public ::testing::WithParamInterface<const char*> {};
+class FarBitFlipTest : public FarEncryptionTest, public ::testing::WithParamInterface<const char*> {
+ protected:
+  // Three daemons, the parameter's resilience, 4000 small objects, all evicted; compaction off:
+  // an object must stay where a test located it.
+  void StartEvicted() {
+    ASSERT_NO_FATAL_FAILURE(StartDaemons(3, "32M", "1M"));
+    RuntimeOptions o = Options(GetParam(), 256 << 10, kSpan);
+    o.auto_compact = false;
+    ASSERT_NO_FATAL_FAILURE(Open(o));
+    WriteObjects(4000, 0);
+    ASSERT_TRUE(rt_->EvictUntil(0).ok());
+  }
+};
 
 TEST_P(FarBitFlipTest, FlippedBitIsDetected) {
   const std::string res = GetParam();
-  ASSERT_NO_FATAL_FAILURE(StartDaemons(3, "32M", "1M"));
-  RuntimeOptions o = Options(res, 256 << 10, kSpan);
-  o.auto_compact = false;  // the object must stay where it was located
-  ASSERT_NO_FATAL_FAILURE(Open(o));
-  WriteObjects(4000, 0);
-  ASSERT_TRUE(rt_->EvictUntil(0).ok());
+  ASSERT_NO_FATAL_FAILURE(StartEvicted());
   const size_t victim = 1234;
   ASSERT_NO_FATAL_FAILURE(FlipBitUnder(*rt_, objs_[victim], 17));
   const bool redundant = res != "none";
@@ -250,12 +256,7 @@ TEST_F(FarEncryptionTest, AMissOpensOnlyTheObjectDereferenced) {
 // never sealed again as if it were plaintext.
 TEST_P(FarBitFlipTest, FlipUnderASealedNeighbourIsFoundBeforeTheSpanIsWritten) {
   const std::string res = GetParam();
-  ASSERT_NO_FATAL_FAILURE(StartDaemons(3, "32M", "1M"));
-  RuntimeOptions o = Options(res, 256 << 10, kSpan);
-  o.auto_compact = false;  // the object must stay where it was located
-  ASSERT_NO_FATAL_FAILURE(Open(o));
-  WriteObjects(4000, 0);
-  ASSERT_TRUE(rt_->EvictUntil(0).ok());
+  ASSERT_NO_FATAL_FAILURE(StartEvicted());
   const size_t victim = 1234, writer = 1235;
   ASSERT_NO_FATAL_FAILURE(ExpectSameCell(objs_[victim], objs_[writer]));
   ASSERT_NO_FATAL_FAILURE(FlipBitUnder(*rt_, objs_[victim], 17));

@@ -6,6 +6,7 @@
 #include <sys/eventfd.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <condition_variable>
 #include <cstring>
@@ -36,6 +37,14 @@ struct Rule {
   std::function<void()> hook;
 };
 
+// A rule for the first op that `match` accepts (FailFirst, DropReplyFirst, AtFirst).
+struct MatchRule {
+  FakeFabric::OpMatch match;
+  Action action = Action::kPass;
+  Status status;
+  std::function<void(size_t node)> hook;
+};
+
 }  // namespace
 
 struct FakeFabric::State {
@@ -59,6 +68,7 @@ struct FakeFabric::State {
   FakeFabricConfig config;
   mutable std::mutex mu;  // before any channel's mutex
   std::vector<std::unique_ptr<Node>> nodes;
+  std::vector<MatchRule> match_rules;  // in the order made; each fires once
 
   Status StartNode(size_t i);
   void KillNode(size_t i);
@@ -197,7 +207,17 @@ class FakeChannel final : public transport::Channel {
       if (!dead) {
         const uint64_t number = ++n.ops;
         if (op.type == transport::OpType::kWrite) ++n.writes;
-        if (auto it = n.rules.find(number); it != n.rules.end()) {
+        auto& pending = fabric_->match_rules;
+        auto match = std::find_if(pending.begin(), pending.end(),
+                                  [&](const MatchRule& r) { return r.match(node_, op); });
+        if (match != pending.end()) {
+          rule.action = match->action;
+          rule.status = std::move(match->status);
+          if (match->hook) {
+            rule.hook = [hook = std::move(match->hook), node = node_] { hook(node); };
+          }
+          pending.erase(match);
+        } else if (auto it = n.rules.find(number); it != n.rules.end()) {
           rule = std::move(it->second);
           n.rules.erase(it);
         }
@@ -492,6 +512,21 @@ void FakeFabric::At(size_t i, uint64_t n, std::function<void()> fn) {
   std::lock_guard lock(state_->mu);
   Rule& r = state_->nodes[i]->rules[n];
   r.hook = std::move(fn);
+}
+
+void FakeFabric::FailFirst(OpMatch match, Status status) {
+  std::lock_guard lock(state_->mu);
+  state_->match_rules.push_back({std::move(match), Action::kFail, std::move(status), nullptr});
+}
+
+void FakeFabric::DropReplyFirst(OpMatch match) {
+  std::lock_guard lock(state_->mu);
+  state_->match_rules.push_back({std::move(match), Action::kDropReply, Status::Ok(), nullptr});
+}
+
+void FakeFabric::AtFirst(OpMatch match, std::function<void(size_t node)> fn) {
+  std::lock_guard lock(state_->mu);
+  state_->match_rules.push_back({std::move(match), Action::kPass, Status::Ok(), std::move(fn)});
 }
 
 void FakeFabric::Resume(size_t i) {

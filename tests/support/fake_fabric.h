@@ -27,6 +27,13 @@
 //                           lock held (e.g. Kill(i) between an extent's data and parity writes:
 //                           op n then fails as on a daemon that died).
 //     Next(i) is the number the next op to i will get, so a test scripts "the next write".
+//   - Where the test cannot know which node the code under test reaches first, or how many ops
+//     it sends there first (far_ptr's span sets go to whichever daemons placement picks), it
+//     scripts by predicate instead: the first op after the call, to any node, for which
+//     `match(node, op)` holds is failed (FailFirst), loses its reply (DropReplyFirst), or has
+//     `fn(node)` run before it is served (AtFirst). Each such rule fires once; predicate rules
+//     are checked in the order they were made, before the numbered ones. `match` runs with the
+//     fabric's lock held: it may look at its arguments only, never call the fabric.
 //   - Kill(i): the daemon stops (its connections close, new ones are refused), its data channels
 //     break, its memory and leases are gone. Restart(i): a new daemon on the same port, with
 //     no lease (the client sees a new node id: kLeasesLost).
@@ -94,9 +101,20 @@ class FakeFabric {
   void Break(size_t i, uint64_t n);
   void Stall(size_t i, uint64_t n);
   void At(size_t i, uint64_t n, std::function<void()> fn);
+  // The script by predicate (see the top of this file): each applies to one op, the first one
+  // after the call that `match` accepts.
+  using OpMatch = std::function<bool(size_t node, const transport::Op& op)>;
+  void FailFirst(OpMatch match, Status status);
+  void DropReplyFirst(OpMatch match);
+  void AtFirst(OpMatch match, std::function<void(size_t node)> fn);
+  // Matches every op of one kind (e.g. OfType(transport::OpType::kRead)).
+  static OpMatch OfType(transport::OpType type) {
+    return [type](size_t, const transport::Op& op) { return op.type == type; };
+  }
   // Serves the ops held by Stall now, and lifts the stall.
   void Resume(size_t i);
-  // Forgets every rule for node i (a stall too, without serving what it holds).
+  // Forgets every numbered rule for node i (a stall too, without serving what it holds); rules
+  // by predicate are not per node and stay until they fire.
   void ClearScript(size_t i);
 
   uint64_t ops(size_t i) const;  // data ops to node i so far

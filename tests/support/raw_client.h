@@ -48,6 +48,8 @@ struct RawHeader {
   uint16_t reserved = 0;
 };
 
+// Written out field by field on purpose, the same shape as wire::EncodeHeader: that one fixes
+// the magic and the reserved field, and these tests must be able to get them wrong.
 inline std::vector<uint8_t> EncodeRawHeader(const RawHeader& h) {
   std::vector<uint8_t> out;
   wire::Writer w(&out);
@@ -116,6 +118,29 @@ struct RawFrame {
   }
 };
 
+// One whole frame from `fd` (header checked with wire::DecodeHeader, then its body): what
+// RawClient::Receive reads, and what the tests' stand-in daemons read from their clients.
+inline Result<RawFrame> RecvFrame(int fd, Deadline deadline) {
+  uint8_t hdr[wire::kHeaderSize];
+  FARMEM_RETURN_IF_ERROR(RecvExact(fd, hdr, deadline));
+  FARMEM_ASSIGN_OR_RETURN(wire::FrameHeader h, wire::DecodeHeader(hdr));
+  RawFrame f{h, std::vector<uint8_t>(h.body_len)};
+  FARMEM_RETURN_IF_ERROR(RecvExact(fd, f.body, deadline));
+  return f;
+}
+
+// A stand-in daemon's reply to `request`: its opcode and id, the reply flag, `body`.
+inline Status SendReply(int fd, const wire::FrameHeader& request, std::span<const uint8_t> body,
+                        Deadline deadline) {
+  wire::FrameHeader h = request;
+  h.flags = wire::kFlagReply;
+  h.body_len = static_cast<uint32_t>(body.size());
+  std::vector<uint8_t> out(wire::kHeaderSize);
+  wire::EncodeHeader(h, out.data());
+  out.insert(out.end(), body.begin(), body.end());
+  return SendAll(fd, out, deadline);
+}
+
 class RawClient {
  public:
   static Result<RawClient> Connect(const Endpoint& ep,
@@ -152,13 +177,7 @@ class RawClient {
 
   // Receives one whole frame (header checked with wire::DecodeHeader, then its body).
   Result<RawFrame> Receive(std::chrono::milliseconds timeout = kRawTimeout) {
-    const Deadline deadline = DeadlineIn(timeout);
-    uint8_t hdr[wire::kHeaderSize];
-    FARMEM_RETURN_IF_ERROR(RecvExact(socket_.fd(), hdr, deadline));
-    FARMEM_ASSIGN_OR_RETURN(wire::FrameHeader h, wire::DecodeHeader(hdr));
-    RawFrame f{h, std::vector<uint8_t>(h.body_len)};
-    FARMEM_RETURN_IF_ERROR(RecvExact(socket_.fd(), f.body, deadline));
-    return f;
+    return RecvFrame(socket_.fd(), DeadlineIn(timeout));
   }
 
   // Sends a well-formed request and receives the next frame, which must be its reply.

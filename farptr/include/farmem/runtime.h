@@ -33,6 +33,7 @@
 
 namespace farmem::transport {
 class FaultInjector;
+class Transport;
 }  // namespace farmem::transport
 
 namespace farmem {
@@ -115,6 +116,9 @@ struct RuntimeOptions {
   // For tests of failure interleavings: faults injected into every data channel
   // (farmem/transport/fault_injection.h, client::ClusterOptions::fault_injector). Null: none.
   std::shared_ptr<transport::FaultInjector> fault_injector;
+  // For tests on the fake in-process fabric (tests/support/fake_fabric.h): the transport of the
+  // data channels (client::ClusterOptions::data_transport). Null: the cluster's own.
+  std::shared_ptr<transport::Transport> data_transport;
 };
 
 struct RuntimeStats {

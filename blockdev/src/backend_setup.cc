@@ -1,0 +1,430 @@
+// farmem-nbd's backends (backend_setup.h): flags, checks, opening, the export's metrics.
+#include "backend_setup.h"
+
+#include <fmt/format.h>
+#include <spdlog/spdlog.h>
+
+#include <CLI/CLI.hpp>
+#include <algorithm>
+#include <charconv>
+#include <chrono>
+#include <memory>
+#include <string>
+#include <thread>
+
+#include "export_capacity.h"
+#include "farmem/blockdev/block_backend.h"
+#include "farmem/blockdev/write_cache.h"
+#include "farmem/client/cluster.h"
+#include "farmem/common/aead.h"
+#include "farmem/common/auth.h"
+#include "farmem/common/command_line.h"
+#include "farmem/common/config.h"
+#include "farmem/common/metrics.h"
+#include "farmem/common/status.h"
+#include "farmem/common/version.h"
+#include "page_store.h"
+
+namespace farmem::blockdev {
+
+void AddBackendFlags(CLI::App& app, BackendConfig* cfg) {
+  app.add_option("--backend", cfg->kind,
+                 "Where the device's bytes live. 'memory': this process's RAM, allocated (and "
+                 "with --swap-safe locked) up front; for tests and benchmarks.")
+      ->check(farmem::cli::OneOf({"memory", "farmem"}))
+      ->capture_default_str();
+  app.add_option("--size", cfg->size,
+                 "Device size, e.g. 1G, 512M, 1073741824 (a multiple of 512 bytes; 4096 for "
+                 "farmem).")
+      ->capture_default_str();
+  app.add_option("--peers", cfg->peers,
+                 "farmem: the daemons, host:port,host:port (port defaults to 7411)");
+  app.add_option("--peers-dns", cfg->peers_dns,
+                 "farmem: a name:port whose every address is a "
+                 "daemon");
+  app.add_option("--secret-file", cfg->secret_file,
+                 "farmem: the cluster secret (authenticates as the administrator identity "
+                 "'cluster'; prefer --key-file)");
+  app.add_option("--key-file", cfg->key_file,
+                 "farmem: the key file of this client's identity (farmemctl key issue); its "
+                 "leases are bound to that name");
+  app.add_option("--resilience", cfg->resilience,
+                 "farmem: none, replicate:N or ec:k+r (each 4 KiB page split into k fragments "
+                 "plus r parity, on k+r daemons)")
+      ->capture_default_str()
+      ->check(CLI::Validator(
+          [](std::string& text) -> std::string {
+            auto r = farmem::blockdev::Resilience::Parse(text);
+            return r ? std::string() : r.error().message();
+          },
+          "none|replicate:N|ec:K+R"));
+  app.add_option("--backup", cfg->backup,
+                 "farmem: also write every block to this local file (io_uring); reads fall back "
+                 "to it when remote copies are gone");
+  app.add_option("--transport", cfg->transport, "farmem: tcp, verbs or auto")
+      ->capture_default_str()
+      ->check(farmem::cli::OneOf(farmem::kTransports));
+  app.add_option("--heartbeat-ms", cfg->heartbeat_ms, "farmem: heartbeat period")
+      ->capture_default_str();
+  app.add_option("--failure-timeout-ms", cfg->failure_timeout_ms,
+                 "farmem: a daemon silent this long is declared down and its data rebuilt")
+      ->capture_default_str();
+  app.add_flag("--overcommit", cfg->overcommit,
+               "farmem: start even when --size at this --resilience needs more memory than the "
+               "daemons have free (writes beyond it then fail with ENOSPC); without it such an "
+               "export is refused at start");
+  app.add_flag("--encrypt,!--no-encrypt", cfg->encrypt,
+               "farmem: seal every page with AES-256-GCM before it leaves this process (the "
+               "daemons, parity and --backup hold only ciphertext) and authenticate it on the way "
+               "back. On by default; --no-encrypt (benchmarks only) stores plaintext on the "
+               "lenders and says so in the log");
+  app.add_option("--data-key-file", cfg->data_key_file,
+                 "farmem: the export's data key: loaded if the file exists, else created there "
+                 "(mode 600) with a new key. Without it a new key is drawn at every start and "
+                 "never leaves this process");
+  app.add_option("--peer-wait-ms", cfg->peer_wait_ms,
+                 "farmem: at start, wait up to this long for the first daemon to answer (then "
+                 "fail), and for every peer to answer before checking that the export fits")
+      ->capture_default_str()
+      ->check(CLI::Range(0u, 600u * 1000u));
+  app.add_option("--write-cache-pages", cfg->write_cache_pages,
+                 "farmem: 4 KiB pages of the write-back cache that absorbs writes smaller than a "
+                 "page (no read-modify-write per request); written back on FLUSH, FUA, after "
+                 "--write-cache-max-age-ms and when full. 0 turns it off")
+      ->capture_default_str()
+      ->check(CLI::Validator(
+          [](std::string& text) -> std::string {
+            // Validators see the text before CLI11 converts it: all of it must be the number.
+            unsigned long long n = 0;
+            const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), n);
+            if (ec != std::errc() || end != text.data() + text.size()) {
+              return fmt::format("'{}' is not a number of pages", text);
+            }
+            if (n == 0 || (n >= farmem::blockdev::WriteCache::kMinPages && n <= (1ull << 24))) {
+              return std::string();
+            }
+            return fmt::format("{} pages: give 0 (no cache) or {} to {}", text,
+                               farmem::blockdev::WriteCache::kMinPages, 1ull << 24);
+          },
+          "0|8..16777216"));
+  app.add_option("--write-cache-max-age-ms", cfg->write_cache_max_age_ms,
+                 "farmem: a page of the write cache goes back to the page store at the latest "
+                 "this long after it was first written")
+      ->capture_default_str()
+      ->check(CLI::Range(1u, 60u * 1000u));
+}
+
+// The flags of --backend farmem: given with another backend they would be ignored (a --peers
+// that silently serves from local RAM), so they are an error there.
+Status CheckFlagsApply(const CLI::App& app, const BackendConfig& cfg) {
+  if (cfg.kind == "farmem") return Status::Ok();
+  return farmem::cli::RejectGiven(
+      app,
+      {"--peers", "--peers-dns", "--secret-file", "--key-file", "--resilience", "--backup",
+       "--transport", "--heartbeat-ms", "--failure-timeout-ms", "--overcommit", "--peer-wait-ms",
+       "--encrypt", "--data-key-file", "--write-cache-pages", "--write-cache-max-age-ms"},
+      "only to --backend farmem, and this is --backend " + cfg.kind +
+          " (the device lives in this process's RAM): add --backend farmem, or leave "
+          "them out");
+}
+
+// Encryption options that contradict each other fail closed: a key file given with --no-encrypt
+// would suggest the data is protected by it when it is stored in plaintext.
+Status CheckEncryptionFlags(const BackendConfig& cfg) {
+  if (cfg.kind != "farmem" || cfg.encrypt) return Status::Ok();
+  if (!cfg.data_key_file.empty()) {
+    return farmem::InvalidArgument(
+        "--data-key-file applies only with encryption, and --no-encrypt turns it off: leave out "
+        "--no-encrypt (pages are then encrypted with the key in that file) or --data-key-file");
+  }
+  return Status::Ok();
+}
+
+namespace {
+
+// Refuses an export the cluster cannot hold at its resilience, unless --overcommit; warns when
+// it fits only once down daemons return.
+Status CheckExportFits(farmem::client::Cluster& cluster, const BackendConfig& cfg, uint64_t size,
+                       const farmem::blockdev::Resilience& resilience,
+                       std::chrono::milliseconds peer_wait) {
+  using Verdict = farmem::blockdev::ExportCapacity::Verdict;
+  if (static_cast<size_t>(resilience.group_size()) > cluster.node_count()) {
+    return Status::Ok();  // PageStore::Create says why this cannot work at all
+  }
+  FARMEM_ASSIGN_OR_RETURN(
+      auto c, farmem::blockdev::SurveyExportCapacity(cluster, size, resilience, peer_wait));
+  switch (c.verdict) {
+    case Verdict::kFits:
+      spdlog::info("farmem-nbd: {}: it fits", c.Describe());
+      return Status::Ok();
+    case Verdict::kFitsIfPeersReturn:
+      spdlog::warn(
+          "farmem-nbd: {}. It fits only once the {} down daemon(s) are back; until then writes "
+          "beyond {} of the export may fail with ENOSPC",
+          c.Describe(), c.daemons_down, farmem::FormatSize(c.largest_fitting));
+      return Status::Ok();
+    case Verdict::kTooBig:
+      if (cfg.overcommit) {
+        spdlog::warn(
+            "farmem-nbd: --overcommit: {}. Writes beyond about {} of the export will fail with "
+            "ENOSPC until daemons are added or memory is freed",
+            c.Describe(), farmem::FormatSize(c.largest_fitting));
+        return Status::Ok();
+      }
+      // As the user would type it: whole MiB when it is (slabs are), else bytes.
+      const std::string fitting = c.largest_fitting % (1 << 20) == 0
+                                      ? fmt::format("{}M", c.largest_fitting >> 20)
+                                      : std::to_string(c.largest_fitting);
+      return farmem::ResourceExhausted(fmt::format(
+          "the export does not fit in the cluster: {}. Give --size {} or less, add daemons or "
+          "memory, choose a cheaper --resilience, or pass --overcommit to start anyway (writes "
+          "beyond the free memory then fail with ENOSPC)",
+          c.Describe(), fitting));
+  }
+  return Status::Ok();
+}
+
+// Connects to the cluster, waiting up to --peer-wait-ms for the first daemon to answer: started
+// at boot (systemd) farmem-nbd may come up before the lenders. Only "nobody answers yet" is
+// waited out; a wrong secret or bad options fail at once.
+Result<std::unique_ptr<farmem::client::Cluster>> ConnectCluster(
+    const farmem::client::ClusterOptions& co, const BackendConfig& cfg, farmem::Deadline deadline) {
+  // Between attempts: as often as the cluster retries a down daemon.
+  const auto retry = std::max(std::chrono::milliseconds(100), co.heartbeat_interval * 2);
+  const std::string what =
+      co.peers_dns.empty()
+          ? "--peers " + cfg.peers
+          : (cfg.peers.empty() ? "--peers-dns " + co.peers_dns
+                               : "--peers " + cfg.peers + " or --peers-dns " + co.peers_dns);
+  bool logged = false;
+  for (;;) {
+    auto cluster = farmem::client::Cluster::Connect(co);
+    if (cluster) {
+      if (logged) spdlog::info("farmem-nbd: a daemon answered; going on");
+      return cluster;
+    }
+    const farmem::StatusCode code = cluster.error().code();
+    if (code != farmem::StatusCode::kUnavailable && code != farmem::StatusCode::kDeadlineExceeded) {
+      return cluster;
+    }
+    const auto left =
+        std::chrono::duration_cast<std::chrono::milliseconds>(deadline - farmem::Clock::now());
+    if (left.count() <= 0) {
+      return farmem::Err(farmem::Unavailable(fmt::format(
+          "no farmem daemon of {} answered within --peer-wait-ms {} ms (last attempt: {}). Start "
+          "the daemons (farmemd) first, check the addresses, or give a longer --peer-wait-ms",
+          what, cfg.peer_wait_ms, cluster.error().ToString())));
+    }
+    if (!logged) {
+      logged = true;
+      spdlog::warn(
+          "farmem-nbd: no farmem daemon answers yet ({}); waiting up to {} ms (--peer-wait-ms) "
+          "for the first of {}",
+          cluster.error().ToString(), cfg.peer_wait_ms, what);
+    }
+    // Pacing between connection attempts (nothing to wait on: the daemons are not there yet).
+    std::this_thread::sleep_for(std::min<std::chrono::milliseconds>(retry, left));
+  }
+}
+
+}  // namespace
+
+Result<std::unique_ptr<BlockBackend>> OpenBackend(BackendConfig& cfg) {
+  if (cfg.kind == "farmem") {
+    farmem::client::ClusterOptions co;
+    FARMEM_ASSIGN_OR_RETURN(co.peers, farmem::ParseEndpointList(cfg.peers, farmem::kDefaultPort));
+    co.peers_dns = cfg.peers_dns;
+    co.transport = cfg.transport;
+    co.client_name = "farmem-nbd";
+    co.heartbeat_interval = std::chrono::milliseconds(cfg.heartbeat_ms);
+    co.failure_timeout = std::chrono::milliseconds(cfg.failure_timeout_ms);
+    FARMEM_ASSIGN_OR_RETURN(farmem::auth::ClientKeyFile cred,
+                            farmem::auth::LoadClientCredentials(cfg.secret_file, cfg.key_file));
+    co.secret = std::move(cred.key);
+    co.identity = std::move(cred.identity);
+    if (co.peers.empty() && co.peers_dns.empty()) {
+      return farmem::Err(farmem::InvalidArgument("--backend farmem needs --peers or --peers-dns"));
+    }
+    // One --peer-wait-ms for the whole start: the first daemon, then every peer.
+    const farmem::Deadline peer_deadline =
+        farmem::DeadlineIn(std::chrono::milliseconds(cfg.peer_wait_ms));
+    FARMEM_ASSIGN_OR_RETURN(cfg.cluster, ConnectCluster(co, cfg, peer_deadline));
+    farmem::blockdev::PageStoreOptions po;
+    FARMEM_ASSIGN_OR_RETURN(po.size, farmem::ParseSize(cfg.size));
+    FARMEM_ASSIGN_OR_RETURN(po.resilience, farmem::blockdev::Resilience::Parse(cfg.resilience));
+    FARMEM_RETURN_IF_ERROR(CheckExportFits(
+        *cfg.cluster, cfg, po.size, po.resilience,
+        std::max(std::chrono::milliseconds(0),
+                 std::chrono::duration_cast<std::chrono::milliseconds>(peer_deadline -
+                                                                       farmem::Clock::now()))));
+    po.backup_path = cfg.backup;
+    po.encrypt = cfg.encrypt;
+    if (!cfg.encrypt) {
+      spdlog::warn(
+          "farmem-nbd: --no-encrypt: pages are stored IN PLAINTEXT on the lenders{} and are not "
+          "authenticated when read back: whoever has root on a lender, or its crash dumps, can "
+          "read and change them. Use it for benchmarks only",
+          cfg.backup.empty() ? "" : " and in the backup file");
+    } else if (!cfg.data_key_file.empty()) {
+      bool created = false;
+      auto key = farmem::aead::LoadOrCreateDataKeyFile(cfg.data_key_file, &created);
+      if (!key) return farmem::Err(key.error().WithContext("--data-key-file"));
+      po.data_key = *key;
+      spdlog::info("farmem-nbd: pages encrypted with the data key {} {}",
+                   created ? "created in" : "from", cfg.data_key_file);
+    }
+    FARMEM_ASSIGN_OR_RETURN(auto store,
+                            farmem::blockdev::PageStore::Create(cfg.cluster.get(), std::move(po)));
+    if (cfg.write_cache_pages == 0) {
+      spdlog::info(
+          "farmem-nbd: write cache off: each write smaller than 4 KiB reads, patches "
+          "and writes back its page before it is answered");
+      return std::unique_ptr<BlockBackend>(std::move(store));
+    }
+    farmem::blockdev::WriteCacheOptions wo;
+    wo.pages = cfg.write_cache_pages;
+    wo.max_dirty_age = std::chrono::milliseconds(cfg.write_cache_max_age_ms);
+    FARMEM_ASSIGN_OR_RETURN(auto cache,
+                            farmem::blockdev::WriteCache::Create(std::move(store), std::move(wo)));
+    spdlog::info(
+        "farmem-nbd: write cache of {} pages ({}): writes are durable on FLUSH or FUA, or {} ms "
+        "after they were made",
+        cfg.write_cache_pages, farmem::FormatSize(uint64_t{cfg.write_cache_pages} * 4096),
+        cfg.write_cache_max_age_ms);
+    return std::unique_ptr<BlockBackend>(std::move(cache));
+  }
+  if (cfg.kind == "memory") {
+    FARMEM_ASSIGN_OR_RETURN(uint64_t size, farmem::ParseSize(cfg.size));
+    FARMEM_ASSIGN_OR_RETURN(auto backend, farmem::blockdev::MemoryBackend::Create(size));
+    return std::unique_ptr<BlockBackend>(std::move(backend));
+  }
+  return farmem::Err(farmem::InvalidArgument("unknown backend '" + cfg.kind + "'"));
+}
+
+// The export's health for --metrics-listen, read at scrape time from the page store's stats and
+// the cluster's view of each daemon (docs/operations.md "Metrics"); nothing on the data path.
+void RegisterExportMetrics(farmem::metrics::Registry* r, BackendConfig* cfg, BlockBackend* backend,
+                           const std::string& export_name) {
+  using farmem::metrics::Type;
+  using Emit = farmem::metrics::Registry::Emit;
+  auto* cache = dynamic_cast<farmem::blockdev::WriteCache*>(backend);
+  auto* store =
+      dynamic_cast<farmem::blockdev::PageStore*>(cache != nullptr ? cache->inner() : backend);
+  if (cache != nullptr) {
+    using CacheStats = farmem::blockdev::WriteCacheStats;
+    auto cstat = [&](const char* name, const char* help, Type type, auto value) {
+      r->AddCallback(name, help, type, [cache, value](const Emit& emit) {
+        emit({}, static_cast<double>(value(cache->stats())));
+      });
+    };
+    cstat("farmem_write_cache_pages", "Capacity of the write cache, in 4 KiB pages.", Type::kGauge,
+          [](const CacheStats& s) { return s.pages; });
+    cstat("farmem_write_cache_dirty_pages",
+          "Pages of the write cache not yet written back to the page store.", Type::kGauge,
+          [](const CacheStats& s) { return s.dirty; });
+    cstat("farmem_write_cache_fills_total",
+          "Partly written pages whose other sectors were read from the page store to write "
+          "them back.",
+          Type::kCounter, [](const CacheStats& s) { return s.fills; });
+    cstat("farmem_write_cache_writebacks_total", "Pages written back to the page store.",
+          Type::kCounter, [](const CacheStats& s) { return s.writebacks; });
+    cstat("farmem_write_cache_writeback_failures_total",
+          "Page write-backs that failed (the page stays dirty and is retried; the next FLUSH "
+          "fails).",
+          Type::kCounter, [](const CacheStats& s) { return s.writeback_failures; });
+  }
+  r->AddCallback("farmem_export_info", "This export: program version, backend and resilience.",
+                 Type::kGauge, [cfg, export_name](const Emit& emit) {
+                   emit({{"version", std::string(farmem::kVersionString)},
+                         {"export", export_name},
+                         {"backend", cfg->kind},
+                         {"resilience", cfg->kind == "farmem" ? cfg->resilience : ""},
+                         {"transport", cfg->kind == "farmem" ? cfg->transport : ""}},
+                        1);
+                 });
+  r->AddCallback("farmem_export_size_bytes", "Size of the export.", Type::kGauge,
+                 [backend](const Emit& emit) { emit({}, static_cast<double>(backend->size())); });
+  if (store == nullptr) return;
+  using Stats = farmem::blockdev::PageStoreStats;
+  auto stat = [&](const char* name, const char* help, Type type, auto value) {
+    r->AddCallback(name, help, type,
+                   [store, value](const Emit& emit) { emit({}, value(store->stats())); });
+  };
+  auto d = [](uint64_t v) { return static_cast<double>(v); };
+  stat("farmem_export_extents_mapped", "Extents of the export mapped to remote slabs.",
+       Type::kGauge, [d](const Stats& s) { return d(s.extents_mapped); });
+  stat("farmem_export_degraded_extents",
+       "Mapped extents with a member missing (re-protection pending or running).", Type::kGauge,
+       [d](const Stats& s) { return d(s.degraded_extents); });
+  stat("farmem_export_rebuild_in_progress",
+       "1 while the rebuild thread re-protects degraded extents or has work queued.", Type::kGauge,
+       [](const Stats& s) { return s.rebuild_running ? 1.0 : 0.0; });
+  stat("farmem_export_rebuild_queued", "Extents and lost leases queued for the rebuild thread.",
+       Type::kGauge, [d](const Stats& s) { return d(s.rebuild_queued); });
+  stat("farmem_export_episode_reprotected_extents",
+       "Extents made whole again in the current degraded episode (0 when whole).", Type::kGauge,
+       [d](const Stats& s) { return d(s.episode_reprotected_extents); });
+  stat("farmem_export_episode_reprotect_seconds",
+       "How long re-protection has been running in the current degraded episode.", Type::kGauge,
+       [d](const Stats& s) { return d(s.episode_reprotect_ms) / 1000; });
+  stat("farmem_export_episode_degraded_seconds",
+       "How long the export has been degraded (0 when whole).", Type::kGauge,
+       [d](const Stats& s) { return d(s.episode_degraded_ms) / 1000; });
+  stat("farmem_export_rebuilds_total", "Members rebuilt on another daemon.", Type::kCounter,
+       [d](const Stats& s) { return d(s.rebuilds); });
+  stat("farmem_export_reprotected_extents_total", "Degraded extents made whole again.",
+       Type::kCounter, [d](const Stats& s) { return d(s.reprotected_extents); });
+  stat("farmem_export_rebuilt_bytes_total", "Bytes written to replacement members.", Type::kCounter,
+       [d](const Stats& s) { return d(s.rebuilt_bytes); });
+  stat("farmem_export_degraded_reads_total",
+       "Reads that needed decoding, another replica or the backup file.", Type::kCounter,
+       [d](const Stats& s) { return d(s.degraded_reads); });
+  stat("farmem_export_backup_reads_total", "Reads served from the backup file.", Type::kCounter,
+       [d](const Stats& s) { return d(s.backup_reads); });
+  stat("farmem_export_write_retries_total", "Writes retried after a member failed.", Type::kCounter,
+       [d](const Stats& s) { return d(s.write_retries); });
+  stat("farmem_export_lost_bytes_total",
+       "Bytes of written data lost for good (no copy left, no backup). Must stay 0.",
+       Type::kCounter, [d](const Stats& s) { return d(s.lost_bytes); });
+  stat("farmem_export_integrity_failures_total",
+       "Reads of a page whose copy failed authentication (changed on a lender or in transit): "
+       "served from other members or the backup file, or an error for that page; never returned.",
+       Type::kCounter, [d](const Stats& s) { return d(s.integrity_failures); });
+  r->AddCallback("farmem_export_encrypted",
+                 "1 when pages are encrypted and authenticated (the default), 0 with --no-encrypt.",
+                 Type::kGauge,
+                 [store](const Emit& emit) { emit({}, store->encrypted() ? 1.0 : 0.0); });
+  stat("farmem_export_last_reprotect_seconds",
+       "The last degraded episode: how long re-protection took.", Type::kGauge,
+       [d](const Stats& s) { return d(s.last_reprotect_ms) / 1000; });
+  stat("farmem_export_cluster_free_slabs", "Free slabs on the live daemons (last capacity check).",
+       Type::kGauge, [d](const Stats& s) { return d(s.cluster_free_slabs); });
+  stat("farmem_export_slabs_needed",
+       "Slabs this export still needs to map all of itself and re-protect what is degraded.",
+       Type::kGauge, [d](const Stats& s) { return d(s.slabs_needed); });
+  farmem::client::Cluster* cluster = cfg->cluster.get();
+  // Per daemon: 1 for its state (up, suspect, down), and the slabs this export holds there.
+  r->AddCallback("farmem_export_daemon_state",
+                 "Each daemon as this export sees it: 1 for its current state (up, suspect: a "
+                 "data-path error within its suspect window, down).",
+                 Type::kGauge, [cluster](const Emit& emit) {
+                   for (farmem::client::NodeId id = 0; id < cluster->node_count(); ++id) {
+                     const farmem::client::NodeInfo n = cluster->node(id);
+                     const char* state = !n.alive ? "down" : n.suspect ? "suspect" : "up";
+                     for (const char* s : {"up", "suspect", "down"}) {
+                       emit({{"daemon", n.endpoint.ToString()}, {"state", s}},
+                            std::string_view(s) == state ? 1 : 0);
+                     }
+                   }
+                 });
+  r->AddCallback(
+      "farmem_export_daemon_leased_bytes", "Memory this export holds on each daemon (placement).",
+      Type::kGauge, [cluster](const Emit& emit) {
+        for (farmem::client::NodeId id = 0; id < cluster->node_count(); ++id) {
+          const farmem::client::NodeInfo n = cluster->node(id);
+          const uint64_t slab = n.stat ? n.stat->slab_size : 0;
+          emit({{"daemon", n.endpoint.ToString()}}, static_cast<double>(n.leases_held * slab));
+        }
+      });
+}
+}  // namespace farmem::blockdev

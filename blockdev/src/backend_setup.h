@@ -1,0 +1,49 @@
+// farmem-nbd's backends (main.cc wires the command line to them): the flags of each backend,
+// the checks that reject flags which do not apply, opening the chosen one, and the export's
+// metrics. To add a backend: give it a name in BackendConfig::kind's check, add its flags (for the
+// remote page store: --peers, --resilience, ...) in AddBackendFlags and to CheckFlagsApply's list
+// (a flag that does not apply to the chosen backend is an error), and open it in OpenBackend.
+// Used by main() only, on the main thread.
+#pragma once
+
+#include <CLI/CLI.hpp>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "farmem/blockdev/block_backend.h"
+#include "farmem/client/cluster.h"
+#include "farmem/common/metrics.h"
+#include "farmem/common/status.h"
+
+namespace farmem::blockdev {
+
+struct BackendConfig {
+  std::string kind = "memory";
+  std::string size = "1G";
+  // --backend farmem: the remote page store on farmemd daemons.
+  std::string peers, peers_dns, secret_file, key_file, resilience = "ec:4+2", backup,
+                                                       transport = "auto";
+  uint32_t heartbeat_ms = 500, failure_timeout_ms = 2000, peer_wait_ms = 5000;
+  // The write-back page cache in front of the page store (write_cache.h, docs/nbd.md).
+  uint32_t write_cache_pages = 1024, write_cache_max_age_ms = 100;
+  bool overcommit = false;
+  // Page encryption (docs/security.md): on unless --no-encrypt; the key from --data-key-file
+  // (created if absent) or a fresh one per start.
+  bool encrypt = true;
+  std::string data_key_file;
+  std::unique_ptr<farmem::client::Cluster> cluster;  // outlives the page store (declared first)
+};
+
+void AddBackendFlags(CLI::App& app, BackendConfig* cfg);
+// Flags of the farmem backend given with another backend are an error (see the definition).
+Status CheckFlagsApply(const CLI::App& app, const BackendConfig& cfg);
+// Encryption flags that contradict each other fail closed.
+Status CheckEncryptionFlags(const BackendConfig& cfg);
+// Opens the backend cfg names (for farmem: connects cfg.cluster, then the page store).
+Result<std::unique_ptr<BlockBackend>> OpenBackend(BackendConfig& cfg);
+// The export's health for --metrics-listen (docs/operations.md "Metrics").
+void RegisterExportMetrics(metrics::Registry* r, BackendConfig* cfg, BlockBackend* backend,
+                           const std::string& export_name);
+
+}  // namespace farmem::blockdev
