@@ -9,10 +9,11 @@
 // the nbd_bench runs), one thread, timed by the thread's CPU clock. Run it pinned (taskset -c 0).
 // The ciphertext of every page is kept in a 256 MiB array, so that reads open what was written;
 // a read copies its page from there first, as it arrives from a member, and that copy (from a
-// cold, random place) is measured on its own. Usage: page_crypto_bench [pages per measurement]
+// cold, random place) is measured on its own. Usage: page_crypto_bench [blocks] [pages per block]
 #include <fmt/format.h>
 #include <time.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <numeric>
@@ -49,7 +50,12 @@ double NsPer(uint64_t n, F&& f) {
 
 int main(int argc, char** argv) {
   using namespace farmem;
-  const uint64_t n = argc > 1 ? std::strtoull(argv[1], nullptr, 10) : 200'000;
+  const uint64_t blocks = argc > 1 ? std::strtoull(argv[1], nullptr, 10) : 200;
+  const uint64_t m = argc > 2 ? std::strtoull(argv[2], nullptr, 10) : 2000;
+  if (blocks == 0 || m == 0) {
+    fmt::print(stderr, "usage: page_crypto_bench [blocks (200)] [pages per block (2000)]\n");
+    return 2;
+  }
   auto key = aead::GenerateKey();
   if (!key) Die(key.error());
   auto crypto = blockdev::PageCrypto::Create(*key, kExportPages);
@@ -64,15 +70,12 @@ int main(int argc, char** argv) {
   std::vector<uint8_t> plain(16 * kPage, 0x5a), out(16 * kPage);
   // The ciphertext of every page, so that reads open what was written.
   std::vector<uint8_t> stored(kExportPages * kPage);
-  auto store_all = [&] {
-    for (uint64_t p = 0; p < kExportPages; ++p) {
-      if (Status s = (*crypto)->Seal(*cipher, p, plain.data(), stored.data() + p * kPage);
-          !s.ok()) {
-        Die(s);
-      }
-      (*crypto)->EndWrite(p, true);
+  for (uint64_t p = 0; p < kExportPages; ++p) {
+    if (Status s = (*crypto)->Seal(*cipher, p, plain.data(), stored.data() + p * kPage); !s.ok()) {
+      Die(s);
     }
-  };
+    (*crypto)->EndWrite(p, true);
+  }
   const auto nonce = aead::MakeNonce(1, 2);
   const uint8_t aad[12] = {};
   aead::Tag tag{};
@@ -85,47 +88,61 @@ int main(int argc, char** argv) {
   auto keep = [&st](Status s) {
     if (st.ok() && !s.ok()) st = std::move(s);
   };
-  for (int rep = 0; rep < 5; ++rep) {
-    const double copy = NsPer(n, [&](uint64_t i) {
+  // Short blocks of each measurement in turn, many times: the figures are medians over blocks,
+  // and the overheads medians of per-block differences (neighbours in time see the same load).
+  // Writes go to the first half of the pages in `order`, reads to the second (still as stored).
+  constexpr uint64_t kHalf = kExportPages / 2;
+  std::vector<double> copy, seal, open, write, cold, read, write_extra, read_extra;
+  uint64_t w = 0, r = 0;
+  for (uint64_t b = 0; b < blocks; ++b) {
+    copy.push_back(NsPer(m, [&](uint64_t i) {
       std::memcpy(out.data() + (i % 16) * kPage, plain.data() + (i % 16) * kPage, kPage);
-    });
-    const double seal = NsPer(n, [&](uint64_t i) {
+    }));
+    seal.push_back(NsPer(m, [&](uint64_t i) {
       aead::Tag t{};
       keep(cipher->Seal(nonce, aad, {plain.data() + (i % 16) * kPage, kPage},
                         {out.data() + (i % 16) * kPage, kPage}, &t));
-    });
-    const double open =
-        NsPer(n,
-              [&](uint64_t i) {
-                uint8_t* page = out.data() + (i % 16) * kPage;
-                std::memcpy(page, sealed.data(), kPage);  // as it arrives from a member
-                keep(cipher->Open(nonce, aad, {page, kPage}, {page, kPage}, tag));
-              }) -
-        copy;
-    const double write = NsPer(n, [&](uint64_t i) {
-      const uint64_t p = order[i % kExportPages];
+    }));
+    open.push_back(NsPer(m,
+                         [&](uint64_t i) {
+                           uint8_t* page = out.data() + (i % 16) * kPage;
+                           std::memcpy(page, sealed.data(), kPage);  // as it arrives
+                           keep(cipher->Open(nonce, aad, {page, kPage}, {page, kPage}, tag));
+                         }) -
+                   copy.back());
+    write.push_back(NsPer(m, [&](uint64_t i) {
+      const uint64_t p = order[w++ % kHalf];
       keep((*crypto)->Seal(*cipher, p, plain.data() + (i % 16) * kPage,
                            out.data() + (i % 16) * kPage));
       (*crypto)->EndWrite(p, true);
-    });
-    store_all();  // the writes above sealed into `out`: what is stored is written anew
-    const double cold = NsPer(n, [&](uint64_t i) {
-      const uint64_t p = order[(i * 7) % kExportPages];
+    }));
+    const uint64_t r0 = r;
+    cold.push_back(NsPer(m, [&](uint64_t i) {
+      const uint64_t p = order[kHalf + r++ % kHalf];
       std::memcpy(out.data() + (i % 16) * kPage, stored.data() + p * kPage, kPage);
-    });
-    const double read = NsPer(n, [&](uint64_t i) {
-      const uint64_t p = order[(i * 7) % kExportPages];
+    }));
+    r = r0 + m;  // the reads visit other pages than the copies just did (those are cached now)
+    read.push_back(NsPer(m, [&](uint64_t i) {
+      const uint64_t p = order[kHalf + r++ % kHalf];
       uint8_t* page = out.data() + (i % 16) * kPage;
       std::memcpy(page, stored.data() + p * kPage, kPage);  // as it arrives from a member
       keep((*crypto)->Open(*cipher, p, page));
-    });
-    fmt::print(
-        "rep {}: per 4 KiB page: copy {:.0f} ns; aes-gcm seal {:.0f} ns, open {:.0f} ns; "
-        "PageCrypto write (Seal+EndWrite) {:.0f} ns (+{:.0f} over the seal); read (a page's "
-        "ciphertext copied in from a random place, {:.0f} ns, + Open) {:.0f} ns (+{:.0f} over "
-        "copy + open)\n",
-        rep, copy, seal, open, write, write - seal, cold, read, read - cold - open);
+    }));
+    write_extra.push_back(write.back() - seal.back());
+    read_extra.push_back(read.back() - cold.back() - open.back());
   }
+  auto median = [](std::vector<double> v) {
+    std::sort(v.begin(), v.end());
+    return v[v.size() / 2];
+  };
+  fmt::print(
+      "per 4 KiB page, medians over {} blocks of {} pages (CPU ns): copy {:.0f}; aes-gcm seal "
+      "{:.0f}, open {:.0f}\n"
+      "  PageCrypto write (Seal+EndWrite) {:.0f}: +{:.0f} over the seal\n"
+      "  PageCrypto read (its ciphertext copied in from a random place, {:.0f}, + Open) {:.0f}: "
+      "+{:.0f} over copy + open\n",
+      blocks, m, median(copy), median(seal), median(open), median(write), median(write_extra),
+      median(cold), median(read), median(read_extra));
   if (!st.ok()) Die(st);
   return 0;
 }
