@@ -73,6 +73,12 @@ class PageCrypto {
   // DataLoss when none authenticates it (then `data` is zeroed).
   Status Open(aead::Cipher& cipher, uint64_t page, uint8_t* data) const;
 
+  // Starts loading the page table entries of `count` pages from `page` into the cache (no effect
+  // on pages never written): a read calls it when it posts, so that Open, when the ciphertext
+  // arrives, does not stall on them (a random page's entry is a cache miss, ~0.3 us per page on
+  // a loaded machine). At most the first 16 cache lines are requested.
+  void Prefetch(uint64_t page, uint64_t count) const;
+
   // The page's counter and writes in flight, as one word: equal words before and after a read
   // mean no write of the page began or ended in between.
   uint64_t Word(uint64_t page) const;
@@ -94,9 +100,9 @@ class PageCrypto {
     aead::Tag tag{};
   };
   static_assert(sizeof(Entry) == kEntryBytes);
-  struct Candidate {
-    uint64_t counter = 0;
-    aead::Tag tag{};
+  struct Candidate {  // trivial: Open keeps an uninitialized array of them on its stack
+    uint64_t counter;
+    aead::Tag tag;
   };
   // Seals of a page not (yet) known to be what its members hold: writes in flight, and failed or
   // overlapping writes since its last lone successful write.
