@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cstring>
 
 #include "farmem/common/auth.h"
@@ -32,8 +33,7 @@ PageCrypto::PageCrypto(aead::Cipher proto, uint64_t pages, uint32_t domain, uint
       observer_(std::move(observer)) {
   nchunks_ = static_cast<size_t>((pages + kChunkPages - 1) / kChunkPages);
   chunks_ = std::make_unique<std::atomic<Entry*>[]>(nchunks_);
-  stripes_ = std::make_unique<Mutex[]>(kStripes);
-  unsettled_ = std::make_unique<std::unordered_map<uint64_t, Unsettled>[]>(kStripes);
+  stripes_ = std::make_unique<Stripe[]>(kStripes);
 }
 
 PageCrypto::~PageCrypto() {
@@ -75,92 +75,145 @@ const PageCrypto::Entry* PageCrypto::EntryFor(uint64_t page) const {
   return c == nullptr ? nullptr : c + page % kChunkPages;
 }
 
+PageCrypto::Unsettled* PageCrypto::Stripe::Find(uint64_t page) {
+  for (size_t i = 0; i < live; ++i) {
+    if (pages[i].page == page) return &pages[i];
+  }
+  return nullptr;
+}
+
+PageCrypto::Unsettled* PageCrypto::Stripe::FindOrAdd(uint64_t page) {
+  if (Unsettled* u = Find(page)) return u;
+  if (live == pages.size()) pages.emplace_back();
+  Unsettled& u = pages[live++];
+  u.page = page;
+  return &u;
+}
+
+void PageCrypto::Stripe::Remove(Unsettled* u) {
+  Unsettled& last = pages[live - 1];
+  if (u != &last) std::swap(*u, last);  // swaps the vectors' buffers: nothing is allocated
+  last.overlapped = false;
+  last.seals.clear();
+  --live;
+}
+
+void PageCrypto::Prefetch(uint64_t page, uint64_t count) const {
+  constexpr uint64_t kLine = 64;
+  constexpr uint64_t kMaxLines = 16;
+  for (uint64_t p = page; p < page + count && p < pages_;) {
+    const Entry* e = EntryFor(p);
+    const uint64_t chunk_end = (p / kChunkPages + 1) * kChunkPages;
+    const uint64_t stop = std::min({page + count, pages_, chunk_end});
+    if (e != nullptr) {
+      // Every line the entries touch (an entry may straddle two).
+      const auto from = reinterpret_cast<uintptr_t>(e) / kLine * kLine;
+      const auto to = reinterpret_cast<uintptr_t>(e + (stop - p));
+      uint64_t lines = 0;
+      for (uintptr_t at = from; at < to && lines < kMaxLines; at += kLine, ++lines) {
+        __builtin_prefetch(reinterpret_cast<const void*>(at), 0);
+      }
+      if (lines == kMaxLines) return;
+    }
+    p = stop;
+  }
+}
+
 Status PageCrypto::Seal(aead::Cipher& cipher, uint64_t page, const uint8_t* plain, uint8_t* out) {
   Entry* e = EntryFor(page, true);
+  // The entry of a random page is a cache miss: load it while the cipher runs, not after.
+  __builtin_prefetch(e, 1);
+  __builtin_prefetch(reinterpret_cast<const char*>(e + 1) - 1, 1);  // it may straddle two lines
   const uint64_t counter = next_counter_.fetch_add(1, std::memory_order_relaxed);
-  const size_t stripe = (page / 8) % kStripes;
-  {
-    MutexLock lock(&stripes_[stripe]);
-    if (InFlight(e->word)) unsettled_[stripe][page].overlapped = true;
-    e->word += uint64_t{1} << kCounterBits;  // a write in flight, until EndWrite
-  }
+  aead::Tag tag{};
+  Status st;
   if (counter > kCounterMask) {
-    return ResourceExhausted(
+    st = ResourceExhausted(
         "the export's page write counter is used up (2^47 page writes since it was attached): "
         "restart farmem-nbd to draw a new nonce domain");
+  } else {
+    if (observer_) observer_(domain_, counter, page);
+    st = cipher.Seal(aead::MakeNonce(domain_, counter), Aad(domain_, page), {plain, 4096},
+                     {out, 4096}, &tag);
   }
-  if (observer_) observer_(domain_, counter, page);
-  const auto aad = Aad(domain_, page);
-  aead::Tag tag{};
-  FARMEM_RETURN_IF_ERROR(
-      cipher.Seal(aead::MakeNonce(domain_, counter), aad, {plain, 4096}, {out, 4096}, &tag));
+  // The write is in flight from here until EndWrite, also when sealing failed. Counting it only
+  // now, after the cipher, is enough: nothing of it has left the process yet (the caller posts
+  // `out` after this returns), and it keeps this to one locked section per seal.
+  Stripe& s = StripeFor(page);
+  MutexLock lock(&s.mu);
+  const bool overlapped = InFlight(e->word);
+  e->word += uint64_t{1} << kCounterBits;
+  if (!st.ok()) {
+    if (overlapped) s.FindOrAdd(page)->overlapped = true;
+    return st;
+  }
   seals_.fetch_add(1, std::memory_order_relaxed);
-  MutexLock lock(&stripes_[stripe]);
-  std::vector<Candidate>& seals = unsettled_[stripe][page].seals;
-  if (seals.size() >= kMaxAlternatives) seals.erase(seals.begin());
-  seals.push_back({counter, tag});
+  Unsettled* u = s.FindOrAdd(page);
+  if (overlapped) u->overlapped = true;
+  if (u->seals.size() >= kMaxAlternatives) u->seals.erase(u->seals.begin());
+  u->seals.push_back({counter, tag});
   return Status::Ok();
 }
 
 void PageCrypto::EndWrite(uint64_t page, bool ok) {
   Entry* e = EntryFor(page, false);
   if (e == nullptr) return;
-  const size_t stripe = (page / 8) % kStripes;
-  MutexLock lock(&stripes_[stripe]);
+  Stripe& s = StripeFor(page);
+  MutexLock lock(&s.mu);
   if (InFlight(e->word)) e->word -= uint64_t{1} << kCounterBits;
-  auto& table = unsettled_[stripe];
-  auto it = table.find(page);
-  if (it == table.end() || it->second.seals.empty()) return;
-  Unsettled& u = it->second;
-  if (ok) {
+  Unsettled* u = s.Find(page);
+  if (u == nullptr) return;
+  if (ok && !u->seals.empty()) {
     // The newest seal becomes the recorded one. Alone (no other write of the page overlapped
     // it), it is what every member now holds: nothing else is kept. Overlapped, the members may
     // hold any of the seals that were in flight, or the one recorded before: keep them all.
-    const Candidate newest = u.seals.back();
-    u.seals.pop_back();
-    if (u.overlapped) {
+    const Candidate newest = u->seals.back();
+    u->seals.pop_back();
+    if (u->overlapped) {
       if ((e->word & kCounterMask) != 0) {
-        if (u.seals.size() >= kMaxAlternatives) u.seals.erase(u.seals.begin());
-        u.seals.insert(u.seals.begin(), Candidate{e->word & kCounterMask, e->tag});
+        if (u->seals.size() >= kMaxAlternatives) u->seals.erase(u->seals.begin());
+        u->seals.insert(u->seals.begin(), Candidate{e->word & kCounterMask, e->tag});
       }
     } else {
-      u.seals.clear();
+      u->seals.clear();
     }
     e->word = (e->word & ~kCounterMask) | newest.counter;
     e->tag = newest.tag;
   }
   if (!InFlight(e->word)) {
-    u.overlapped = false;
-    if (u.seals.empty()) table.erase(it);
+    u->overlapped = false;
+    if (u->seals.empty()) s.Remove(u);
   }
 }
 
 Status PageCrypto::Open(aead::Cipher& cipher, uint64_t page, uint8_t* data) const {
   const Entry* e = EntryFor(page);
-  Candidate recorded;
-  std::vector<Candidate> others;  // newest first
+  // The recorded seal first, then the unsettled ones newest first (left uninitialized: only the
+  // first n are read).
+  std::array<Candidate, kMaxAlternatives + 1> tries;
+  size_t n = 0;
   if (e != nullptr) {
-    const size_t stripe = (page / 8) % kStripes;
-    MutexLock lock(&stripes_[stripe]);
-    recorded = Candidate{e->word & kCounterMask, e->tag};
-    const auto& table = unsettled_[stripe];
-    if (auto it = table.find(page); it != table.end()) {
-      others.assign(it->second.seals.rbegin(), it->second.seals.rend());
+    Stripe& s = StripeFor(page);
+    MutexLock lock(&s.mu);
+    if ((e->word & kCounterMask) != 0) tries[n++] = Candidate{e->word & kCounterMask, e->tag};
+    if (const Unsettled* u = s.Find(page)) {
+      for (auto it = u->seals.rbegin(); it != u->seals.rend() && n < tries.size(); ++it) {
+        tries[n++] = *it;
+      }
     }
   }
-  if (recorded.counter != 0) others.insert(others.begin(), recorded);
-  if (others.empty()) {
+  if (n == 0) {
     std::memset(data, 0, 4096);
     return DataLoss(fmt::format("export page {} has no recorded seal", page));
   }
   const auto aad = Aad(domain_, page);
   std::array<uint8_t, 4096> copy;  // the ciphertext again for each alternative (Open zeroes it)
-  if (others.size() > 1) std::memcpy(copy.data(), data, 4096);
+  if (n > 1) std::memcpy(copy.data(), data, 4096);
   Status st;
-  for (size_t i = 0; i < others.size(); ++i) {
+  for (size_t i = 0; i < n; ++i) {
     if (i > 0) std::memcpy(data, copy.data(), 4096);
-    st = cipher.Open(aead::MakeNonce(domain_, others[i].counter), aad, {data, 4096}, {data, 4096},
-                     others[i].tag);
+    st = cipher.Open(aead::MakeNonce(domain_, tries[i].counter), aad, {data, 4096}, {data, 4096},
+                     tries[i].tag);
     if (st.ok()) return st;
   }
   return st;
@@ -169,7 +222,7 @@ Status PageCrypto::Open(aead::Cipher& cipher, uint64_t page, uint8_t* data) cons
 uint64_t PageCrypto::Word(uint64_t page) const {
   const Entry* e = EntryFor(page);
   if (e == nullptr) return 0;
-  MutexLock lock(&StripeFor(page));
+  MutexLock lock(&StripeFor(page).mu);
   return e->word;
 }
 

@@ -97,6 +97,10 @@ Status Round::Add(Piece p) {
   const uint32_t live = q.extent->live_mask();
   const uint64_t len = q.npages * kPage;
   const uint32_t f = params_.frag_size;
+  if (!q.write && params_.crypto != nullptr) {
+    // Open needs the pages' table entries when the ciphertext arrives: load them meanwhile.
+    params_.crypto->Prefetch(q.index * params_.extent_pages + q.first_page, q.npages);
+  }
   if (res.mode == Resilience::Mode::kErasure) {
     const size_t flen = static_cast<size_t>(q.npages) * f;
     const int n = res.k + res.r;

@@ -1,0 +1,160 @@
+// What page encryption costs farmem-nbd's request thread per 4 KiB page, apart from the network
+// (docs/benchmarks-nbd.md "Encryption on vs off"), next to its baselines from the same run:
+//   copy        memcpy of the page (one pass over the data, what a plaintext write needs at most)
+//   aes-gcm     aead::Cipher::Seal / Open alone (OpenSSL EVP, key set once: the cipher itself)
+//   write       PageCrypto::Seal + EndWrite(ok) (what PageStore does per page written: the
+//               cipher plus the page table and the bookkeeping of writes in flight)
+//   read        PageCrypto::Open (per page read: the cipher plus the page table lookup)
+// Pages are visited in a random order over a 256 MiB export (its page table is 1.5 MiB, as in
+// the nbd_bench runs), one thread, timed by the thread's CPU clock. Run it pinned (taskset -c 0).
+// The ciphertext of every page is kept in a 256 MiB array, so that reads open what was written;
+// a read copies its page from there first, as it arrives from a member, and that copy (from a
+// cold, random place) is measured on its own. Usage: page_crypto_bench [blocks] [pages per block]
+#include <fmt/format.h>
+#include <time.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <numeric>
+#include <random>
+#include <vector>
+
+#include "page_crypto.h"
+
+namespace {
+
+// The thread's CPU time, not the wall clock: on a shared machine the thread is preempted, and
+// what is measured is what the work costs a core.
+double CpuNs() {
+  timespec ts{};
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+  return static_cast<double>(ts.tv_sec) * 1e9 + static_cast<double>(ts.tv_nsec);
+}
+constexpr uint64_t kExportPages = 65536;  // 256 MiB
+constexpr size_t kPage = 4096;
+
+template <typename F>
+double NsPer(uint64_t n, F&& f) {
+  const double t0 = CpuNs();
+  for (uint64_t i = 0; i < n; ++i) f(i);
+  return (CpuNs() - t0) / static_cast<double>(n);
+}
+
+[[noreturn]] void Die(const farmem::Status& s) {
+  fmt::print(stderr, "page_crypto_bench: {}\n", s.ToString());
+  std::exit(1);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  using namespace farmem;
+  const uint64_t blocks = argc > 1 ? std::strtoull(argv[1], nullptr, 10) : 200;
+  const uint64_t m = argc > 2 ? std::strtoull(argv[2], nullptr, 10) : 2000;
+  if (blocks == 0 || m == 0) {
+    fmt::print(stderr, "usage: page_crypto_bench [blocks (200)] [pages per block (2000)]\n");
+    return 2;
+  }
+  auto key = aead::GenerateKey();
+  if (!key) Die(key.error());
+  auto crypto = blockdev::PageCrypto::Create(*key, kExportPages);
+  if (!crypto) Die(crypto.error());
+  auto cipher = (*crypto)->NewCipher();
+  if (!cipher) Die(cipher.error());
+
+  std::vector<uint64_t> order(kExportPages);
+  std::iota(order.begin(), order.end(), 0);
+  std::shuffle(order.begin(), order.end(), std::mt19937_64(42));
+  // 16 pages in a batch's worth of buffers, as a depth-16 NBD batch has.
+  std::vector<uint8_t> plain(16 * kPage, 0x5a), out(16 * kPage);
+  // The ciphertext of every page, so that reads open what was written.
+  std::vector<uint8_t> stored(kExportPages * kPage);
+  for (uint64_t p = 0; p < kExportPages; ++p) {
+    if (Status s = (*crypto)->Seal(*cipher, p, plain.data(), stored.data() + p * kPage); !s.ok()) {
+      Die(s);
+    }
+    (*crypto)->EndWrite(p, true);
+  }
+  const auto nonce = aead::MakeNonce(1, 2);
+  const uint8_t aad[12] = {};
+  aead::Tag tag{};
+  std::vector<uint8_t> sealed(kPage);
+  if (Status s = cipher->Seal(nonce, aad, {plain.data(), kPage}, {sealed.data(), kPage}, &tag);
+      !s.ok()) {
+    Die(s);
+  }
+  Status st;
+  auto keep = [&st](Status s) {
+    if (st.ok() && !s.ok()) st = std::move(s);
+  };
+  // Short blocks of each measurement in turn, many times: the figures are medians over blocks,
+  // and the overheads medians of per-block differences (neighbours in time see the same load).
+  // Writes go to the first half of the pages in `order`, reads to the second (still as stored).
+  constexpr uint64_t kHalf = kExportPages / 2;
+  std::vector<double> copy, seal, open, write, cold, read, read_posted, write_extra, read_extra,
+      posted_extra;
+  uint64_t w = 0, r = 0;
+  for (uint64_t b = 0; b < blocks; ++b) {
+    copy.push_back(NsPer(m, [&](uint64_t i) {
+      std::memcpy(out.data() + (i % 16) * kPage, plain.data() + (i % 16) * kPage, kPage);
+    }));
+    seal.push_back(NsPer(m, [&](uint64_t i) {
+      aead::Tag t{};
+      keep(cipher->Seal(nonce, aad, {plain.data() + (i % 16) * kPage, kPage},
+                        {out.data() + (i % 16) * kPage, kPage}, &t));
+    }));
+    open.push_back(NsPer(m,
+                         [&](uint64_t i) {
+                           uint8_t* page = out.data() + (i % 16) * kPage;
+                           std::memcpy(page, sealed.data(), kPage);  // as it arrives
+                           keep(cipher->Open(nonce, aad, {page, kPage}, {page, kPage}, tag));
+                         }) -
+                   copy.back());
+    write.push_back(NsPer(m, [&](uint64_t i) {
+      const uint64_t p = order[w++ % kHalf];
+      keep((*crypto)->Seal(*cipher, p, plain.data() + (i % 16) * kPage,
+                           out.data() + (i % 16) * kPage));
+      (*crypto)->EndWrite(p, true);
+    }));
+    const uint64_t r0 = r;
+    cold.push_back(NsPer(m, [&](uint64_t i) {
+      const uint64_t p = order[kHalf + r++ % kHalf];
+      std::memcpy(out.data() + (i % 16) * kPage, stored.data() + p * kPage, kPage);
+    }));
+    r = r0 + m;  // the reads visit other pages than the copies just did (those are cached now)
+    read.push_back(NsPer(m, [&](uint64_t i) {
+      const uint64_t p = order[kHalf + r++ % kHalf];
+      uint8_t* page = out.data() + (i % 16) * kPage;
+      std::memcpy(page, stored.data() + p * kPage, kPage);  // as it arrives from a member
+      keep((*crypto)->Open(*cipher, p, page));
+    }));
+    // As the page store reads: each page's table entry prefetched when its read is posted
+    // (here 16 pages, a depth-16 batch, before it is opened).
+    read_posted.push_back(NsPer(m, [&](uint64_t i) {
+      crypto->get()->Prefetch(order[kHalf + (r + 16) % kHalf], 1);
+      const uint64_t p = order[kHalf + r++ % kHalf];
+      uint8_t* page = out.data() + (i % 16) * kPage;
+      std::memcpy(page, stored.data() + p * kPage, kPage);
+      keep((*crypto)->Open(*cipher, p, page));
+    }));
+    posted_extra.push_back(read_posted.back() - cold.back() - open.back());
+    write_extra.push_back(write.back() - seal.back());
+    read_extra.push_back(read.back() - cold.back() - open.back());
+  }
+  auto median = [](std::vector<double> v) {
+    std::sort(v.begin(), v.end());
+    return v[v.size() / 2];
+  };
+  fmt::print(
+      "per 4 KiB page, medians over {} blocks of {} pages (CPU ns): copy {:.0f}; aes-gcm seal "
+      "{:.0f}, open {:.0f}\n"
+      "  PageCrypto write (Seal+EndWrite) {:.0f}: +{:.0f} over the seal\n"
+      "  PageCrypto read (its ciphertext copied in from a random place, {:.0f}, + Open) {:.0f}: "
+      "+{:.0f} over copy + open; with the entry prefetched when the read is posted {:.0f}: "
+      "+{:.0f}\n",
+      blocks, m, median(copy), median(seal), median(open), median(write), median(write_extra),
+      median(cold), median(read), median(read_extra), median(read_posted), median(posted_extra));
+  if (!st.ok()) Die(st);
+  return 0;
+}
