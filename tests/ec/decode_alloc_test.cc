@@ -1,16 +1,13 @@
 // Regression guard for the data path: once the decode tables of an erasure pattern are cached,
 // Decode and ReconstructData (and Encode / UpdateParity always) must not allocate. This binary
-// replaces the global operator new with a counting one (counting_new.cc), so it is kept apart
-// from the other tests.
+// replaces the global operator new with a counting one (tests/support/counting_new.h), so it is
+// kept apart from the other tests.
 #include <gtest/gtest.h>
 
 #include <vector>
 
 #include "farmem/ec/reed_solomon.h"
-
-namespace farmem::ec::test_support {
-long AllocationCount();  // counting_new.cc
-}  // namespace farmem::ec::test_support
+#include "support/counting_new.h"
 
 namespace farmem::ec {
 namespace {
@@ -37,7 +34,7 @@ TEST(ReedSolomonAllocations, CachedDecodeEncodeAndUpdateDoNotAllocate) {
   ASSERT_TRUE(rs.Decode(ptrs, erased, kLen).ok());
   ASSERT_TRUE(rs.ReconstructData(ptrs, present, kLen).ok());
 
-  const long before = test_support::AllocationCount();
+  const long before = testing::AllocationCount();
   for (int i = 0; i < 100; ++i) {
     ASSERT_TRUE(rs.Encode(data, parity, kLen).ok());
     ASSERT_TRUE(rs.Decode(ptrs, erased, kLen).ok());
@@ -45,12 +42,12 @@ TEST(ReedSolomonAllocations, CachedDecodeEncodeAndUpdateDoNotAllocate) {
     ASSERT_TRUE(rs.UpdateParity(2, ptrs[2], new_data.data(), parity, kLen).ok());
     ASSERT_TRUE(rs.UpdateParity(2, new_data.data(), ptrs[2], parity, kLen).ok());
   }
-  EXPECT_EQ(test_support::AllocationCount() - before, 0);
+  EXPECT_EQ(testing::AllocationCount() - before, 0);
 
   // The counter works: a new pattern builds tables, which allocates.
   const int other[] = {0};
   ASSERT_TRUE(rs.Decode(ptrs, other, kLen).ok());
-  EXPECT_GT(test_support::AllocationCount() - before, 0);
+  EXPECT_GT(testing::AllocationCount() - before, 0);
 }
 
 }  // namespace

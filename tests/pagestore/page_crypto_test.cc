@@ -4,31 +4,9 @@
 #include <gtest/gtest.h>
 
 #include <array>
-#include <atomic>
-#include <cstdlib>
 #include <cstring>
-#include <new>
 
-// Every operator new of this test binary is counted while `counting` is set: the page write and
-// read paths must not allocate per page (issue 16: per-write map nodes and vectors cost more
-// than the bookkeeping they hold).
-namespace {
-std::atomic<bool> counting{false};
-std::atomic<uint64_t> allocations{0};
-}  // namespace
-
-// GCC sees free() of what this operator new returned once both are inlined, and warns: they are
-// a matching pair here.
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic ignored "-Wmismatched-new-delete"
-#endif
-void* operator new(size_t n) {
-  if (counting.load(std::memory_order_relaxed)) allocations.fetch_add(1);
-  if (void* p = std::malloc(n == 0 ? 1 : n)) return p;
-  throw std::bad_alloc();
-}
-void operator delete(void* p) noexcept { std::free(p); }
-void operator delete(void* p, size_t) noexcept { std::free(p); }
+#include "support/counting_new.h"
 
 namespace farmem::blockdev {
 namespace {
@@ -176,13 +154,14 @@ TEST_F(PageCryptoTest, WritesAndReadsAllocateNothingOnceWarm) {
     ASSERT_TRUE(crypto_->Open(*cipher_, page, out.data()).ok());
   };
   for (uint64_t p = 0; p < 1024; ++p) cycle(p);  // the table's chunk and each stripe's entries
-  allocations = 0;
-  counting = true;
+  // The page write and read paths must not allocate per page (issue 16: per-write map nodes and
+  // vectors cost more than the bookkeeping they hold). This binary counts every operator new
+  // (tests/support/counting_new.h).
+  const long before = testing::AllocationCount();
   for (int round = 0; round < 4; ++round) {
     for (uint64_t p = 0; p < 1024; ++p) cycle((p * 37) % 1024);
   }
-  counting = false;
-  EXPECT_EQ(allocations.load(), 0u);
+  EXPECT_EQ(testing::AllocationCount() - before, 0);
 }
 
 }  // namespace

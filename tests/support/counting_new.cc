@@ -1,11 +1,13 @@
-// Global operator new/delete that count allocations, for decode_alloc_test.cc. Kept in its own
+// Global operator new/delete that count allocations (counting_new.h). Kept in its own
 // translation unit so the compiler cannot inline them into the test body (GCC 12 then reports
 // -Wmismatched-new-delete false positives).
+#include "support/counting_new.h"
+
 #include <atomic>
 #include <cstdlib>
 #include <new>
 
-namespace farmem::ec::test_support {
+namespace farmem::testing {
 namespace {
 std::atomic<long> g_allocations{0};
 }  // namespace
@@ -14,15 +16,15 @@ long AllocationCount() { return g_allocations.load(std::memory_order_relaxed); }
 
 void CountAllocation() { g_allocations.fetch_add(1, std::memory_order_relaxed); }
 
-}  // namespace farmem::ec::test_support
+}  // namespace farmem::testing
 
 void* operator new(std::size_t size) {
-  farmem::ec::test_support::CountAllocation();
+  farmem::testing::CountAllocation();
   if (void* p = std::malloc(size == 0 ? 1 : size)) return p;
   throw std::bad_alloc();
 }
 void* operator new(std::size_t size, std::align_val_t align) {
-  farmem::ec::test_support::CountAllocation();
+  farmem::testing::CountAllocation();
   const std::size_t a = static_cast<std::size_t>(align);
   if (void* p = std::aligned_alloc(a, (size + a - 1) / a * a)) return p;
   throw std::bad_alloc();
