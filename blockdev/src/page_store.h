@@ -328,8 +328,8 @@ class PageStore final : public BatchBackend {
   // may still succeed before their deadline (no room yet, a copy failed).
   bool MoveLeaving(Worker& w) EXCLUDES(stats_mu_, rebuild_mu_);
   // One move: a new lease elsewhere, CopyMember, FREE of the old lease. *no_room when no daemon
-  // could take the member.
-  Status MoveMember(Worker& w, const Move& m, bool* no_room, uint64_t* bytes);
+  // could take the member; *lost when the member was lost before it could be moved (a missed move).
+  Status MoveMember(Worker& w, const Move& m, bool* no_room, bool* lost, uint64_t* bytes);
   // Nodes that must not take a new member now: draining or under pressure (their last STAT).
   std::vector<client::NodeId> NodesNotTaking() const;
   void RebuildLoop() EXCLUDES(rebuild_mu_);

@@ -82,9 +82,13 @@ bool PageStore::MoveLeaving(Worker& w) {
       no_room_extents.push_back(m.index);
       continue;
     }
-    bool no_room = false;
+    bool no_room = false, lost = false;
     uint64_t bytes = 0;
-    Status s = MoveMember(w, m, &no_room, &bytes);
+    Status s = MoveMember(w, m, &no_room, &lost, &bytes);
+    if (lost) {
+      missed.push_back(m.index);
+      continue;
+    }
     if (s.ok()) {
       move_burst_bytes_ += bytes;
       continue;
@@ -148,7 +152,7 @@ bool PageStore::MoveLeaving(Worker& w) {
   return !moves_.empty();
 }
 
-Status PageStore::MoveMember(Worker& w, const Move& m, bool* no_room, uint64_t* bytes) {
+Status PageStore::MoveMember(Worker& w, const Move& m, bool* no_room, bool* lost, uint64_t* bytes) {
   Extent& e = *extents_[m.index];
   MutexLock copy(&e.copy_mu);
   w.channels.DrainStragglers();  // the copy's synchronous ops need idle channels
@@ -157,8 +161,13 @@ Status PageStore::MoveMember(Worker& w, const Move& m, bool* no_room, uint64_t* 
   {
     ReaderLock lock(&e.mu);
     if (!StillMember(e, m.member, m.lease)) return Status::Ok();  // trimmed or replaced meanwhile
-    // Lost before it could be moved: rebuilt from the others like any lost member.
-    if ((e.failed.load() >> m.member) & 1) return Status::Ok();
+    // Lost before it could be moved (the daemon ended the lease at its deadline, and the client
+    // learnt it before this pass saw the deadline pass): a missed move, rebuilt from the others
+    // like any lost member.
+    if ((e.failed.load() >> m.member) & 1) {
+      *lost = true;
+      return Status::Ok();
+    }
     const uint32_t failed = e.failed.load();
     for (size_t j = 0; j < e.members.size(); ++j) {
       if (j != m.member && !((failed >> j) & 1)) exclude.push_back(e.members[j].node);
