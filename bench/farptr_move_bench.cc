@@ -15,14 +15,12 @@
 #include <signal.h>
 
 #include <algorithm>
-#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <mutex>
-#include <random>
 #include <thread>
 #include <vector>
 
@@ -61,11 +59,6 @@ struct Args {
   int warmup = 5;
   uint32_t span = 65536;
 };
-
-using farmem::bench::Row;
-using farmem::bench::Sample;
-using farmem::bench::Summarize;
-using farmem::bench::Window;
 
 std::string LoadAverage() {
   std::ifstream in("/proc/loadavg");
@@ -130,35 +123,19 @@ void RunOne(const Args& a, const std::string& resilience) {
   long rss_before_kib = farmem::testing::ProcStatus(lender[0].pid(), "VmRSS");
 
   // The workload: one thread reading random objects and checking every byte.
-  const Clock::time_point t0 = Clock::now();
-  auto us_since = [&](Clock::time_point t) {
-    return std::chrono::duration_cast<std::chrono::microseconds>(t - t0).count();
-  };
-  std::atomic<bool> stop{false};
-  std::vector<Sample> samples;
-  samples.reserve(1 << 20);
-  std::string reader_error;
-  std::thread reader([&] {
-    std::mt19937_64 rng(42);
-    std::vector<std::byte> want(kObjectSize);
-    while (!stop.load(std::memory_order_relaxed)) {
-      const size_t i = rng() % n;
-      const Clock::time_point start = Clock::now();
-      farmem::DerefScope s;
-      auto got = objs[i].try_deref(s);
-      const Clock::time_point end = Clock::now();
-      if (!got) {
-        reader_error = fmt::format("object {}: {}", i, got.error().ToString());
-        return;
-      }
-      farmem::testing::FillObject(want, i, 1);
-      if (std::memcmp(want.data(), got->data(), kObjectSize) != 0) {
-        reader_error = fmt::format("object {} came back wrong", i);
-        return;
-      }
-      samples.push_back({us_since(end), us_since(end) - us_since(start)});
-    }
-  });
+  farmem::bench::ReadSampler reader(
+      n, 1 << 20,
+      [&, want = std::vector<std::byte>(kObjectSize)](uint64_t i, Clock::time_point& end) mutable {
+        farmem::DerefScope s;
+        auto got = objs[i].try_deref(s);
+        end = Clock::now();
+        if (!got) return fmt::format("object {}: {}", i, got.error().ToString());
+        farmem::testing::FillObject(want, i, 1);
+        if (std::memcmp(want.data(), got->data(), kObjectSize) != 0) {
+          return fmt::format("object {} came back wrong", i);
+        }
+        return std::string();
+      });
 
   // Warm-up (the evictor settles, the local share of the objects turns over), then the steady
   // window (the baseline), then the event. The windows are time itself.
@@ -209,8 +186,7 @@ void RunOne(const Args& a, const std::string& resilience) {
   }
   const Clock::time_point end_of_move = moved == Clock::time_point{} ? Clock::now() : moved;
   std::this_thread::sleep_for(std::chrono::seconds(a.seconds));  // the window after the move
-  stop = true;
-  reader.join();
+  const std::string reader_error = reader.Stop();
   rt->cluster().Unsubscribe(sub);
   if (!reader_error.empty()) Die(resilience + ": the workload failed: " + reader_error);
 
@@ -237,9 +213,7 @@ void RunOne(const Args& a, const std::string& resilience) {
       "lost {}; longest move {} ms\n",
       st.members_moved, st.members_failed, st.members_reprotected, st.degraded_reads, st.spans_lost,
       st.move_max_ms);
-  PrintMoveWindows(samples, us_since(onset),
-                   noticed == Clock::time_point{} ? -1 : us_since(noticed), us_since(end_of_move),
-                   a.seconds);
+  reader.PrintWindows(onset, noticed, end_of_move, a.seconds);
 }
 
 }  // namespace

@@ -3,14 +3,20 @@
 // long it took); Summarize gives a window's reads/s, the median of its 250 ms buckets (less swayed
 // by a stalled CPU), p50/p99/max latency and the longest gap between two completed reads (the
 // stall the workload saw); Row prints one window against the steady baseline of the same run.
+// ReadSampler is the reading workload itself, which makes the Samples.
 #pragma once
 
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <cstdio>
+#include <random>
 #include <string>
+#include <thread>
+#include <utility>
 #include <vector>
 
 namespace farmem::bench {
@@ -87,5 +93,60 @@ inline void PrintMoveWindows(const std::vector<Sample>& samples, int64_t event_u
              Row("after the move", after, &steady));
   std::fflush(stdout);
 }
+
+// The workload of a move benchmark: one thread of its own reading random items of [0, items)
+// (the same sequence every run) until Stop, each read a Sample. `read(i, end)` reads item i, sets
+// `end` when the read returned (the check that follows is not timed) and returns "" or what went
+// wrong; the first error ends the thread. Times are µs since the sampler was made. The samples
+// and the error are the thread's until Stop returns.
+class ReadSampler {
+ public:
+  using Clock = std::chrono::steady_clock;
+
+  template <typename Read>
+  ReadSampler(uint64_t items, size_t expected_reads, Read read) : t0_(Clock::now()) {
+    samples_.reserve(expected_reads);
+    thread_ = std::thread([this, items, read = std::move(read)]() mutable {
+      std::mt19937_64 rng(42);
+      while (!stop_.load(std::memory_order_relaxed)) {
+        const uint64_t i = rng() % items;
+        const Clock::time_point start = Clock::now();
+        Clock::time_point end{};
+        error_ = read(i, end);
+        if (!error_.empty()) return;
+        samples_.push_back({us_since(end), us_since(end) - us_since(start)});
+      }
+    });
+  }
+  ReadSampler(const ReadSampler&) = delete;
+  ReadSampler& operator=(const ReadSampler&) = delete;
+  ~ReadSampler() { Stop(); }
+
+  // Ends the workload; returns the first read that went wrong, "" if none did.
+  const std::string& Stop() {
+    stop_ = true;
+    if (thread_.joinable()) thread_.join();
+    return error_;
+  }
+
+  int64_t us_since(Clock::time_point t) const {
+    return std::chrono::duration_cast<std::chrono::microseconds>(t - t0_).count();
+  }
+
+  // PrintMoveWindows over this run (`notice` unset: there was none). After Stop.
+  void PrintWindows(Clock::time_point event, Clock::time_point notice, Clock::time_point moved,
+                    int64_t seconds) const {
+    PrintMoveWindows(samples_, us_since(event),
+                     notice == Clock::time_point{} ? -1 : us_since(notice), us_since(moved),
+                     seconds);
+  }
+
+ private:
+  const Clock::time_point t0_;
+  std::atomic<bool> stop_{false};
+  std::vector<Sample> samples_;
+  std::string error_;
+  std::thread thread_;
+};
 
 }  // namespace farmem::bench

@@ -21,13 +21,11 @@
 #include <signal.h>
 
 #include <algorithm>
-#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
-#include <random>
 #include <thread>
 #include <vector>
 
@@ -44,10 +42,6 @@
 #include "test_process.h"
 
 using Clock = std::chrono::steady_clock;
-using farmem::bench::Row;
-using farmem::bench::Sample;
-using farmem::bench::Summarize;
-using farmem::bench::Window;
 using std::chrono::milliseconds;
 
 namespace {
@@ -248,34 +242,16 @@ void RunOne(const Args& a, const std::string& mode) {
 
   // The reader: random blocks, each checked.
   const uint64_t blocks = export_bytes / kBlock;
-  const Clock::time_point t0 = Clock::now();
-  auto us_since = [&](Clock::time_point t) {
-    return std::chrono::duration_cast<std::chrono::microseconds>(t - t0).count();
-  };
-  std::atomic<bool> stop{false};
-  std::vector<Sample> samples;
-  samples.reserve(1 << 22);
-  std::string reader_error;
-  std::thread reader([&] {
-    std::mt19937_64 rng(42);
-    std::vector<uint8_t> want(kBlock);
-    while (!stop.load(std::memory_order_relaxed)) {
-      const uint64_t i = rng() % blocks;
-      const Clock::time_point start = Clock::now();
-      auto got = client->Read(i * kBlock, kBlock);
-      const Clock::time_point end = Clock::now();
-      if (!got) {
-        reader_error = fmt::format("block {}: {}", i, got.error().ToString());
-        return;
-      }
-      Block(i, want.data());
-      if (*got != want) {
-        reader_error = fmt::format("block {} came back wrong", i);
-        return;
-      }
-      samples.push_back({us_since(end), us_since(end) - us_since(start)});
-    }
-  });
+  farmem::bench::ReadSampler reader(
+      blocks, 1 << 22,
+      [&, want = std::vector<uint8_t>(kBlock)](uint64_t i, Clock::time_point& end) mutable {
+        auto got = client->Read(i * kBlock, kBlock);
+        end = Clock::now();
+        if (!got) return fmt::format("block {}: {}", i, got.error().ToString());
+        Block(i, want.data());
+        if (*got != want) return fmt::format("block {} came back wrong", i);
+        return std::string();
+      });
   std::this_thread::sleep_for(std::chrono::seconds(a.seconds));  // the steady window: time itself
 
   // The hog, on a thread of its own: the onset is its fork.
@@ -316,8 +292,7 @@ void RunOne(const Args& a, const std::string& mode) {
   }
   const Clock::time_point end_of_move = moved == Clock::time_point{} ? Clock::now() : moved;
   std::this_thread::sleep_for(std::chrono::seconds(a.seconds));  // the window after the move
-  stop = true;
-  reader.join();
+  const std::string reader_error = reader.Stop();
   hog_thread.join();
   const auto after = Scrape(lender_port);
   const auto export_m = Scrape(ReadPortFile(nbd_port_file));
@@ -353,9 +328,7 @@ void RunOne(const Args& a, const std::string& mode) {
       Value(after, "farmem_daemon_leases_evicted_total"), moved_members,
       farmem::metrics::Find(export_m, "farmem_export_degraded_reads_total", {}).value_or(-1),
       farmem::metrics::Find(export_m, "farmem_export_lost_bytes_total", {}).value_or(-1));
-  PrintMoveWindows(samples, us_since(onset),
-                   noticed == Clock::time_point{} ? -1 : us_since(noticed), us_since(end_of_move),
-                   a.seconds);
+  reader.PrintWindows(onset, noticed, end_of_move, a.seconds);
 }
 
 }  // namespace

@@ -111,17 +111,11 @@ Figures Median(std::vector<Figures> v) {
   return m;
 }
 
-// Baseline client: the same request/reply byte counts over a plain socket.
-Figures RunRaw(uint16_t port, const Args& a) {
-  auto sock = ConnectTcp({"127.0.0.1", port}, DeadlineIn(std::chrono::seconds(3)));
-  if (!sock) Die(sock.error().ToString());
-  const int fd = sock->fd();
-  std::vector<uint8_t> req(48 + a.size, 0), rep(24 + a.size);
-  auto one = [&](bool write) {
-    req[5] = write ? 8 : 7;
-    (void)SendAll(fd, {req.data(), write ? 48 + a.size : 48}, kNoDeadline);
-    (void)RecvExact(fd, {rep.data(), write ? 24 : 24 + a.size}, kNoDeadline);
-  };
+// One side's figures, measured the same way for both sides: `one(write)` runs a single operation
+// (latency: 1000 warm-up operations, then hundreds for a.seconds); `batch(write, depth)` returns a
+// callable that runs `depth` operations at once (throughput: whole batches for a.seconds).
+template <typename One, typename Batch>
+Figures Measure(const Args& a, One one, Batch batch) {
   auto lat = [&](bool write) {
     for (int i = 0; i < 1000; ++i) one(write);
     uint64_t n = 0;
@@ -133,17 +127,11 @@ Figures RunRaw(uint16_t port, const Args& a) {
     return Sec(Clock::now() - t0).count() * 1e6 / static_cast<double>(n);
   };
   auto tput = [&](bool write, int depth) {
-    std::vector<uint8_t> burst;
-    for (int i = 0; i < depth; ++i) {
-      req[5] = write ? 8 : 7;
-      burst.insert(burst.end(), req.begin(), req.begin() + (write ? 48 + a.size : 48));
-    }
-    std::vector<uint8_t> replies(static_cast<size_t>(depth) * (write ? 24 : 24 + a.size));
+    auto run = batch(write, depth);
     uint64_t n = 0;
     const auto t0 = Clock::now();
     while (Sec(Clock::now() - t0).count() < a.seconds) {
-      (void)SendAll(fd, burst, kNoDeadline);
-      (void)RecvExact(fd, replies, kNoDeadline);
+      run();
       n += static_cast<uint64_t>(depth);
     }
     return static_cast<double>(n) / Sec(Clock::now() - t0).count();
@@ -155,6 +143,32 @@ Figures RunRaw(uint16_t port, const Args& a) {
   f.write_ops_d16 = tput(true, 16);
   f.read_ops_d64 = tput(false, 64);
   return f;
+}
+
+// Baseline client: the same request/reply byte counts over a plain socket.
+Figures RunRaw(uint16_t port, const Args& a) {
+  auto sock = ConnectTcp({"127.0.0.1", port}, DeadlineIn(std::chrono::seconds(3)));
+  if (!sock) Die(sock.error().ToString());
+  const int fd = sock->fd();
+  std::vector<uint8_t> req(48 + a.size, 0), rep(24 + a.size);
+  auto one = [&](bool write) {
+    req[5] = write ? 8 : 7;
+    (void)SendAll(fd, {req.data(), write ? 48 + a.size : 48}, kNoDeadline);
+    (void)RecvExact(fd, {rep.data(), write ? 24 : 24 + a.size}, kNoDeadline);
+  };
+  auto batch = [&](bool write, int depth) {
+    std::vector<uint8_t> burst;
+    for (int i = 0; i < depth; ++i) {
+      req[5] = write ? 8 : 7;
+      burst.insert(burst.end(), req.begin(), req.begin() + (write ? 48 + a.size : 48));
+    }
+    std::vector<uint8_t> replies(static_cast<size_t>(depth) * (write ? 24 : 24 + a.size));
+    return [fd, burst = std::move(burst), replies = std::move(replies)]() mutable {
+      (void)SendAll(fd, burst, kNoDeadline);
+      (void)RecvExact(fd, replies, kNoDeadline);
+    };
+  };
+  return Measure(a, one, batch);
 }
 
 Figures RunFarmem(uint16_t port, const Args& a) {
@@ -176,43 +190,24 @@ Figures RunFarmem(uint16_t port, const Args& a) {
   if (!ch) Die(ch.error().ToString());
   transport::Channel& c = **ch;
   std::vector<uint8_t> buf(static_cast<size_t>(a.size) * 64, 0x5a);
-  auto lat = [&](bool write) {
-    auto one = [&] {
-      Status s =
-          write ? c.Write(slab, 0, {buf.data(), a.size}) : c.Read(slab, 0, {buf.data(), a.size});
-      if (!s.ok()) Die(s.ToString());
-    };
-    for (int i = 0; i < 1000; ++i) one();
-    uint64_t n = 0;
-    const auto t0 = Clock::now();
-    while (Sec(Clock::now() - t0).count() < a.seconds) {
-      for (int i = 0; i < 100; ++i) one();
-      n += 100;
-    }
-    return Sec(Clock::now() - t0).count() * 1e6 / static_cast<double>(n);
+  auto one = [&](bool write) {
+    Status s =
+        write ? c.Write(slab, 0, {buf.data(), a.size}) : c.Read(slab, 0, {buf.data(), a.size});
+    if (!s.ok()) Die(s.ToString());
   };
-  auto tput = [&](bool write, int depth) {
+  auto batch = [&](bool write, int depth) {
     std::vector<transport::Op> ops;
     for (int i = 0; i < depth; ++i) {
       ops.push_back({write ? transport::OpType::kWrite : transport::OpType::kRead, slab,
                      static_cast<uint64_t>(i) * a.size,
                      buf.data() + static_cast<size_t>(i) * a.size, a.size});
     }
-    uint64_t n = 0;
-    const auto t0 = Clock::now();
-    while (Sec(Clock::now() - t0).count() < a.seconds) {
+    return [&c, ops = std::move(ops)]() mutable {
       Status s = c.Execute(ops);
       if (!s.ok()) Die(s.ToString());
-      n += static_cast<uint64_t>(depth);
-    }
-    return static_cast<double>(n) / Sec(Clock::now() - t0).count();
+    };
   };
-  Figures f;
-  f.read_us = lat(false);
-  f.write_us = lat(true);
-  f.read_ops_d16 = tput(false, 16);
-  f.write_ops_d16 = tput(true, 16);
-  f.read_ops_d64 = tput(false, 64);
+  const Figures f = Measure(a, one, batch);
   body.clear();
   wire::EncodeFree({{slab.lease_id}}, &body);
   if (auto fr = ctl->Call(wire::Opcode::kFree, body, std::chrono::seconds(3)); !fr) {

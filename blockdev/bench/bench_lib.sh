@@ -1,14 +1,33 @@
 # shellcheck shell=bash
 # shellcheck disable=SC2154  # bin and work are the caller's (see below)
-# bench_lib.sh: what the NBD benchmark scripts share (sourced, not run): waiting for a daemon's
-# file, the cluster secret, a set of farmemd daemons on loopback with their ports collected, and a
-# process set's CPU time. One place for each, so nbd_bench.sh and nbd_subpage_bench.sh start their
+# bench_lib.sh: what the NBD benchmark scripts share (sourced, not run): checking what a run
+# needs, stopping what it started, waiting for a daemon's file, the cluster secret, a set of
+# farmemd daemons on loopback with their ports collected, and a process set's CPU time. One place
+# for each, so nbd_bench.sh, nbd_subpage_bench.sh and nbd_crypto_profile.sh start and stop their
 # daemons the same way.
 #
 # The caller defines before using it:
 #   bin    the directory with farmemd (e.g. build/bin)
 #   work   the run's scratch directory (port files, logs, the secret)
 #   pids   an array: every process started here is appended, for the caller's cleanup trap
+
+# bench_require TOOL...: exit with a message unless every TOOL is on PATH and farmem-nbd and
+# farmemd are built in $bin.
+bench_require() {
+  local tool b
+  for tool in "$@"; do
+    command -v "$tool" >/dev/null || { echo "$tool not found" >&2; exit 1; }
+  done
+  for b in farmem-nbd farmemd; do
+    [ -x "$bin/$b" ] || { echo "$bin/$b not built (cmake --build ${bin%/bin} --target $b)" >&2; exit 1; }
+  done
+}
+
+# stop_pids: kill every process in pids and wait for it to end (for the caller's EXIT trap).
+stop_pids() {
+  local p
+  for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; wait "$p" 2>/dev/null || true; done
+}
 
 # wait_file -S|-s PATH: wait (up to 30 s) until PATH is a socket (-S) or a non-empty file (-s).
 wait_file() {
@@ -56,7 +75,8 @@ start_farmemds() {
 #
 # It runs the interpreter python3 resolves to directly: a version manager's shim in front of it
 # (pyenv's is a bash script) took seconds per call on the loaded machine, twice per job.
-bench_python=$(python3 -c 'import sys; print(sys.executable)')
+# Without python3 it stays "python3": bench_require then names what is missing.
+bench_python=$(python3 -c 'import sys; print(sys.executable)' 2>/dev/null || echo python3)
 cpu_ns() {
   "$bench_python" -c '
 import os, sys, time

@@ -120,12 +120,10 @@ else
 fi
 [ -n "$disk_dir" ] || disk_dir=$build
 bin=$build/bin
-for tool in fio nbdkit python3; do
-  command -v $tool >/dev/null || { echo "$tool not found" >&2; exit 1; }
-done
-for b in farmem-nbd farmemd; do
-  [ -x "$bin/$b" ] || { echo "$bin/$b not built (cmake --build $build --target $b)" >&2; exit 1; }
-done
+# bench_require, stop_pids, wait_file, bench_secret, start_farmemds, cpu_ns
+# shellcheck source=blockdev/bench/bench_lib.sh
+source "$(dirname "$0")/bench_lib.sh"
+bench_require fio nbdkit python3
 
 work=$(mktemp -d /tmp/nbd-bench.XXXXXX)
 [ -n "$json_dir" ] || json_dir=$work
@@ -133,14 +131,11 @@ mkdir -p "$json_dir"
 disk_file=$disk_dir/nbd-bench-disk.$$.img
 pids=()
 cleanup() {
-  for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; wait "$p" 2>/dev/null || true; done
+  stop_pids
   rm -rf "$work"
   rm -f "$disk_file"
 }
 trap cleanup EXIT
-# wait_file, bench_secret, start_farmemds, cpu_ns
-# shellcheck source=blockdev/bench/bench_lib.sh
-source "$(dirname "$0")/bench_lib.sh"
 
 has() { case " $targets " in *" $1 "*) return 0 ;; esac; return 1; }
 declare -A server_pids  # target -> every process serving it (--cpu): NBD server and its daemons

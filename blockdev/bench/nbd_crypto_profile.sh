@@ -27,24 +27,15 @@ while [ $# -gt 0 ]; do
     *) echo "unknown option $1 (see the header of $0)" >&2; exit 2 ;;
   esac
 done
-for tool in fio perf curl python3; do
-  command -v $tool >/dev/null || { echo "$tool is needed" >&2; exit 1; }
-done
 bin=$build/bin
-for b in farmem-nbd farmemd; do
-  [ -x "$bin/$b" ] || { echo "$bin/$b missing: ninja -C $build $b" >&2; exit 1; }
-done
+# shellcheck source=blockdev/bench/bench_lib.sh
+source "$(dirname "$0")/bench_lib.sh"
+bench_require fio perf curl python3
 work=$(mktemp -d)
 out=${out:-$work/out}
 mkdir -p "$out"
 pids=()
-cleanup() {
-  for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
-  wait 2>/dev/null || true
-}
-trap cleanup EXIT
-# shellcheck source=blockdev/bench/bench_lib.sh
-source "$(dirname "$0")/bench_lib.sh"
+trap 'stop_pids; wait 2>/dev/null || true' EXIT  # perf's jobs too
 
 peers=''
 dpids=()

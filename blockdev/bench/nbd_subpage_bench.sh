@@ -41,22 +41,13 @@ while [ $# -gt 0 ]; do
   esac
 done
 bin=$build/bin
-for tool in fio nbdkit python3; do
-  command -v $tool >/dev/null || { echo "$tool not found" >&2; exit 1; }
-done
-for b in farmem-nbd farmemd; do
-  [ -x "$bin/$b" ] || { echo "$bin/$b not built (cmake --build $build --target $b)" >&2; exit 1; }
-done
-work=$(mktemp -d /tmp/nbd-subpage-bench.XXXXXX)
-pids=()
-cleanup() {
-  for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; wait "$p" 2>/dev/null || true; done
-  rm -rf "$work"
-}
-trap cleanup EXIT
-# wait_file, start_farmemds (six farmemd on loopback, their ports collected)
+# bench_require, stop_pids, wait_file, start_farmemds (six farmemd on loopback, their ports)
 # shellcheck source=blockdev/bench/bench_lib.sh
 source "$(dirname "$0")/bench_lib.sh"
+bench_require fio nbdkit python3
+work=$(mktemp -d /tmp/nbd-subpage-bench.XXXXXX)
+pids=()
+trap 'stop_pids; rm -rf "$work"' EXIT
 has() { case " $targets " in *" $1 "*) return 0 ;; esac; return 1; }
 
 if has nbdkit-mem; then

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <fstream>
+#include <iterator>
 #include <memory>
 #include <optional>
 #include <set>
@@ -236,6 +237,21 @@ class Workload {
   const RunConfig& config_;
   testing::DaemonSet& daemons_;
   std::string dir_;
+
+  // The flags both workload programs take to join the scenario's cluster: its daemons, the
+  // secret, the resilience mode and how failures are detected.
+  std::vector<std::string> ClusterArgs() const {
+    return {"--peers",
+            PeerList(daemons_),
+            "--secret-file",
+            dir_ + "/secret",
+            "--resilience",
+            scenario_.resilience,
+            "--heartbeat-ms",
+            std::to_string(config_.heartbeat_ms),
+            "--failure-timeout-ms",
+            std::to_string(config_.failure_timeout_ms)};
+  }
 };
 
 class NbdWorkload : public Workload {
@@ -243,26 +259,11 @@ class NbdWorkload : public Workload {
   using Workload::Workload;
 
   Status Start() override {
-    const std::string peers = PeerList(daemons_);
     socket_ = dir_ + "/nbd.sock";
-    std::vector<std::string> argv = {testing::BinPath("farmem-nbd"),
-                                     "--backend",
-                                     "farmem",
-                                     "--peers",
-                                     peers,
-                                     "--secret-file",
-                                     dir_ + "/secret",
-                                     "--resilience",
-                                     scenario_.resilience,
-                                     "--size",
-                                     std::to_string(config_.device_bytes),
-                                     "--unix",
-                                     socket_,
-                                     "--no-swap-safe",
-                                     "--heartbeat-ms",
-                                     std::to_string(config_.heartbeat_ms),
-                                     "--failure-timeout-ms",
-                                     std::to_string(config_.failure_timeout_ms)};
+    std::vector<std::string> argv = {
+        testing::BinPath("farmem-nbd"),       "--backend", "farmem", "--size",
+        std::to_string(config_.device_bytes), "--unix",    socket_,  "--no-swap-safe"};
+    std::ranges::copy(ClusterArgs(), std::back_inserter(argv));
     if (scenario_.backup) argv.insert(argv.end(), {"--backup", dir_ + "/backup.img"});
     // Reads that failed authentication are counted in farmem-nbd's metrics (Finish reads them).
     if (Flips(scenario_)) {
@@ -355,22 +356,10 @@ class FarptrWorkload : public Workload {
   using Workload::Workload;
 
   Status Start() override {
-    const std::string peers = PeerList(daemons_);
-    std::vector<std::string> argv = {config_.farptr_workload,
-                                     "--peers",
-                                     peers,
-                                     "--secret-file",
-                                     dir_ + "/secret",
-                                     "--resilience",
-                                     scenario_.resilience,
-                                     "--objects",
-                                     std::to_string(config_.farptr_objects),
-                                     "--heartbeat-ms",
-                                     std::to_string(config_.heartbeat_ms),
-                                     "--failure-timeout-ms",
-                                     std::to_string(config_.failure_timeout_ms),
-                                     "--compact",
+    std::vector<std::string> argv = {config_.farptr_workload, "--objects",
+                                     std::to_string(config_.farptr_objects), "--compact",
                                      scenario_.compact ? "on" : "off"};
+    std::ranges::copy(ClusterArgs(), std::back_inserter(argv));
     SpawnOptions so;
     so.stdout_path = dir_ + "/farptr.out";
     so.stderr_path = log_path();

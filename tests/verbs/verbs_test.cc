@@ -143,6 +143,26 @@ class VerbsTest : public ::testing::Test {
     return o;
   }
 
+  // One client of one daemon, as most tests start: its control connection, `nleases` leases and
+  // a data channel of `depth`. Call as ASSERT_NO_FATAL_FAILURE(Connect(...)).
+  struct Client {
+    std::optional<Control> ctl;
+    std::vector<RemoteSlab> slabs;
+    std::unique_ptr<Channel> ch;
+  };
+  void Connect(testing::DaemonProcess& d, const wire::ClientId& id, Client& c, size_t nleases = 1,
+               uint32_t depth = 16) {
+    auto ctl = Control::Open(Options(d.endpoint(), id));
+    ASSERT_TRUE(ctl.has_value()) << ctl.error().ToString() << Logs();
+    c.ctl.emplace(std::move(*ctl));
+    auto leases = c.ctl->Alloc(nleases);
+    ASSERT_TRUE(leases.has_value()) << leases.error().ToString();
+    for (const auto& g : *leases) c.slabs.push_back(RemoteSlab::From(g));
+    auto ch = transport_->OpenChannel(Options(d.endpoint(), id, depth));
+    ASSERT_TRUE(ch.has_value()) << ch.error().ToString() << Logs();
+    c.ch = std::move(*ch);
+  }
+
   std::vector<std::string> addrs_;
   std::unique_ptr<transport::Transport> transport_;
   std::unique_ptr<testing::TempDir> work_dir_;
@@ -221,26 +241,14 @@ TEST_F(VerbsTest, RandomReadsAndWritesMatchAShadowCopy) {
   std::vector<uint8_t> arena(slots * kBig), unregistered(slots * kBig);
   auto region = transport_->RegisterMemory(arena.data(), arena.size());
   ASSERT_TRUE(region.has_value()) << region.error().ToString();
-  struct Node {
+  struct Node : Client {
     testing::DaemonProcess* daemon;
-    std::optional<Control> ctl;
-    std::unique_ptr<Channel> ch;
-    std::vector<RemoteSlab> slabs;
   };
   std::vector<Node> nodes(kDaemons);
   for (size_t i = 0; i < kDaemons; ++i) nodes[i].daemon = &StartDaemon(i, cfg);
   if (HasFailure()) return;
-  for (Node& n : nodes) {
-    auto ctl = Control::Open(Options(n.daemon->endpoint(), id));
-    ASSERT_TRUE(ctl.has_value()) << ctl.error().ToString();
-    n.ctl.emplace(std::move(*ctl));
-    auto leases = n.ctl->Alloc(kLeasesPerDaemon);
-    ASSERT_TRUE(leases.has_value()) << leases.error().ToString();
-    for (const auto& g : *leases) n.slabs.push_back(RemoteSlab::From(g));
-    auto ch = transport_->OpenChannel(Options(n.daemon->endpoint(), id, kDepth));
-    ASSERT_TRUE(ch.has_value()) << ch.error().ToString() << Logs();
-    n.ch = std::move(*ch);
-  }
+  for (Node& n : nodes)
+    ASSERT_NO_FATAL_FAILURE(Connect(*n.daemon, id, n, kLeasesPerDaemon, kDepth));
   std::mt19937_64 rng(20261130);
   size_t done = 0, reads = 0, writes = 0, bounced = 0;
   const auto start = Clock::now();
@@ -338,14 +346,10 @@ TEST_F(VerbsTest, RandomReadsAndWritesMatchAShadowCopy) {
 // (larger than a bounce slot) buffers in one go.
 TEST_F(VerbsTest, BatchOfMixedBuffersCompletesWithFewDoorbells) {
   auto& d = StartDaemon(1);
-  const wire::ClientId id = NewClientId();
-  auto ctl = Control::Open(Options(d.endpoint(), id));
-  ASSERT_TRUE(ctl.has_value());
-  auto leases = ctl->Alloc(1);
-  ASSERT_TRUE(leases.has_value());
-  const RemoteSlab slab = RemoteSlab::From((*leases)[0]);
-  auto ch = transport_->OpenChannel(Options(d.endpoint(), id, 64));
-  ASSERT_TRUE(ch.has_value()) << ch.error().ToString();
+  Client c;
+  ASSERT_NO_FATAL_FAILURE(Connect(d, NewClientId(), c, 1, 64));
+  const RemoteSlab slab = c.slabs[0];
+  Channel* ch = c.ch.get();
 
   std::mt19937_64 rng(7);
   std::vector<uint8_t> reg(62 * 4096), big(256 << 10), small(4096);
@@ -362,28 +366,28 @@ TEST_F(VerbsTest, BatchOfMixedBuffersCompletesWithFewDoorbells) {
   ops.push_back({OpType::kWrite, slab, 512 << 10, big.data(), uint32_t(big.size()), nullptr});
   ops.push_back({OpType::kWrite, slab, 256 << 10, small.data(), 4096, nullptr});
   std::vector<Status> results(ops.size());
-  Status s = (*ch)->Execute(ops, results);
+  Status s = ch->Execute(ops, results);
   ASSERT_TRUE(s.ok()) << s.ToString();
-  EXPECT_EQ((*ch)->stats().doorbells, 1u) << "64 writes should go out with one doorbell";
+  EXPECT_EQ(ch->stats().doorbells, 1u) << "64 writes should go out with one doorbell";
 
   std::fill(reg.begin(), reg.end(), 0);
   std::fill(big.begin(), big.end(), 0);
   std::fill(small.begin(), small.end(), 0);
   for (Op& op : ops) op.type = OpType::kRead;
-  s = (*ch)->Execute(ops, results);
+  s = ch->Execute(ops, results);
   ASSERT_TRUE(s.ok()) << s.ToString();
   EXPECT_EQ(reg, want_reg);
   EXPECT_EQ(big, want_big);
   EXPECT_EQ(small, want_small);
   const uint32_t depth = 16;  // what the client asks for; rxe grants it
-  EXPECT_LE((*ch)->stats().doorbells, 1u + 1u + (ops.size() + depth - 1) / depth * 2)
+  EXPECT_LE(ch->stats().doorbells, 1u + 1u + (ops.size() + depth - 1) / depth * 2)
       << "reads beyond the read depth wait, the rest share doorbells";
-  EXPECT_EQ((*ch)->stats().ops, 2 * ops.size());
+  EXPECT_EQ(ch->stats().ops, 2 * ops.size());
 
   // Malformed ops fail at Post, nothing queued.
   std::vector<uint8_t> b(4096);
-  EXPECT_EQ((*ch)->Read(slab, slab.length - 100, b).code(), StatusCode::kOutOfRange);
-  EXPECT_EQ((*ch)->outstanding(), 0u);
+  EXPECT_EQ(ch->Read(slab, slab.length - 100, b).code(), StatusCode::kOutOfRange);
+  EXPECT_EQ(ch->outstanding(), 0u);
 }
 
 // Freeing a lease deregisters its memory region: the old rkey is dead, and an op through it fails
@@ -391,25 +395,22 @@ TEST_F(VerbsTest, BatchOfMixedBuffersCompletesWithFewDoorbells) {
 TEST_F(VerbsTest, FreedLeaseRkeyFailsWithRemoteAccessError) {
   auto& d = StartDaemon(0);
   const wire::ClientId id = NewClientId();
-  auto ctl = Control::Open(Options(d.endpoint(), id));
-  ASSERT_TRUE(ctl.has_value());
-  auto leases = ctl->Alloc(2);
-  ASSERT_TRUE(leases.has_value());
-  const RemoteSlab gone = RemoteSlab::From((*leases)[0]);
-  const RemoteSlab kept = RemoteSlab::From((*leases)[1]);
-  auto ch = transport_->OpenChannel(Options(d.endpoint(), id));
-  ASSERT_TRUE(ch.has_value());
+  Client c;
+  ASSERT_NO_FATAL_FAILURE(Connect(d, id, c, 2));
+  const RemoteSlab gone = c.slabs[0];
+  const RemoteSlab kept = c.slabs[1];
+  Channel* ch = c.ch.get();
   std::vector<uint8_t> buf(4096, 1);
-  ASSERT_TRUE((*ch)->Write(gone, 0, buf).ok());
-  ASSERT_TRUE(ctl->Free({gone.lease_id}).ok());
+  ASSERT_TRUE(ch->Write(gone, 0, buf).ok());
+  ASSERT_TRUE(c.ctl->Free({gone.lease_id}).ok());
 
   const auto t0 = Clock::now();
-  Status s = (*ch)->Read(gone, 0, buf);
+  Status s = ch->Read(gone, 0, buf);
   const auto took = Clock::now() - t0;
   EXPECT_EQ(s.code(), StatusCode::kRemoteAccessError) << s.ToString();
   EXPECT_LT(took, std::chrono::seconds(3));
-  EXPECT_TRUE((*ch)->broken()) << "an RC queue pair is in error after a remote access error";
-  EXPECT_FALSE((*ch)->Write(kept, 0, buf).ok()) << "a broken channel refuses new ops";
+  EXPECT_TRUE(ch->broken()) << "an RC queue pair is in error after a remote access error";
+  EXPECT_FALSE(ch->Write(kept, 0, buf).ok()) << "a broken channel refuses new ops";
 
   // A new channel works for the lease still held, and writes through the dead rkey fail too.
   auto ch2 = transport_->OpenChannel(Options(d.endpoint(), id));
@@ -423,19 +424,15 @@ TEST_F(VerbsTest, ExpiredLeaseRkeyFailsWithRemoteAccessError) {
   testing::DaemonConfig cfg;
   cfg.lease_ttl_ms = 300;
   auto& d = StartDaemon(2, cfg);
-  const wire::ClientId id = NewClientId();
-  auto ctl = Control::Open(Options(d.endpoint(), id));
-  ASSERT_TRUE(ctl.has_value());
-  auto leases = ctl->Alloc(1);
-  ASSERT_TRUE(leases.has_value());
-  const RemoteSlab slab = RemoteSlab::From((*leases)[0]);
-  auto ch = transport_->OpenChannel(Options(d.endpoint(), id));
-  ASSERT_TRUE(ch.has_value());
+  Client c;
+  ASSERT_NO_FATAL_FAILURE(Connect(d, NewClientId(), c));
+  const RemoteSlab slab = c.slabs[0];
+  Channel* ch = c.ch.get();
   std::vector<uint8_t> buf(4096, 3);
   // No heartbeat is sent: the daemon reclaims the lease within ttl + a housekeeping period.
   Status s;
-  testing::WaitUntil([&] { return !(s = (*ch)->Write(slab, 0, buf)).ok(); },
-                     std::chrono::seconds(5), milliseconds(100));
+  testing::WaitUntil([&] { return !(s = ch->Write(slab, 0, buf)).ok(); }, std::chrono::seconds(5),
+                     milliseconds(100));
   EXPECT_EQ(s.code(), StatusCode::kRemoteAccessError) << s.ToString();
   EXPECT_NE(d.LogTail().find("expired"), std::string::npos) << d.LogTail();
 }
@@ -445,21 +442,18 @@ TEST_F(VerbsTest, ExpiredLeaseRkeyFailsWithRemoteAccessError) {
 TEST_F(VerbsTest, AnotherClientCannotUseALeasesRkey) {
   auto& d = StartDaemon(1);
   const wire::ClientId owner = NewClientId(), thief = NewClientId();
-  auto ctl = Control::Open(Options(d.endpoint(), owner));
-  ASSERT_TRUE(ctl.has_value());
-  auto leases = ctl->Alloc(1);
-  ASSERT_TRUE(leases.has_value());
-  const RemoteSlab slab = RemoteSlab::From((*leases)[0]);
-  auto mine = transport_->OpenChannel(Options(d.endpoint(), owner));
-  ASSERT_TRUE(mine.has_value());
+  Client c;
+  ASSERT_NO_FATAL_FAILURE(Connect(d, owner, c));
+  const RemoteSlab slab = c.slabs[0];
+  Channel* mine = c.ch.get();
   std::vector<uint8_t> secret(4096, 0x77), got(4096, 0);
-  ASSERT_TRUE((*mine)->Write(slab, 0, secret).ok());
+  ASSERT_TRUE(mine->Write(slab, 0, secret).ok());
 
   auto theirs = transport_->OpenChannel(Options(d.endpoint(), thief));
   ASSERT_TRUE(theirs.has_value());
   EXPECT_EQ((*theirs)->Read(slab, 0, got).code(), StatusCode::kRemoteAccessError);
   EXPECT_NE(got, secret);
-  ASSERT_TRUE((*mine)->Read(slab, 0, got).ok());
+  ASSERT_TRUE(mine->Read(slab, 0, got).ok());
   EXPECT_EQ(got, secret);
 }
 
@@ -468,13 +462,10 @@ TEST_F(VerbsTest, AnotherClientCannotUseALeasesRkey) {
 TEST_F(VerbsTest, KilledDaemonFailsOutstandingOpsQuickly) {
   auto& d = StartDaemon(2);
   const wire::ClientId id = NewClientId();
-  auto ctl = Control::Open(Options(d.endpoint(), id));
-  ASSERT_TRUE(ctl.has_value());
-  auto leases = ctl->Alloc(1);
-  ASSERT_TRUE(leases.has_value());
-  const RemoteSlab slab = RemoteSlab::From((*leases)[0]);
-  auto ch = transport_->OpenChannel(Options(d.endpoint(), id, 8));
-  ASSERT_TRUE(ch.has_value());
+  Client c;
+  ASSERT_NO_FATAL_FAILURE(Connect(d, id, c, 1, 8));
+  const RemoteSlab slab = c.slabs[0];
+  Channel* ch = c.ch.get();
   std::vector<uint8_t> bufs(8 * 4096);
   auto region = transport_->RegisterMemory(bufs.data(), bufs.size());
   ASSERT_TRUE(region.has_value());
@@ -489,13 +480,13 @@ TEST_F(VerbsTest, KilledDaemonFailsOutstandingOpsQuickly) {
       d.Kill();
       killed_at = Clock::now();
     }
-    while (!(*ch)->broken() && (*ch)->outstanding() < 8) {
-      const size_t i = (*ch)->outstanding();
+    while (!ch->broken() && ch->outstanding() < 8) {
+      const size_t i = ch->outstanding();
       Op op{OpType::kRead, slab, i * 4096, bufs.data() + i * 4096, 4096, region->get(), i};
-      if (!(*ch)->Post(op).ok()) break;
+      if (!ch->Post(op).ok()) break;
     }
-    (void)(*ch)->Flush();
-    auto n = (*ch)->Poll(comps, milliseconds(500));
+    (void)ch->Flush();
+    auto n = ch->Poll(comps, milliseconds(500));
     ASSERT_TRUE(n.has_value());
     for (size_t i = 0; i < *n; ++i) {
       if (comps[i].status.ok()) {
@@ -508,17 +499,17 @@ TEST_F(VerbsTest, KilledDaemonFailsOutstandingOpsQuickly) {
             << comps[i].status.ToString();
       }
     }
-    if ((*ch)->broken() && (*ch)->outstanding() == 0) break;
+    if (ch->broken() && ch->outstanding() == 0) break;
   }
   ASSERT_TRUE(killed_at.has_value()) << "only " << ok << " reads succeeded before the kill";
-  EXPECT_TRUE((*ch)->broken());
-  EXPECT_EQ((*ch)->outstanding(), 0u);
+  EXPECT_TRUE(ch->broken());
+  EXPECT_EQ(ch->outstanding(), 0u);
   EXPECT_GT(failed, 0u);
   const auto detect = std::chrono::duration_cast<milliseconds>(failed_at - *killed_at);
   std::printf("killed daemon detected after %lld ms (%zu ops ok, %zu failed)\n",
               static_cast<long long>(detect.count()), ok, failed);
   EXPECT_LT(detect, std::chrono::seconds(5));
-  EXPECT_FALSE((*ch)->Read(slab, 0, {bufs.data(), 4096}).ok());
+  EXPECT_FALSE(ch->Read(slab, 0, {bufs.data(), 4096}).ok());
   EXPECT_FALSE(transport_->OpenChannel(Options(d.endpoint(), id)).has_value());
 }
 
