@@ -150,7 +150,9 @@ TEST_P(NoPlaintextTest, LendersAndBackupFileHoldNoneOfThePatterns) {
   // With a backup file the file is still checked; without, the scan is the whole case.
   if (kSanitized && !c.backup) GTEST_SKIP() << kNoScanUnderSanitizer;
   StartDaemons(c.daemons, "16M");
-  const std::string backup = c.backup ? ::testing::TempDir() + "/crypto_backup.img" : "";
+  testing::TempDir dir("crypto");  // private: two runs of this test at once must not share it
+  ASSERT_TRUE(dir.ok()) << dir.status().ToString();
+  const std::string backup = c.backup ? dir.File("backup.img") : "";
   OpenWith(c.mode, /*encrypt=*/true, backup);
   constexpr uint64_t kPages = 2048;  // 8 MiB
   WritePatterns(kPages);
@@ -164,7 +166,6 @@ TEST_P(NoPlaintextTest, LendersAndBackupFileHoldNoneOfThePatterns) {
     ss << f.rdbuf();
     EXPECT_EQ(ss.str().size(), kExport);
     EXPECT_EQ(CountMarks(ss.str()), 0u) << "plaintext of the export is in the backup file";
-    std::remove(backup.c_str());
   }
 }
 
@@ -201,15 +202,24 @@ TEST_P(FlipTest, IsServedFromTheOtherMembersAndReprotected) {
   WritePatterns(64);
   const uint64_t page = 17;
   // The member a read uses: replicate reads one replica, by page; ec reads every member and uses
-  // the first k fragments to arrive, so the bad one may be left out of a read: read until it is
-  // not (each read must be right either way).
+  // the first k fragments to arrive, so the bad one may be left out of a read (on a loaded
+  // machine, for hundreds of reads in a row while its daemon waits for a core): read until it is
+  // not, each read right either way.
   const size_t member = store_->resilience().k == 1 ? page % c.daemons_in_group : 0;
   FlipBit(page, member);
   std::vector<uint8_t> buf(4096);
-  for (int i = 0; i < 200 && store_->stats().integrity_failures == 0; ++i) {
-    ASSERT_TRUE(store_->Read(page * 4096, buf).ok());
-    ASSERT_EQ(0, std::memcmp(buf.data(), shadow_.data() + page * 4096, 4096));
-  }
+  size_t reads = 0;
+  ASSERT_TRUE(WaitUntil(
+      [&] {
+        ++reads;
+        if (!store_->Read(page * 4096, buf).ok()) return true;  // fails the checks below
+        if (std::memcmp(buf.data(), shadow_.data() + page * 4096, 4096) != 0) return true;
+        return store_->stats().integrity_failures != 0;
+      },
+      std::chrono::seconds(60)))
+      << "the flipped member was left out of " << reads << " reads";
+  ASSERT_TRUE(store_->Read(page * 4096, buf).ok());
+  ASSERT_EQ(0, std::memcmp(buf.data(), shadow_.data() + page * 4096, 4096));
   EXPECT_EQ(store_->stats().integrity_failures, 1u);
   // The bad member is a failed member: re-protected, after which every page reads right again.
   ASSERT_TRUE(WaitUntil([&] { return store_->stats().rebuilds >= 1; }, std::chrono::seconds(20)))
@@ -255,7 +265,9 @@ TEST_F(CryptoTest, FlipInNoneFailsExactlyThatPage) {
 
 TEST_F(CryptoTest, FlipInNoneIsServedFromTheBackupFile) {
   StartDaemons(2, "16M");
-  const std::string backup = ::testing::TempDir() + "/crypto_flip_backup.img";
+  testing::TempDir dir("crypto");
+  ASSERT_TRUE(dir.ok()) << dir.status().ToString();
+  const std::string backup = dir.File("backup.img");
   OpenWith("none", /*encrypt=*/true, backup);
   WritePatterns(64);
   FlipBit(17, 0);
@@ -266,7 +278,6 @@ TEST_F(CryptoTest, FlipInNoneIsServedFromTheBackupFile) {
   store_->WaitForRebuilds();
   WaitUntilWhole();
   VerifyAll();
-  std::remove(backup.c_str());
 }
 
 // ---- (3) nonces never repeat ------------------------------------------------------------------

@@ -60,6 +60,7 @@ class PageStoreTest : public ::testing::Test {
   void Open(const std::string& mode, const std::string& backup = "",
             std::chrono::milliseconds reconcile = std::chrono::milliseconds(3000),
             const std::function<void(PageStoreOptions&)>& more = nullptr) {
+    ASSERT_NE(cluster_, nullptr) << "no cluster: StartDaemons failed above";
     PageStoreOptions o;
     o.size = kExport;
     auto r = Resilience::Parse(mode);
