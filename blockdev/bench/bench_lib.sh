@@ -91,3 +91,13 @@ for pid in map(int, sys.argv[1:]):
         ticks = True
 print(total, "ticks" if ticks else "")' "$@"
 }
+# page_faults PID...: minor + major page faults of those processes so far (/proc/PID/stat fields
+# 10 and 12), every thread included: memory touched for the first time on the data path shows here.
+page_faults() {
+  local pid f total=0
+  for pid in "$@"; do
+    read -r -a f <<<"$(cut -d')' -f2- "/proc/$pid/stat")"
+    total=$((total + f[7] + f[9]))  # after "pid (comm)": state is f[0], minflt f[7], majflt f[9]
+  done
+  echo "$total"
+}

@@ -269,11 +269,12 @@ if has farmem-none-plain || has farmem-ec-plain; then
 fi
 
 # run_job TARGET RW QD RAMP OUT: one fio job, 4 KiB, one connection; fio's JSON in OUT.json and,
-# with --cpu, the servers' CPU time over the job in OUT.cpu ("NS" or "NS ticks", see cpu_ns).
+# with --cpu, the servers' CPU time over the job in OUT.cpu ("NS" or "NS ticks", see cpu_ns) and
+# their page faults over it in OUT.faults (bench_lib.sh page_faults).
 run_job() {
-  local t=$1 rw=$2 qd=$3 ramp=$4 out=$5 sp=${server_pids[$1]:-} c0='' c1
+  local t=$1 rw=$2 qd=$3 ramp=$4 out=$5 sp=${server_pids[$1]:-} c0='' c1 f0=''
   # shellcheck disable=SC2086  # $sp is a list of pids
-  [ $cpu = 1 ] && [ -n "$sp" ] && c0=$(cpu_ns $sp)
+  [ $cpu = 1 ] && [ -n "$sp" ] && c0=$(cpu_ns $sp) && f0=$(page_faults $sp)
   # shellcheck disable=SC2046
   fio --name="$t-$rw-qd$qd" $(reach "$t") --rw="$rw" --bs=4k --iodepth="$qd" \
     --numjobs=1 --size="$size" --time_based --runtime="$runtime" --ramp_time="$ramp" \
@@ -282,6 +283,8 @@ run_job() {
     # shellcheck disable=SC2086
     c1=$(cpu_ns $sp)
     echo "$((${c1%% *} - ${c0%% *}))$(case "$c0$c1" in *ticks*) echo " ticks" ;; esac)" >"$out.cpu"
+    # shellcheck disable=SC2086
+    echo "$(($(page_faults $sp) - f0))" >"$out.faults"
   fi
 }
 
@@ -325,8 +328,9 @@ def one(t, rw, qd, p):
     coarse |= bool(flag)
     ios = max(s["total_ios"], 1)
     busy = max(int(ns) - idle[t] * j["job_runtime"] / 1000, 0)  # minus the background
+    faults = int(open(f"{d}/{t}-{rw}-qd{qd}-{p}.faults").read())
     return {"iops": s["iops"], "lat": s["lat_ns"]["mean"] / 1000, "cpu": busy / 1000 / ios,
-            "cpu_ns": busy, "ios": ios}
+            "cpu_ns": busy, "ios": ios, "faults": faults}
 def ci(xs):
     """Median with a distribution-free ~95% confidence interval (order statistics: the
     interval [x_(k), x_(n+1-k)] with P(Binomial(n, 1/2) < k) <= 2.5%); None if n is too small."""
@@ -375,6 +379,12 @@ for w in workloads:
     pa, pb = (sum(x["cpu_ns"] for x in r[k]) / 1000 / sum(x["ios"] for x in r[k]) for k in "AB")
     r["pooled"] = (pa, pb)
     print(f"{w.replace(':', ' qd'):<16}{pa:>10.2f}{pb:>10.2f}{pa - pb:>+10.2f}{pa / pb:>10.3f}")
+print()
+print("servers' page faults (minor + major, every thread) per 1000 requests, all pairs: A, B")
+for w in workloads:
+    r = res[w]
+    fa, fb = (1000 * sum(x["faults"] for x in r[k]) / sum(x["ios"] for x in r[k]) for k in "AB")
+    print(f"{w.replace(':', ' qd'):<16}{fa:>10.3f}{fb:>10.3f}")
 print()
 print("medians per target (range over pairs): IOPS; mean latency us; CPU/req us")
 for w in workloads:
