@@ -327,9 +327,20 @@ class PageStore final : public BatchBackend {
   // Moves what is queued, earliest deadline first (rebuild thread). True if moves are left that
   // may still succeed before their deadline (no room yet, a copy failed).
   bool MoveLeaving(Worker& w) EXCLUDES(stats_mu_, rebuild_mu_);
-  // One move: a new lease elsewhere, CopyMember, FREE of the old lease. *no_room when no daemon
-  // could take the member; *lost when the member was lost before it could be moved (a missed move).
-  Status MoveMember(Worker& w, const Move& m, bool* no_room, bool* lost, uint64_t* bytes);
+  // What became of one move.
+  struct MoveOutcome {
+    enum class Kind {
+      kMoved,  // copied to a new lease and the old one freed (or no longer a member: nothing to do)
+      kLost,   // lost before it could be moved (a missed move): rebuilt like any lost member
+      kNoRoom,  // no daemon could take the member now (status says why)
+      kFailed,  // the copy failed (status): retried until the deadline
+    };
+    Kind kind = Kind::kMoved;
+    Status status;
+    uint64_t bytes = 0;  // copied to the new member
+  };
+  // One move: a new lease elsewhere, CopyMember, FREE of the old lease.
+  MoveOutcome MoveMember(Worker& w, const Move& m);
   // Nodes that must not take a new member now: draining or under pressure (their last STAT).
   std::vector<client::NodeId> NodesNotTaking() const;
   void RebuildLoop() EXCLUDES(rebuild_mu_);

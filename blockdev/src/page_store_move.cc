@@ -82,27 +82,29 @@ bool PageStore::MoveLeaving(Worker& w) {
       no_room_extents.push_back(m.index);
       continue;
     }
-    bool no_room = false, lost = false;
-    uint64_t bytes = 0;
-    Status s = MoveMember(w, m, &no_room, &lost, &bytes);
-    if (lost) {
-      missed.push_back(m.index);
-      continue;
-    }
-    if (s.ok()) {
-      move_burst_bytes_ += bytes;
-      continue;
-    }
-    left.push_back(m);
-    if (no_room) {
-      no_room_extents.push_back(m.index);
-      no_room_why = s;
-    } else if (uint64_t left_out = 0; RebuildFailLog().Allow(&left_out)) {
-      spdlog::warn(
-          "page store: moving extent {} member {} off {} failed ({}); retried until its "
-          "EVICT_NOTICE deadline in {} ms{}",
-          m.index, m.member, cluster_->node(m.lease.node).endpoint.ToString(), s.ToString(),
-          MsUntil(m.deadline), Suppressed(left_out));
+    const MoveOutcome o = MoveMember(w, m);
+    switch (o.kind) {
+      case MoveOutcome::Kind::kMoved:
+        move_burst_bytes_ += o.bytes;
+        break;
+      case MoveOutcome::Kind::kLost:
+        missed.push_back(m.index);
+        break;
+      case MoveOutcome::Kind::kNoRoom:
+        left.push_back(m);
+        no_room_extents.push_back(m.index);
+        no_room_why = o.status;
+        break;
+      case MoveOutcome::Kind::kFailed:
+        left.push_back(m);
+        if (uint64_t left_out = 0; RebuildFailLog().Allow(&left_out)) {
+          spdlog::warn(
+              "page store: moving extent {} member {} off {} failed ({}); retried until its "
+              "EVICT_NOTICE deadline in {} ms{}",
+              m.index, m.member, cluster_->node(m.lease.node).endpoint.ToString(),
+              o.status.ToString(), MsUntil(m.deadline), Suppressed(left_out));
+        }
+        break;
     }
   }
   if (!missed.empty()) {
@@ -152,7 +154,8 @@ bool PageStore::MoveLeaving(Worker& w) {
   return !moves_.empty();
 }
 
-Status PageStore::MoveMember(Worker& w, const Move& m, bool* no_room, bool* lost, uint64_t* bytes) {
+PageStore::MoveOutcome PageStore::MoveMember(Worker& w, const Move& m) {
+  using Kind = MoveOutcome::Kind;
   Extent& e = *extents_[m.index];
   MutexLock copy(&e.copy_mu);
   w.channels.DrainStragglers();  // the copy's synchronous ops need idle channels
@@ -160,14 +163,11 @@ Status PageStore::MoveMember(Worker& w, const Move& m, bool* no_room, bool* lost
   std::vector<client::NodeId> exclude{m.lease.node};
   {
     ReaderLock lock(&e.mu);
-    if (!StillMember(e, m.member, m.lease)) return Status::Ok();  // trimmed or replaced meanwhile
+    if (!StillMember(e, m.member, m.lease)) return {};  // trimmed or replaced meanwhile
     // Lost before it could be moved (the daemon ended the lease at its deadline, and the client
     // learnt it before this pass saw the deadline pass): a missed move, rebuilt from the others
     // like any lost member.
-    if ((e.failed.load() >> m.member) & 1) {
-      *lost = true;
-      return Status::Ok();
-    }
+    if ((e.failed.load() >> m.member) & 1) return {.kind = Kind::kLost};
     const uint32_t failed = e.failed.load();
     for (size_t j = 0; j < e.members.size(); ++j) {
       if (j != m.member && !((failed >> j) & 1)) exclude.push_back(e.members[j].node);
@@ -178,15 +178,13 @@ Status PageStore::MoveMember(Worker& w, const Move& m, bool* no_room, bool* lost
   Result<client::Lease> fresh = cluster_->AllocateExcluding(also);
   // The STATs behind NodesNotTaking may be old (pressure over): ask the others too.
   if (!fresh) fresh = cluster_->AllocateExcluding(exclude);
-  if (!fresh) {
-    *no_room = true;
-    return fresh.error();
-  }
-  Status s = CopyMember(w, m.index, m.member, m.lease, *fresh, bytes);
+  if (!fresh) return {.kind = Kind::kNoRoom, .status = fresh.error()};
+  uint64_t bytes = 0;
+  Status s = CopyMember(w, m.index, m.member, m.lease, *fresh, &bytes);
   if (!s.ok()) {
     CountStat(&PageStoreStats::copies_abandoned);
     (void)cluster_->Free({&*fresh, 1});
-    return s;
+    return {.kind = Kind::kFailed, .status = s};
   }
   // FREE is the acknowledgement: the daemon gets the memory back at once.
   if (Status fs = cluster_->Free({&m.lease, 1}); !fs.ok()) {
@@ -195,14 +193,14 @@ Status PageStore::MoveMember(Worker& w, const Move& m, bool* no_room, bool* lost
   {
     MutexLock lock(&stats_mu_);
     stats_.moved_members += 1;
-    stats_.moved_bytes += *bytes;
+    stats_.moved_bytes += bytes;
   }
   spdlog::info(
       "page store: extent {} member {} moved off {} to {} ({}, {} ms before the "
       "EVICT_NOTICE deadline)",
       m.index, m.member, cluster_->node(m.lease.node).endpoint.ToString(),
-      cluster_->node(fresh->node).endpoint.ToString(), FormatSize(*bytes), MsUntil(m.deadline));
-  return Status::Ok();
+      cluster_->node(fresh->node).endpoint.ToString(), FormatSize(bytes), MsUntil(m.deadline));
+  return {.bytes = bytes};
 }
 
 // ---------------------------------------------------------------------------------------------
