@@ -167,7 +167,7 @@ PageStore::MoveOutcome PageStore::MoveMember(Worker& w, const Move& m) {
     // Lost before it could be moved (the daemon ended the lease at its deadline, and the client
     // learnt it before this pass saw the deadline pass): a missed move, rebuilt from the others
     // like any lost member.
-    if ((e.failed.load() >> m.member) & 1) return {.kind = Kind::kLost};
+    if ((e.failed.load() >> m.member) & 1) return {.kind = Kind::kLost, .status = Status::Ok()};
     const uint32_t failed = e.failed.load();
     for (size_t j = 0; j < e.members.size(); ++j) {
       if (j != m.member && !((failed >> j) & 1)) exclude.push_back(e.members[j].node);
@@ -200,7 +200,7 @@ PageStore::MoveOutcome PageStore::MoveMember(Worker& w, const Move& m) {
       "EVICT_NOTICE deadline)",
       m.index, m.member, cluster_->node(m.lease.node).endpoint.ToString(),
       cluster_->node(fresh->node).endpoint.ToString(), FormatSize(bytes), MsUntil(m.deadline));
-  return {.bytes = bytes};
+  return {.kind = Kind::kMoved, .status = Status::Ok(), .bytes = bytes};
 }
 
 // ---------------------------------------------------------------------------------------------
