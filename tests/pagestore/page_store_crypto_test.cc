@@ -201,13 +201,21 @@ TEST_P(FlipTest, IsServedFromTheOtherMembersAndReprotected) {
   RandomWrites(40, 5);
   WritePatterns(64);
   const uint64_t page = 17;
-  // The member a read uses: replicate reads one replica, by page; ec reads every member and uses
-  // the first k fragments to arrive, so the bad one may be left out of a read (on a loaded
-  // machine, for hundreds of reads in a row while its daemon waits for a core): read until it is
-  // not, each read right either way.
-  const size_t member = store_->resilience().k == 1 ? page % c.daemons_in_group : 0;
+  // The member a read uses: replicate reads one replica, by page. ec posts to every member and
+  // decodes from the first k replies it reaps; when the worker wakes to find every reply there
+  // (a loaded machine), ChannelSet::WaitAny reaps them in node order, so a member on the
+  // group's highest node could be left out of every read: flip the one on its lowest node.
+  size_t member = page % c.daemons_in_group;
+  if (store_->resilience().k > 1) {
+    const auto members = store_->extent_members(page * 4096 / store_->extent_bytes());
+    member = static_cast<size_t>(
+        std::min_element(members.begin(), members.end(),
+                         [](const auto& a, const auto& b) { return a.node < b.node; }) -
+        members.begin());
+  }
   FlipBit(page, member);
   std::vector<uint8_t> buf(4096);
+  // Each read must be right whether it used the bad member or not: read until one did.
   size_t reads = 0;
   ASSERT_TRUE(WaitUntil(
       [&] {
