@@ -4,6 +4,7 @@
 # O_DIRECT) on
 #   kmod    /dev/farmem0: farmem.ko, RDMA READ/WRITE from the block layer (farmemctl kmod attach)
 #   nbd     /dev/nbd0 on farmem-nbd --transport verbs (the userspace paging client, same daemon)
+#   nbdtcp  /dev/nbd0 on farmem-nbd --transport tcp (the same, over the daemon's TCP listener)
 #   nbdkit  /dev/nbd0 on nbdkit memory (no far memory at all: the NBD path alone)
 # and perftest's ib_read_lat / ib_write_lat (4 KiB) on the same rxe0, the floor.
 #   deploy/vm/run --smp 1 -- bash kmod/bench.sh <bin dir> <farmem.ko>
@@ -105,26 +106,38 @@ fio_all nbdkit /dev/nbd0
 nbd-client -d /dev/nbd0 >/dev/null
 kill "$(cat "$work/nbdkit.pid")"
 
-# ---- farmem-nbd over verbs -------------------------------------------------------------------------
-# Last: skipped (with its log) when it does not listen within 60 s.
-"$bin/farmem-nbd" --backend farmem --peers "$peer" --secret-file "$work/secret" --transport verbs \
-  --size "$size" --unix "$work/nbd.sock" --no-swap-safe --max-connections 1 --log-level info \
-  2>"$work/nbd.log" &
-nbd=$!
-pids+=($nbd)
-for _ in $(seq 60); do [[ -S $work/nbd.sock ]] && break; sleep 1; done
-say "farmem-nbd socket: $([[ -S $work/nbd.sock ]] && echo there || echo missing)"
-if [[ -S $work/nbd.sock ]] && timeout 60 nbd-client -unix "$work/nbd.sock" /dev/nbd0 -b 4096 -N "" >/dev/null; then
-  grep -i -m 2 verbs "$work/nbd.log" || true
-  dd if=/dev/urandom of=/dev/nbd0 bs=1M oflag=direct status=none 2>/dev/null || true
-  fio_all nbd /dev/nbd0
-  nbd-client -d /dev/nbd0 >/dev/null
-else
-  say "farmem-nbd (verbs) did not serve within 60 s: skipped; its log:"
-  tail -n 30 "$work/nbd.log"
-fi
-kill "$nbd" 2>/dev/null || true
-wait "$nbd" 2>/dev/null || true
+# ---- farmem-nbd over verbs, then over tcp --------------------------------------------------------
+# The userspace paging client on the same daemon: --resilience none (one daemon; the default,
+# ec:4+2, needs six). Each is skipped, with its log, when it exits or does not listen in 60 s.
+farmem_nbd() {  # NAME TRANSPORT
+  local name=$1 transport=$2 nbd
+  rm -f "$work/nbd.sock"
+  "$bin/farmem-nbd" --backend farmem --peers "$peer" --secret-file "$work/secret" \
+    --transport "$transport" --resilience none --size "$size" --unix "$work/nbd.sock" \
+    --no-swap-safe --max-connections 1 --log-level info 2>"$work/$name.log" &
+  nbd=$!
+  pids+=("$nbd")
+  for _ in $(seq 600); do
+    [[ -S $work/nbd.sock ]] && break
+    kill -0 "$nbd" 2>/dev/null || break
+    sleep 0.1
+  done
+  if [[ -S $work/nbd.sock ]] && timeout 60 nbd-client -unix "$work/nbd.sock" /dev/nbd0 -b 4096 -N "" >/dev/null; then
+    grep -i -m 2 "uses $transport" "$work/$name.log" || true
+    dd if=/dev/urandom of=/dev/nbd0 bs=1M oflag=direct status=none 2>/dev/null || true
+    fio_all "$name" /dev/nbd0
+    nbd-client -d /dev/nbd0 >/dev/null
+  else
+    say "farmem-nbd ($transport) did not serve: skipped; its log:"
+    tail -n 30 "$work/$name.log"
+  fi
+  kill "$nbd" 2>/dev/null || true
+  wait "$nbd" 2>/dev/null || true
+}
+say "farmem-nbd over verbs: starting"
+farmem_nbd nbd verbs
+say "farmem-nbd over tcp: starting"
+farmem_nbd nbdtcp tcp
 
 # ---- the table -------------------------------------------------------------------------------------
 python3 - "$results" <<'EOF'
@@ -136,12 +149,12 @@ for line in open(sys.argv[1]):
         fio[(w[1], w[2], w[3])] = (float(w[4]), float(w[5]), float(w[6]))
     elif len(w) == 4:
         pt[w[1]] = (float(w[2]), float(w[3]))
-print("| job | kmod IOPS / mean µs / p50 µs | farmem-nbd verbs | nbdkit memory | kmod vs nbd (mean lat) |")
-print("|---|---|---|---|---|")
+print("| job | kmod IOPS / mean µs / p50 µs | farmem-nbd verbs | farmem-nbd tcp | nbdkit memory | kmod vs nbd (mean lat) |")
+print("|---|---|---|---|---|---|")
 for rw in ("randread", "randwrite"):
     for qd in ("1", "32"):
         cells = []
-        for n in ("kmod", "nbd", "nbdkit"):
+        for n in ("kmod", "nbd", "nbdtcp", "nbdkit"):
             v = fio.get((n, rw, qd))
             cells.append(f"{v[0]:.0f} / {v[1]:.0f} / {v[2]:.0f}" if v else "-")
         k, b = fio.get(("kmod", rw, qd)), fio.get(("nbd", rw, qd))
