@@ -7,13 +7,19 @@
 #   nbdtcp  /dev/nbd0 on farmem-nbd --transport tcp (the same, over the daemon's TCP listener)
 #   nbdkit  /dev/nbd0 on nbdkit memory (no far memory at all: the NBD path alone)
 # and perftest's ib_read_lat / ib_write_lat (4 KiB) on the same rxe0, the floor.
-#   deploy/vm/run --smp 1 -- bash kmod/bench.sh <bin dir> <farmem.ko>
+#   deploy/vm/run --smp 1 -- bash kmod/bench.sh <bin dir> <farmem.ko> [<swap_workload>]
 # One farmemd with --rdma on at 10.0.2.15 (rxe0). Prints one RESULT line per figure and a table.
-# Environment: RUNTIME (fio seconds per job, 5), SIZE (device size, 64M).
+# With a third argument, the swap_workload program (tests/vm), each device also serves as swap for
+# a patterned, verified working set of SWAP_MIB (32) MiB under a memory.max of SWAP_LIMIT (8M) (two passes,
+# rewriting), and the workload's runtime is printed per device ("RESULT swap NAME SECONDS").
+# Environment: RUNTIME (fio seconds per job, 5), SIZE (device size, 64M), SWAP_MIB, SWAP_LIMIT.
 set -euo pipefail
 [[ ${FARMEM_VM:-} == 1 ]] || { echo "run me inside the guest: deploy/vm/run -- bash $0 ..." >&2; exit 2; }
 bin=${1:?usage: bench.sh <bin dir> <farmem.ko>}
 ko=${2:?farmem.ko path}
+workload=${3:-}
+swap_mib=${SWAP_MIB:-32}
+swap_limit=${SWAP_LIMIT:-8M}
 runtime=${RUNTIME:-5}
 size=${SIZE:-64M}
 addr=10.0.2.15
@@ -54,6 +60,34 @@ EOF
   done
 }
 
+# swap_time NAME DEVICE: with a swap_workload, DEVICE as the only swap of a cgroup limited to 8M
+# running it; "RESULT swap NAME SECONDS" (fails the bench if the workload reads a wrong page).
+swap_time() {
+  local name=$1 dev=$2 cg=/sys/fs/cgroup/kmod_bench t0 rc=0
+  [[ -n $workload ]] || return 0
+  mkswap "$dev" >/dev/null
+  swapon "$dev"
+  mkdir -p "$cg"
+  echo "$swap_limit" >"$cg/memory.max"
+  t0=$(date +%s%N)
+  bash -c 'echo $$ >"$1/cgroup.procs" && shift && exec "$@"' _ "$cg" "$workload" -m "$swap_mib" \
+    -p 2 -r >"$work/swap-$name.log" 2>&1 || rc=$?
+  echo "RESULT swap $name $((($(date +%s%N) - t0) / 1000000))e-3" >>"$results"
+  swapoff "$dev"
+  if grep -q MISMATCH "$work/swap-$name.log"; then
+    say "swap_workload on $name read a page it did not write:"
+    tail -n 20 "$work/swap-$name.log"
+    exit 1
+  fi
+  if ((rc != 0)); then  # e.g. 137: the cgroup's OOM killer, when reclaim outran the device
+    sed -i '$d' "$results"
+    echo "RESULT swap $name failed-$rc" >>"$results"
+    say "swap_workload on $name exited with $rc (137: killed, the cgroup ran out of memory):"
+    tail -n 5 "$work/swap-$name.log"
+  fi
+  tail -n 1 "$results"
+}
+
 # ---- the daemon ------------------------------------------------------------------------------------
 head -c 32 /dev/urandom | base64 >"$work/secret"
 chmod 600 "$work/secret"
@@ -72,6 +106,7 @@ for _ in $(seq 600); do [[ -b /dev/farmem0 ]] && break; sleep 0.05; done
 [[ -b /dev/farmem0 ]] || { say "no /dev/farmem0"; cat "$work/attach.log"; exit 1; }
 dd if=/dev/urandom of=/dev/farmem0 bs=1M oflag=direct status=none 2>/dev/null || true
 fio_all kmod /dev/farmem0
+swap_time kmod /dev/farmem0
 say "kmod done; detaching"
 timeout 60 "$bin/farmemctl" kmod detach || say "detach failed or hung"
 say "detached; waiting for the keeper"
@@ -98,11 +133,14 @@ perftest ib_write_lat
 
 # ---- nbdkit memory ---------------------------------------------------------------------------------
 say "nbdkit memory: starting"
-nbdkit -U "$work/nbdkit.sock" -P "$work/nbdkit.pid" memory "$size"
+# As a swap device is served (tests/vm/nbd_swap_smoke.sh): the server locked in memory (--swap),
+# nbd-client -swap (the socket may allocate from the reserves while the kernel reclaims).
+nbdkit -U "$work/nbdkit.sock" -P "$work/nbdkit.pid" --swap memory "$size"
 for _ in $(seq 400); do [[ -S $work/nbdkit.sock ]] && break; sleep 0.05; done
-nbd-client -unix "$work/nbdkit.sock" /dev/nbd0 -b 4096 -N "" >/dev/null
+nbd-client -unix "$work/nbdkit.sock" /dev/nbd0 -b 4096 -swap -N "" >/dev/null
 dd if=/dev/urandom of=/dev/nbd0 bs=1M oflag=direct status=none 2>/dev/null || true
 fio_all nbdkit /dev/nbd0
+swap_time nbdkit /dev/nbd0
 nbd-client -d /dev/nbd0 >/dev/null
 kill "$(cat "$work/nbdkit.pid")"
 
@@ -114,7 +152,7 @@ farmem_nbd() {  # NAME TRANSPORT
   rm -f "$work/nbd.sock"
   "$bin/farmem-nbd" --backend farmem --peers "$peer" --secret-file "$work/secret" \
     --transport "$transport" --resilience none --size "$size" --unix "$work/nbd.sock" \
-    --no-swap-safe --max-connections 1 --log-level info 2>"$work/$name.log" &
+    --max-connections 1 --log-level info 2>"$work/$name.log" &  # swap-safe, the default
   nbd=$!
   pids+=("$nbd")
   for _ in $(seq 600); do
@@ -122,10 +160,11 @@ farmem_nbd() {  # NAME TRANSPORT
     kill -0 "$nbd" 2>/dev/null || break
     sleep 0.1
   done
-  if [[ -S $work/nbd.sock ]] && timeout 60 nbd-client -unix "$work/nbd.sock" /dev/nbd0 -b 4096 -N "" >/dev/null; then
+  if [[ -S $work/nbd.sock ]] && timeout 60 nbd-client -unix "$work/nbd.sock" /dev/nbd0 -b 4096 -swap -N "" >/dev/null; then
     grep -i -m 2 "uses $transport" "$work/$name.log" || true
     dd if=/dev/urandom of=/dev/nbd0 bs=1M oflag=direct status=none 2>/dev/null || true
     fio_all "$name" /dev/nbd0
+    swap_time "$name" /dev/nbd0
     nbd-client -d /dev/nbd0 >/dev/null
   else
     say "farmem-nbd ($transport) did not serve: skipped; its log:"
@@ -142,11 +181,13 @@ farmem_nbd nbdtcp tcp
 # ---- the table -------------------------------------------------------------------------------------
 python3 - "$results" <<'EOF'
 import sys
-fio, pt = {}, {}
+fio, pt, swap = {}, {}, {}
 for line in open(sys.argv[1]):
     w = line.split()
     if len(w) == 8:
         fio[(w[1], w[2], w[3])] = (float(w[4]), float(w[5]), float(w[6]))
+    elif len(w) == 4 and w[1] == "swap":
+        swap[w[2]] = w[3]
     elif len(w) == 4:
         pt[w[1]] = (float(w[2]), float(w[3]))
 print("| job | kmod IOPS / mean µs / p50 µs | farmem-nbd verbs | farmem-nbd tcp | nbdkit memory | kmod vs nbd (mean lat) |")
@@ -162,6 +203,9 @@ for rw in ("randread", "randwrite"):
         print(f"| 4 KiB {rw} depth {qd} | " + " | ".join(cells) + f" | {ratio} |")
 for t, (typ, avg) in pt.items():
     print(f"{t} 4 KiB: t_typical {typ} us, t_avg {avg} us")
+if swap:
+    print("swap workload runtime, s: " + ", ".join(
+        f"{n} {float(t):.1f}" if t[0].isdigit() else f"{n} {t}" for n, t in swap.items()))
 k = fio.get(("kmod", "randread", "1"))
 if k and "ib_read_lat" in pt:
     print(f"kmod depth-1 read mean / ib_read_lat t_avg: {k[1] / pt['ib_read_lat'][1]:.2f}x "
