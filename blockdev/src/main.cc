@@ -72,8 +72,8 @@ int main(int argc, char** argv) {
   app.add_option("--description", opts.description,
                  "Free text shown to clients (NBD_INFO_DESCRIPTION, NBD_OPT_LIST).");
   app.add_option("--max-connections", opts.max_connections,
-                 "Refuse connections beyond this many; each one costs about 34 MiB of "
-                 "buffers (locked in swap-safe mode).")
+                 "Refuse connections beyond this many; each one costs about 1.5 MiB of "
+                 "buffers and stack (locked in swap-safe mode).")
       ->check(CLI::Range(1, 4096))
       ->capture_default_str();
   app.add_option("--handshake-timeout", handshake_timeout_s,
