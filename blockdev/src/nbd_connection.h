@@ -35,7 +35,7 @@
 //         kInBufferSize bytes at a time (HandleLargeWrite), its reply sent after the last piece;
 //   data_ kDataBufferSize bytes: read data of a batch. A read longer than data_ is read and sent
 //         kDataBufferSize bytes at a time (HandleLargeRead): as several structured-reply data
-//         chunks, or one simple reply whose data follows piece by piece.
+//         chunks, or one reply (simple, or one chunk for DF) whose data follows piece by piece.
 // A batch thus never carries more than kInBufferSize bytes of writes nor kDataBufferSize of reads,
 // which bounds the backend's own per-batch buffers too (the page store's sealed pages).
 #pragma once
@@ -98,8 +98,9 @@ class NbdConnection final : private BatchListener {
   // kMaxPayload) has its payload read and dropped, then the error reply.
   bool HandleLargeWrite(const nbd::Request& r, const nbd::RequestCheck& check);
   // Handles a valid READ longer than data_ (its header is at in_start_): read and sent in pieces
-  // of kDataBufferSize. A failure after the first piece went out ends a simple reply's
-  // connection (its header already said success); a structured reply ends with an error chunk.
+  // of kDataBufferSize. A failure after the first piece went out ends the connection if the
+  // reply has one header (simple, or DF: it already said success); otherwise an error chunk
+  // ends the reply.
   bool HandleLargeRead(const nbd::Request& r);
   // Runs ops_[0..n) and sends the replies for pending_[0..count).
   bool Complete(size_t count, size_t n_ops);

@@ -205,6 +205,9 @@ bool NbdConnection::HandleLargeRead(const nbd::Request& r) {
   in_start_ += kRequestHeaderSize;
   ++requests_;
   uint8_t* h = (*headers_)[0].data();
+  // One header, then the data piece by piece: a simple reply, or a structured one whose client
+  // asked for a single chunk (DF, which we advertise).
+  const bool one_header = !session_.structured_replies || (r.flags & nbd::kCmdFlagDf) != 0;
   for (uint64_t done = 0; done < r.length;) {
     const size_t n = static_cast<size_t>(std::min<uint64_t>(r.length - done, kDataBufferSize));
     BlockOp op{};
@@ -221,10 +224,10 @@ bool NbdConnection::HandleLargeRead(const nbd::Request& r) {
       spdlog::warn("nbd: {}: {} of {} bytes at {} failed: {}", peer_, nbd::CommandName(r.type),
                    r.length, r.offset, op.status.ToString());
       CountReply(r, error, message);
-      if (done > 0 && !session_.structured_replies) {
-        // The simple reply's header, sent with the first piece, said success: the only way left
-        // to tell the client is to end the connection before the rest of the data.
-        end_reason_ = "a read failed after part of its simple reply was sent";
+      if (done > 0 && one_header) {
+        // The header, sent with the first piece, said success: the only way left to tell the
+        // client is to end the connection before the rest of the data.
+        end_reason_ = "a read failed after part of its reply was sent";
         return false;
       }
       if (session_.structured_replies) {
@@ -239,8 +242,11 @@ bool NbdConnection::HandleLargeRead(const nbd::Request& r) {
       return Drain();
     }
     const bool last = done + n == r.length;
-    if (session_.structured_replies) {
+    if (!one_header) {
       nbd::EncodeOffsetDataHeader(h, r.handle, op.offset, static_cast<uint32_t>(n), last);
+      iov[iov_used_++] = {h, nbd::kOffsetDataHeaderSize};
+    } else if (done == 0 && session_.structured_replies) {
+      nbd::EncodeOffsetDataHeader(h, r.handle, r.offset, r.length);
       iov[iov_used_++] = {h, nbd::kOffsetDataHeaderSize};
     } else if (done == 0) {
       nbd::EncodeSimpleReply(h, 0, r.handle);

@@ -220,6 +220,13 @@ TEST_F(NbdServerTest, RequestsLargerThanTheBuffersAreServedInPieces) {
     }
     EXPECT_EQ(written, kMaxPayload);
     EXPECT_EQ(read, kMaxPayload + 4096);
+    if (structured) {
+      // DF (advertised): one chunk whatever the size, its data still read in pieces.
+      auto df = c.Call(kCmdRead, kCmdFlagDf, kAt, kMaxPayload);
+      ASSERT_TRUE(df.has_value()) << df.error().ToString();
+      EXPECT_EQ(df->chunks, 1);
+      EXPECT_TRUE(df->data == data);
+    }
   }
 
   NbdTestClient c = Connect();
@@ -236,8 +243,9 @@ TEST_F(NbdServerTest, RequestsLargerThanTheBuffersAreServedInPieces) {
 }
 
 // A read served in pieces that fails after its first piece went out: with structured replies the
-// data chunks are followed by an error chunk and the connection goes on; a simple reply's header
-// already said success, so the connection is closed (the client sees the request fail). A write
+// data chunks are followed by an error chunk and the connection goes on; a simple reply's header,
+// or a DF read's one chunk header, already said success, so the connection is closed (the client
+// sees the request fail). A write
 // failing in a middle piece gets EIO, its later pieces are not written, and the stream stays in
 // sync.
 TEST_F(NbdServerTest, LargeRequestFailingAfterItsFirstPiece) {
@@ -258,6 +266,11 @@ TEST_F(NbdServerTest, LargeRequestFailingAfterItsFirstPiece) {
   backend_->set_fail(false);
   EXPECT_EQ(backend_->ops().size(), 3u) << "two pieces written, the third failed, no more tried";
   EXPECT_TRUE(c.Read(0, 4096).has_value());
+
+  backend_->set_fail_after(1);
+  ASSERT_TRUE(c.Send(kCmdRead, kCmdFlagDf, 6, 0, kMaxPayload).ok());
+  EXPECT_TRUE(c.WaitForClose(std::chrono::seconds(10))) << "DF: one chunk, already begun";
+  backend_->set_fail(false);
 
   ClientOptions o;
   o.structured_replies = false;
