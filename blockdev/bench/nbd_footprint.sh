@@ -87,6 +87,7 @@ locked_mappings() {
                    " (the program and its libraries)\n", a / 1024, f / 1024}' "/proc/$1/smaps"
 }
 
+# shellcheck disable=SC2034  # filled by start_farmemds (a nameref)
 daemon_pids=()
 peers=''
 start_farmemds peers daemon_pids d 6 --capacity 1024M --slab-size 64M
@@ -111,15 +112,21 @@ echo "idle: VmLck $(mib "$idle") MiB, VmRSS $(mib "$(status_kib $nbd VmRSS)") Mi
 [ $detail = 1 ] && { echo "  locked mappings at idle:"; locked_mappings $nbd; }
 
 # Each client: a qemu-io session reading commands from a fifo held open by this shell, so the
-# connection stays open and idle until the fifo is closed.
+# connection stays open and idle until the fifo is closed. One 4 KiB read each first: its answer
+# means the connection is past the handshake, with its buffers.
 for n in $connections; do
   fds=()
   for ((c = 0; c < n; c++)); do
     mkfifo "$work/q$c"
-    qemu-io -f raw "$uri" <"$work/q$c" >/dev/null 2>&1 &
+    qemu-io -f raw "$uri" <"$work/q$c" >"$work/q$c.out" 2>&1 &
     pids+=($!)
     exec {fd}>"$work/q$c"
     fds+=("$fd")
+    echo "read 0 4096" >&"$fd"
+  done
+  for ((c = 0; c < n; c++)); do
+    for _ in $(seq 600); do grep -q "read 4096/4096" "$work/q$c.out" && break; sleep 0.05; done
+    grep -q "read 4096/4096" "$work/q$c.out" || { echo "client $c: $(cat "$work/q$c.out")" >&2; exit 1; }
   done
   wait_conns $nbd "$n"
   lck=$(status_kib $nbd VmLck)
