@@ -133,11 +133,12 @@ TEST(NbdFootprintTest, SwapSafeFarmemBackendLocksLittleAtIdleAndPerConnection) {
   std::copy_n(data.begin(), 4096, expected.begin());
   std::copy_n(data.end() - 4096, 4096, expected.end() - 4096);
   EXPECT_TRUE(*back == expected) << "WRITE_ZEROES of all but the first and last pages";
-  // What large requests may add: the page store's zero buffer (1 MiB, made on first use) and
-  // the page table of the 32 MiB written (24 bytes a page); no buffer grows to the request.
+  // What large requests may add: the page store's zero buffer (1 MiB, made on first use), the
+  // page table of the 32 MiB written (24 bytes a page, 192 KiB) and some heap (measured: 1.7 MiB
+  // in all); no buffer grows to the request (the old request path: +33 MiB).
   const long after = ProcStatus(pid, "VmLck");
   std::cout << "after 32 MiB requests: VmLck " << after << " KiB\n";
-  EXPECT_LE(after - connected, 2 << 10);
+  EXPECT_LE(after - connected, 3 << 10);
   for (NbdTestClient& client : clients) EXPECT_TRUE(client.Disconnect().ok());
 }
 
