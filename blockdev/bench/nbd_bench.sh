@@ -20,6 +20,9 @@
 #                 (every slab populated at start, as farmemd did before memory on demand): the
 #                 cost of memory on demand to steady-state I/O is farmem-none vs this; not in the
 #                 default targets
+#   farmem-none-alt: farmem-none on the same daemons, served by another farmem-nbd binary
+#                 (--alt-nbd PATH, e.g. a build of an older commit): before/after comparisons,
+#                 --ab "farmem-none farmem-none-alt"; not in the default targets
 #   farmem-none-plain, farmem-ec-plain: farmem-none / farmem-ec with --no-encrypt (pages stored in
 #                 plaintext): the cost of page encryption (docs/security.md) is farmem-none vs
 #                 farmem-none-plain; not in the default targets. With any of them the run also
@@ -33,9 +36,12 @@
 #
 #   blockdev/bench/nbd_bench.sh [--build-dir DIR] [--runtime SECONDS] [--repeat N] [--size SIZE]
 #                               [--targets "a b ..."] [--disk-dir DIR] [--swap-safe]
-#                               [--json-dir DIR] [--cpu]
+#                               [--json-dir DIR] [--cpu] [--alt-nbd PATH] [--bs SIZE]
 #   blockdev/bench/nbd_bench.sh --ab "A B" [--pairs N] [--baseline TARGET|none]
 #                               [--workloads "randread:1 randwrite:16 ..."] [other options]
+#
+# --bs SIZE: fio's block size for every job (default 4k), e.g. --bs 1m --workloads "read:8 write:8"
+# (rw may be any of fio's: read, write, randread, randwrite).
 #
 # --cpu: also the servers' CPU time per request: the CPU time (user + system, all threads) of
 # every process serving the target (nbdkit; farmem-nbd AND the farmemd daemons it uses) over each
@@ -84,6 +90,8 @@ ab=
 pairs=12
 baseline=nbdkit-mem
 workloads="randread:1 randread:16 randwrite:1 randwrite:16"
+alt_nbd=
+bs=4k
 while [ $# -gt 0 ]; do
   case $1 in
     --build-dir) build=$2; shift 2 ;;
@@ -99,6 +107,8 @@ while [ $# -gt 0 ]; do
     --pairs) pairs=$2; shift 2 ;;
     --baseline) baseline=$2; shift 2 ;;
     --workloads) workloads=$2; shift 2 ;;
+    --alt-nbd) alt_nbd=$2; shift 2 ;;
+    --bs) bs=$2; shift 2 ;;
     -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d'; exit 0 ;;
     *) echo "unknown argument $1 (try --help)" >&2; exit 2 ;;
   esac
@@ -139,6 +149,10 @@ trap cleanup EXIT
 
 has() { case " $targets " in *" $1 "*) return 0 ;; esac; return 1; }
 declare -A server_pids  # target -> every process serving it (--cpu): NBD server and its daemons
+if has farmem-none-alt && [ ! -x "$alt_nbd" ]; then
+  echo "farmem-none-alt needs --alt-nbd PATH, a farmem-nbd binary" >&2
+  exit 2
+fi
 
 nbdkit_extra=()
 farmem_extra=(--no-swap-safe)
@@ -157,7 +171,9 @@ print(f'{max(4,math.ceil(v*int(sys.argv[2])/2*2/6/(64<<20)))*64}M')" "$size" "$1
 start_farmem_nbd() {
   local t=$1 peers=$2 res=$3 dpids=$4
   shift 4
-  "$bin/farmem-nbd" --backend farmem --peers "$peers" --secret-file "$work/secret" \
+  local exe=$bin/farmem-nbd
+  [ "$t" = farmem-none-alt ] && exe=$alt_nbd
+  "$exe" --backend farmem --peers "$peers" --secret-file "$work/secret" \
     --resilience "$res" --transport tcp --size "$size" --unix "$work/$t.sock" \
     --log-level warn "${farmem_extra[@]}" "$@" 2>"$work/$t.log" &
   pids+=($!)
@@ -199,13 +215,13 @@ done
 # farmem-none, farmem-ec and their -plain twins share six daemons, with room for all of them
 # (none 1x, ec:4+2 1.5x the export).
 halves=0
-for t in farmem-none farmem-none-plain; do has $t && halves=$((halves + 2)); done
+for t in farmem-none farmem-none-plain farmem-none-alt; do has $t && halves=$((halves + 2)); done
 for t in farmem-ec farmem-ec-plain; do has $t && halves=$((halves + 3)); done
 if [ $halves -gt 0 ]; then
   shared_pids=()
   peers=''
   start_farmemds peers shared_pids d 6 --capacity "$(capacity_for $halves)" --slab-size 64M
-  for t in farmem-none farmem-ec farmem-none-plain farmem-ec-plain; do
+  for t in farmem-none farmem-ec farmem-none-plain farmem-ec-plain farmem-none-alt; do
     has $t || continue
     res=none
     case $t in farmem-ec*) res=ec:4+2 ;; esac
@@ -276,7 +292,7 @@ run_job() {
   # shellcheck disable=SC2086  # $sp is a list of pids
   [ $cpu = 1 ] && [ -n "$sp" ] && c0=$(cpu_ns $sp) && f0=$(page_faults $sp)
   # shellcheck disable=SC2046
-  fio --name="$t-$rw-qd$qd" $(reach "$t") --rw="$rw" --bs=4k --iodepth="$qd" \
+  fio --name="$t-$rw-qd$qd" $(reach "$t") --rw="$rw" --bs="$bs" --iodepth="$qd" \
     --numjobs=1 --size="$size" --time_based --runtime="$runtime" --ramp_time="$ramp" \
     --lat_percentiles=1 --output-format=json --output="$out.json" >/dev/null
   if [ -n "$c0" ]; then
@@ -323,7 +339,7 @@ idle = {t: int(open(f"{d}/{t}.idle").read()) for t in (a, b, base) if t != "none
 def one(t, rw, qd, p):
     global coarse
     j = json.load(open(f"{d}/{t}-{rw}-qd{qd}-{p}.json"))["jobs"][0]
-    s = j["read" if rw == "randread" else "write"]
+    s = j["read" if rw.endswith("read") else "write"]
     ns, *flag = open(f"{d}/{t}-{rw}-qd{qd}-{p}.cpu").read().split()
     coarse |= bool(flag)
     ios = max(s["total_ios"], 1)
@@ -489,7 +505,7 @@ import json, math, os, statistics, sys
 d, reps, targets = sys.argv[1], int(sys.argv[2]), sys.argv[3].split()
 def one(t, rw, qd, rep):
     j = json.load(open(f"{d}/{t}-{rw}-qd{qd}-{rep}.json"))["jobs"][0]
-    s = j["read" if rw == "randread" else "write"]
+    s = j["read" if rw.endswith("read") else "write"]
     lat = s["lat_ns"]
     cpu = math.nan  # server CPU per request, us (--cpu)
     f = f"{d}/{t}-{rw}-qd{qd}-{rep}.cpu"

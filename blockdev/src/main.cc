@@ -72,8 +72,8 @@ int main(int argc, char** argv) {
   app.add_option("--description", opts.description,
                  "Free text shown to clients (NBD_INFO_DESCRIPTION, NBD_OPT_LIST).");
   app.add_option("--max-connections", opts.max_connections,
-                 "Refuse connections beyond this many; each one costs about 34 MiB of "
-                 "buffers (locked in swap-safe mode).")
+                 "Refuse connections beyond this many; each one costs about 1.5 MiB of "
+                 "buffers and stack (locked in swap-safe mode).")
       ->check(CLI::Range(1, 4096))
       ->capture_default_str();
   app.add_option("--handshake-timeout", handshake_timeout_s,
@@ -110,11 +110,16 @@ int main(int argc, char** argv) {
     // One malloc arena: under MCL_FUTURE every per-thread arena (64 MiB reserved each) would be
     // locked memory too, and the request path does not allocate, so there is nothing to gain.
     mallopt(M_ARENA_MAX, 1);
+    // A fixed mmap threshold: glibc otherwise raises it to the size of each large block freed,
+    // after which a connection's 1 MiB buffer comes from the heap, where it can stay (locked)
+    // after the connection closed. Blocks above it are mapped, and unmapped when freed.
+    mallopt(M_MMAP_THRESHOLD, 128 << 10);
     // Before anything is allocated, so that MCL_FUTURE also locks the backend and the buffers.
     const auto report = farmem::blockdev::EnterSwapSafeMode();
     if (!report.memory_locked.ok()) spdlog::warn("swap-safe: {}", report.memory_locked.ToString());
     if (!report.io_flusher.ok()) spdlog::warn("swap-safe: {}", report.io_flusher.ToString());
     if (!report.oom_protected.ok()) spdlog::warn("swap-safe: {}", report.oom_protected.ToString());
+    if (!report.small_stacks.ok()) spdlog::warn("swap-safe: {}", report.small_stacks.ToString());
   }
 
   for (const std::string& t : tcp) {

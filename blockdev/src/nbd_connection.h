@@ -16,20 +16,28 @@
 //
 // The reply queue, and why the batch never waits on the client. Replies are iovecs queued in
 // iov_ (headers in headers_, read data in data_); the queue holds the replies of one batch at most
-// (kMaxBatch replies, kMaxPayload bytes of data). Inside ExecuteBatch (OpDone/Progress) replies
-// are only queued and offered to the socket with non-blocking sends: whatever the socket does not
-// take stays queued, and the batch goes on. Its extent locks and remote reads must not wait for a
-// client, or a client that stops reading would hold up other connections and rebuilds and make
-// healthy daemons miss the page store's operation timeout. After the batch, the rest of the queue
-// is sent with poll(POLLOUT) between non-blocking sends, and no new request is read until it is
-// empty (backpressure: data_ and headers_ are reused by the next batch). If the client has not
-// taken the queued replies within reply_timeout of the socket first refusing them, the connection
-// is dropped with a log line.
+// (kMaxBatch replies, kDataBufferSize bytes of data). Inside ExecuteBatch (OpDone/Progress)
+// replies are only queued and offered to the socket with non-blocking sends: whatever the socket
+// does not take stays queued, and the batch goes on. Its extent locks and remote reads must not
+// wait for a client, or a client that stops reading would hold up other connections and rebuilds
+// and make healthy daemons miss the page store's operation timeout. After the batch, the rest of
+// the queue is sent with poll(POLLOUT) between non-blocking sends, and no new request is read
+// until it is empty (backpressure: data_ and headers_ are reused by the next batch). If the
+// client has not taken the queued replies within reply_timeout of the socket first refusing
+// them, the connection is dropped with a log line.
 //
-// Buffers are allocated once when the connection enters transmission:
-//   in_   receive buffer (kInBufferSize): request headers and the payload of small writes, which
-//         the backend reads in place;
-//   data_ kMaxPayload bytes: read data of a batch, or the payload of a write too big for in_.
+// Buffers are allocated once when the connection enters transmission, and are small: under
+// --swap-safe every byte of them is locked memory, taken from a host that is short of memory
+// (docs/nbd.md, "Memory footprint"). The protocol still allows requests of nbd::kMaxPayload
+// (32 MiB); a request larger than its buffer is served in pieces, one after the other:
+//   in_   receive buffer (kInBufferSize): request headers and the payload of writes, which the
+//         backend reads in place. A write whose payload does not fit is received and written
+//         kInBufferSize bytes at a time (HandleLargeWrite), its reply sent after the last piece;
+//   data_ kDataBufferSize bytes: read data of a batch. A read longer than data_ is read and sent
+//         kDataBufferSize bytes at a time (HandleLargeRead): as several structured-reply data
+//         chunks, or one reply (simple, or one chunk for DF) whose data follows piece by piece.
+// A batch thus never carries more than kInBufferSize bytes of writes nor kDataBufferSize of reads,
+// which bounds the backend's own per-batch buffers too (the page store's sealed pages).
 #pragma once
 
 #include <sys/uio.h>
@@ -58,7 +66,11 @@ class NbdConnection final : private BatchListener {
   void Run();
 
  private:
-  static constexpr size_t kInBufferSize = 1u << 20;
+  // What the kernel sends to a swap device is at most a few hundred KiB per request (swap-in
+  // readahead is 8 pages by default; the block layer splits at max_sectors_kb, 1280 KiB at most
+  // by default); a request beyond these is served in pieces of these sizes.
+  static constexpr size_t kInBufferSize = 256u << 10;
+  static constexpr size_t kDataBufferSize = 1u << 20;
   static constexpr size_t kMaxBatch = 256;
   // Per reply: header, plus data or an error message.
   static constexpr size_t kMaxIov = 2 * kMaxBatch;
@@ -81,13 +93,25 @@ class NbdConnection final : private BatchListener {
   // Makes at least `n` unconsumed bytes available in in_ (n <= kInBufferSize). False on EOF or
   // error (the connection is over).
   bool Fill(size_t n);
-  // Handles a WRITE whose payload does not fit in in_: its header is at in_start_.
+  // Handles a WRITE whose payload does not fit in in_ (its header is at in_start_): received and
+  // written in pieces of kInBufferSize, one reply after the last. A refused one (e.g. longer than
+  // kMaxPayload) has its payload read and dropped, then the error reply.
   bool HandleLargeWrite(const nbd::Request& r, const nbd::RequestCheck& check);
+  // Handles a valid READ longer than data_ (its header is at in_start_): read and sent in pieces
+  // of kDataBufferSize. A failure after the first piece went out ends the connection if the
+  // reply has one header (simple, or DF: it already said success); otherwise an error chunk
+  // ends the reply.
+  bool HandleLargeRead(const nbd::Request& r);
   // Runs ops_[0..n) and sends the replies for pending_[0..count).
   bool Complete(size_t count, size_t n_ops);
   // Queues the replies of pending_[0..count) not queued yet, then sends the whole queue, waiting
   // for the client up to the reply deadline. False if the connection must end.
   bool SendReplies(size_t count);
+  // Sends the whole reply queue, waiting for the client up to the reply deadline. False if the
+  // connection must end.
+  bool Drain();
+  // Counts the reply to `r` in the metrics and the connection's totals.
+  void CountReply(const nbd::Request& r, uint32_t error, const char* message);
   // Appends the reply of pending_[i] to the reply queue (at most two iovecs).
   void AppendReply(size_t i);
   // Offers the reply queue to the socket without blocking; what it does not take stays queued.

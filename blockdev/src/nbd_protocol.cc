@@ -459,8 +459,9 @@ void EncodeStructuredHeader(uint8_t out[kStructuredHeaderSize], uint16_t flags, 
 }
 
 void EncodeOffsetDataHeader(uint8_t out[kOffsetDataHeaderSize], uint64_t handle, uint64_t offset,
-                            uint32_t data_length) {
-  EncodeStructuredHeader(out, kReplyFlagDone, kReplyTypeOffsetData, handle, 8 + data_length);
+                            uint32_t data_length, bool done) {
+  EncodeStructuredHeader(out, done ? kReplyFlagDone : 0, kReplyTypeOffsetData, handle,
+                         8 + data_length);
   StoreBe64(out + kStructuredHeaderSize, offset);
 }
 

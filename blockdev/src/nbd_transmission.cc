@@ -5,6 +5,7 @@
 #include <spdlog/spdlog.h>
 #include <sys/socket.h>
 
+#include <algorithm>
 #include <cstring>
 
 #include "farmem/common/socket.h"
@@ -16,7 +17,7 @@ using nbd::kRequestHeaderSize;
 
 void NbdConnection::Transmit() {
   in_ = std::make_unique_for_overwrite<uint8_t[]>(kInBufferSize);
-  data_ = std::make_unique_for_overwrite<uint8_t[]>(nbd::kMaxPayload);
+  data_ = std::make_unique_for_overwrite<uint8_t[]>(kDataBufferSize);
   pending_ = std::make_unique<std::array<Pending, kMaxBatch>>();
   ops_ = std::make_unique<std::array<BlockOp, kMaxBatch>>();
   headers_ = std::make_unique<std::array<std::array<uint8_t, kReplyHeaderMax>, kMaxBatch>>();
@@ -35,6 +36,7 @@ void NbdConnection::Transmit() {
     uint64_t arena = 0;  // bytes of data_ promised to reads of this batch
     bool disconnect = false;
     bool violation = false;
+    bool large_read = false;  // the first request is a READ longer than data_
     size_t pos = in_start_;
     while (count < kMaxBatch) {
       const nbd::Framing f = nbd::NextFrame({in_.get() + pos, in_end_ - pos});
@@ -51,7 +53,8 @@ void NbdConnection::Transmit() {
         break;
       }
       if (f.payload > in_end_ - pos - kRequestHeaderSize) break;  // payload still on its way
-      if (check.error == 0 && r.type == nbd::kCmdRead && arena + r.length > nbd::kMaxPayload) {
+      if (check.error == 0 && r.type == nbd::kCmdRead && arena + r.length > kDataBufferSize) {
+        large_read = count == 0;
         break;  // data_ is full; this read starts the next batch
       }
       Pending& p = (*pending_)[count++];
@@ -98,9 +101,14 @@ void NbdConnection::Transmit() {
     }
 
     if (count == 0 && !disconnect && !violation) {
-      // The first request is a WRITE whose payload has not fully arrived.
+      // The first request is a READ longer than data_, or a WRITE whose payload has not fully
+      // arrived.
       nbd::Request r;
       nbd::DecodeRequestHeader({in_.get() + in_start_, in_end_ - in_start_}, &r);
+      if (large_read) {
+        if (!HandleLargeRead(r)) return;
+        continue;
+      }
       const nbd::RequestCheck check = nbd::CheckRequest(r, session_);
       const uint64_t need = kRequestHeaderSize + uint64_t{r.length};
       if (need <= kInBufferSize) {
@@ -155,41 +163,101 @@ bool NbdConnection::Fill(size_t n) {
 
 bool NbdConnection::HandleLargeWrite(const nbd::Request& r, const nbd::RequestCheck& check) {
   in_start_ += kRequestHeaderSize;
-  const size_t have = in_end_ - in_start_;  // less than r.length, or we would not be here
   Pending& p = (*pending_)[0];
   p = Pending{.request = r, .error = check.error, .message = check.message};
-  if (check.error == 0) {
-    // Valid, so r.length <= kMaxPayload: the whole payload fits in data_.
-    std::memcpy(data_.get(), in_.get() + in_start_, have);
-    in_start_ = in_end_ = 0;
-    if (!RecvExact(fd_, {data_.get() + have, r.length - have}, kNoDeadline).ok()) {
+  // The op stands for the whole request in the reply (AppendReply); each piece runs as an op of
+  // its own. After a piece fails the rest of the payload is only read (it is still part of the
+  // stream) and the request fails with that piece's status.
+  BlockOp& whole = (*ops_)[0];
+  whole = BlockOp{};
+  whole.kind = BlockOp::Kind::kWrite;
+  whole.offset = r.offset;
+  whole.length = r.length;
+  for (uint64_t done = 0; done < r.length;) {
+    const size_t n = static_cast<size_t>(std::min<uint64_t>(r.length - done, kInBufferSize));
+    if (!Fill(n)) {
       end_reason_ = "client disconnected in the middle of a write payload";
       return false;
     }
-    BlockOp& op = (*ops_)[0];
-    op = BlockOp{};
-    op.kind = BlockOp::Kind::kWrite;
-    op.fua = (r.flags & nbd::kCmdFlagFua) != 0;
-    op.offset = r.offset;
-    op.length = r.length;
-    op.data = {data_.get(), r.length};
-    p.op = 0;
-    (*op_pending_)[0] = 0;
-    return Complete(1, 1);
-  }
-  // Refused (e.g. longer than 32 MiB): the payload is still part of the stream. Read and drop
-  // it so the next request can be found, then answer with the error.
-  uint64_t left = r.length - have;
-  in_start_ = in_end_ = 0;
-  while (left > 0) {
-    const size_t n = left < nbd::kMaxPayload ? static_cast<size_t>(left) : nbd::kMaxPayload;
-    if (!RecvExact(fd_, {data_.get(), n}, kNoDeadline).ok()) {
-      end_reason_ = "client disconnected in the middle of a write payload";
-      return false;
+    if (check.error == 0 && whole.status.ok()) {
+      // FUA on every piece: the reply says the whole request is durable.
+      BlockOp piece{};
+      piece.kind = BlockOp::Kind::kWrite;
+      piece.fua = (r.flags & nbd::kCmdFlagFua) != 0;
+      piece.offset = r.offset + done;
+      piece.length = n;
+      piece.data = {in_.get() + in_start_, n};
+      backend_->ExecuteBatch({&piece, 1});
+      whole.status = std::move(piece.status);
     }
-    left -= n;
+    in_start_ += n;
+    done += n;
   }
-  return Complete(1, 0);
+  if (check.error != 0) return Complete(1, 0);
+  p.op = 0;
+  (*op_pending_)[0] = 0;
+  requests_ += 1;
+  ++batches_;
+  return SendReplies(1);
+}
+
+bool NbdConnection::HandleLargeRead(const nbd::Request& r) {
+  in_start_ += kRequestHeaderSize;
+  ++requests_;
+  uint8_t* h = (*headers_)[0].data();
+  // One header, then the data piece by piece: a simple reply, or a structured one whose client
+  // asked for a single chunk (DF, which we advertise).
+  const bool one_header = !session_.structured_replies || (r.flags & nbd::kCmdFlagDf) != 0;
+  for (uint64_t done = 0; done < r.length;) {
+    const size_t n = static_cast<size_t>(std::min<uint64_t>(r.length - done, kDataBufferSize));
+    BlockOp op{};
+    op.kind = BlockOp::Kind::kRead;
+    op.offset = r.offset + done;
+    op.length = n;
+    op.read_into = {data_.get(), n};
+    backend_->ExecuteBatch({&op, 1});
+    ++batches_;
+    iovec* iov = iov_->data();
+    if (!op.status.ok()) {
+      const uint32_t error = NbdError(op.status, r);
+      const char* message = "the storage backend failed";
+      spdlog::warn("nbd: {}: {} of {} bytes at {} failed: {}", peer_, nbd::CommandName(r.type),
+                   r.length, r.offset, op.status.ToString());
+      CountReply(r, error, message);
+      if (done > 0 && one_header) {
+        // The header, sent with the first piece, said success: the only way left to tell the
+        // client is to end the connection before the rest of the data.
+        end_reason_ = "a read failed after part of its reply was sent";
+        return false;
+      }
+      if (session_.structured_replies) {
+        const uint16_t len = nbd::ErrorMessageLength(message);
+        nbd::EncodeErrorChunkHeader(h, r.handle, error, len);
+        iov[iov_used_++] = {h, nbd::kErrorChunkFixedSize};
+        if (len > 0) iov[iov_used_++] = {const_cast<char*>(message), len};
+      } else {
+        nbd::EncodeSimpleReply(h, error, r.handle);
+        iov[iov_used_++] = {h, nbd::kSimpleReplySize};
+      }
+      return Drain();
+    }
+    const bool last = done + n == r.length;
+    if (!one_header) {
+      nbd::EncodeOffsetDataHeader(h, r.handle, op.offset, static_cast<uint32_t>(n), last);
+      iov[iov_used_++] = {h, nbd::kOffsetDataHeaderSize};
+    } else if (done == 0 && session_.structured_replies) {
+      nbd::EncodeOffsetDataHeader(h, r.handle, r.offset, r.length);
+      iov[iov_used_++] = {h, nbd::kOffsetDataHeaderSize};
+    } else if (done == 0) {
+      nbd::EncodeSimpleReply(h, 0, r.handle);
+      iov[iov_used_++] = {h, nbd::kSimpleReplySize};
+    }
+    iov[iov_used_++] = {data_.get(), n};
+    if (last) CountReply(r, 0, "");
+    if (!Drain()) return false;
+    done += n;
+  }
+  return true;
 }
 
 bool NbdConnection::Complete(size_t count, size_t n_ops) {
@@ -234,6 +302,10 @@ bool NbdConnection::SendReplies(size_t count) {
   for (size_t i = 0; i < count; ++i) {
     if (!(*pending_)[i].replied) AppendReply(i);
   }
+  return Drain();
+}
+
+bool NbdConnection::Drain() {
   // The common case: the socket takes every reply of the batch in one sendmsg().
   if (send_failed_ || !TrySend()) {
     send_failed_ = false;
@@ -313,24 +385,7 @@ void NbdConnection::AppendReply(size_t i) {
       read_data = op.read_into;
     }
   }
-  if (metrics_ != nullptr) {
-    const NbdMetrics::Command c = NbdMetrics::CommandOf(r.type);
-    metrics_->requests[c]->Add();
-    if (error != 0) {
-      metrics_->errors[c]->Add();
-    } else {
-      metrics_->bytes[c]->Add(r.length);
-    }
-    metrics_->latency[c]->Observe(
-        static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
-                                  std::chrono::steady_clock::now() - batch_start_)
-                                  .count()));
-  }
-  if (error != 0) {
-    ++failed_requests_;
-    spdlog::debug("nbd: {}: {} offset {} length {} flags 0x{:x}: error {} ({})", peer_,
-                  nbd::CommandName(r.type), r.offset, r.length, r.flags, error, message);
-  }
+  CountReply(r, error, message);
   const bool is_read = r.type == nbd::kCmdRead;
   if (session_.structured_replies && (is_read || error != 0)) {
     // With structured replies a READ must get a structured reply; errors of other commands
@@ -349,6 +404,27 @@ void NbdConnection::AppendReply(size_t i) {
     nbd::EncodeSimpleReply(h, error, r.handle);
     iov[n++] = {h, nbd::kSimpleReplySize};
     if (is_read && error == 0) iov[n++] = {read_data.data(), read_data.size()};
+  }
+}
+
+void NbdConnection::CountReply(const nbd::Request& r, uint32_t error, const char* message) {
+  if (metrics_ != nullptr) {
+    const NbdMetrics::Command c = NbdMetrics::CommandOf(r.type);
+    metrics_->requests[c]->Add();
+    if (error != 0) {
+      metrics_->errors[c]->Add();
+    } else {
+      metrics_->bytes[c]->Add(r.length);
+    }
+    metrics_->latency[c]->Observe(
+        static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                  std::chrono::steady_clock::now() - batch_start_)
+                                  .count()));
+  }
+  if (error != 0) {
+    ++failed_requests_;
+    spdlog::debug("nbd: {}: {} offset {} length {} flags 0x{:x}: error {} ({})", peer_,
+                  nbd::CommandName(r.type), r.offset, r.length, r.flags, error, message);
   }
 }
 

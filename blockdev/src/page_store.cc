@@ -15,6 +15,11 @@ namespace farmem::blockdev {
 
 namespace pagestore {
 
+// Room for the ciphertext of a batch's aligned writes that each worker gets at start: what one
+// batch of farmem-nbd carries at most (a connection takes 256 KiB of write data per batch,
+// nbd_connection.h). Under --swap-safe it is locked memory, 9 workers' worth at idle.
+constexpr size_t kSealedReserve = 256u << 10;
+
 const std::vector<uint8_t>& ZeroBuffer() {
   static const std::vector<uint8_t> zeros(kMaxPiece, 0);
   return zeros;
@@ -170,7 +175,7 @@ Status PageStore::Init() {
     if (crypto_) {
       FARMEM_ASSIGN_OR_RETURN(aead::Cipher c, crypto_->NewCipher());
       w->cipher.emplace(std::move(c));
-      w->sealed.resize(kRoundBytes);  // grown for larger batches, then kept
+      w->sealed.resize(kSealedReserve);  // grown for larger batches, then kept
     }
     all_workers_.push_back(std::move(w));
   }

@@ -1,6 +1,7 @@
 #include "farmem/blockdev/swap_safety.h"
 
 #include <fcntl.h>
+#include <pthread.h>
 #include <sys/mman.h>
 #include <sys/prctl.h>
 #include <unistd.h>
@@ -48,6 +49,23 @@ Status ProtectFromOomKiller() {
   return Status::Ok();
 }
 
+Status UseSmallThreadStacks() {
+  pthread_attr_t attr;
+  if (const int rc = pthread_getattr_default_np(&attr); rc != 0) {
+    return ErrnoStatus(StatusCode::kInternal, "pthread_getattr_default_np", rc);
+  }
+  int rc = pthread_attr_setstacksize(&attr, kThreadStackSize);
+  if (rc == 0) rc = pthread_setattr_default_np(&attr);
+  pthread_attr_destroy(&attr);
+  if (rc != 0) {
+    return ErrnoStatus(StatusCode::kInternal,
+                       "pthread_setattr_default_np (threads keep the default stack size, locked "
+                       "whole)",
+                       rc);
+  }
+  return Status::Ok();
+}
+
 }  // namespace
 
 SwapSafetyReport EnterSwapSafeMode() {
@@ -55,6 +73,7 @@ SwapSafetyReport EnterSwapSafeMode() {
   r.memory_locked = LockAllMemory();
   r.io_flusher = MarkIoFlusher();
   r.oom_protected = ProtectFromOomKiller();
+  r.small_stacks = UseSmallThreadStacks();
   return r;
 }
 

@@ -359,27 +359,34 @@ TEST_F(NbdRobustnessTest, AbruptDisconnectMidRequestHeader) {
   ASSERT_TRUE(c->SendRaw({req.data(), 13}).ok());
 }
 
-TEST_F(NbdRobustnessTest, WriteWhosePayloadIsCutShortChangesNothing) {
+// A write whose client vanishes before its payload is complete: one that fits the receive buffer
+// changes nothing; a larger one is served in pieces (docs/nbd.md) and may have written the pieces
+// that arrived whole, as a disk may have written some sectors of a write it never acknowledged,
+// but nothing past what arrived.
+TEST_F(NbdRobustnessTest, WriteWhosePayloadIsCutShortChangesNothingPastWhatArrived) {
   const uint64_t off = 4u << 20;
-  {
-    auto c = NbdTestClient::Connect(server_->socket_path());
-    ASSERT_TRUE(c.has_value());
-    ASSERT_TRUE(c->Write(off, Pattern(65536, 50)).ok());
-    // Small (fits the receive buffer) and large (goes to the data buffer) writes, both cut.
-    for (uint32_t len : {65536u, 8u << 20}) {
-      auto w = NbdTestClient::Connect(server_->socket_path());
-      ASSERT_TRUE(w.has_value());
-      std::vector<uint8_t> msg = testing::RequestBytes(kCmdWrite, 0, 5, off, len);
-      const auto data = Pattern(len / 2, 51);
-      msg.insert(msg.end(), data.begin(), data.end());
-      ASSERT_TRUE(w->SendRaw(msg).ok());
-    }  // closed with half the payload sent
-  }
+  const uint32_t large = 8u << 20;
+  const uint64_t tail = off + large - 65536;  // in the half of the large write never sent
   auto c = NbdTestClient::Connect(server_->socket_path());
   ASSERT_TRUE(c.has_value());
+  ASSERT_TRUE(c->Write(off, Pattern(65536, 50)).ok());
+  ASSERT_TRUE(c->Write(tail, Pattern(65536, 52)).ok());
+  auto cut = [&](uint32_t len) {
+    auto w = NbdTestClient::Connect(server_->socket_path());
+    ASSERT_TRUE(w.has_value());
+    std::vector<uint8_t> msg = testing::RequestBytes(kCmdWrite, 0, 5, off, len);
+    const auto data = Pattern(len / 2, 51);
+    msg.insert(msg.end(), data.begin(), data.end());
+    ASSERT_TRUE(w->SendRaw(msg).ok());
+  };  // closed with half the payload sent
+  cut(65536);
   auto back = c->Read(off, 65536);
   ASSERT_TRUE(back.has_value());
-  EXPECT_EQ(*back, Pattern(65536, 50)) << "a partial write reached the device";
+  EXPECT_EQ(*back, Pattern(65536, 50)) << "a partial write that fits the buffer reached the device";
+  cut(large);
+  back = c->Read(tail, 65536);
+  ASSERT_TRUE(back.has_value());
+  EXPECT_EQ(*back, Pattern(65536, 52)) << "bytes a cut-short write never sent reached the device";
 }
 
 TEST_F(NbdRobustnessTest, WriteLongerThanTheMaximumIsRefusedInSync) {

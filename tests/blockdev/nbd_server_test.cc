@@ -9,6 +9,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <set>
 #include <thread>
 
@@ -174,6 +175,110 @@ TEST_F(NbdServerTest, MaximumSizeWriteAndReadRoundTrip) {
     EXPECT_EQ(r->error, 0u);
     EXPECT_TRUE(r->data == data);
   }
+}
+
+// A request larger than the connection's buffers (256 KiB of write data and 1 MiB of read data
+// per batch, nbd_connection.h: they are locked memory under --swap-safe) is served in pieces no
+// larger than those: the data round-trips, FUA reaches every piece, and a small request pipelined
+// behind a large one is answered after it, in sync. WRITE_ZEROES and TRIM carry no payload and
+// reach the backend whole.
+TEST_F(NbdServerTest, RequestsLargerThanTheBuffersAreServedInPieces) {
+  constexpr uint64_t kWritePiece = 256u << 10;
+  constexpr uint64_t kReadPiece = 1u << 20;
+  constexpr uint64_t kAt = kSize - kMaxPayload;
+  for (const bool structured : {true, false}) {
+    SCOPED_TRACE(structured ? "structured replies" : "simple replies");
+    ClientOptions o;
+    o.structured_replies = structured;
+    NbdTestClient c = Connect(o);
+    backend_->clear();
+    const auto data = Pattern(kMaxPayload, structured ? 11 : 12);
+    ASSERT_TRUE(c.Write(kAt, data, kCmdFlagFua).ok());
+    ASSERT_TRUE(c.Send(kCmdRead, 0, 1, kAt, kMaxPayload).ok());
+    ASSERT_TRUE(c.Send(kCmdRead, 0, 2, kAt + 4096, 4096).ok());
+    auto big = c.Receive();
+    ASSERT_TRUE(big.has_value()) << big.error().ToString();
+    EXPECT_EQ(big->handle, 1u);
+    EXPECT_EQ(big->error, 0u);
+    EXPECT_TRUE(big->data == data);
+    if (structured) EXPECT_EQ(big->chunks, static_cast<int>(kMaxPayload / kReadPiece));
+    auto small = c.Receive();
+    ASSERT_TRUE(small.has_value()) << small.error().ToString();
+    EXPECT_EQ(small->handle, 2u);
+    EXPECT_TRUE(std::equal(small->data.begin(), small->data.end(), data.begin() + 4096));
+    uint64_t written = 0, read = 0;
+    for (const auto& op : backend_->ops()) {
+      if (op.kind == BlockOp::Kind::kWrite) {
+        EXPECT_LE(op.length, kWritePiece);
+        EXPECT_TRUE(op.fua) << "FUA must reach every piece of a FUA write";
+        EXPECT_EQ(op.offset, kAt + written) << "pieces in order, none left out";
+        written += op.length;
+      } else if (op.kind == BlockOp::Kind::kRead) {
+        EXPECT_LE(op.length, kReadPiece);
+        read += op.length;
+      }
+    }
+    EXPECT_EQ(written, kMaxPayload);
+    EXPECT_EQ(read, kMaxPayload + 4096);
+    if (structured) {
+      // DF (advertised): one chunk whatever the size, its data still read in pieces.
+      auto df = c.Call(kCmdRead, kCmdFlagDf, kAt, kMaxPayload);
+      ASSERT_TRUE(df.has_value()) << df.error().ToString();
+      EXPECT_EQ(df->chunks, 1);
+      EXPECT_TRUE(df->data == data);
+    }
+  }
+
+  NbdTestClient c = Connect();
+  ASSERT_TRUE(c.Write(0, Pattern(kMaxPayload, 13)).ok());
+  auto z = c.Call(kCmdWriteZeroes, kCmdFlagNoHole, 0, kMaxPayload);
+  ASSERT_TRUE(z.has_value());
+  EXPECT_EQ(z->error, 0u);
+  auto zeros = c.Read(0, kMaxPayload);
+  ASSERT_TRUE(zeros.has_value());
+  EXPECT_TRUE(*zeros == std::vector<uint8_t>(kMaxPayload, 0));
+  auto t = c.Call(kCmdTrim, 0, 0, kMaxPayload);
+  ASSERT_TRUE(t.has_value());
+  EXPECT_EQ(t->error, 0u);
+}
+
+// A read served in pieces that fails after its first piece went out: with structured replies the
+// data chunks are followed by an error chunk and the connection goes on; a simple reply's header,
+// or a DF read's one chunk header, already said success, so the connection is closed (the client
+// sees the request fail). A write
+// failing in a middle piece gets EIO, its later pieces are not written, and the stream stays in
+// sync.
+TEST_F(NbdServerTest, LargeRequestFailingAfterItsFirstPiece) {
+  NbdTestClient c = Connect();
+  backend_->set_fail_after(1);
+  auto r = c.Call(kCmdRead, 0, 0, kMaxPayload);
+  ASSERT_TRUE(r.has_value()) << r.error().ToString();
+  EXPECT_EQ(r->error, kEio);
+  EXPECT_EQ(r->chunks, 2) << "one data chunk, then the error chunk";
+  backend_->set_fail(false);
+  EXPECT_TRUE(c.Read(0, 4096).has_value());
+
+  backend_->clear();
+  backend_->set_fail_after(2);
+  auto w = c.Call(kCmdWrite, 0, 0, kMaxPayload, Pattern(kMaxPayload, 14));
+  ASSERT_TRUE(w.has_value()) << w.error().ToString();
+  EXPECT_EQ(w->error, kEio);
+  backend_->set_fail(false);
+  EXPECT_EQ(backend_->ops().size(), 3u) << "two pieces written, the third failed, no more tried";
+  EXPECT_TRUE(c.Read(0, 4096).has_value());
+
+  backend_->set_fail_after(1);
+  ASSERT_TRUE(c.Send(kCmdRead, kCmdFlagDf, 6, 0, kMaxPayload).ok());
+  EXPECT_TRUE(c.WaitForClose(std::chrono::seconds(10))) << "DF: one chunk, already begun";
+  backend_->set_fail(false);
+
+  ClientOptions o;
+  o.structured_replies = false;
+  NbdTestClient s = Connect(o);
+  backend_->set_fail_after(1);
+  ASSERT_TRUE(s.Send(kCmdRead, 0, 7, 0, kMaxPayload).ok());
+  EXPECT_TRUE(s.WaitForClose(std::chrono::seconds(10)));
+  backend_->set_fail(false);
 }
 
 TEST_F(NbdServerTest, WriteLongerThanMaxPayloadIsDrainedAndRefused) {

@@ -72,6 +72,14 @@ class RecordingBackend : public BlockBackend {
   void set_fail(bool fail) {
     std::lock_guard lock(mu_);
     fail_ = fail;
+    succeed_before_fail_ = -1;
+  }
+  // The next `n` calls succeed, every later one fails (until set_fail(false)): a failure in the
+  // middle of a request served in pieces.
+  void set_fail_after(int n) {
+    std::lock_guard lock(mu_);
+    fail_ = false;
+    succeed_before_fail_ = n;
   }
   void set_multi_conn(bool v) { multi_conn_ = v; }
   std::vector<RecordedOp> ops() {
@@ -90,6 +98,8 @@ class RecordingBackend : public BlockBackend {
   }
   bool Fail() {
     std::lock_guard lock(mu_);
+    if (succeed_before_fail_ == 0) fail_ = true;
+    if (succeed_before_fail_ >= 0) --succeed_before_fail_;
     return fail_;
   }
 
@@ -98,8 +108,9 @@ class RecordingBackend : public BlockBackend {
   bool report_early_ = false;
   std::atomic<uint64_t> batches_finished_{0};
   std::mutex mu_;
-  std::vector<RecordedOp> ops_;  // guarded by mu_
-  bool fail_ = false;            // guarded by mu_
+  std::vector<RecordedOp> ops_;   // guarded by mu_
+  bool fail_ = false;             // guarded by mu_
+  int succeed_before_fail_ = -1;  // guarded by mu_; -1: fail_ alone decides
 };
 
 }  // namespace farmem::blockdev::testing

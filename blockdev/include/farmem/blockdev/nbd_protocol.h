@@ -299,11 +299,11 @@ inline constexpr size_t kMaxErrorMessage = 256;
 void EncodeSimpleReply(uint8_t out[kSimpleReplySize], uint32_t error, uint64_t handle);
 void EncodeStructuredHeader(uint8_t out[kStructuredHeaderSize], uint16_t flags, uint16_t type,
                             uint64_t handle, uint32_t payload_length);
-// Header of an NBD_REPLY_TYPE_OFFSET_DATA chunk with DONE set (header + 8-byte offset); the
-// `data_length` bytes of data follow.
+// Header of an NBD_REPLY_TYPE_OFFSET_DATA chunk (header + 8-byte offset), with DONE set if `done`
+// (the last chunk of the reply); the `data_length` bytes of data follow.
 inline constexpr size_t kOffsetDataHeaderSize = kStructuredHeaderSize + 8;
 void EncodeOffsetDataHeader(uint8_t out[kOffsetDataHeaderSize], uint64_t handle, uint64_t offset,
-                            uint32_t data_length);
+                            uint32_t data_length, bool done = true);
 // Header + fixed part of a final NBD_REPLY_TYPE_ERROR chunk; the message bytes (already cut to
 // kMaxErrorMessage by the caller, see ErrorMessageLength) follow.
 void EncodeErrorChunkHeader(uint8_t out[kErrorChunkFixedSize], uint64_t handle, uint32_t error,

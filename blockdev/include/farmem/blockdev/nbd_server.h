@@ -34,6 +34,7 @@
 #include "farmem/blockdev/block_backend.h"
 #include "farmem/blockdev/nbd_metrics.h"
 #include "farmem/blockdev/nbd_protocol.h"
+#include "farmem/blockdev/swap_safety.h"
 #include "farmem/common/config.h"
 #include "farmem/common/mutex.h"
 #include "farmem/common/socket.h"
@@ -102,12 +103,12 @@ class NbdServer {
   struct ConnectionSlot {
     int fd = -1;  // owned; closed after the thread is joined (never reused while it runs)
     std::function<void()> body;  // what the thread runs
-    pthread_t thread{};          // a pthread, for its small stack (kThreadStackSize)
+    // A pthread, for its small stack: under mlockall(MCL_FUTURE) a thread's whole stack is
+    // locked when it starts, so the server's threads do not get glibc's default 8 MiB; they need
+    // a few tens of KiB (kThreadStackSize, swap_safety.h, in either mode).
+    pthread_t thread{};
     std::atomic<bool> done{false};
   };
-  // Under mlockall(MCL_FUTURE) a thread's whole stack is allocated and locked when it starts, so
-  // the server's threads do not get glibc's default 8 MiB; they need a few tens of KiB.
-  static constexpr size_t kThreadStackSize = 512u << 10;
 
   NbdServer(BlockBackend* backend, NbdServerOptions options, nbd::ExportInfo info);
   Status AddListenerUnix(const std::string& path);
