@@ -161,10 +161,10 @@ if [[ $mode == drain ]]; then
   head -c $((64 << 20)) /dev/urandom >"$work/full"
   dd if="$work/full" of=/dev/farmem0 bs=1M oflag=direct status=none || fail "dd write of 64 MiB"
   # A writer through the whole move: random 64 KiB blocks of the whole device, each read back at
-  # once (tests/vm/block_writer.c); $work/full follows every write. The copier pauses 20 ms
-  # between 64 KiB chunks (a module test knob, 0.6 s a slab) so that writes land in half-moved
-  # slabs.
-  echo 20 >/sys/module/farmem/parameters/rebuild_chunk_delay_ms
+  # once (tests/vm/block_writer.c); $work/full follows every write. The copier pauses 10 ms
+  # between 64 KiB chunks (a module test knob, 0.3 s a slab) so that more writes land in
+  # half-moved slabs (75 with 20 ms seen; the moves must still end well within the grace).
+  echo 10 >/sys/module/farmem/parameters/rebuild_chunk_delay_ms
   rebuild_writes_before=$(status_field rebuild_writes)
   rm -f "$work/stop"
   "$block_writer" /dev/farmem0 "$work/full" 0 1024 65536 "$work/stop" >"$work/writer.log" 2>&1 &
@@ -189,6 +189,7 @@ if [[ $mode == drain ]]; then
   echo 0 >/sys/module/farmem/parameters/rebuild_chunk_delay_ms
   cat "$work/writer.log"
   ((rc == 0)) || fail "the writer failed during the moves (above)"
+  grep -E 'moved off' "$work/attach.log" | sed 's/^.*slab/[kmod_smoke] keeper: slab/'
   say "keeper: $(grep '^rebuild done' "$work/attach.log")"
   ((held_n > 0 && $(status_field moved) == held_n)) ||
     fail "moved=$(status_field moved), want $held_n: $(cat /sys/kernel/farmem/status)"
