@@ -29,7 +29,9 @@
 #      re-read and rewritten) verifies every byte; pswpout/pswpin show it went through farmem0;
 #   4. swapoff, farmemctl kmod detach: the attach process frees its leases and exits 0; rmmod;
 #   and the kernel log has no WARNING/BUG/farmem error. Exit 77 when farmem.ko was not built.
-# Environment (optional): KMOD_SWAP_MIB (32), KMOD_SWAP_LIMIT (8M).
+# Environment (optional): KMOD_SWAP_MIB (32), KMOD_SWAP_LIMIT (8M), KMOD_DRAIN_RESILIENCE (drain:
+# none, or replicate:2: twice the moves, give it KMOD_DRAIN_GRACE_MS=60000), KMOD_DRAIN_GRACE_MS
+# (drain: 30000).
 set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 source "$here/guest_daemons.sh"
@@ -51,7 +53,10 @@ case $mode in
   none) daemons=2 resilience=none capacity=48M victim="" ;;
   replicate) daemons=3 resilience=replicate:2 capacity=64M victim=1 other=0 third=2 ;;
   restart) daemons=2 resilience=none capacity=48M victim="" ;;
-  drain) daemons=3 resilience=none capacity=48M victim="" ;;
+  # (KMOD_DRAIN_RESILIENCE=replicate:2 by hand: the keeper moves the noticed copies too rather
+  # than rebuild them from the other copy; 80M each: two daemons hold both copies after it)
+  drain) daemons=3 resilience=${KMOD_DRAIN_RESILIENCE:-none} capacity=48M victim=""
+    [[ $resilience == none ]] || capacity=80M ;;
   *) fail "mode must be none, replicate, restart or drain, not $mode" ;;
 esac
 [[ $mode != replicate && $mode != drain || -x $block_writer ]] ||
@@ -88,7 +93,7 @@ dmesg -C
 ttl_ms=10000
 [[ $mode == restart ]] && ttl_ms=20000
 # drain: SIGTERM drains first, for up to the grace period (and says when every lease was freed).
-grace_ms=30000
+grace_ms=${KMOD_DRAIN_GRACE_MS:-30000}
 daemon_args=(--log-level warn)
 [[ $mode == drain ]] && daemon_args=(--log-level info --drain-timeout "$grace_ms")
 start_daemons "$work" "${addrs[@]:0:daemons}" -- --capacity "$capacity" --slab-size 2M \
@@ -157,7 +162,7 @@ if [[ $mode == drain ]]; then
   target=$(awk -v p="$peer_i" '$1 == "peer" && $2 == p { print $5 }' <<<"$slabs")
   for ((d = 0; d < daemons; d++)); do [[ ${peers[$d]} == "$target" ]] && break; done
   ((d < daemons)) || fail "no daemon is $target (peer $peer_i)"
-  say "farmemd $d ($target) holds $held_n of the 32 slabs"
+  say "farmemd $d ($target) holds $held_n of the slabs' copies ($resilience)"
   head -c $((64 << 20)) /dev/urandom >"$work/full"
   dd if="$work/full" of=/dev/farmem0 bs=1M oflag=direct status=none || fail "dd write of 64 MiB"
   # A writer through the whole move: random 64 KiB blocks of the whole device, each read back at
