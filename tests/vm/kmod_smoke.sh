@@ -30,8 +30,8 @@
 #   4. swapoff, farmemctl kmod detach: the attach process frees its leases and exits 0; rmmod;
 #   and the kernel log has no WARNING/BUG/farmem error. Exit 77 when farmem.ko was not built.
 # Environment (optional): KMOD_SWAP_MIB (32), KMOD_SWAP_LIMIT (8M), KMOD_DRAIN_RESILIENCE (drain:
-# none, or replicate:2: twice the moves, give it KMOD_DRAIN_GRACE_MS=60000), KMOD_DRAIN_GRACE_MS
-# (drain: 30000).
+# none, or replicate:2: twice the moves), KMOD_DRAIN_GRACE_MS
+# (drain: 60000).
 set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 source "$here/guest_daemons.sh"
@@ -93,7 +93,7 @@ dmesg -C
 ttl_ms=10000
 [[ $mode == restart ]] && ttl_ms=20000
 # drain: SIGTERM drains first, for up to the grace period (and says when every lease was freed).
-grace_ms=${KMOD_DRAIN_GRACE_MS:-30000}
+grace_ms=${KMOD_DRAIN_GRACE_MS:-60000}
 daemon_args=(--log-level warn)
 [[ $mode == drain ]] && daemon_args=(--log-level info --drain-timeout "$grace_ms")
 start_daemons "$work" "${addrs[@]:0:daemons}" -- --capacity "$capacity" --slab-size 2M \
