@@ -21,7 +21,7 @@
 #include <rdma/ib_verbs.h>
 #include <rdma/rdma_cm.h>
 
-#define FARMEM_IFACE_VERSION 3
+#define FARMEM_IFACE_VERSION 4
 #define FARMEM_MAX_PEERS 64
 #define FARMEM_TOKEN_BYTES 32
 #define FARMEM_MAX_SEGS 16 /* scatter entries per work request (one request, one WR) */
@@ -32,6 +32,8 @@
 #define FARMEM_SYNC_SHIFT 16 /* a rebuild copies and tracks writes in chunks of 64 KiB */
 #define FARMEM_SYNC_CHUNK (1u << FARMEM_SYNC_SHIFT)
 #define FARMEM_NO_SYNC U32_MAX /* farmem_sync.slab when no copy is being rebuilt */
+/* The work request slot (farmem_cmd.w[]) of the old copy of a copy being moved (farmem_sync.old). */
+#define FARMEM_OLD_COPY FARMEM_MAX_REPLICAS
 
 /* One daemon: one rdma_cm id, one RC queue pair in its own PD, one CQ polled in softirq. */
 struct farmem_peer {
@@ -80,7 +82,16 @@ struct farmem_slab {
 struct farmem_sync {
 	u32 slab; /* FARMEM_NO_SYNC when none; READ_ONCE on the I/O path */
 	int replica;
-	bool failed; /* a write to the new copy failed: the rebuild fails */
+	bool failed; /* a write to the new copy failed: the rebuild (or move) fails */
+	/*
+	 * `move` (the copy's lease is noticed: its daemon wants the memory back): copy `replica`'s
+	 * old lease, the source of the copy. Every write to the slab also goes to it, and a read
+	 * that has no other live copy reads it (work request slot FARMEM_OLD_COPY). Set and
+	 * cleared with the queue frozen: a request that saw `moving` ends before it changes.
+	 */
+	bool moving;
+	bool old_failed; /* an I/O to the old copy failed: it may have missed a write */
+	struct farmem_replica old;
 	spinlock_t lock; /* inflight and dirty; taken from queue_rq and the completion (softirq) */
 	u32 nchunks; /* chunks per slab */
 	u32 *inflight; /* per chunk of the slab, allocated at the first rebuild */
@@ -109,6 +120,7 @@ struct farmem_dev {
 	u64 rebuilt; /* copies rebuilt (status) */
 	atomic64_t rebuild_writes; /* writes that also went to a copy being rebuilt (status) */
 	u64 recopied; /* chunks the copier copied again because a write overtook it (status) */
+	u64 moved; /* copies moved off a noticed lease (status) */
 };
 
 /* One work request of a request: to one replica. */
@@ -130,10 +142,11 @@ struct farmem_cmd {
 	atomic_t pending; /* work requests not yet completed (writes) */
 	atomic_t ok; /* work requests that succeeded (writes; the copy being rebuilt does not count) */
 	int sync_r; /* the replica being rebuilt this write also went to, or -1 */
+	bool use_old; /* the slab's copy is being moved: the old copy takes writes, serves reads */
 	bool sync_counted; /* counted in farmem_sync.inflight [sync_c0, sync_c1] */
 	u32 sync_c0, sync_c1;
 	struct scatterlist sg[FARMEM_MAX_SEGS];
-	struct farmem_wr w[FARMEM_MAX_REPLICAS];
+	struct farmem_wr w[FARMEM_MAX_REPLICAS + 1]; /* [FARMEM_OLD_COPY]: a moved copy's old lease */
 };
 
 extern struct mutex farmem_ctl_lock;
@@ -150,7 +163,9 @@ int farmem_dev_start(void);
 void farmem_dev_destroy(void);
 
 /* farmem_rebuild.c: a lost copy of a slab onto a new lease, while the device serves. */
-int farmem_dev_rebuild(u32 slab, u32 replica, u32 peer, u64 lease_id, u64 raddr, u32 rkey);
+/* move: copy `replica` itself is the source (it stays readable until its lease ends). */
+int farmem_dev_rebuild(u32 slab, u32 replica, u32 peer, u64 lease_id, u64 raddr, u32 rkey,
+		       bool move);
 void farmem_sync_free(struct farmem_sync *sync);
 
 /* farmem_ctl.c: the sysfs interface. */

@@ -1,25 +1,29 @@
 // SPDX-License-Identifier: GPL-2.0
 /*
  * The control interface, /sys/kernel/farmem/ (docs/kmod.md "Interface"):
- *   version  read: the interface version ("3")
+ *   version  read: the interface version ("4")
  *   control  write: one command per write(), words separated by spaces, first word the version:
- *     3 create SIZE_BYTES SLAB_BYTES [COPIES]  a device of SIZE bytes in slabs of SLAB bytes,
+ *     4 create SIZE_BYTES SLAB_BYTES [COPIES]  a device of SIZE bytes in slabs of SLAB bytes,
  *                                              each kept in COPIES (1..3, default 1) replicas
- *     3 owner CLIENT_ID_HEX32 IDENTITY         who holds the leases (kept for `slabs` only)
- *     3 peer INDEX IPV4 PORT TOKEN_HEX64 ENDPOINT
+ *     4 owner CLIENT_ID_HEX32 IDENTITY         who holds the leases (kept for `slabs` only)
+ *     4 peer INDEX IPV4 PORT TOKEN_HEX64 ENDPOINT
  *                                              connect to a daemon's rdma_cm port with its token;
  *                                              ENDPOINT: its control address (kept for `slabs`)
- *     3 slab INDEX PEER LEASE_ID RADDR RKEY [REPLICA]
+ *     4 slab INDEX PEER LEASE_ID RADDR RKEY [REPLICA]
  *                                              copy REPLICA (default 0) of slab INDEX lives at
  *                                              RADDR/RKEY on PEER
- *     3 start                                  add /dev/farmem0 (every slab given)
- *     3 rebuild INDEX REPLICA PEER LEASE_ID RADDR RKEY
+ *     4 start                                  add /dev/farmem0 (every slab given)
+ *     4 rebuild INDEX REPLICA PEER LEASE_ID RADDR RKEY
  *                                              (running) copy REPLICA of slab INDEX moves to this
  *                                              new lease: copied from a live copy, returns once done
- *     3 remove                                 delete the disk, disconnect, forget everything
+ *     4 move INDEX REPLICA PEER LEASE_ID RADDR RKEY
+ *                                              (running) the same, copied from copy REPLICA's own
+ *                                              (old) lease: its daemon gave notice, the lease still
+ *                                              serves; the old lease is the tool's to free after
+ *     4 remove                                 delete the disk, disconnect, forget everything
  *   A peer may be added while running (a daemon the device did not use yet, for a rebuild).
  *   status   read: "state=<none|created|running> size=.. slab=.. peers=N connected=N errors=N
- *            stale=N rebuilt=N rebuild_writes=N recopied=N";
+ *            stale=N rebuilt=N rebuild_writes=N recopied=N moved=N";
  *            poll(2) for POLLPRI: it changes when the disk is added or removed or a daemon
  *            disconnects.
  *   slabs    read (root): what the module holds, for a restarted tool to re-adopt the device:
@@ -126,8 +130,11 @@ static int farmem_cmd_slab(char *args)
 	return 0;
 }
 
-/* `rebuild S R PEER LEASE RADDR RKEY`: copy R of slab S onto a new lease (farmem_rebuild.c). */
-static int farmem_cmd_rebuild(char *args)
+/*
+ * `rebuild S R PEER LEASE RADDR RKEY`: copy R of slab S onto a new lease (farmem_rebuild.c),
+ * copied from another live copy; `move ...` (move): copied from copy R's own old lease.
+ */
+static int farmem_cmd_rebuild(char *args, bool move)
 {
 	unsigned int index, replica, peer, rkey;
 	unsigned long long lease_id, raddr;
@@ -135,7 +142,7 @@ static int farmem_cmd_rebuild(char *args)
 	if (sscanf(args, "%u %u %u %llu %llu %u", &index, &replica, &peer, &lease_id, &raddr,
 		   &rkey) != 6)
 		return -EINVAL;
-	return farmem_dev_rebuild(index, replica, peer, lease_id, raddr, rkey);
+	return farmem_dev_rebuild(index, replica, peer, lease_id, raddr, rkey, move);
 }
 
 /* `owner CLIENT_ID IDENTITY`: 32 hex digits and a name; the module only keeps them. */
@@ -189,7 +196,9 @@ static ssize_t control_store(struct kobject *kobj, struct kobj_attribute *attr, 
 	} else if (!strcmp(verb, "slab")) {
 		ret = farmem_cmd_slab(args);
 	} else if (!strcmp(verb, "rebuild")) {
-		ret = farmem_cmd_rebuild(args);
+		ret = farmem_cmd_rebuild(args, false);
+	} else if (!strcmp(verb, "move")) {
+		ret = farmem_cmd_rebuild(args, true);
 	} else if (!strcmp(verb, "start")) {
 		ret = farmem_dev_start();
 	} else if (!strcmp(verb, "remove")) {
@@ -230,10 +239,10 @@ static ssize_t status_show(struct kobject *kobj, struct kobj_attribute *attr, ch
 	for (i = 0; i < dev->nslabs; i++)
 		stale += hweight_long(READ_ONCE(dev->slabs[i].stale));
 	n = sysfs_emit(buf,
-		       "state=%s size=%llu slab=%llu copies=%u peers=%d connected=%d errors=%lld stale=%d rebuilt=%llu rebuild_writes=%lld recopied=%llu\n",
+		       "state=%s size=%llu slab=%llu copies=%u peers=%d connected=%d errors=%lld stale=%d rebuilt=%llu rebuild_writes=%lld recopied=%llu moved=%llu\n",
 		       dev->disk ? "running" : "created", dev->size_bytes, dev->slab_bytes,
 		       dev->replicas, peers, connected, errors, stale, dev->rebuilt,
-		       atomic64_read(&dev->rebuild_writes), dev->recopied);
+		       atomic64_read(&dev->rebuild_writes), dev->recopied, dev->moved);
 	mutex_unlock(&farmem_ctl_lock);
 	return n;
 }

@@ -21,10 +21,22 @@ static inline bool farmem_replica_usable(struct farmem_cmd *cmd, int r)
 	return peer && READ_ONCE(peer->connected) && !test_bit(r, &cmd->slab->stale);
 }
 
+/* Replica r of the request's slab, or (FARMEM_OLD_COPY) the old lease of a copy being moved. */
+static inline struct farmem_replica *farmem_rep(struct farmem_cmd *cmd, int r)
+{
+	return r == FARMEM_OLD_COPY ? &cmd->dev->sync.old : &cmd->slab->r[r];
+}
+
+/* The old copy of a copy being moved still serves: its daemon is there and it missed nothing. */
+static inline bool farmem_old_usable(struct farmem_dev *dev)
+{
+	return !READ_ONCE(dev->sync.old_failed) && READ_ONCE(dev->sync.old.peer->connected);
+}
+
 /* Fills and posts the work request of replica r. */
 static int farmem_post(struct farmem_cmd *cmd, int r)
 {
-	struct farmem_replica *rep = &cmd->slab->r[r];
+	struct farmem_replica *rep = farmem_rep(cmd, r);
 	struct farmem_wr *w = &cmd->w[r];
 	const struct ib_send_wr *bad;
 	struct scatterlist *sg;
@@ -54,7 +66,10 @@ static void farmem_end(struct farmem_cmd *cmd, blk_status_t status)
 	blk_mq_end_request(blk_mq_rq_from_pdu(cmd), status);
 }
 
-/* A read goes to the first usable replica after `after`; false if there is none left. */
+/*
+ * A read goes to the first usable replica after `after`, then (a copy being moved) to the old
+ * copy; false if there is none left.
+ */
 static bool farmem_read_next(struct farmem_cmd *cmd, int after)
 {
 	int r;
@@ -65,6 +80,11 @@ static bool farmem_read_next(struct farmem_cmd *cmd, int after)
 		if (farmem_post(cmd, r) == 0)
 			return true;
 		set_bit(r, &cmd->slab->stale);
+	}
+	if (cmd->use_old && after < FARMEM_OLD_COPY && farmem_old_usable(cmd->dev)) {
+		if (farmem_post(cmd, FARMEM_OLD_COPY) == 0)
+			return true;
+		WRITE_ONCE(cmd->dev->sync.old_failed, true);
 	}
 	return false;
 }
@@ -102,12 +122,15 @@ static void farmem_sync_end(struct farmem_cmd *cmd)
 
 /*
  * A write's work request to replica r ended (ok or not); the last one ends the request. The
- * request succeeds if a copy that serves reads took it: the copy being rebuilt does not count.
+ * request succeeds if a copy that serves reads took it: the copy being rebuilt does not count,
+ * the old copy of one being moved does (it serves reads until the move is done).
  */
 static void farmem_write_one_done(struct farmem_cmd *cmd, int r, bool ok)
 {
 	if (ok && r != cmd->sync_r)
 		atomic_inc(&cmd->ok);
+	if (!ok && r == FARMEM_OLD_COPY)
+		WRITE_ONCE(cmd->dev->sync.old_failed, true);
 	if (!ok && r == cmd->sync_r)
 		WRITE_ONCE(cmd->dev->sync.failed, true);
 	if (atomic_dec_and_test(&cmd->pending)) {
@@ -121,15 +144,18 @@ static void farmem_rdma_done(struct ib_cq *cq, struct ib_wc *wc)
 {
 	struct farmem_wr *w = container_of(wc->wr_cqe, struct farmem_wr, cqe);
 	struct farmem_cmd *cmd = container_of(w - w->replica, struct farmem_cmd, w[0]);
-	struct farmem_replica *rep = &cmd->slab->r[w->replica];
+	struct farmem_replica *rep = farmem_rep(cmd, w->replica);
 	struct request *rq = blk_mq_rq_from_pdu(cmd);
 	bool ok = wc->status == IB_WC_SUCCESS;
 
 	if (unlikely(!ok)) {
 		atomic64_inc(&rep->peer->errors);
 		/* This copy may now be older than the others: it serves no read until the tool
-		 * rebuilt it (the status change wakes the tool). */
-		if (!test_and_set_bit(w->replica, &cmd->slab->stale))
+		 * rebuilt it (the status change wakes the tool). The old copy of a copy being moved
+		 * has no stale bit: the move fails and marks it stale (farmem_rebuild.c). */
+		if (w->replica == FARMEM_OLD_COPY)
+			WRITE_ONCE(cmd->dev->sync.old_failed, true);
+		else if (!test_and_set_bit(w->replica, &cmd->slab->stale))
 			farmem_ctl_notify();
 		pr_err_ratelimited("farmem: %s of %u bytes at sector %llu on daemon %pI4:%u (replica %d) failed: %s\n",
 				   cmd->dir == DMA_FROM_DEVICE ? "RDMA READ" : "RDMA WRITE",
@@ -150,7 +176,7 @@ static blk_status_t farmem_queue_rq(struct blk_mq_hw_ctx *hctx, const struct blk
 	struct request *rq = bd->rq;
 	struct farmem_dev *dev = hctx->queue->queuedata;
 	struct farmem_cmd *cmd = blk_mq_rq_to_pdu(rq);
-	int r, n, targets[FARMEM_MAX_REPLICAS], ntargets = 0;
+	int r, n, targets[FARMEM_MAX_REPLICAS + 1], ntargets = 0;
 	bool syncing = false;
 	u64 pos, len;
 
@@ -192,10 +218,18 @@ static blk_status_t farmem_queue_rq(struct blk_mq_hw_ctx *hctx, const struct blk
 		if (farmem_replica_usable(cmd, r))
 			targets[ntargets++] = r;
 	}
-	if (unlikely(ntargets == 0))
-		return BLK_STS_IOERR; /* every copy lost: a clean error for exactly this range */
 	cmd->sync_r = -1;
 	cmd->sync_counted = false;
+	cmd->use_old = false;
+	if (unlikely(READ_ONCE(dev->sync.slab) == (u32)(cmd->slab - dev->slabs)) &&
+	    READ_ONCE(dev->sync.moving) && farmem_old_usable(dev)) {
+		/* The copy is being moved: its old lease serves until the move is done. */
+		cmd->use_old = true;
+		if (cmd->dir == DMA_TO_DEVICE)
+			targets[ntargets++] = FARMEM_OLD_COPY;
+	}
+	if (unlikely(ntargets == 0 && !cmd->use_old))
+		return BLK_STS_IOERR; /* every copy lost: a clean error for exactly this range */
 	if (cmd->dir == DMA_TO_DEVICE &&
 	    unlikely(READ_ONCE(dev->sync.slab) == (u32)(cmd->slab - dev->slabs))) {
 		/* A copy is being rebuilt here: it takes every write from now on (farmem_rebuild.c). */

@@ -12,6 +12,15 @@
  * Reads go to the surviving copy throughout; a write is never lost: one that reached the
  * survivor before a chunk's READ is in what the copier writes, one that started after the
  * chunk's last check found it clean is posted after the copier's WRITE completed.
+ *
+ * The `move` command is the same with the copy's own old lease as the survivor: a daemon that
+ * gave notice (EVICT_NOTICE: memory pressure, a drain) still serves the lease until its
+ * deadline, so even a slab's only copy (resilience none) can be moved without losing a byte.
+ * The old descriptor is kept in farmem_sync.old; while the new one is being filled, every write
+ * goes to both, and a read with no other live copy reads the old one. The end is installed
+ * with the queue frozen too: the new copy serves, the old one is forgotten (or, if the move
+ * failed, the old one is put back).
+ *
  * Runs in the control write (process context, farmem_ctl_lock held), one rebuild at a time.
  */
 #include <linux/blk-mq.h>
@@ -155,7 +164,18 @@ static int farmem_copy_op(struct farmem_copy *cp, struct farmem_replica *rep, u6
 	return 0;
 }
 
-/* Chunk c of the slab from copy src into copy r, until no write to it overtook the copy. */
+/* Whether the copy the copier reads from still holds every write (FARMEM_OLD_COPY: moving). */
+static bool farmem_src_live(struct farmem_dev *dev, struct farmem_slab *slab, int src)
+{
+	if (src == FARMEM_OLD_COPY)
+		return !READ_ONCE(dev->sync.old_failed) && READ_ONCE(dev->sync.old.peer->connected);
+	return !test_bit(src, &slab->stale) && READ_ONCE(slab->r[src].peer->connected);
+}
+
+/*
+ * Chunk c of the slab from copy src (FARMEM_OLD_COPY: the old lease of the copy being moved)
+ * into copy r, until no write to it overtook the copy.
+ */
 static int farmem_copy_chunk(struct farmem_dev *dev, struct farmem_copy *cp,
 			     struct farmem_slab *slab, int src, int r, u32 c)
 {
@@ -181,14 +201,14 @@ static int farmem_copy_chunk(struct farmem_dev *dev, struct farmem_copy *cp,
 				return -EBUSY;
 			usleep_range(50, 200);
 		}
-		ret = farmem_copy_op(cp, &slab->r[src], off, len, IB_WR_RDMA_READ);
+		ret = farmem_copy_op(cp, src == FARMEM_OLD_COPY ? &sync->old : &slab->r[src], off,
+				     len, IB_WR_RDMA_READ);
 		if (!ret)
 			ret = farmem_copy_op(cp, &slab->r[r], off, len, IB_WR_RDMA_WRITE);
 		if (ret)
 			return ret;
 		/* The survivor must have taken every write the copy carries. */
-		if (READ_ONCE(sync->failed) || test_bit(src, &slab->stale) ||
-		    !READ_ONCE(slab->r[src].peer->connected))
+		if (READ_ONCE(sync->failed) || !farmem_src_live(dev, slab, src))
 			return -EIO;
 		spin_lock_irqsave(&sync->lock, flags);
 		clean = sync->inflight[c] == 0 && !test_bit(c, sync->dirty);
@@ -200,14 +220,56 @@ static int farmem_copy_chunk(struct farmem_dev *dev, struct farmem_copy *cp,
 	return -EBUSY;
 }
 
-int farmem_dev_rebuild(u32 s, u32 r, u32 peer_index, u64 lease_id, u64 raddr, u32 rkey)
+/*
+ * Installs (begin) or ends the copy of slab s's copy r with no request in flight: a write that
+ * chose its copies before would miss the new copy and not be counted, and a request that saw
+ * the old copy of a move must end before it is forgotten. New requests wait in
+ * blk_queue_enter meanwhile.
+ */
+static int farmem_freeze(struct farmem_dev *dev)
+{
+	struct request_queue *q = dev->disk->queue;
+
+	blk_freeze_queue_start(q);
+	if (!blk_mq_freeze_queue_wait_timeout(q, FARMEM_COPY_TIMEOUT)) {
+		blk_mq_unfreeze_queue(q);
+		pr_err("farmem: rebuild: requests did not drain in %d s\n", FARMEM_COPY_TIMEOUT / HZ);
+		return -ETIMEDOUT;
+	}
+	return 0;
+}
+
+/*
+ * The end of a move, queue frozen: the new copy serves (ok), or the old one is put back as it
+ * was (stale if it may have missed a write: an I/O to it failed, or its daemon went away).
+ */
+static void farmem_move_end(struct farmem_dev *dev, struct farmem_slab *slab, u32 r, bool ok)
+{
+	struct farmem_sync *sync = &dev->sync;
+
+	if (ok) {
+		clear_bit(r, &slab->stale);
+	} else {
+		slab->r[r] = sync->old;
+		if (sync->old_failed || !READ_ONCE(sync->old.peer->connected))
+			set_bit(r, &slab->stale);
+		else
+			clear_bit(r, &slab->stale);
+	}
+	sync->moving = false;
+	WRITE_ONCE(sync->slab, FARMEM_NO_SYNC);
+}
+
+int farmem_dev_rebuild(u32 s, u32 r, u32 peer_index, u64 lease_id, u64 raddr, u32 rkey,
+		       bool move)
 {
 	struct farmem_dev *dev = farmem_dev0;
+	const char *what = move ? "move" : "rebuild";
 	struct farmem_peer *peer;
 	struct farmem_slab *slab;
 	struct farmem_copy *cp;
-	struct request_queue *q;
 	int i, src = -1, ret;
+	bool frozen_end;
 	u32 c;
 
 	if (!dev || !dev->disk || s >= dev->nslabs || r >= dev->replicas ||
@@ -216,7 +278,7 @@ int farmem_dev_rebuild(u32 s, u32 r, u32 peer_index, u64 lease_id, u64 raddr, u3
 	peer = dev->peers[peer_index];
 	slab = &dev->slabs[s];
 	if (!READ_ONCE(peer->connected)) {
-		pr_err("farmem: rebuild: daemon %pI4:%u is not connected\n", &peer->addr.sin_addr,
+		pr_err("farmem: %s: daemon %pI4:%u is not connected\n", what, &peer->addr.sin_addr,
 		       ntohs(peer->addr.sin_port));
 		return -ENOTCONN;
 	}
@@ -229,7 +291,18 @@ int farmem_dev_rebuild(u32 s, u32 r, u32 peer_index, u64 lease_id, u64 raddr, u3
 		    !test_bit(i, &slab->stale))
 			src = i;
 	}
-	if (src < 0) {
+	if (move) {
+		/* The copy's own lease is the source: it must hold every write and be reachable. */
+		if (slab->r[r].peer == peer)
+			return -EINVAL; /* a second work request per request on one queue pair */
+		if (!slab->r[r].peer || !READ_ONCE(slab->r[r].peer->connected) ||
+		    test_bit(r, &slab->stale)) {
+			pr_err("farmem: move: slab %u copy %u is stale or its daemon is not connected: rebuild it from another copy\n",
+			       s, r);
+			return -ENODATA;
+		}
+		src = FARMEM_OLD_COPY;
+	} else if (src < 0) {
 		pr_err("farmem: rebuild: slab %u has no live copy to copy from: its bytes are lost\n",
 		       s);
 		return -ENODATA;
@@ -241,18 +314,15 @@ int farmem_dev_rebuild(u32 s, u32 r, u32 peer_index, u64 lease_id, u64 raddr, u3
 	if (!cp)
 		return -ENOMEM;
 
-	/*
-	 * Install the new copy with no request in flight: a write that chose its copies before
-	 * would miss it and not be counted. New requests wait in blk_queue_enter meanwhile.
-	 */
-	q = dev->disk->queue;
-	blk_freeze_queue_start(q);
-	if (!blk_mq_freeze_queue_wait_timeout(q, FARMEM_COPY_TIMEOUT)) {
-		blk_mq_unfreeze_queue(q);
+	ret = farmem_freeze(dev);
+	if (ret) {
 		farmem_copy_free(cp);
-		pr_err("farmem: rebuild: requests did not drain in %d s\n", FARMEM_COPY_TIMEOUT / HZ);
-		return -ETIMEDOUT;
+		return ret;
 	}
+	dev->sync.moving = move;
+	dev->sync.old_failed = false;
+	if (move)
+		dev->sync.old = slab->r[r];
 	set_bit(r, &slab->stale);
 	slab->r[r].peer = peer;
 	slab->r[r].lease_id = lease_id;
@@ -263,26 +333,58 @@ int farmem_dev_rebuild(u32 s, u32 r, u32 peer_index, u64 lease_id, u64 raddr, u3
 	memset(dev->sync.inflight, 0, dev->sync.nchunks * sizeof(*dev->sync.inflight));
 	bitmap_zero(dev->sync.dirty, dev->sync.nchunks);
 	WRITE_ONCE(dev->sync.slab, s);
-	blk_mq_unfreeze_queue(q);
+	blk_mq_unfreeze_queue(dev->disk->queue);
 
 	for (c = 0; c < dev->sync.nchunks && !ret; c++) {
 		ret = farmem_copy_chunk(dev, cp, slab, src, r, c);
 		if (!ret && READ_ONCE(rebuild_chunk_delay_ms))
 			msleep(READ_ONCE(rebuild_chunk_delay_ms));
 	}
-	if (!ret)
-		clear_bit(r, &slab->stale); /* it holds every byte: it serves reads from now on */
-	smp_mb__after_atomic();
-	WRITE_ONCE(dev->sync.slab, FARMEM_NO_SYNC);
+	if (move) {
+		/*
+		 * Requests that saw the old copy must end before it is dropped (or put back). If
+		 * they do not drain, the end is installed anyway: the old descriptor stays valid
+		 * memory (dev->sync.old) until the next rebuild, which freezes first.
+		 */
+		frozen_end = farmem_freeze(dev) == 0;
+		/*
+		 * A write to the new copy that failed after the last chunk: it may miss it. (One
+		 * that failed on the old copy only does not matter now: every chunk was copied
+		 * while the old copy held every write, and the new one took every write since.)
+		 */
+		if (!ret && READ_ONCE(dev->sync.failed))
+			ret = -EIO;
+		farmem_move_end(dev, slab, r, !ret);
+		if (frozen_end)
+			blk_mq_unfreeze_queue(dev->disk->queue);
+	} else {
+		if (!ret)
+			clear_bit(r, &slab->stale); /* it holds every byte: it serves reads from now on */
+		smp_mb__after_atomic();
+		WRITE_ONCE(dev->sync.slab, FARMEM_NO_SYNC);
+	}
 	if (ret == -ETIMEDOUT)
-		pr_err("farmem: rebuild: a work request did not complete in %d s (its bounce buffer is leaked)\n",
-		       FARMEM_COPY_TIMEOUT / HZ);
+		pr_err("farmem: %s: a work request did not complete in %d s (its bounce buffer is leaked)\n",
+		       what, FARMEM_COPY_TIMEOUT / HZ);
 	else
 		farmem_copy_free(cp);
 	if (ret) {
-		pr_err("farmem: rebuild of slab %u copy %u on daemon %pI4:%u failed: %d (it stays stale)\n",
-		       s, r, &peer->addr.sin_addr, ntohs(peer->addr.sin_port), ret);
+		if (move)
+			pr_err("farmem: move of slab %u copy %u to daemon %pI4:%u failed: %d (the old lease is its copy again%s)\n",
+			       s, r, &peer->addr.sin_addr, ntohs(peer->addr.sin_port), ret,
+			       test_bit(r, &slab->stale) ? ", stale" : "");
+		else
+			pr_err("farmem: rebuild of slab %u copy %u on daemon %pI4:%u failed: %d (it stays stale)\n",
+			       s, r, &peer->addr.sin_addr, ntohs(peer->addr.sin_port), ret);
 		return ret;
+	}
+	if (move) {
+		dev->moved++;
+		pr_info("farmem: slab %u copy %u moved to daemon %pI4:%u (lease %llu) from its old lease %llu on %pI4:%u\n",
+			s, r, &peer->addr.sin_addr, ntohs(peer->addr.sin_port), lease_id,
+			dev->sync.old.lease_id, &dev->sync.old.peer->addr.sin_addr,
+			ntohs(dev->sync.old.peer->addr.sin_port));
+		return 0;
 	}
 	dev->rebuilt++;
 	pr_info("farmem: slab %u copy %u rebuilt on daemon %pI4:%u (lease %llu) from copy %d\n", s,

@@ -23,7 +23,12 @@
 // its daemon reported lost or is about to evict, gets a new lease by the Cluster's placement on a
 // daemon the slab does not use; the module is handed it with the `rebuild` command, copies the
 // slab there from a live copy while serving (kmod/farmem_rebuild.c), and the old lease is freed.
-// "rebuild done" is printed once every slab has all its copies again.
+// A copy whose lease is noticed (EVICT_NOTICE: the daemon wants the memory back at a deadline)
+// while its daemon is still connected and the copy not stale is moved instead: the `move`
+// command copies it from that very lease, which serves until the deadline, so nothing is lost
+// even with resilience none, and a replicated slab never runs degraded; then the noticed lease
+// is freed (the lender's acknowledgement). "rebuild done" is printed once every slab has all
+// its copies again.
 #include <arpa/inet.h>
 #include <fcntl.h>
 #include <fmt/format.h>
@@ -53,7 +58,7 @@
 namespace farmem::ctl {
 namespace {
 
-constexpr int kIfaceVersion = 3;  // kmod/farmem.h FARMEM_IFACE_VERSION
+constexpr int kIfaceVersion = 4;  // kmod/farmem.h FARMEM_IFACE_VERSION
 constexpr std::chrono::milliseconds kTokenTimeout{5000};
 constexpr size_t kMaxCopies = 3;  // kmod/farmem.h FARMEM_MAX_REPLICAS
 constexpr size_t kMaxName = 80;   // kmod/farmem.h FARMEM_NAME_BYTES, with its NUL
@@ -426,38 +431,56 @@ class Rebuilder {
     auto lost = [&](const Held::Slab& sl) {
       return sl.stale || !connected[sl.peer] || doomed.contains(sl.lease_id);
     };
+    // A copy that still holds every byte and can be read: a noticed one serves until its
+    // deadline, so it is moved from itself rather than rebuilt from another (or lost).
+    auto readable = [&](const Held::Slab& sl) { return !sl.stale && connected[sl.peer]; };
     size_t bad = 0;
     std::vector<uint32_t> dead;  // slabs with no live copy left
     bool failed = false;         // a rebuild failed: the others wait for the next round
-    for (const auto& [index, reps] : slabs) {
-      const bool any_live = std::ranges::any_of(reps, [&](const auto* r) { return !lost(*r); });
+    bool again = false;          // this slab has another lost copy: it waits for a new round
+    bool rerun = false;          // some slab's did: a new round at once
+    for (auto& [index, reps] : slabs) {
+      const bool any_readable =
+          std::ranges::any_of(reps, [&](const auto* r) { return readable(*r); });
+      // Noticed copies first: a rebuild of another copy of the slab then reads from a copy
+      // that stays.
+      std::ranges::stable_partition(reps, [&](const auto* r) { return readable(*r); });
       for (const Held::Slab* sl : reps) {
         if (!lost(*sl)) continue;
         ++bad;
-        if (!any_live) {
+        if (!any_readable) {
           dead.push_back(index);
           break;
         }
-        if (failed) continue;
+        if (failed || again) continue;
+        const bool move = readable(*sl);
         const std::string_view why = sl->stale              ? "stale"
                                      : !connected[sl->peer] ? "daemon disconnected"
-                                                            : "lease reported lost or noticed";
-        if (Status s = RebuildOne(*sl, reps, held->slab_size, why); !s.ok()) {
-          Note(fmt::format("rebuilding slab {} copy {}: {} (retried every second)", index,
-                           sl->replica, s.ToString()));
+                                                            : "lease noticed";
+        if (Status s = RebuildOne(*sl, reps, held->slab_size, why, move); !s.ok()) {
+          Note(fmt::format("{} slab {} copy {}: {} (retried every second)",
+                           move ? "moving" : "rebuilding", index, sl->replica, s.ToString()));
           failed = true;
           continue;
         }
         --bad;
+        // The slab's copies changed: another lost copy of it is handled on fresh `slabs`.
+        again = std::ranges::count_if(reps, [&](const auto* r) { return lost(*r); }) > 1;
       }
+      rerun = rerun || again;
+      again = false;
+    }
+    if (rerun) {
+      const uint64_t one = 1;
+      (void)!::write(wake_fd_, &one, sizeof(one));
     }
     if (!dead.empty()) {
       Note(fmt::format("{} slab(s) have no live copy left{}: their bytes are lost (first: slab {})",
                        dead.size(), copies_ == 1 ? " (resilience none)" : "", dead.front()));
     }
     if (bad == 0 && degraded_) {
-      fmt::print("rebuild done: every slab has its {} copies ({} rebuilt so far)\n", copies_,
-                 rebuilt_);
+      fmt::print("rebuild done: every slab has its {} cop{} ({} rebuilt, {} moved so far)\n",
+                 copies_, copies_ == 1 ? "y" : "ies", rebuilt_, moved_);
       std::fflush(stdout);
       last_note_.clear();
     }
@@ -471,13 +494,15 @@ class Rebuilder {
     last_note_ = what;
   }
 
+  // Gives copy sl of a slab a new lease and has the module fill it: from another live copy
+  // (`rebuild`), or, move, from sl's own lease, still readable (`move`). Then frees sl's lease.
   Status RebuildOne(const Held::Slab& sl, const std::vector<const Held::Slab*>& reps,
-                    uint64_t slab_size, std::string_view why) {
+                    uint64_t slab_size, std::string_view why, bool move) {
     std::vector<client::NodeId> exclude;
     for (const Held::Slab* r : reps) exclude.push_back(peers_.node_of.at(r->peer));
     if (!degraded_) {
-      spdlog::warn("slab {} copy {} (lease {:#x}) is lost ({}): rebuilding it", sl.index,
-                   sl.replica, sl.lease_id, why);
+      spdlog::warn("slab {} copy {} (lease {:#x}) is {} ({}): {} it", sl.index, sl.replica,
+                   sl.lease_id, move ? "going" : "lost", why, move ? "moving" : "rebuilding");
     }
     degraded_ = true;
     FARMEM_ASSIGN_OR_RETURN(client::Lease lease, cl_.AllocateExcluding(exclude));
@@ -496,21 +521,30 @@ class Rebuilder {
       index = *connected;
     }
     const auto started = Clock::now();
-    if (Status s = WriteControl(
-            dir_, fmt::format("{} rebuild {} {} {} {} {} {}", kIfaceVersion, sl.index, sl.replica,
-                              index, lease.id(), lease.grant.remote_addr, lease.grant.rkey));
+    if (Status s =
+            WriteControl(dir_, fmt::format("{} {} {} {} {} {} {} {}", kIfaceVersion,
+                                           move ? "move" : "rebuild", sl.index, sl.replica, index,
+                                           lease.id(), lease.grant.remote_addr, lease.grant.rkey));
         !s.ok()) {
       return fail(s);
     }
-    ++rebuilt_;
+    ++(move ? moved_ : rebuilt_);
     spdlog::info(
-        "slab {} copy {}: rebuilt on {} (lease {:#x}) in {} ms", sl.index, sl.replica,
+        "slab {} copy {}: {} {} (lease {:#x}) in {} ms", sl.index, sl.replica,
+        move ? "moved off " + cl_.node(peers_.node_of.at(sl.peer)).endpoint.ToString() + " to"
+             : std::string("rebuilt on"),
         cl_.node(lease.node).endpoint.ToString(), lease.id(),
         std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - started).count());
-    // The old lease: gone with its daemon (Free accepts that), or about to be evicted.
+    // The old lease: gone with its daemon (Free accepts that), or noticed (freeing it is the
+    // acknowledgement the lender waits for).
     client::Lease old{peers_.node_of.at(sl.peer), wire::LeaseGrant{.lease_id = sl.lease_id}};
     if (Status s = cl_.Free(std::span<const client::Lease>(&old, 1)); !s.ok()) {
-      spdlog::debug("freeing the lost copy's lease {:#x}: {}", sl.lease_id, s.ToString());
+      // (A noticed lease not freed holds up its lender until the deadline: worth a warning.)
+      if (move) {
+        spdlog::warn("freeing the moved copy's old lease {:#x}: {}", sl.lease_id, s.ToString());
+      } else {
+        spdlog::debug("freeing the lost copy's lease {:#x}: {}", sl.lease_id, s.ToString());
+      }
     }
     MutexLock lock(&mu_);
     doomed_.erase(sl.lease_id);
@@ -535,6 +569,7 @@ class Rebuilder {
   std::set<uint64_t> doomed_ GUARDED_BY(mu_);  // leases the Cluster reported gone or going
   bool degraded_ = false;                      // some copy was lost and is not rebuilt yet
   size_t rebuilt_ = 0;
+  size_t moved_ = 0;
   std::string last_note_;
 };
 

@@ -1,7 +1,7 @@
 #!/bin/bash
 # Guest side of the kmod_smoke_* vm tests (issue 15): farmem.ko serves /dev/farmem0 from farmemd
 # slabs over soft-RoCE, with farmemctl kmod attach as the control plane (docs/kmod.md).
-#   deploy/vm/run --addrs 2 -- bash tests/vm/kmod_smoke.sh <bin dir> <farmem.ko> <swap_workload> [none|replicate|restart] [<block_writer>]
+#   deploy/vm/run --addrs 2 -- bash tests/vm/kmod_smoke.sh <bin dir> <farmem.ko> <swap_workload> [none|replicate|restart|drain] [<block_writer>]
 #
 # none: two farmemd daemons with --rdma on, on 10.0.2.15 and 10.0.2.16 (rxe0); replicate: three
 # (.15, .16, .17), --resilience replicate:2, and one daemon SIGKILLed while the swap workload reads
@@ -13,7 +13,12 @@
 # lease keeper (farmemctl kmod attach) is SIGKILLed while the swap workload reads its pages back
 # and started again 2 s later: it re-adopts the device and renews the same leases, the device
 # never stops serving, and a pattern written and read back once the daemons' lease TTL has passed
-# since the kill (20 s in this mode) proves the leases outlived their first keeper. insmod farmem.ko;
+# since the kill (20 s in this mode) proves the leases outlived their first keeper; drain (short:
+# no phases 1-3): resilience none over three daemons, the device filled, then `farmemctl drain
+# --wait` of the daemon holding most slabs while block_writer rewrites and re-reads random blocks:
+# the keeper must move every slab off it from the noticed lease itself (the only copy) and free
+# the old leases before the grace period ends, the drained daemon then exits at once on SIGTERM,
+# and all 64 MiB must read back as last written (docs/kmod.md "Moving a noticed copy"). insmod farmem.ko;
 # farmemctl kmod attach leases 64 MiB (2 MiB slabs) and keeps it; then
 #   1. dd: 8 MiB of random bytes written with O_DIRECT in 64 KiB blocks across slab boundaries and
 #      read back with 4 KiB and 1 MiB blocks: byte-identical; /sys/kernel/farmem/slabs lists
@@ -24,7 +29,9 @@
 #      re-read and rewritten) verifies every byte; pswpout/pswpin show it went through farmem0;
 #   4. swapoff, farmemctl kmod detach: the attach process frees its leases and exits 0; rmmod;
 #   and the kernel log has no WARNING/BUG/farmem error. Exit 77 when farmem.ko was not built.
-# Environment (optional): KMOD_SWAP_MIB (32), KMOD_SWAP_LIMIT (8M).
+# Environment (optional): KMOD_SWAP_MIB (32), KMOD_SWAP_LIMIT (8M), KMOD_DRAIN_RESILIENCE (drain:
+# none, or replicate:2: twice the moves), KMOD_DRAIN_GRACE_MS
+# (drain: 60000).
 set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 source "$here/guest_daemons.sh"
@@ -46,9 +53,14 @@ case $mode in
   none) daemons=2 resilience=none capacity=48M victim="" ;;
   replicate) daemons=3 resilience=replicate:2 capacity=64M victim=1 other=0 third=2 ;;
   restart) daemons=2 resilience=none capacity=48M victim="" ;;
-  *) fail "mode must be none, replicate or restart, not $mode" ;;
+  # (KMOD_DRAIN_RESILIENCE=replicate:2 by hand: the keeper moves the noticed copies too rather
+  # than rebuild them from the other copy; 80M each: two daemons hold both copies after it)
+  drain) daemons=3 resilience=${KMOD_DRAIN_RESILIENCE:-none} capacity=48M victim=""
+    [[ $resilience == none ]] || capacity=80M ;;
+  *) fail "mode must be none, replicate, restart or drain, not $mode" ;;
 esac
-[[ $mode != replicate || -x $block_writer ]] || fail "replicate needs the block_writer program (5th argument)"
+[[ $mode != replicate && $mode != drain || -x $block_writer ]] ||
+  fail "$mode needs the block_writer program (5th argument)"
 if [[ ! -f $ko ]]; then
   say "SKIP: $ko was not built (no kernel headers for the guest: deploy/install-deps.sh --vm)"
   exit 77
@@ -80,13 +92,17 @@ dmesg -C
 # under TCG on a busy host (7 s seen from the kill to the re-adoption, 2 s of it the test's pause).
 ttl_ms=10000
 [[ $mode == restart ]] && ttl_ms=20000
+# drain: SIGTERM drains first, for up to the grace period (and says when every lease was freed).
+grace_ms=${KMOD_DRAIN_GRACE_MS:-60000}
+daemon_args=(--log-level warn)
+[[ $mode == drain ]] && daemon_args=(--log-level info --drain-timeout "$grace_ms")
 start_daemons "$work" "${addrs[@]:0:daemons}" -- --capacity "$capacity" --slab-size 2M \
-  --max-client-share 1 --rdma on --lease-ttl-ms "$ttl_ms" --log-level warn
+  --max-client-share 1 --rdma on --lease-ttl-ms "$ttl_ms" "${daemon_args[@]}"
 say "farmemd up at $(elapsed) s: $peer_list"
 
 # ---- the module and its control plane -------------------------------------------------------------
 insmod "$ko" || fail "insmod $ko"
-[[ $(cat /sys/kernel/farmem/version) == 3 ]] || fail "unexpected interface version"
+[[ $(cat /sys/kernel/farmem/version) == 4 ]] || fail "unexpected interface version"
 start_attach() {  # log file
   "$bin/farmemctl" --log-level info kmod attach --peers "$peer_list" --secret-file "$work/secret" \
     --size 64M --resilience "$resilience" >"$1" 2>&1 &
@@ -105,6 +121,108 @@ say "attached at $(elapsed) s: $(cat /sys/kernel/farmem/status)"
 size=$(blockdev --getsize64 /dev/farmem0)
 ((size == 64 << 20)) || fail "/dev/farmem0 has $size bytes, want $((64 << 20))"
 [[ $(blockdev --getss /dev/farmem0) == 4096 ]] || fail "logical block size is not 4096"
+
+# ---- 4. detach, rmmod, a clean kernel log (every mode ends here) ---------------------------------
+finish() {
+  if [[ -z $victim ]]; then
+    grep -q 'errors=0 stale=0' /sys/kernel/farmem/status ||
+      fail "completion errors: $(cat /sys/kernel/farmem/status)"
+  fi
+  "$bin/farmemctl" kmod detach || fail "farmemctl kmod detach"
+  rc=0
+  wait "$attach" || rc=$?
+  attach=""
+  ((rc == 0)) || fail "farmemctl kmod attach exited with $rc after detach"
+  [[ ! -e /dev/farmem0 ]] || fail "/dev/farmem0 still there after detach"
+  if [[ $mode == restart ]]; then
+    ! grep -q 'lapsed\|cannot be renewed' "$work/attach2.log" || fail "leases lapsed (above)"
+  fi
+  rmmod farmem || fail "rmmod farmem"
+  # (The taint notices "module verification failed" of an unsigned out-of-tree module are expected.)
+  # With a daemon killed, its failed operations and its disconnect are expected in the log.
+  bad='WARNING|BUG|Oops|farmem: .*(failed|error|disconnected)'
+  [[ -n $victim ]] && bad='WARNING|BUG|Oops'
+  # drain: the drained daemon's exit disconnects it (it holds no slab by then: nothing fails).
+  [[ $mode == drain ]] && bad='WARNING|BUG|Oops|farmem: .*(failed|error)'
+  if dmesg | grep -v 'module verification failed' | grep -E "$bad"; then
+    fail "the kernel log has warnings or farmem errors (above)"
+  fi
+  say "PASS in $(elapsed) s"
+}
+status_field() { sed -n "s/.* $1=\([0-9]*\).*/\1/p" /sys/kernel/farmem/status; }
+
+# ---- drain: move every slab off a noticed daemon, resilience none ---------------------------------
+if [[ $mode == drain ]]; then
+  # The daemon holding most slabs (their only copies).
+  slabs=$(cat /sys/kernel/farmem/slabs) || fail "reading /sys/kernel/farmem/slabs"
+  # (no process substitution: the guest has no /dev/fd)
+  top=$(awk '$1 == "slab" { n[$3]++ } END { for (p in n) print n[p], p }' <<<"$slabs" |
+    sort -rn | head -n 1)
+  read -r held_n peer_i <<<"$top"
+  target=$(awk -v p="$peer_i" '$1 == "peer" && $2 == p { print $5 }' <<<"$slabs")
+  for ((d = 0; d < daemons; d++)); do [[ ${peers[$d]} == "$target" ]] && break; done
+  ((d < daemons)) || fail "no daemon is $target (peer $peer_i)"
+  say "farmemd $d ($target) holds $held_n of the slabs' copies ($resilience)"
+  head -c $((64 << 20)) /dev/urandom >"$work/full"
+  dd if="$work/full" of=/dev/farmem0 bs=1M oflag=direct status=none || fail "dd write of 64 MiB"
+  # A writer through the whole move: random 64 KiB blocks of the whole device, each read back at
+  # once (tests/vm/block_writer.c); $work/full follows every write. The copier pauses 10 ms
+  # between 64 KiB chunks (a module test knob, 0.3 s a slab) so that more writes land in
+  # half-moved slabs (75 with 20 ms seen; the moves must still end well within the grace).
+  echo 10 >/sys/module/farmem/parameters/rebuild_chunk_delay_ms
+  rebuild_writes_before=$(status_field rebuild_writes)
+  rm -f "$work/stop"
+  "$block_writer" /dev/farmem0 "$work/full" 0 1024 65536 "$work/stop" >"$work/writer.log" 2>&1 &
+  writer=$!
+  t0=$EPOCHREALTIME
+  "$bin/farmemctl" drain "$target" --secret-file "$work/secret" --grace-ms "$grace_ms" --wait \
+    >"$work/drain.log" 2>&1 || fail "farmemctl drain --wait: $(cat "$work/drain.log")"
+  drained_ms=$(((${EPOCHREALTIME/./} - ${t0/./}) / 1000))
+  say "$(tail -n 1 "$work/drain.log") $drained_ms ms after the notice (grace $grace_ms ms)"
+  ((drained_ms < grace_ms)) || fail "the leases were freed only after the grace period"
+  # Every slab moved is the keeper's word (its state), then the module's.
+  give_up=$((SECONDS + 60))
+  until grep -q '^rebuild done' "$work/attach.log"; do
+    kill -0 "$attach" 2>/dev/null || fail "the keeper exited"
+    ((SECONDS < give_up)) || fail "the keeper did not say rebuild done"
+    sleep 0.2
+  done
+  touch "$work/stop"
+  rc=0
+  wait "$writer" || rc=$?
+  writer=""
+  echo 0 >/sys/module/farmem/parameters/rebuild_chunk_delay_ms
+  cat "$work/writer.log"
+  ((rc == 0)) || fail "the writer failed during the moves (above)"
+  grep -E 'moved off' "$work/attach.log" | sed 's/^.*slab/[kmod_smoke] keeper: slab/'
+  say "keeper: $(grep '^rebuild done' "$work/attach.log")"
+  ((held_n > 0 && $(status_field moved) == held_n)) ||
+    fail "moved=$(status_field moved), want $held_n: $(cat /sys/kernel/farmem/status)"
+  overlapped=$(($(status_field rebuild_writes) - rebuild_writes_before))
+  say "$overlapped writes went to a copy while it was being moved; $(status_field recopied) chunks copied again"
+  ((overlapped >= 3)) || fail "only $overlapped writes overlapped a move: this proves little"
+  ! grep -E 'is lost|no live copy|rebuilt on' "$work/attach.log" || fail "slabs were lost or rebuilt, not moved"
+  slabs=$(cat /sys/kernel/farmem/slabs)
+  ! awk -v p="$peer_i" '$1 == "slab" && $3 == p' <<<"$slabs" | grep -q . ||
+    fail "slabs still on the drained daemon: $(awk -v p="$peer_i" '$1 == "slab" && $3 == p' <<<"$slabs")"
+  grep -q 'stale=0 ' /sys/kernel/farmem/status || fail "a copy is stale: $(cat /sys/kernel/farmem/status)"
+  # The drained daemon holds no lease: SIGTERM (--drain-timeout) ends it at once.
+  t0=$EPOCHREALTIME
+  kill -TERM "${pids[$d]}"
+  wait "${pids[$d]}" || fail "farmemd $d exited with an error after SIGTERM"
+  ms=$(((${EPOCHREALTIME/./} - ${t0/./}) / 1000))
+  say "farmemd $d exited $ms ms after SIGTERM (--drain-timeout $grace_ms)"
+  ((ms < grace_ms)) || fail "farmemd $d did not exit within its grace period"
+  grep -q "drain: every lease was freed" "$work/farmemd$d.log" ||
+    fail "farmemd $d still held leases when it exited"
+  # Every byte, with the drained daemon gone: nothing depends on the old leases.
+  dd if=/dev/farmem0 of="$work/full.back" bs=1M iflag=direct status=none ||
+    fail "dd read of the whole device after the drain"
+  cmp "$work/full" "$work/full.back" || fail "the device differs from what was written last"
+  say "verified 64 MiB after the drain at $(elapsed) s: $(cat /sys/kernel/farmem/status)"
+  finish
+  exit 0
+fi
 
 # ---- 1. dd: a pattern across slab boundaries -------------------------------------------------------
 head -c $((8 << 20)) /dev/urandom >"$work/pattern"
@@ -256,7 +374,6 @@ if [[ -n $victim ]]; then
   # 100 ms between 64 KiB chunks (a module test knob), so the writes land in half-copied slabs;
   # the writer stops when the keeper says "rebuild done", so a write that missed a new copy is
   # not overwritten again before the last original copies die and everything is read back.
-  status_field() { sed -n "s/.* $1=\([0-9]*\).*/\1/p" /sys/kernel/farmem/status; }
   delay_knob=/sys/module/farmem/parameters/rebuild_chunk_delay_ms
   rebuild_writes_before=$(status_field rebuild_writes)
   "$block_writer" /dev/farmem0 "$work/full" $((30 * 32)) 64 65536 "$work/stop" >"$work/writer.log" 2>&1 &
@@ -313,26 +430,4 @@ if [[ $mode == restart ]]; then
   say "the leases outlived their first keeper: pattern verified $(($(date +%s) - killed_at)) s after the kill"
 fi
 
-# ---- 4. detach, rmmod, a clean kernel log -----------------------------------------------------------
-if [[ -z $victim ]]; then
-  grep -q 'errors=0 stale=0' /sys/kernel/farmem/status ||
-    fail "completion errors: $(cat /sys/kernel/farmem/status)"
-fi
-"$bin/farmemctl" kmod detach || fail "farmemctl kmod detach"
-rc=0
-wait "$attach" || rc=$?
-attach=""
-((rc == 0)) || fail "farmemctl kmod attach exited with $rc after detach"
-[[ ! -e /dev/farmem0 ]] || fail "/dev/farmem0 still there after detach"
-if [[ $mode == restart ]]; then
-  ! grep -q 'lapsed\|cannot be renewed' "$work/attach2.log" || fail "leases lapsed (above)"
-fi
-rmmod farmem || fail "rmmod farmem"
-# (The taint notices "module verification failed" of an unsigned out-of-tree module are expected.)
-# With a daemon killed, its failed operations and its disconnect are expected in the log.
-bad='WARNING|BUG|Oops|farmem: .*(failed|error|disconnected)'
-[[ -n $victim ]] && bad='WARNING|BUG|Oops'
-if dmesg | grep -v 'module verification failed' | grep -E "$bad"; then
-  fail "the kernel log has warnings or farmem errors (above)"
-fi
-say "PASS in $(elapsed) s"
+finish
