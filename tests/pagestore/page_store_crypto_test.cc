@@ -105,11 +105,11 @@ class CryptoTest : public PageStoreTest {
     const uint32_t frag = static_cast<uint32_t>(4096 / store_->resilience().k);
     std::vector<uint8_t> bytes(frag);
     const client::Lease& l = members[member];
-    ASSERT_TRUE(
-        RawOp(*cluster_, l, transport::OpType::kRead, in_extent * frag, bytes.data(), frag).ok());
+    Status s = RawOp(*cluster_, l, transport::OpType::kRead, in_extent * frag, bytes.data(), frag);
+    ASSERT_TRUE(s.ok()) << "reading the cell to flip: " << s.ToString();
     bytes[100] ^= 0x10;
-    ASSERT_TRUE(
-        RawOp(*cluster_, l, transport::OpType::kWrite, in_extent * frag, bytes.data(), frag).ok());
+    s = RawOp(*cluster_, l, transport::OpType::kWrite, in_extent * frag, bytes.data(), frag);
+    ASSERT_TRUE(s.ok()) << "writing the flipped cell: " << s.ToString();
   }
 
   struct Seal {
