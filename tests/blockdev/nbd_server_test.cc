@@ -201,7 +201,9 @@ TEST_F(NbdServerTest, RequestsLargerThanTheBuffersAreServedInPieces) {
     EXPECT_EQ(big->handle, 1u);
     EXPECT_EQ(big->error, 0u);
     EXPECT_TRUE(big->data == data);
-    if (structured) EXPECT_EQ(big->chunks, static_cast<int>(kMaxPayload / kReadPiece));
+    if (structured) {
+      EXPECT_EQ(big->chunks, static_cast<int>(kMaxPayload / kReadPiece));
+    }
     auto small = c.Receive();
     ASSERT_TRUE(small.has_value()) << small.error().ToString();
     EXPECT_EQ(small->handle, 2u);
