@@ -63,8 +63,6 @@ for s in sendmsg sendto recvfrom recvmsg read write poll ppoll epoll_wait epoll_
   setsockopt; do
   events=$events,syscalls:sys_enter_$s
 done
-# count FILE: "EVENT COUNT" lines from perf stat -x, output.
-count() { awk -F, '$3 != "" && $1 ~ /^[0-9.]+$/ {print $3, $1}' "$1"; }
 summary() {  # summary TARGET REP: per-request table from the three perf files and fio's json
   python3 - "$work" "$1" "$2" <<'EOF'
 import json, sys
