@@ -28,6 +28,9 @@
 #                 farmem-none-plain; not in the default targets. With any of them the run also
 #                 prints `openssl speed` for AES-256-GCM on 4 KiB blocks, one core (the raw cost of
 #                 sealing a page) as the baseline.
+#   farmem-none-x: farmem-none with the extra farmem-nbd arguments of --x-args (a knob under test,
+#                 e.g. --ab "farmem-none-x farmem-none" --x-args "--busy-poll-us 0"), on the
+#                 same daemons; not in the default targets
 #
 # farmem-none, farmem-ec and the -plain targets share six farmemd daemons on loopback (tcp
 # transport, 64 MiB slabs). Prints IOPS, mean and p99 latency (submission to completion, fio
@@ -37,6 +40,7 @@
 #   blockdev/bench/nbd_bench.sh [--build-dir DIR] [--runtime SECONDS] [--repeat N] [--size SIZE]
 #                               [--targets "a b ..."] [--disk-dir DIR] [--swap-safe]
 #                               [--json-dir DIR] [--cpu] [--alt-nbd PATH] [--bs SIZE]
+#                               [--x-args "ARGS"]
 #   blockdev/bench/nbd_bench.sh --ab "A B" [--pairs N] [--baseline TARGET|none]
 #                               [--workloads "randread:1 randwrite:16 ..."] [other options]
 #
@@ -86,6 +90,7 @@ json_dir=
 cpu=0
 targets="nbdkit-mem nbdkit-nbd farmem-mem farmem-none farmem-ec disk"
 disk_dir=
+x_args=
 ab=
 pairs=12
 baseline=nbdkit-mem
@@ -109,6 +114,7 @@ while [ $# -gt 0 ]; do
     --workloads) workloads=$2; shift 2 ;;
     --alt-nbd) alt_nbd=$2; shift 2 ;;
     --bs) bs=$2; shift 2 ;;
+    --x-args) x_args=$2; shift 2 ;;
     -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d'; exit 0 ;;
     *) echo "unknown argument $1 (try --help)" >&2; exit 2 ;;
   esac
@@ -215,18 +221,22 @@ done
 # farmem-none, farmem-ec and their -plain twins share six daemons, with room for all of them
 # (none 1x, ec:4+2 1.5x the export).
 halves=0
-for t in farmem-none farmem-none-plain farmem-none-alt; do has $t && halves=$((halves + 2)); done
+for t in farmem-none farmem-none-plain farmem-none-alt farmem-none-x; do
+  has $t && halves=$((halves + 2))
+done
 for t in farmem-ec farmem-ec-plain; do has $t && halves=$((halves + 3)); done
 if [ $halves -gt 0 ]; then
   shared_pids=()
   peers=''
   start_farmemds peers shared_pids d 6 --capacity "$(capacity_for $halves)" --slab-size 64M
-  for t in farmem-none farmem-ec farmem-none-plain farmem-ec-plain farmem-none-alt; do
+  for t in farmem-none farmem-ec farmem-none-plain farmem-ec-plain farmem-none-alt farmem-none-x; do
     has $t || continue
     res=none
     case $t in farmem-ec*) res=ec:4+2 ;; esac
     crypt=()
     case $t in *-plain) crypt=(--no-encrypt) ;; esac
+    # shellcheck disable=SC2206  # --x-args is a list of words
+    [ $t = farmem-none-x ] && crypt=($x_args)
     start_farmem_nbd $t "$peers" $res "${shared_pids[*]}" "${crypt[@]}"
   done
 fi

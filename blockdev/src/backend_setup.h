@@ -27,6 +27,8 @@ struct BackendConfig {
   uint32_t heartbeat_ms = 500, failure_timeout_ms = 2000, peer_wait_ms = 5000;
   // The write-back page cache in front of the page store (write_cache.h, docs/nbd.md).
   uint32_t write_cache_pages = 1024, write_cache_max_age_ms = 100;
+  // How long a request waiting on one daemon spins before it sleeps (client::ChannelSet).
+  uint32_t busy_poll_us = 0;
   bool overcommit = false;
   // Page encryption (docs/security.md): on unless --no-encrypt; the key from --data-key-file
   // (created if absent) or a fresh one per start.

@@ -94,6 +94,11 @@ Result<std::unique_ptr<PageStore>> PageStore::Create(client::Cluster* cluster,
     return Err(InvalidArgument(
         fmt::format("export size {} must be a non-zero multiple of 4096", options.size)));
   }
+  if (options.busy_poll.count() < 0 || options.busy_poll > client::ChannelSet::kMaxBusyPoll) {
+    return Err(InvalidArgument(fmt::format("busy poll of {} µs: give 0 (off) to {} µs",
+                                           options.busy_poll.count(),
+                                           client::ChannelSet::kMaxBusyPoll.count())));
+  }
   std::unique_ptr<PageStore> ps(new PageStore(cluster, std::move(options)));
   FARMEM_RETURN_IF_ERROR(ps->Init());
   return ps;
@@ -170,6 +175,7 @@ Status PageStore::Init() {
                        static_cast<size_t>(res.group_size());
   for (size_t i = 0; i < options_.workers + 1; ++i) {  // +1: the rebuild thread's
     auto w = std::make_unique<Worker>(cluster_, options_.op_timeout);
+    if (i < options_.workers) w->channels.SetBusyPoll(options_.busy_poll);
     if (res.mode == Resilience::Mode::kErasure) w->staging.resize(stage);
     w->Reserve(cluster_->node_count(), static_cast<size_t>(res.group_size()));
     if (crypto_) {

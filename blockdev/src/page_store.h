@@ -105,6 +105,9 @@ struct PageStoreOptions {
   std::string backup_path;  // empty: no backup file
   size_t workers = 8;       // concurrent callers served without waiting
   std::chrono::milliseconds op_timeout{5000};
+  // How long a request waiting for one daemon spins before it sleeps (client::ChannelSet::
+  // SetBusyPoll; at most ChannelSet::kMaxBusyPoll). Not for the rebuild thread.
+  std::chrono::microseconds busy_poll{0};
   // How often the rebuild thread looks for degraded extents that events did not bring up (a
   // daemon freed memory, a rebuild failed for lack of room) and checks the cluster's capacity.
   std::chrono::milliseconds reconcile_interval{3000};

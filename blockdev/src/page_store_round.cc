@@ -65,6 +65,7 @@ Round::Round(const RoundParams& params, client::Cluster* cluster, Worker* w,
       w_(w),
       op_status_(op_status),
       early_(early),
+      pieces_(w->round_pieces.data()),
       ops_(w->round_ops),
       per_node_(w->per_node) {
   ops_.clear();

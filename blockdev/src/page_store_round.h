@@ -61,7 +61,7 @@ struct RemoteOp {
 // Everything one caller of the store uses for its duration, allocated up front.
 struct Worker {
   Worker(client::Cluster* cluster, std::chrono::milliseconds op_timeout)
-      : channels(cluster, op_timeout) {}
+      : channels(cluster, op_timeout), round_pieces(kMaxRoundPieces) {}
 
   // Its channels to the daemons, opened lazily; only this worker uses them.
   client::ChannelSet channels;
@@ -73,6 +73,10 @@ struct Worker {
   std::vector<Status> status;
   std::vector<Extent*> locked;
   std::vector<RemoteOp> round_ops;
+  // A round's pieces (Round::pieces_): kMaxRoundPieces of them, made once. A Round of its own
+  // would construct and destroy all of them (≈ 9 KiB, a Status each) for every round, which was
+  // ≈ 1.3 µs of a 4 KiB read at depth 1 (docs/benchmarks-nbd.md "QD1 latency").
+  std::vector<Piece> round_pieces;
   std::vector<uint32_t> per_node;
   std::vector<uint32_t> pieces_left;  // per op of the batch (Early)
   // Page encryption: this worker's cipher, the ciphertext of a batch's aligned writes (grown to
@@ -136,7 +140,7 @@ class Round {
   Worker* const w_;
   std::span<Status> op_status_;
   Early* early_;
-  Piece pieces_[kMaxRoundPieces];
+  Piece* const pieces_;  // the worker's round_pieces: [0, count_) are this round's
   size_t count_ = 0;
   size_t stage_used_ = 0;
   uint64_t decoded_reads_ = 0;

@@ -2,6 +2,7 @@
 #include "farmem/client/channel_set.h"
 
 #include <fmt/format.h>
+#include <sched.h>
 
 #include <algorithm>
 
@@ -42,8 +43,12 @@ Status ChannelSet::Post(NodeId node, const transport::Op& op) {
 }
 
 void ChannelSet::FlushAll() {
+  flushed_ops_ = 0;
   for (auto& ch : channels_) {
-    if (ch && ch->outstanding() > 0) (void)ch->Flush();  // a failure completes the ops with errors
+    if (ch && ch->outstanding() > 0) {
+      flushed_ops_ += ch->outstanding();
+      (void)ch->Flush();  // a failure completes the ops with errors
+    }
   }
   next_down_check_ = DeadlineIn(kDownCheckInterval);
 }
@@ -105,9 +110,15 @@ ChannelSet::Waited ChannelSet::WaitAny(Deadline deadline) {
   // One slice: to the deadline or the next down check, whichever is first.
   const bool pollable =
       std::all_of(pfds_.begin(), pfds_.end(), [](const pollfd& p) { return p.fd >= 0; });
+  // A reply that comes while spinning is taken without this thread having slept.
+  const bool spun = pollable && busy_poll_.count() > 0 && pfds_.size() == 1 &&
+                    flushed_ops_ <= kBusyPollMaxOps &&
+                    SpinPoll(std::min(deadline, next_down_check_)) > 0;
   const auto left = std::chrono::ceil<std::chrono::milliseconds>(
       std::min(deadline, next_down_check_) - Clock::now());
-  if (pollable) {
+  if (spun) {
+    // pfds_[0].revents is set: reaped below.
+  } else if (pollable) {
     // Past the deadline, still look (without waiting) before giving up: if this thread was held
     // up (descheduled, a slow caller) the replies may have been waiting here all along, and a
     // daemon that answered in time must not be blamed for our own stall.
@@ -133,6 +144,38 @@ ChannelSet::Waited ChannelSet::WaitAny(Deadline deadline) {
   }
   w.completions = comps.first(got);
   return w;
+}
+
+int ChannelSet::SpinPoll(Deadline limit) {
+  if (spin_skip_ > 0) {
+    --spin_skip_;
+    ++busy_poll_stats_.skipped;
+    return 0;
+  }
+  ++busy_poll_stats_.spins;
+  Clock::time_point last = Clock::now();
+  const Deadline until = std::min(limit, last + busy_poll_);
+  for (;;) {
+    const int rc = ::poll(pfds_.data(), pfds_.size(), 0);
+    if (rc > 0) {
+      ++busy_poll_stats_.hits;
+      spin_backoff_ = 1;
+      return rc;
+    }
+    if (rc < 0) return 0;
+    const Clock::time_point now = Clock::now();
+    // Out of budget, or the last yield gave this CPU to another task for a while and that was
+    // not the reply's daemon: the CPU is wanted (a loaded machine), where a spinning thread
+    // delays the others and, behind them after each yield, itself. Sleep, and back off.
+    if (now >= until || now - last > kBusyCpu) {
+      spin_skip_ = spin_backoff_;
+      spin_backoff_ = std::min(2 * spin_backoff_, kMaxSpinSkip);
+      return 0;
+    }
+    // Whatever else is runnable on this CPU (the daemon we wait for, woken here) goes first.
+    ::sched_yield();
+    last = Clock::now();
+  }
 }
 
 void ChannelSet::DropDown() {
