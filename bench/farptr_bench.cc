@@ -21,7 +21,7 @@
 //           throughput next to 100% local on the same keys
 //
 //   farptr_bench [--mode all|local|miss|tput|compact|crypto|hot] [--daemons 6] [--span 65536]
-//                [--pairs 16] [--ops 150000] [--local 0.25]
+//                [--pairs 16] [--ops 150000] [--local 0.25] [--gather on|off]
 //
 // Starts its own farmemd processes (next to this binary, or $FARMEM_BIN_DIR).
 #include <time.h>
@@ -62,9 +62,10 @@ struct Args {
   std::string mode = "all";
   size_t daemons = 6;
   uint32_t span = 64u << 10;
-  int pairs = 16;           // --mode crypto: pairs of rounds (encryption off / on, ABBA order)
-  size_t hot_ops = 150000;  // --mode hot: measured operations per thread
-  double hot_local = 0.25;  // --mode hot: local fraction
+  int pairs = 16;             // --mode crypto: pairs of rounds (encryption off / on, ABBA order)
+  size_t hot_ops = 150000;    // --mode hot: measured operations per thread
+  double hot_local = 0.25;    // --mode hot: local fraction
+  std::string gather = "on";  // --mode hot: RuntimeOptions::gather_on_miss
 };
 
 [[noreturn]] void Die(const std::string& m) {
@@ -90,9 +91,10 @@ double ThreadCpuNs() {
 
 std::unique_ptr<farmem::Runtime> OpenRuntime(farmem::testing::DaemonSet& d, uint64_t budget,
                                              uint32_t span, const std::string& res = "ec:4+2",
-                                             bool encrypt = true) {
+                                             bool encrypt = true, bool gather = true) {
   farmem::RuntimeOptions o;
   o.encrypt = encrypt;
+  o.gather_on_miss = gather;
   o.peers = d.endpoints();
   o.secret = d.secret();
   o.local_budget = budget;
@@ -561,11 +563,12 @@ void BenchHot(farmem::testing::DaemonSet& d, const Args& a) {
   }
   struct Figures {
     double mops = 0;
-    uint64_t swap_ins = 0, relocated = 0, clean = 0;
+    uint64_t swap_ins = 0, relocated = 0, gathered = 0, clean = 0;
+    uint64_t local_objects = 0, resident_spans = 0;
     size_t ops = 0;
   };
   auto run = [&](uint64_t budget) {
-    auto rt = OpenRuntime(d, budget, a.span);
+    auto rt = OpenRuntime(d, budget, a.span, "ec:4+2", true, a.gather == "on");
     std::vector<far_ptr<Record>> recs;
     recs.reserve(kRecords);
     for (uint64_t k = 0; k < kRecords; ++k) {
@@ -608,6 +611,10 @@ void BenchHot(farmem::testing::DaemonSet& d, const Args& a) {
     f.mops = static_cast<double>(f.ops) / (ns / 1000);
     f.swap_ins = e.swap_ins - b.swap_ins;
     f.relocated = e.objects_relocated - b.objects_relocated;
+    f.gathered = e.objects_gathered - b.objects_gathered;
+    // Objects local at the end (their bytes in a resident span), and how many spans hold them.
+    f.local_objects = (e.object_bytes - e.remote_object_bytes + e.copy_object_bytes) / 256;
+    f.resident_spans = e.resident_spans;
     f.clean = e.clean_evictions - b.clean_evictions;
     return f;
   };
@@ -628,15 +635,19 @@ void BenchHot(farmem::testing::DaemonSet& d, const Args& a) {
   const double lru_rate = static_cast<double>(lru_miss) / static_cast<double>(part.ops);
   std::printf(
       "hot objects (%zu records of %zu B, zipf %.2f, half updates, %d threads, %u B spans, "
-      "local %.1f%%):\n"
+      "local %.1f%%, gather on miss %s):\n"
       "  far_ptr: %zu ops, %lu swap-ins = miss rate %.1f%%, %.3f Mops/s = %.3f of 100%% local "
-      "(%.3f Mops/s); %lu objects relocated, %lu clean evictions\n"
+      "(%.3f Mops/s); %lu objects gathered on their miss, %lu relocated by the evictor, %lu clean "
+      "evictions; at the end %lu objects local in %lu spans\n"
       "  object LRU of %zu objects on the same keys: miss rate %.1f%%; far_ptr / LRU = %.2fx "
       "(target <= 1.5x)\n",
-      kRecords, sizeof(Record), kTheta, kThreads, a.span, frac * 100, part.ops,
+      kRecords, sizeof(Record), kTheta, kThreads, a.span, frac * 100, a.gather.c_str(), part.ops,
       static_cast<unsigned long>(part.swap_ins), far_rate * 100, part.mops, part.mops / all.mops,
-      all.mops, static_cast<unsigned long>(part.relocated), static_cast<unsigned long>(part.clean),
-      capacity, lru_rate * 100, lru_rate > 0 ? far_rate / lru_rate : 0.0);
+      all.mops, static_cast<unsigned long>(part.gathered),
+      static_cast<unsigned long>(part.relocated), static_cast<unsigned long>(part.clean),
+      static_cast<unsigned long>(part.local_objects),
+      static_cast<unsigned long>(part.resident_spans), capacity, lru_rate * 100,
+      lru_rate > 0 ? far_rate / lru_rate : 0.0);
 }
 
 struct Churned {
@@ -766,6 +777,9 @@ int main(int argc, char** argv) {
   app.add_option("--local", a.hot_local, "--mode hot: local fraction of the records")
       ->capture_default_str()
       ->check(CLI::Range(0.01, 1.0));
+  app.add_option("--gather", a.gather, "--mode hot: gather missed objects into hot spans")
+      ->capture_default_str()
+      ->check(farmem::cli::OneOf({"on", "off"}));
   CLI11_PARSE(app, argc, argv);
   farmem::bench::UseBinariesBeside(argv[0]);
   farmem::testing::DaemonConfig cfg;
