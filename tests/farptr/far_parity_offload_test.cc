@@ -33,8 +33,7 @@ void Settle(testing::DaemonSet& daemons, Runtime& rt) {
   farmem::testing::WaitUntil(
       [&] {
         const RuntimeStats st = rt.stats();
-        return st.local_bytes <= static_cast<uint64_t>(static_cast<double>(st.local_budget) *
-                                                       rt.options().low_watermark);
+        return st.local_bytes <= st.local_budget * 3 / 4;
       },
       std::chrono::seconds(20), std::chrono::milliseconds(20));
 }

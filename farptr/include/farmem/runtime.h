@@ -78,10 +78,7 @@ struct RuntimeOptions {
   // low_watermark * budget. Threads entering an outermost DerefScope wait while the budget is
   // exceeded (see docs/farptr.md, "sizing the budget").
   double high_watermark = 0.90;
-  // 0.85 rather than 0.75: a burst down to 75% left a sixth of the budget unused after every
-  // round (issue 13's Zipf record store: 1.50x the misses of an object LRU of the same memory at
-  // 0.75, 1.38-1.39x at 0.85; docs/benchmarks-farptr.md, "Hot objects").
-  double low_watermark = 0.85;
+  double low_watermark = 0.75;
   // Background compaction starts when remote bytes leased exceed
   // (k + r) / k * remote live bytes * compact_trigger.
   bool auto_compact = true;
