@@ -3,14 +3,14 @@
 //
 // One round:
 //   1. Sweep: for each resident span, count objects whose kHot bit is set and clear the bits
-//      (CLOCK second chance). A span with no hot object is a victim. A span with only a few hot
-//      objects gives them up: they are relocated into the size class's hot span so the rest of
-//      the span can go cold and leave. Victims get kEvacuating on every object and state
-//      kEvicting; relocated objects get kEvacuating.
+//      (CLOCK second chance). A span with no hot object is a victim. So is a span with only a few
+//      hot objects (at most 1/8 of its live ones), which first gives them up: they are relocated
+//      into the size class's hot span, and the cold rest leaves in the same round. Victims get
+//      kEvacuating on every object and state kEvicting.
 //   2. Grace period: wait until every scope that was open at step 1 has ended (scope.cc). A deref
 //      that meets kEvacuating meanwhile cancels (the bytes never moved).
-//   3. Relocate the hot objects that are still marked; commit the victims still kEvicting
-//      (state kWriting) and write them in sets of k with r parity spans, one batch per set.
+//   3. Relocate the hot objects of the victims still kEvicting; commit those victims (state
+//      kWriting) and write them in sets of k with r parity spans, one batch per set.
 //   4. Each written span becomes kRemote, its frame returns to the pool.
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>
@@ -181,15 +181,9 @@ size_t Heap::PickVictims(size_t need, bool force, std::vector<Span*>* victims,
     }
     if (hot > 0 && !force) {
       // Carbink's hot/cold separation: a mostly cold span hands its few hot objects to the hot
-      // span of its class, and leaves as a whole at a later sweep.
-      if (hot * kRelocateDivisor <= live && s->cls->slots > 1) {
-        for (uint32_t i : hot_slots_) {
-          ObjectEntry* o = s->owner[i];
-          o->word.fetch_or(kEvacuating, std::memory_order_seq_cst);
-          relocations->push_back({s, i, o});
-        }
-      }
-      continue;
+      // span of its class and leaves in this same round (Relocate runs before the write).
+      if (hot * kRelocateDivisor > live || s->cls->slots <= 1) continue;
+      for (uint32_t i : hot_slots_) relocations->push_back({s, i, s->owner[i]});
     }
     s->state = SpanState::kEvicting;
     for (ObjectEntry* o : s->owner) {
@@ -206,18 +200,11 @@ void Heap::Relocate(const std::vector<Relocation>& relocations) NO_THREAD_SAFETY
   for (const Relocation& r : relocations) {
     SizeClass* c = r.span->cls;
     MutexLock cl(&c->mu);
-    Span* dst = c->hot_span;
-    if (dst != nullptr) {
-      MutexLock dl(&dst->mu);
-      if (dst->state != SpanState::kLocal || dst->free_slots.empty()) dst = nullptr;
-    }
-    if (dst == r.span) dst = nullptr;  // the hot span itself went cold: start a new one
-    if (dst == nullptr) {
-      dst = NewSpan(c, SpanState::kLocal);
-      MutexLock dl(&dst->mu);
-      dst->frame = GetFrame();
-      AddResident(dst);
-      c->hot_span = dst;
+    Span* dst = nullptr;
+    {
+      // The hot span itself went cold (r.span): a new one is started.
+      SpanLock dl;
+      dst = HotSpanLocked(c, r.span, &dl, false);
     }
     Span* src = r.span;
     // src may have lost all its objects since the sweep (freed: then retired, its owner table
@@ -226,42 +213,72 @@ void Heap::Relocate(const std::vector<Relocation>& relocations) NO_THREAD_SAFETY
     if (src == dst) continue;
     SpanLock l1(src < dst ? &src->mu : &dst->mu);
     SpanLock l2(src < dst ? &dst->mu : &src->mu);
-    // The sweep's second pass may have made src a victim after all: then kEvacuating belongs
-    // to the eviction and must stay.
-    if (src->state != SpanState::kLocal) continue;
+    // Sources are victims of this round: a deref that cancelled the eviction meanwhile made
+    // the span kLocal again and cleared every kEvacuating (checked below).
+    if (src->state != SpanState::kEvicting && src->state != SpanState::kLocal) continue;
     if (r.slot >= src->owner.size() || src->owner[r.slot] != r.entry) continue;  // freed
-    if (dst->state != SpanState::kLocal || dst->free_slots.empty()) {
-      r.entry->word.fetch_and(~kEvacuating, std::memory_order_seq_cst);
-      continue;
-    }
     const uint64_t w = r.entry->word.load(std::memory_order_seq_cst);
-    if ((w & kEvacuating) == 0) continue;  // a deref wanted it where it is
-    if (src->sealed_left > 0 && src->sealed[r.slot]) {
-      // Still sealed: not dereferenced since it came in (hot only as part of a prefetch), and
-      // its bytes are ciphertext. It stays.
-      r.entry->word.fetch_and(~kEvacuating, std::memory_order_seq_cst);
-      continue;
-    }
-    DropCopyLocked(dst);  // written below
-    if (src->set != nullptr) {
-      remote_object_bytes_.fetch_sub(c->size, std::memory_order_relaxed);  // src's clean copy
-      copy_object_bytes_.fetch_sub(c->size, std::memory_order_relaxed);
-    }
-    const uint32_t slot = dst->free_slots.back();
-    dst->free_slots.pop_back();
-    uint8_t* to = dst->frame + static_cast<size_t>(slot) * c->size;
-    std::memcpy(to, src->frame + static_cast<size_t>(r.slot) * c->size, c->size);
-    dst->owner[slot] = r.entry;
-    dst->live.fetch_add(1, std::memory_order_relaxed);
-    r.entry->slot.store(slot, std::memory_order_relaxed);
-    r.entry->span.store(dst, std::memory_order_release);
-    r.entry->word.store(reinterpret_cast<uint64_t>(to) | kPresent | kHot | (w & kDirty),
-                        std::memory_order_seq_cst);
-    src->owner[r.slot] = nullptr;
-    src->free_slots.push_back(r.slot);
-    if (src->live.fetch_sub(1, std::memory_order_relaxed) == 1) ReleaseLocalLocked(src);
+    if ((w & kEvacuating) == 0) continue;  // a deref took the span back
+    // An object that cannot move (the hot span went meanwhile; still sealed: hot only as part of
+    // a prefetch, its bytes are ciphertext) keeps kEvacuating and leaves with its span.
+    if (dst->state != SpanState::kLocal || dst->free_slots.empty()) continue;
+    if (src->sealed_left > 0 && src->sealed[r.slot]) continue;
+    MoveObjectLocked(src, r.slot, dst, w);
     objects_relocated_.fetch_add(1, std::memory_order_relaxed);
   }
+}
+
+// NO_THREAD_SAFETY_ANALYSIS: the hot span's lock is handed to the caller in a SpanLock.
+Span* Heap::HotSpanLocked(SizeClass* c, Span* not_this, SpanLock* lock,
+                          bool try_only) NO_THREAD_SAFETY_ANALYSIS {
+  Span* dst = c->hot_span;
+  if (dst != nullptr && dst != not_this) {
+    *lock = try_only ? SpanLock(&dst->mu, std::try_to_lock) : SpanLock(&dst->mu);
+    if (!lock->owns_lock()) return nullptr;
+    // A hot span that was evicted and came back has a clean copy: filling it would make that a
+    // hole at once; start another.
+    if (dst->state == SpanState::kLocal && !dst->free_slots.empty() && dst->set == nullptr) {
+      return dst;
+    }
+    lock->unlock();
+  }
+  dst = NewSpan(c, SpanState::kLocal);
+  // A new span: nobody else can reach it until c->hot_span names it, so this never waits.
+  *lock = SpanLock(&dst->mu, std::try_to_lock);
+  if (!lock->owns_lock()) *lock = SpanLock(&dst->mu);
+  dst->frame = GetFrame();
+  AddResident(dst);
+  c->hot_span = dst;
+  return dst;
+}
+
+uint32_t Heap::PlaceObjectLocked(Span* dst, ObjectEntry* e, const uint8_t* bytes, uint64_t flags) {
+  const uint32_t csize = dst->cls->size;
+  DropCopyLocked(dst);  // written below (a no-op for a hot span, which has no copy)
+  const uint32_t slot = dst->free_slots.back();
+  dst->free_slots.pop_back();
+  uint8_t* to = dst->frame + static_cast<size_t>(slot) * csize;
+  std::memcpy(to, bytes, csize);
+  dst->owner[slot] = e;
+  dst->live.fetch_add(1, std::memory_order_relaxed);
+  e->slot.store(slot, std::memory_order_relaxed);
+  e->span.store(dst, std::memory_order_release);
+  e->word.store(reinterpret_cast<uint64_t>(to) | kPresent | kHot | flags,
+                std::memory_order_seq_cst);
+  return slot;
+}
+
+void Heap::MoveObjectLocked(Span* src, uint32_t from, Span* dst, uint64_t w) {
+  SizeClass* c = src->cls;
+  ObjectEntry* e = src->owner[from];
+  if (src->set != nullptr) {
+    remote_object_bytes_.fetch_sub(c->size, std::memory_order_relaxed);  // src's clean copy
+    copy_object_bytes_.fetch_sub(c->size, std::memory_order_relaxed);
+  }
+  (void)PlaceObjectLocked(dst, e, src->frame + static_cast<size_t>(from) * c->size, w & kDirty);
+  src->owner[from] = nullptr;
+  src->free_slots.push_back(from);
+  if (src->live.fetch_sub(1, std::memory_order_relaxed) == 1) ReleaseLocalLocked(src);
 }
 
 size_t Heap::EvictRound(size_t target_frames, bool force, std::chrono::nanoseconds drain_limit) {

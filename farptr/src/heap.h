@@ -80,6 +80,9 @@ struct Span {
   // Slots still sealed (see kLocal above); empty or all false without encryption.
   std::vector<bool> sealed GUARDED_BY(mu);
   uint32_t sealed_left GUARDED_BY(mu) = 0;
+  // Heap::miss_clock_ at this span's last demand miss (0: none since it was made): a span missed
+  // again soon after is read whole (GatherMiss).
+  uint64_t last_miss GUARDED_BY(mu) = 0;
   bool in_partial = false;      // guarded by cls->mu
   int64_t resident_index = -1;  // guarded by Heap::resident_mu_
 };
@@ -172,6 +175,23 @@ class Heap {
   Status SwapInLocked(Span* s, bool prefetch) REQUIRES(s->mu);
   // The second half of a swap-in, once `frame` holds the span's bytes.
   void FinishSwapInLocked(Span* s, uint8_t* frame, bool prefetch) REQUIRES(s->mu);
+  // A demand miss on e in remote span s (docs/farptr.md, "Hot objects"). Reads s's cell and, when
+  // the class is small and s was not missed just before (no sign of locality), copies only e
+  // into its class's hot span: true, s stays remote without e. Otherwise (or when the hot span
+  // is busy: only try-locks, s is held and the evictor takes those locks in the other order) the
+  // read becomes an ordinary swap-in: false, s is kLocal.
+  Result<bool> MissLocked(Span* s, ObjectEntry* e) REQUIRES(s->mu);
+  // The class's hot span, locked into *lock: the current one if it is local, has room and no
+  // remote copy, else a new one. With `try_only` no lock is waited for (null when one is busy).
+  Span* HotSpanLocked(SizeClass* c, Span* not_this, SpanLock* lock, bool try_only) REQUIRES(c->mu);
+  // Moves the object in `slot` of local span src into a free slot of local span dst (both held;
+  // dst has no remote copy): the entry points to dst, its word is `present | hot` plus the dirty
+  // bit of w; src releases its frame if that was its last object.
+  void MoveObjectLocked(Span* src, uint32_t slot, Span* dst, uint64_t w) REQUIRES(src->mu, dst->mu);
+  // The object's bytes into a free slot of dst (held, local, no remote copy), e pointing there
+  // with `present | hot | flags`. Returns the slot.
+  uint32_t PlaceObjectLocked(Span* dst, ObjectEntry* e, const uint8_t* bytes, uint64_t flags)
+      REQUIRES(dst->mu);
   // Opens the sealed objects in `slots` of the local span s (encryption; see kLocal above): their
   // words become kPresent. Objects whose tag fails: with redundancy to spare the member is
   // reported corrupt (failed, so it is re-protected) and the cell read again from the others
@@ -305,6 +325,8 @@ class Heap {
   std::atomic<uint64_t> resident_spans_{0}, remote_spans_{0};
   std::atomic<uint64_t> swap_ins_{0}, prefetches_{0}, spans_evicted_{0}, sets_written_{0};
   std::atomic<uint64_t> eviction_cancels_{0}, objects_relocated_{0}, spans_lost_{0};
+  std::atomic<uint64_t> objects_gathered_{0};
+  std::atomic<uint64_t> miss_clock_{0};  // demand misses (Span::last_miss)
   std::atomic<uint64_t> compactions_{0}, compaction_spans_in_{0}, compaction_spans_out_{0};
   std::atomic<uint64_t> compaction_client_bytes_{0};
   std::atomic<uint64_t> compaction_bytes_sent_{0}, compaction_bytes_received_{0};

@@ -141,7 +141,8 @@ SizeClass* Heap::ClassFor(size_t size) {
   return classes_[class_of_[(size + 15) / 16]].get();
 }
 
-Span* Heap::NewSpan(SizeClass* cls, SpanState state) {
+// NO_THREAD_SAFETY_ANALYSIS: the new span's lock is a SpanLock (try first, see below).
+Span* Heap::NewSpan(SizeClass* cls, SpanState state) NO_THREAD_SAFETY_ANALYSIS {
   Span* s = nullptr;
   {
     MutexLock lock(&cls->free_mu);
@@ -158,7 +159,10 @@ Span* Heap::NewSpan(SizeClass* cls, SpanState state) {
     spans_.push_back(std::move(fresh));
     s = spans_.back().get();
   }
-  MutexLock sl(&s->mu);
+  // Try first: a span new or from the free list is in nobody's hands (a miss that gathers an
+  // object makes its hot span while holding another span's lock: HotSpanLocked).
+  SpanLock sl(&s->mu, std::try_to_lock);
+  if (!sl.owns_lock()) sl = SpanLock(&s->mu);
   s->id = next_span_id_.fetch_add(1, std::memory_order_relaxed);
   s->state = state;
   s->frame = nullptr;
@@ -167,6 +171,7 @@ Span* Heap::NewSpan(SizeClass* cls, SpanState state) {
   s->lost = Status::Ok();
   s->sealed.clear();
   s->sealed_left = 0;
+  s->last_miss = 0;
   s->live.store(0, std::memory_order_relaxed);
   s->owner.assign(cls->slots, nullptr);
   s->free_slots.clear();

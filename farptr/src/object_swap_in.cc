@@ -12,6 +12,12 @@
 
 namespace farmem::farptr_internal {
 
+namespace {
+// A miss gathers its object into the hot span only for classes of at least this many slots per
+// span: a span of a few large objects is read for little more than the one wanted anyway.
+constexpr uint32_t kGatherMinSlots = 8;
+}  // namespace
+
 // ---------------------------------------------------------------------------------------------
 // Deref miss
 
@@ -53,7 +59,9 @@ Result<void*> Heap::Deref(ObjectEntry* e, bool mut) {
         });
         continue;
       case SpanState::kRemote: {
-        FARMEM_RETURN_IF_ERROR(SwapInLocked(s, false));
+        Result<bool> gathered = MissLocked(s, e);
+        if (!gathered) return Err(gathered.error());
+        if (*gathered) continue;  // now local in its class's hot span
         // This very object may have failed authentication and moved to a kLost span.
         if (e->span.load(std::memory_order_acquire) != s) continue;
         add_partial = !s->free_slots.empty();
@@ -93,6 +101,71 @@ Status Heap::SwapInLocked(Span* s, bool prefetch) {
   }
   FinishSwapInLocked(s, frame, prefetch);
   return Status::Ok();
+}
+
+// NO_THREAD_SAFETY_ANALYSIS: try-locks the size class and its hot span while s is held (the
+// evictor's Relocate takes them in the other order, so waiting here could deadlock); the
+// analysis cannot follow the hot span's SpanLock.
+Result<bool> Heap::MissLocked(Span* s, ObjectEntry* e) NO_THREAD_SAFETY_ANALYSIS {
+  SizeClass* c = s->cls;
+  const uint64_t now = miss_clock_.fetch_add(1, std::memory_order_relaxed) + 1;
+  // Locality: the span was missed again within the last budget/8 misses (a scan, objects used
+  // together): bring it whole, as the next misses would otherwise read it again and again.
+  const bool recent =
+      s->last_miss != 0 && now - s->last_miss <= std::max<size_t>(8, budget_frames_ / 8);
+  s->last_miss = now;
+  if (!options_.gather_on_miss || c->slots < kGatherMinSlots || recent) {
+    FARMEM_RETURN_IF_ERROR(SwapInLocked(s, false));
+    return false;
+  }
+  uint8_t* frame = GetFrame();
+  IoContext* io = CheckoutIo();
+  Status st = store_->ReadSpan(*io, s->set, s->member, frame);
+  ReturnIo(io);
+  if (!st.ok()) {
+    PutFrame(frame);
+    return Err(SwapInFailedLocked(s, st));
+  }
+  const uint32_t slot = e->slot.load(std::memory_order_relaxed);
+  const size_t off = static_cast<size_t>(slot) * c->size;
+  const uint8_t* bytes = frame + off;
+  if (crypto_) {
+    thread_local std::vector<uint8_t> plain;
+    if (plain.size() < span_size_) plain.resize(span_size_);
+    std::vector<uint32_t> failed;
+    crypto_->OpenSlots(frame, plain.data(), c->size, s->owner, {&slot, 1}, &failed);
+    if (!failed.empty()) {
+      // The swap-in's way of answering a failed tag (from the other members) takes over.
+      FinishSwapInLocked(s, frame, false);
+      return false;
+    }
+    bytes = plain.data() + off;
+  }
+  Span* dst = nullptr;
+  SpanLock dl;
+  if (c->mu.TryLock()) {
+    MutexLock cl(&c->mu, kAdoptLock);
+    dst = HotSpanLocked(c, s, &dl, true);
+  }
+  if (dst == nullptr) {
+    FinishSwapInLocked(s, frame, false);
+    return false;
+  }
+  (void)PlaceObjectLocked(dst, e, bytes, 0);
+  dl.unlock();
+  PutFrame(frame);
+  // The rest of s stays remote; its cell keeps e's old bytes in the slot, now free.
+  s->owner[slot] = nullptr;
+  s->free_slots.push_back(slot);
+  remote_object_bytes_.fetch_sub(c->size, std::memory_order_relaxed);
+  if (s->live.fetch_sub(1, std::memory_order_relaxed) == 1) {
+    store_->Release(s->set, s->member);
+    RetireLocked(s);
+    remote_spans_.fetch_sub(1, std::memory_order_relaxed);
+  }
+  swap_ins_.fetch_add(1, std::memory_order_relaxed);
+  objects_gathered_.fetch_add(1, std::memory_order_relaxed);
+  return true;
 }
 
 Status Heap::OpenSealedLocked(Span* s, std::span<const uint32_t> slots) {

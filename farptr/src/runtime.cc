@@ -243,6 +243,7 @@ RuntimeStats Heap::stats() const {
   s.sets_written = sets_written_.load();
   s.eviction_cancels = eviction_cancels_.load();
   s.objects_relocated = objects_relocated_.load();
+  s.objects_gathered = objects_gathered_.load();
   s.spans_lost = spans_lost_.load();
   s.compactions = compactions_.load();
   s.compaction_spans_in = compaction_spans_in_.load();

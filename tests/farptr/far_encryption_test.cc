@@ -156,10 +156,13 @@ class FarBitFlipTest : public FarEncryptionTest, public ::testing::WithParamInte
  protected:
   // Three daemons, the parameter's resilience, 4000 small objects, all evicted; compaction off:
   // an object must stay where a test located it.
-  void StartEvicted() {
+  // gather: RuntimeOptions::gather_on_miss (off where the test needs a miss to bring the whole
+  // span, its other objects sealed; on, a flipped object's own miss finds the flip).
+  void StartEvicted(bool gather = true) {
     ASSERT_NO_FATAL_FAILURE(StartDaemons(3, "32M", "1M"));
     RuntimeOptions o = Options(GetParam(), 256 << 10, kSpan);
     o.auto_compact = false;
+    o.gather_on_miss = gather;
     ASSERT_NO_FATAL_FAILURE(Open(o));
     WriteObjects(4000, 0);
     ASSERT_TRUE(rt_->EvictUntil(0).ok());
@@ -256,7 +259,7 @@ TEST_F(FarEncryptionTest, AMissOpensOnlyTheObjectDereferenced) {
 // never sealed again as if it were plaintext.
 TEST_P(FarBitFlipTest, FlipUnderASealedNeighbourIsFoundBeforeTheSpanIsWritten) {
   const std::string res = GetParam();
-  ASSERT_NO_FATAL_FAILURE(StartEvicted());
+  ASSERT_NO_FATAL_FAILURE(StartEvicted(/*gather=*/false));  // the writer's miss brings the span
   const size_t victim = 1234, writer = 1235;
   ASSERT_NO_FATAL_FAILURE(ExpectSameCell(objs_[victim], objs_[writer]));
   ASSERT_NO_FATAL_FAILURE(FlipBitUnder(*rt_, objs_[victim], 17));
@@ -287,7 +290,8 @@ TEST_P(FarBitFlipTest, FlipUnderASealedNeighbourIsFoundBeforeTheSpanIsWritten) {
 TEST_F(FarEncryptionTest, SecondFlipInAMemberFailedMeanwhileIsRebuilt) {
   ASSERT_NO_FATAL_FAILURE(StartDaemons(3, "32M", "1M"));
   RuntimeOptions o = Options("ec:2+1", 256 << 10, kSpan);
-  o.auto_compact = false;  // the objects must stay where they were located
+  o.auto_compact = false;    // the objects must stay where they were located
+  o.gather_on_miss = false;  // the miss on y brings its span, z still sealed in it
   ASSERT_NO_FATAL_FAILURE(Open(o));
   WriteObjects(4000, 0);
   ASSERT_TRUE(rt_->EvictUntil(0).ok());

@@ -141,6 +141,76 @@ TEST_F(FarptrTest, AnEmptyHotSpanLeftByACalledOffRelocationIsGivenBack) {
   }
 }
 
+// Issue 13 ("hot objects stay local"): a miss on a small object brings that object, not its span.
+// It joins its class's hot span and the span it was read from stays remote, so 64 objects read
+// from 64 different spans take one frame (two while a hot span fills), not 64. Without gathering
+// every miss kept its whole span local: local_bytes was 64 frames.
+TEST_F(FarptrTest, MissesGatherObjectsOfManySpansIntoOneHotSpan) {
+  ASSERT_NO_FATAL_FAILURE(StartDaemons(2));
+  RuntimeOptions o = Options("none", 4 << 20);
+  o.auto_compact = false;
+  ASSERT_NO_FATAL_FAILURE(Open(o));
+  constexpr size_t kSize = 256;  // 64 objects fill a 16 KiB span
+  constexpr size_t kPerSpan = 16384 / kSize, kSpans = 64;
+  std::vector<far_bytes> objs;
+  for (size_t i = 0; i < kSpans * kPerSpan; ++i) {
+    objs.push_back(make_far_bytes_in(*rt_, kSize));
+    DerefScope s;
+    std::memset(objs.back().deref_mut(s).data(), static_cast<int>(i % 251 + 1), kSize);
+  }
+  ASSERT_TRUE(rt_->EvictUntil(0).ok());
+  const RuntimeStats before = rt_->stats();
+  ASSERT_EQ(before.local_bytes, 0u);
+  auto hot = [&](size_t span) { return span * kPerSpan + 7; };  // one object of each span
+  for (size_t span = 0; span < kSpans; ++span) {
+    DerefScope s;
+    ASSERT_EQ(objs[hot(span)].deref(s)[0], static_cast<std::byte>(hot(span) % 251 + 1));
+  }
+  const RuntimeStats after = rt_->stats();
+  EXPECT_EQ(after.swap_ins - before.swap_ins, kSpans);
+  EXPECT_EQ(after.objects_gathered - before.objects_gathered, kSpans);
+  EXPECT_LE(after.local_bytes, 2u * 16384) << "the spans read stayed local";
+  for (size_t span = 0; span < kSpans; ++span) {
+    EXPECT_TRUE(objs[hot(span)].is_local()) << "object " << hot(span);
+    EXPECT_FALSE(objs[hot(span) + 1].is_local()) << "object " << hot(span) + 1;
+  }
+  // The gathered objects (now in a span that has no remote copy) and the rest of their old spans
+  // (cells with a hole where the gathered object was) all survive another eviction.
+  ASSERT_TRUE(rt_->EvictUntil(0).ok());
+  for (size_t i = 0; i < objs.size(); ++i) {
+    DerefScope s;
+    const std::span<const std::byte> b = objs[i].deref(s);
+    ASSERT_EQ(b[0], static_cast<std::byte>(i % 251 + 1)) << "object " << i;
+    ASSERT_EQ(b[kSize - 1], static_cast<std::byte>(i % 251 + 1)) << "object " << i;
+  }
+  EXPECT_EQ(rt_->stats().spans_lost, 0u);
+}
+
+// A span missed again right after a gathering miss shows locality (a scan, objects used
+// together): the second miss brings it whole, and its other objects are local from then on.
+TEST_F(FarptrTest, ASpanMissedTwiceInARowComesInWhole) {
+  ASSERT_NO_FATAL_FAILURE(StartDaemons(2));
+  RuntimeOptions o = Options("none", 4 << 20);
+  o.auto_compact = false;
+  ASSERT_NO_FATAL_FAILURE(Open(o));
+  constexpr size_t kSize = 256, kPerSpan = 16384 / kSize;
+  std::vector<far_bytes> objs;
+  for (size_t i = 0; i < kPerSpan; ++i) {
+    objs.push_back(make_far_bytes_in(*rt_, kSize));
+    DerefScope s;
+    std::memset(objs.back().deref_mut(s).data(), static_cast<int>(i + 1), kSize);
+  }
+  ASSERT_TRUE(rt_->EvictUntil(0).ok());
+  const RuntimeStats before = rt_->stats();
+  for (size_t i = 0; i < kPerSpan; ++i) {
+    DerefScope s;
+    ASSERT_EQ(objs[i].deref(s)[0], static_cast<std::byte>(i + 1)) << "object " << i;
+  }
+  const RuntimeStats after = rt_->stats();
+  EXPECT_EQ(after.swap_ins - before.swap_ins, 2u) << "one gathering miss, then the whole span";
+  EXPECT_EQ(after.objects_gathered - before.objects_gathered, 1u);
+}
+
 // A pointer obtained inside a scope stays valid (same address, same bytes) while another thread
 // allocates far past the budget and the evictor runs; the pinned objects are never evicted.
 TEST_F(FarptrTest, ScopePinsAgainstTheEvictor) {
@@ -251,7 +321,12 @@ TEST_F(FarptrTest, EcReadsDegradedWithoutSpareDaemons) {
 // next eviction writes the new bytes.
 TEST_F(FarptrTest, CleanSpansLeaveWithoutWritingAndWrittenOnesAreWrittenAgain) {
   ASSERT_NO_FATAL_FAILURE(StartDaemons(6));
-  ASSERT_NO_FATAL_FAILURE(Open(Options("ec:4+2", 1 << 20)));
+  RuntimeOptions o = Options("ec:4+2", 1 << 20);
+  // The subject is the clean copy of a span swapped in. With gathering, the first object a miss
+  // reads of each span joins a hot span (the second miss brings the span whole), and that hot
+  // span has no copy: it is written when it leaves (MissesGatherObjectsOfManySpansIntoOneHotSpan).
+  o.gather_on_miss = false;
+  ASSERT_NO_FATAL_FAILURE(Open(o));
   std::vector<far_ptr<Point>> objs = MakePoints(20000);
   ASSERT_TRUE(rt_->EvictUntil(0).ok());
   // Read everything back (swap-ins), then evict again: no byte may be written.

@@ -179,10 +179,10 @@ class StressTest : public FarptrTest {
     std::fprintf(stderr,
                  "stress %s: %d threads, %lu derefs in %.1f s, working set %.1f MiB, budget "
                  "%.2f MiB, %lu swap-ins, %lu spans evicted, %lu degraded reads, %lu members "
-                 "re-protected, %lu relocated\n",
+                 "re-protected, %lu relocated, %lu gathered on their miss\n",
                  resilience.c_str(), kThreads, derefs, secs, working / 1048576.0,
                  st.local_budget / 1048576.0, st.swap_ins, st.spans_evicted, st.degraded_reads,
-                 st.members_reprotected, st.objects_relocated);
+                 st.members_reprotected, st.objects_relocated, st.objects_gathered);
     EXPECT_GT(st.spans_evicted, 0u);
     EXPECT_GT(st.swap_ins, 0u);
     EXPECT_EQ(st.spans_lost, 0u);

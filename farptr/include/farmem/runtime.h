@@ -101,6 +101,12 @@ struct RuntimeOptions {
   // never leaves this process: each runtime derives its own key from it.
   std::optional<aead::Key> data_key;
   std::string data_key_file;
+  // A miss on a small object (at least 8 per span) copies that object into its size class's hot
+  // span, so the objects a program keeps coming back to end up together in spans that stay
+  // local, and the span the miss read, left with nothing dereferenced, leaves at the next sweep
+  // at no cost (its clean copy; docs/farptr.md, "Hot objects"). Off: the object stays in the
+  // span read, as does the rest of that span (only the evictor's sweep separates hot objects).
+  bool gather_on_miss = true;
   // Background prefetch threads (far_vector's sequential prefetch). 0 disables prefetching.
   int prefetch_threads = 1;
   // Failure detection and control calls (client::ClusterOptions).
@@ -146,6 +152,7 @@ struct RuntimeStats {
   uint64_t sets_written = 0;
   uint64_t eviction_cancels = 0;   // spans a deref pulled back while being evicted
   uint64_t objects_relocated = 0;  // hot objects moved out of cold spans
+  uint64_t objects_gathered = 0;   // objects moved into a hot span by their own miss
   uint64_t members_reprotected = 0;
   // Re-protection (docs/farptr.md, "Resilience and failures").
   uint64_t degraded_span_sets = 0;       // now: sets with a member missing that can be rebuilt
