@@ -90,15 +90,20 @@ Result<void*> Heap::Deref(ObjectEntry* e, bool mut) {
   }
 }
 
-Status Heap::SwapInLocked(Span* s, bool prefetch) {
+Result<uint8_t*> Heap::ReadSpanLocked(Span* s) {
   uint8_t* frame = GetFrame();
   IoContext* io = CheckoutIo();
   Status st = store_->ReadSpan(*io, s->set, s->member, frame);
   ReturnIo(io);
   if (!st.ok()) {
     PutFrame(frame);
-    return SwapInFailedLocked(s, st);
+    return Err(SwapInFailedLocked(s, st));
   }
+  return frame;
+}
+
+Status Heap::SwapInLocked(Span* s, bool prefetch) {
+  FARMEM_ASSIGN_OR_RETURN(uint8_t * frame, ReadSpanLocked(s));
   FinishSwapInLocked(s, frame, prefetch);
   return Status::Ok();
 }
@@ -118,14 +123,7 @@ Result<bool> Heap::MissLocked(Span* s, ObjectEntry* e) NO_THREAD_SAFETY_ANALYSIS
     FARMEM_RETURN_IF_ERROR(SwapInLocked(s, false));
     return false;
   }
-  uint8_t* frame = GetFrame();
-  IoContext* io = CheckoutIo();
-  Status st = store_->ReadSpan(*io, s->set, s->member, frame);
-  ReturnIo(io);
-  if (!st.ok()) {
-    PutFrame(frame);
-    return Err(SwapInFailedLocked(s, st));
-  }
+  FARMEM_ASSIGN_OR_RETURN(uint8_t * frame, ReadSpanLocked(s));
   const uint32_t slot = e->slot.load(std::memory_order_relaxed);
   const size_t off = static_cast<size_t>(slot) * c->size;
   const uint8_t* bytes = frame + off;
