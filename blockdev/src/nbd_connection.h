@@ -114,6 +114,9 @@ class NbdConnection final : private BatchListener {
   void CountReply(const nbd::Request& r, uint32_t error, const char* message);
   // Appends the reply of pending_[i] to the reply queue (at most two iovecs).
   void AppendReply(size_t i);
+  // Appends an error reply to r in header buffer h (at most two iovecs): an error chunk with
+  // the message under structured replies, else a simple reply.
+  void AppendError(uint8_t* h, const nbd::Request& r, uint32_t error, const char* message);
   // Offers the reply queue to the socket without blocking; what it does not take stays queued.
   // False (and send_failed_) if the send failed.
   bool TrySend();
@@ -122,6 +125,8 @@ class NbdConnection final : private BatchListener {
   void Progress() override;
   // NBD error number for a backend failure.
   static uint32_t NbdError(const Status& s, const nbd::Request& r);
+  // A backend failure of r, logged: its NBD error number; *message is what the client is told.
+  uint32_t BackendFailed(const nbd::Request& r, const Status& s, const char** message);
 
   const int fd_;
   const std::string peer_;

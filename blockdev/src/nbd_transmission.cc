@@ -219,10 +219,8 @@ bool NbdConnection::HandleLargeRead(const nbd::Request& r) {
     ++batches_;
     iovec* iov = iov_->data();
     if (!op.status.ok()) {
-      const uint32_t error = NbdError(op.status, r);
-      const char* message = "the storage backend failed";
-      spdlog::warn("nbd: {}: {} of {} bytes at {} failed: {}", peer_, nbd::CommandName(r.type),
-                   r.length, r.offset, op.status.ToString());
+      const char* message = nullptr;
+      const uint32_t error = BackendFailed(r, op.status, &message);
       CountReply(r, error, message);
       if (done > 0 && one_header) {
         // The header, sent with the first piece, said success: the only way left to tell the
@@ -230,15 +228,7 @@ bool NbdConnection::HandleLargeRead(const nbd::Request& r) {
         end_reason_ = "a read failed after part of its reply was sent";
         return false;
       }
-      if (session_.structured_replies) {
-        const uint16_t len = nbd::ErrorMessageLength(message);
-        nbd::EncodeErrorChunkHeader(h, r.handle, error, len);
-        iov[iov_used_++] = {h, nbd::kErrorChunkFixedSize};
-        if (len > 0) iov[iov_used_++] = {const_cast<char*>(message), len};
-      } else {
-        nbd::EncodeSimpleReply(h, error, r.handle);
-        iov[iov_used_++] = {h, nbd::kSimpleReplySize};
-      }
+      AppendError(h, r, error, message);
       return Drain();
     }
     const bool last = done + n == r.length;
@@ -377,34 +367,50 @@ void NbdConnection::AppendReply(size_t i) {
   if (p.op >= 0) {
     const BlockOp& op = (*ops_)[static_cast<size_t>(p.op)];
     if (!op.status.ok()) {
-      error = NbdError(op.status, r);
-      message = "the storage backend failed";
-      spdlog::warn("nbd: {}: {} of {} bytes at {} failed: {}", peer_, nbd::CommandName(r.type),
-                   r.length, r.offset, op.status.ToString());
+      error = BackendFailed(r, op.status, &message);
     } else if (r.type == nbd::kCmdRead) {
       read_data = op.read_into;
     }
   }
   CountReply(r, error, message);
-  const bool is_read = r.type == nbd::kCmdRead;
-  if (session_.structured_replies && (is_read || error != 0)) {
-    // With structured replies a READ must get a structured reply; errors of other commands
-    // get one too so that the message reaches the user.
-    if (error != 0) {
-      const uint16_t len = nbd::ErrorMessageLength(message);
-      nbd::EncodeErrorChunkHeader(h, r.handle, error, len);
-      iov[n++] = {h, nbd::kErrorChunkFixedSize};
-      if (len > 0) iov[n++] = {const_cast<char*>(message), len};
-    } else {
-      nbd::EncodeOffsetDataHeader(h, r.handle, r.offset, r.length);
-      iov[n++] = {h, nbd::kOffsetDataHeaderSize};
-      iov[n++] = {read_data.data(), read_data.size()};
-    }
+  if (error != 0) return AppendError(h, r, error, message);
+  if (r.type != nbd::kCmdRead) {
+    nbd::EncodeSimpleReply(h, 0, r.handle);
+    iov[n++] = {h, nbd::kSimpleReplySize};
+    return;
+  }
+  // With structured replies a READ must get a structured reply.
+  if (session_.structured_replies) {
+    nbd::EncodeOffsetDataHeader(h, r.handle, r.offset, r.length);
+    iov[n++] = {h, nbd::kOffsetDataHeaderSize};
+  } else {
+    nbd::EncodeSimpleReply(h, 0, r.handle);
+    iov[n++] = {h, nbd::kSimpleReplySize};
+  }
+  iov[n++] = {read_data.data(), read_data.size()};
+}
+
+void NbdConnection::AppendError(uint8_t* h, const nbd::Request& r, uint32_t error,
+                                const char* message) {
+  iovec* iov = iov_->data();
+  if (session_.structured_replies) {
+    // Errors of every command get a structured reply so that the message reaches the user.
+    const uint16_t len = nbd::ErrorMessageLength(message);
+    nbd::EncodeErrorChunkHeader(h, r.handle, error, len);
+    iov[iov_used_++] = {h, nbd::kErrorChunkFixedSize};
+    if (len > 0) iov[iov_used_++] = {const_cast<char*>(message), len};
   } else {
     nbd::EncodeSimpleReply(h, error, r.handle);
-    iov[n++] = {h, nbd::kSimpleReplySize};
-    if (is_read && error == 0) iov[n++] = {read_data.data(), read_data.size()};
+    iov[iov_used_++] = {h, nbd::kSimpleReplySize};
   }
+}
+
+uint32_t NbdConnection::BackendFailed(const nbd::Request& r, const Status& s,
+                                      const char** message) {
+  *message = "the storage backend failed";
+  spdlog::warn("nbd: {}: {} of {} bytes at {} failed: {}", peer_, nbd::CommandName(r.type),
+               r.length, r.offset, s.ToString());
+  return NbdError(s, r);
 }
 
 void NbdConnection::CountReply(const nbd::Request& r, uint32_t error, const char* message) {
