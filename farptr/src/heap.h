@@ -227,6 +227,8 @@ class Heap {
   void MarkLostLocked(Span* s, const Status& why) REQUIRES(s->mu);
   // Marks a span with no live object kFree and offers it for reuse (no frame).
   void RetireLocked(Span* s) REQUIRES(s->mu);
+  // Remote span s lost its last object: its cell goes back to the store and s is retired.
+  void RetireRemoteLocked(Span* s) REQUIRES(s->mu);
   void AddResident(Span* s);
   void RemoveResident(Span* s);
   std::string Describe(Span* s) REQUIRES(s->mu);

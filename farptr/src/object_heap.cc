@@ -208,6 +208,12 @@ void Heap::RetireLocked(Span* s) {
   s->cls->free_spans.push_back(s);
 }
 
+void Heap::RetireRemoteLocked(Span* s) {
+  store_->Release(s->set, s->member);
+  RetireLocked(s);
+  remote_spans_.fetch_sub(1, std::memory_order_relaxed);
+}
+
 void Heap::AddResident(Span* s) {
   MutexLock lock(&resident_mu_);
   s->resident_index = static_cast<int64_t>(resident_.size());
@@ -374,11 +380,7 @@ void Heap::Free(ObjectEntry* e) NO_THREAD_SAFETY_ANALYSIS {
       break;  // the evictor notices an empty span
     case SpanState::kRemote:
       remote_object_bytes_.fetch_sub(csize, std::memory_order_relaxed);
-      if (live == 0) {
-        store_->Release(s->set, s->member);
-        RetireLocked(s);
-        remote_spans_.fetch_sub(1, std::memory_order_relaxed);
-      }
+      if (live == 0) RetireRemoteLocked(s);
       break;
     case SpanState::kLost:
       if (live == 0) RetireLocked(s);

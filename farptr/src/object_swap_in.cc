@@ -156,11 +156,7 @@ Result<bool> Heap::MissLocked(Span* s, ObjectEntry* e) NO_THREAD_SAFETY_ANALYSIS
   s->owner[slot] = nullptr;
   s->free_slots.push_back(slot);
   remote_object_bytes_.fetch_sub(c->size, std::memory_order_relaxed);
-  if (s->live.fetch_sub(1, std::memory_order_relaxed) == 1) {
-    store_->Release(s->set, s->member);
-    RetireLocked(s);
-    remote_spans_.fetch_sub(1, std::memory_order_relaxed);
-  }
+  if (s->live.fetch_sub(1, std::memory_order_relaxed) == 1) RetireRemoteLocked(s);
   swap_ins_.fetch_add(1, std::memory_order_relaxed);
   objects_gathered_.fetch_add(1, std::memory_order_relaxed);
   return true;
