@@ -149,6 +149,19 @@ struct farmem_cmd {
 	struct farmem_wr w[FARMEM_MAX_REPLICAS + 1]; /* [FARMEM_OLD_COPY]: a moved copy's old lease */
 };
 
+/* Copy r of a slab, or (FARMEM_OLD_COPY) the old lease of the copy being moved. */
+static inline struct farmem_replica *farmem_copy_of(struct farmem_dev *dev,
+						    struct farmem_slab *slab, int r)
+{
+	return r == FARMEM_OLD_COPY ? &dev->sync.old : &slab->r[r];
+}
+
+/* The old copy of a copy being moved still serves: its daemon is there and it missed nothing. */
+static inline bool farmem_old_usable(struct farmem_dev *dev)
+{
+	return !READ_ONCE(dev->sync.old_failed) && READ_ONCE(dev->sync.old.peer->connected);
+}
+
 extern struct mutex farmem_ctl_lock;
 extern struct farmem_dev *farmem_dev0;
 extern int farmem_major;

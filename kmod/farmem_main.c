@@ -21,22 +21,10 @@ static inline bool farmem_replica_usable(struct farmem_cmd *cmd, int r)
 	return peer && READ_ONCE(peer->connected) && !test_bit(r, &cmd->slab->stale);
 }
 
-/* Replica r of the request's slab, or (FARMEM_OLD_COPY) the old lease of a copy being moved. */
-static inline struct farmem_replica *farmem_rep(struct farmem_cmd *cmd, int r)
-{
-	return r == FARMEM_OLD_COPY ? &cmd->dev->sync.old : &cmd->slab->r[r];
-}
-
-/* The old copy of a copy being moved still serves: its daemon is there and it missed nothing. */
-static inline bool farmem_old_usable(struct farmem_dev *dev)
-{
-	return !READ_ONCE(dev->sync.old_failed) && READ_ONCE(dev->sync.old.peer->connected);
-}
-
 /* Fills and posts the work request of replica r. */
 static int farmem_post(struct farmem_cmd *cmd, int r)
 {
-	struct farmem_replica *rep = farmem_rep(cmd, r);
+	struct farmem_replica *rep = farmem_copy_of(cmd->dev, cmd->slab, r);
 	struct farmem_wr *w = &cmd->w[r];
 	const struct ib_send_wr *bad;
 	struct scatterlist *sg;
@@ -144,7 +132,7 @@ static void farmem_rdma_done(struct ib_cq *cq, struct ib_wc *wc)
 {
 	struct farmem_wr *w = container_of(wc->wr_cqe, struct farmem_wr, cqe);
 	struct farmem_cmd *cmd = container_of(w - w->replica, struct farmem_cmd, w[0]);
-	struct farmem_replica *rep = farmem_rep(cmd, w->replica);
+	struct farmem_replica *rep = farmem_copy_of(cmd->dev, cmd->slab, w->replica);
 	struct request *rq = blk_mq_rq_from_pdu(cmd);
 	bool ok = wc->status == IB_WC_SUCCESS;
 

@@ -168,7 +168,7 @@ static int farmem_copy_op(struct farmem_copy *cp, struct farmem_replica *rep, u6
 static bool farmem_src_live(struct farmem_dev *dev, struct farmem_slab *slab, int src)
 {
 	if (src == FARMEM_OLD_COPY)
-		return !READ_ONCE(dev->sync.old_failed) && READ_ONCE(dev->sync.old.peer->connected);
+		return farmem_old_usable(dev);
 	return !test_bit(src, &slab->stale) && READ_ONCE(slab->r[src].peer->connected);
 }
 
@@ -201,8 +201,7 @@ static int farmem_copy_chunk(struct farmem_dev *dev, struct farmem_copy *cp,
 				return -EBUSY;
 			usleep_range(50, 200);
 		}
-		ret = farmem_copy_op(cp, src == FARMEM_OLD_COPY ? &sync->old : &slab->r[src], off,
-				     len, IB_WR_RDMA_READ);
+		ret = farmem_copy_op(cp, farmem_copy_of(dev, slab, src), off, len, IB_WR_RDMA_READ);
 		if (!ret)
 			ret = farmem_copy_op(cp, &slab->r[r], off, len, IB_WR_RDMA_WRITE);
 		if (ret)
@@ -251,7 +250,7 @@ static void farmem_move_end(struct farmem_dev *dev, struct farmem_slab *slab, u3
 		clear_bit(r, &slab->stale);
 	} else {
 		slab->r[r] = sync->old;
-		if (sync->old_failed || !READ_ONCE(sync->old.peer->connected))
+		if (!farmem_old_usable(dev))
 			set_bit(r, &slab->stale);
 		else
 			clear_bit(r, &slab->stale);
