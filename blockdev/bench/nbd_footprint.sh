@@ -109,7 +109,10 @@ echo "farmem-nbd $("$nbd_bin" --version 2>&1 | head -1), --resilience $resilienc
 idle=$(status_kib $nbd VmLck)
 echo "idle: VmLck $(mib "$idle") MiB, VmRSS $(mib "$(status_kib $nbd VmRSS)") MiB," \
   "threads $(status_kib $nbd Threads)"
-[ $detail = 1 ] && { echo "  locked mappings at idle:"; locked_mappings $nbd; }
+if [ $detail = 1 ]; then
+  echo "  locked mappings at idle:"
+  locked_mappings $nbd
+fi
 
 # Each client: a qemu-io session reading commands from a fifo held open by this shell, so the
 # connection stays open and idle until the fifo is closed. One 4 KiB read each first: its answer
@@ -140,8 +143,7 @@ for n in $connections; do
   wait_conns $nbd 0
 done
 
-fio --name=prefill --ioengine=nbd --uri="$uri" --rw=write --bs=1m --iodepth=8 --size="$size" \
-  >/dev/null
+nbd_prefill "$uri" "$size"
 for rw in randread randwrite; do
   fio --name="$rw" --ioengine=nbd --uri="$uri" --rw=$rw --bs=4k --iodepth=16 --numjobs=1 \
     --size="$size" --time_based --runtime="$runtime" --output-format=json \
@@ -161,4 +163,7 @@ done
 wait_conns $nbd 0
 echo "after I/O: VmLck $(mib "$(status_kib $nbd VmLck)") MiB," \
   "VmRSS $(mib "$(status_kib $nbd VmRSS)") MiB"
-[ $detail = 1 ] && { echo "  locked mappings after I/O:"; locked_mappings $nbd; }
+if [ $detail = 1 ]; then
+  echo "  locked mappings after I/O:"
+  locked_mappings $nbd
+fi
