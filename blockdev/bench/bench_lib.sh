@@ -91,13 +91,22 @@ for pid in map(int, sys.argv[1:]):
         ticks = True
 print(total, "ticks" if ticks else "")' "$@"
 }
+# nbd_uri NAME: fio's nbd engine URI of the NBD server listening on $work/NAME.sock.
+nbd_uri() { echo "nbd+unix:///?socket=$work/$1.sock"; }
+# nbd_prefill URI SIZE: writes the export whole once (1 MiB writes, depth 8), so that the jobs
+# after it read pages that were written.
+nbd_prefill() {
+  fio --name=prefill --ioengine=nbd --uri="$1" --rw=write --bs=1m --iodepth=8 --size="$2" \
+    >/dev/null
+}
 # page_faults PID...: minor + major page faults of those processes so far (/proc/PID/stat fields
 # 10 and 12), every thread included: memory touched for the first time on the data path shows here.
 page_faults() {
-  local pid f total=0
+  local pid fields total=0
   for pid in "$@"; do
-    read -r -a f <<<"$(cut -d')' -f2- "/proc/$pid/stat")"
-    total=$((total + f[7] + f[9]))  # after "pid (comm)": state is f[0], minflt f[7], majflt f[9]
+    read -r -a fields <<<"$(cut -d')' -f2- "/proc/$pid/stat")"
+    # after "pid (comm)": state is fields[0], minflt fields[7], majflt fields[9]
+    total=$((total + fields[7] + fields[9]))
   done
   echo "$total"
 }

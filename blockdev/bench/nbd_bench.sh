@@ -260,13 +260,12 @@ if has farmem-none-metrics; then
   scrape_ports+=("$work/farmem-none-metrics.mport")
 fi
 
-uri() { echo "nbd+unix:///?socket=$work/$1.sock"; }
 # fio options that reach a target
 reach() {
   if [ "$1" = disk ]; then
     echo "--ioengine=libaio --direct=1 --filename=$disk_file"
   else
-    echo "--ioengine=nbd --uri=$(uri "$1")"
+    echo "--ioengine=nbd --uri=$(nbd_uri "$1")"
   fi
 }
 for t in $targets; do

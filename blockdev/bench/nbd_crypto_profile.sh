@@ -51,11 +51,9 @@ for t in enc plain; do
   pids+=($!)
   npid[$t]=$!
 done
-uri() { echo "nbd+unix:///?socket=$work/$1.sock"; }
 for t in enc plain; do
   wait_file -S "$work/$t.sock"
-  fio --name=prefill --ioengine=nbd --uri="$(uri $t)" --rw=write --bs=1m --iodepth=8 \
-    --size=256M >/dev/null
+  nbd_prefill "$(nbd_uri $t)" 256M
 done
 for i in 0 1 2 3 4 5; do wait_file -s "$work/m$i.port"; done
 
@@ -71,7 +69,7 @@ daemon_counts() {
   echo "$f $o"
 }
 job() {
-  fio --name=j --ioengine=nbd --uri="$(uri "$1")" --rw="$2" --bs=4k --iodepth=16 --numjobs=1 \
+  fio --name=j --ioengine=nbd --uri="$(nbd_uri "$1")" --rw="$2" --bs=4k --iodepth=16 --numjobs=1 \
     --size=256M --time_based --runtime="$runtime" --output-format=json --output="$3" >/dev/null
 }
 requests() {

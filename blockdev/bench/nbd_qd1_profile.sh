@@ -51,11 +51,9 @@ nbd_pid=$!
 nbdkit --foreground --exit-with-parent --unix "$work/nbdkit.sock" memory 256M &
 pids+=($!)
 kit_pid=$!
-uri() { echo "nbd+unix:///?socket=$work/$1.sock"; }
 for t in farmem nbdkit; do
   wait_file -S "$work/$t.sock"
-  fio --name=prefill --ioengine=nbd --uri="$(uri $t)" --rw=write --bs=1m --iodepth=8 \
-    --size=256M >/dev/null
+  nbd_prefill "$(nbd_uri $t)" 256M
 done
 
 events=context-switches,cpu-migrations,task-clock,sched:sched_wakeup
@@ -100,7 +98,7 @@ for ((rep = 1; rep <= reps; rep++)); do
     fi
     sleep 0.5
     perf stat -x, -e "$events" -o "$work/$t.$rep.fio" -- \
-      fio --name=j --ioengine=nbd --uri="$(uri $t)" --rw="$rw" --bs=4k --iodepth=1 --numjobs=1 \
+      fio --name=j --ioengine=nbd --uri="$(nbd_uri $t)" --rw="$rw" --bs=4k --iodepth=1 --numjobs=1 \
       --size=256M --time_based --runtime="$runtime" --output-format=json \
       --output="$work/$t.$rep.json" >/dev/null
     wait $p1 ${p2:+$p2}
@@ -113,7 +111,7 @@ if [ -n "$record" ]; then
     -- sleep $((runtime + 1)) 2>/dev/null &
   p1=$!
   sleep 0.5
-  fio --name=j --ioengine=nbd --uri="$(uri farmem)" --rw="$rw" --bs=4k --iodepth=1 --numjobs=1 \
+  fio --name=j --ioengine=nbd --uri="$(nbd_uri farmem)" --rw="$rw" --bs=4k --iodepth=1 --numjobs=1 \
     --size=256M --time_based --runtime="$runtime" --output-format=json \
     --output="$work/rec.json" >/dev/null
   wait $p1

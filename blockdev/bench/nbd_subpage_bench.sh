@@ -69,11 +69,9 @@ for t in farmem-ec farmem-ec-nocache farmem-none farmem-none-nocache; do
     --no-swap-safe "${cache[@]}" 2>"$work/$t.log" &
   pids+=($!)
 done
-uri() { echo "nbd+unix:///?socket=$work/$1.sock"; }
 for t in $targets; do
   wait_file -S "$work/$t.sock"
-  fio --name=prefill --ioengine=nbd --uri="$(uri "$t")" --rw=write --bs=1m --iodepth=8 \
-    --size="$size" >/dev/null
+  nbd_prefill "$(nbd_uri "$t")" "$size"
 done
 echo "fio $(fio --version | sed 's/fio-//'), nbdkit $(nbdkit --version | awk '{print $2}')," \
   "$(nproc) CPUs, export $size, ${runtime}s x $repeat per job, uptime: $(uptime)"
@@ -83,7 +81,7 @@ for rep in $(seq "$repeat"); do
   for w in $workloads; do
     for ((i = 0; i < n; i++)); do
       t=${tlist[$(((i + rep) % n))]}
-      fio --name="$t" --ioengine=nbd --uri="$(uri "$t")" --rw="${w%%:*}" --bs="${w##*:}" \
+      fio --name="$t" --ioengine=nbd --uri="$(nbd_uri "$t")" --rw="${w%%:*}" --bs="${w##*:}" \
         --iodepth=16 --numjobs=1 --size="$size" --time_based --runtime="$runtime" --ramp_time=1 \
         --output-format=json --output="$work/$t-${w/:/-}-$rep.json" >/dev/null
     done
