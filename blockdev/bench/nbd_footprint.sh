@@ -4,12 +4,13 @@
 # host that is short of it, so it is a figure to keep small. Prints, for one farmem-nbd
 # --backend farmem on six loopback farmemd daemons (tcp, 64 MiB slabs):
 #
-#   idle          VmLck and VmRSS (/proc/PID/status) once the export is served, no client
-#   N conns       VmLck with N clients connected and idle (qemu-io sessions kept open), and the
+#   idle          locked memory (resident pages of the locked mappings, smaps), VmLck and VmRSS
+#                 (/proc/PID/status) once the export is served, no client
+#   N conns       locked memory with N clients connected and idle (qemu-io sessions kept open), and the
 #                 increase per connection over idle, for each N of --connections
-#   after I/O     VmLck once fio's jobs (below) have ended and their connections closed
+#   after I/O     locked memory once fio's jobs (below) have ended and their connections closed
 #   fio           IOPS of 4 KiB randread and randwrite, depth 16, one connection, --runtime s each,
-#                 and the highest VmLck seen (polled every 0.1 s) while each job ran
+#                 and the most locked memory seen (polled every 0.1 s) while each job ran
 #
 # With --detail it also lists the locked mappings of the idle, the 1-connection and the after-I/O
 # process by size (/proc/PID/smaps): thread stacks, malloc's heap, the write cache, buffers, and
@@ -22,7 +23,7 @@
 # Defaults: build dir ./build, farmem-nbd from it (--nbd-bin: another binary, e.g. a build of an
 # older commit, for before/after), --resilience none, a 1G export, connections "1 2 4", 5 s per
 # fio job. The export is written whole (1 MiB writes) before the fio jobs. Needs fio and qemu-io;
-# mlockall needs CAP_IPC_LOCK or a large RLIMIT_MEMLOCK (else VmLck stays 0 and a warning says
+# mlockall needs CAP_IPC_LOCK or a large RLIMIT_MEMLOCK (else nothing is locked and a warning says
 # so).
 set -euo pipefail
 
@@ -66,6 +67,14 @@ trap cleanup EXIT
 # status_kib PID KEY: a field of /proc/PID/status in KiB (VmLck, VmRSS).
 status_kib() { awk -v k="$2:" '$1 == k {print $2}' "/proc/$1/status"; }
 mib() { awk -v k="$1" 'BEGIN {printf "%.1f", k / 1024}'; }
+# locked_kib PID: memory locked in RAM, in KiB: the resident pages of the locked mappings (smaps
+# "Rss:" where "Locked:" is not 0). Not VmLck: that counts the whole size of every locked mapping,
+# and the shared libraries' are locked page by page as they are used (MCL_ONFAULT), so most of
+# their size is neither resident nor locked.
+locked_kib() {
+  awk '$1 == "Rss:" {rss = $2} $1 == "Locked:" && $2 > 0 {t += rss} END {print t + 0}' \
+    "/proc/$1/smaps"
+}
 # conn_threads PID: farmem-nbd's connection threads (one per client, named nbd-conn).
 conn_threads() { grep -lx nbd-conn /proc/"$1"/task/*/comm 2>/dev/null | wc -l; }
 # wait_conns PID N: wait (up to 30 s) until farmem-nbd serves exactly N connections.
@@ -106,8 +115,9 @@ uri="nbd+unix:///?socket=$sock"
 echo "farmem-nbd $("$nbd_bin" --version 2>&1 | head -1), --resilience $resilience, export $size," \
   "args: ${nbd_args[*]:-(none)}; $(nproc) CPUs, load average $(cut -d' ' -f1-3 /proc/loadavg)," \
   "$(date -u +%H:%M) UTC"
-idle=$(status_kib $nbd VmLck)
-echo "idle: VmLck $(mib "$idle") MiB, VmRSS $(mib "$(status_kib $nbd VmRSS)") MiB," \
+idle=$(locked_kib $nbd)
+echo "idle: locked $(mib "$idle") MiB, VmLck $(mib "$(status_kib $nbd VmLck)") MiB," \
+  "VmRSS $(mib "$(status_kib $nbd VmRSS)") MiB," \
   "threads $(status_kib $nbd Threads)"
 if [ $detail = 1 ]; then
   echo "  locked mappings at idle:"
@@ -132,8 +142,8 @@ for n in $connections; do
     grep -q "read 4096/4096" "$work/q$c.out" || { echo "client $c: $(cat "$work/q$c.out")" >&2; exit 1; }
   done
   wait_conns $nbd "$n"
-  lck=$(status_kib $nbd VmLck)
-  echo "$n conns: VmLck $(mib "$lck") MiB, +$(mib $(((lck - idle) / n))) MiB per connection"
+  lck=$(locked_kib $nbd)
+  echo "$n conns: locked $(mib "$lck") MiB, +$(mib $(((lck - idle) / n))) MiB per connection"
   if [ $detail = 1 ] && [ "$n" = 1 ]; then
     echo "  locked mappings with 1 connection:"
     locked_mappings $nbd
@@ -151,17 +161,17 @@ for rw in randread randwrite; do
   job=$!
   peak=0
   while kill -0 $job 2>/dev/null; do
-    v=$(status_kib $nbd VmLck)
+    v=$(locked_kib $nbd)
     [ "$v" -gt "$peak" ] && peak=$v
-    sleep 0.1  # the subject here is time: a sample of VmLck every 0.1 s while the job runs
+    sleep 0.1  # the subject here is time: a sample of locked memory every 0.1 s while the job runs
   done
   wait $job
   iops=$(python3 -c 'import json,sys; j=json.load(open(sys.argv[1]))["jobs"][0]; \
 print(round(j["read"]["iops"] + j["write"]["iops"]))' "$work/$rw.json")
-  echo "fio $rw 4k qd16 ${runtime}s: $iops IOPS, peak VmLck $(mib "$peak") MiB"
+  echo "fio $rw 4k qd16 ${runtime}s: $iops IOPS, peak locked $(mib "$peak") MiB"
 done
 wait_conns $nbd 0
-echo "after I/O: VmLck $(mib "$(status_kib $nbd VmLck)") MiB," \
+echo "after I/O: locked $(mib "$(locked_kib $nbd)") MiB, VmLck $(mib "$(status_kib $nbd VmLck)") MiB," \
   "VmRSS $(mib "$(status_kib $nbd VmRSS)") MiB"
 if [ $detail = 1 ]; then
   echo "  locked mappings after I/O:"

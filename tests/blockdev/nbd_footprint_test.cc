@@ -39,6 +39,7 @@ using testing::Pattern;
 
 constexpr long kIdleOwnKiB = 16 << 10;
 constexpr long kPerConnectionKiB = 2 << 10;
+constexpr long kIdleFileKiB = 13 << 10;
 
 struct Locked {
   long anonymous_kib = 0;  // stacks, heap, buffers: what farmem-nbd allocated
@@ -99,6 +100,12 @@ TEST(NbdFootprintTest, SwapSafeFarmemBackendLocksLittleAtIdleAndPerConnection) {
   std::cout << "idle: VmLck " << idle << " KiB: " << idle_parts.anonymous_kib << " KiB anonymous, "
             << idle_parts.file_kib << " KiB file-backed\n";
   EXPECT_LE(idle_parts.anonymous_kib, kIdleOwnKiB) << (*nbd)->log();
+  // The shared libraries are locked page by page as they are used (MCL_ONFAULT), when the IO
+  // flusher step worked (else they are locked whole, ~16 MiB): 10.7 MiB measured, where locking
+  // them whole took 16.2.
+  if ((*nbd)->log().find("PR_SET_IO_FLUSHER") == std::string::npos) {
+    EXPECT_LE(idle_parts.file_kib, kIdleFileKiB) << (*nbd)->log();
+  }
 
   // Four connections, each past its first request (its buffers exist once it has answered).
   constexpr int kConnections = 4;

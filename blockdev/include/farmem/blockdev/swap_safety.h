@@ -4,10 +4,16 @@
 // needs memory itself (a page fault on its own code, stack or buffers, or a reclaim that waits for
 // writeback to the very device it serves) the machine can deadlock, and the OOM killer might pick
 // the server, which loses every swapped-out page. So, as far as the process is permitted:
-//  - mlockall(MCL_CURRENT | MCL_FUTURE): every page, including buffers allocated later, stays in
-//    RAM (needs CAP_IPC_LOCK or a large RLIMIT_MEMLOCK);
 //  - prctl(PR_SET_IO_FLUSHER): allocations of this process do not recurse into filesystem/block
 //    I/O during reclaim (Linux >= 5.6, needs CAP_SYS_RESOURCE);
+//  - memory locked (needs CAP_IPC_LOCK or a large RLIMIT_MEMLOCK): everything mapped from then on
+//    (heap, thread stacks, every buffer) is populated and locked whole as it is mapped
+//    (MCL_FUTURE), and so is the program's own file; the shared libraries mapped at start are
+//    locked page by page as they are used (MCL_CURRENT | MCL_ONFAULT), so their pages farmem-nbd
+//    never runs (most of libcrypto, libstdc++, libsystemd's dependencies) take nothing from the
+//    host. A library page used for the first time later may be read from its file: that is safe
+//    only under PR_SET_IO_FLUSHER, so when that step failed everything is locked whole instead
+//    (mlockall(MCL_CURRENT | MCL_FUTURE));
 //  - /proc/self/oom_score_adj = -1000: the OOM killer never picks it (needs CAP_SYS_RESOURCE);
 //  - threads created from then on (std::thread included) get a kThreadStackSize stack, not
 //    glibc's default of RLIMIT_STACK (8 MiB): under MCL_FUTURE a thread's whole stack is locked
