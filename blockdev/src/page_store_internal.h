@@ -26,8 +26,10 @@ inline constexpr uint64_t kPage = 4096;
 // several pieces fits the staging memory below.
 inline constexpr uint64_t kMaxPiece = 1 << 20;
 // A round moves at most this much export data: each worker's ec staging memory is sized for it
-// (kRoundBytes / 4096 pages x (k + r) fragments), allocated once at start.
-inline constexpr uint64_t kRoundBytes = 2 << 20;
+// (kRoundBytes / 4096 pages x (k + r) fragments), allocated once at start and locked in swap-safe
+// mode (1.5 MiB a worker for ec:4+2). One piece of the largest size fits; swap I/O is at most a
+// few hundred KiB a request.
+inline constexpr uint64_t kRoundBytes = kMaxPiece;
 // Attempts of a piece whose members failed (each after a rebuild) before the op fails.
 inline constexpr int kMaxRetries = 3;
 // A round holds at most this many pieces (a fixed array, no allocation on the request path)...
