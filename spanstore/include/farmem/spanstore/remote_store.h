@@ -1,4 +1,7 @@
 // RemoteStore: where swapped-out spans live — span sets in rows of slab groups on the daemons.
+// One owner of the span-set layout for both borrowers: far_ptr (spans of objects, farptr/) and
+// farmem-nbd's stripe layout (4 KiB pages, blockdev/src/stripe_store.h). A span is span_size
+// bytes the borrower hands over whole; what it means is the borrower's (SpanOwner).
 //
 // A group is k + r slabs on k + r distinct daemons (one client::Cluster::AllocateGroup). A slab
 // is cut into rows of span_size bytes; row i of member j is the j-th cell of the span set that
@@ -53,16 +56,23 @@
 
 #include "farmem/client/channel_set.h"
 #include "farmem/client/cluster.h"
+#include "farmem/client/resilience.h"
 #include "farmem/common/mutex.h"
 #include "farmem/ec/reed_solomon.h"
-#include "farmem/runtime.h"
 
-namespace farmem::farptr_internal {
+namespace farmem::spanstore {
 
 struct Group;
-struct Span;
 
-inline constexpr int kMaxSetWidth = SpanResilience::kMaxWidth;
+// A span set is spread over at most this many daemons (k + r): its members are kept in fixed
+// arrays on the request path. Each borrower's resilience parser enforces it (far_ptr's
+// SpanResilience, farmem-nbd's stripe layout); Create checks it too.
+inline constexpr int kMaxSetWidth = 16;
+
+// What a data cell holds, as its borrower knows it: an opaque owner the store only keeps and
+// hands back (SpanSet::spans, CompactionCandidates), never dereferences. A borrower's own type
+// derives from it (far_ptr's Span, farmem-nbd's page-table entry) and casts back.
+struct SpanOwner {};
 
 // True for the codes after which a member's slab is taken to be gone (its daemon died, restarted,
 // or dropped the lease): the member is then failed and re-protected.
@@ -75,7 +85,7 @@ struct SpanSet {
   uint32_t live_mask = 0;  // data members whose span still lives here (not holes)
   uint32_t id = 0;         // for messages
   bool writing = true;     // reserved, its cells not all written yet: re-protection skips it
-  std::array<Span*, kMaxSetWidth> spans{};  // data member -> span stored there (null: hole)
+  std::array<SpanOwner*, kMaxSetWidth> spans{};  // data member -> its owner (null: hole)
 };
 
 // A member that was never placed (a degraded group made with fewer daemons than k + r).
@@ -147,12 +157,12 @@ class RemoteStore {
   // `reconcile_interval`: how often the recovery thread looks for degraded groups and failed
   // members by itself (RuntimeOptions::reconcile_interval).
   static Result<std::unique_ptr<RemoteStore>> Create(
-      client::Cluster* cluster, SpanResilience res, uint32_t span_size,
+      client::Cluster* cluster, client::Resilience res, uint32_t span_size,
       std::chrono::milliseconds op_timeout,
       std::chrono::milliseconds reconcile_interval = std::chrono::milliseconds(1000));
   ~RemoteStore();
 
-  const SpanResilience& resilience() const { return res_; }
+  const client::Resilience& resilience() const { return res_; }
   uint32_t span_size() const { return span_size_; }
   int k() const { return res_.k; }
 
@@ -162,7 +172,7 @@ class RemoteStore {
   // Written degraded (members missing, re-protected later) when fewer than k + r daemons can
   // take it; fails when fewer than the minimum (k, or 1 for replicate) can.
   Result<SpanSet*> WriteSet(IoContext& io, std::span<const uint8_t* const> data,
-                            std::span<Span* const> spans);
+                            std::span<SpanOwner* const> spans);
   // WriteSet with parity offload (remote_store_offload.cc): the client writes only the k data
   // cells; each parity member's daemon reads them from their daemons and computes its own cell
   // (PARITY_ENCODE, docs/wire-protocol.md), so r spans are neither encoded nor sent here. If
@@ -170,7 +180,7 @@ class RemoteStore {
   // lost meanwhile), the set is written the ordinary way (WriteSet) and *offload_error says why;
   // it stays OK when the offload worked.
   Result<SpanSet*> WriteSetOffloaded(IoContext& io, std::span<const uint8_t* const> data,
-                                     std::span<Span* const> spans, Status* offload_error);
+                                     std::span<SpanOwner* const> spans, Status* offload_error);
   // Compaction offload (remote_store_offload.cc): writes a new span set whose data cells the
   // daemons assemble themselves from pieces of existing cells (GATHER_CELL), and whose parity
   // they compute (PARITY_ENCODE): no span crosses the client. cells[i] lists the pieces of data
@@ -194,7 +204,8 @@ class RemoteStore {
     uint32_t length = 0;
   };
   Result<SpanSet*> WriteSetGathered(IoContext& io, std::span<const std::vector<GatherPiece>> cells,
-                                    std::span<Span* const> spans, std::span<uint32_t> cell_crcs,
+                                    std::span<SpanOwner* const> spans,
+                                    std::span<uint32_t> cell_crcs,
                                     std::vector<std::pair<SpanSet*, int>>* corrupt);
   // Reads data member `member` of `set` into dst (span_size bytes); degraded if needed. Errors
   // say where the span lived; the caller adds what it was.
@@ -223,7 +234,7 @@ class RemoteStore {
   // For the compactor: the spans of sets that have holes, emptiest sets first, and then the
   // spans of the emptiest group when leased slabs exceed the rows in use by more than a group.
   // Snapshots: the caller locks each span and checks it still lives in a set.
-  std::vector<Span*> CompactionCandidates(size_t max_spans);
+  std::vector<SpanOwner*> CompactionCandidates(size_t max_spans);
 
   RemoteStoreStats stats() const;
   // Each slab group's daemons in member order (k data members, then parity / copies).
@@ -249,12 +260,12 @@ class RemoteStore {
   bool StaleChannel(IoContext& io, client::NodeId node) { return io.channels.DropIfStale(node); }
 
  private:
-  RemoteStore(client::Cluster* cluster, SpanResilience res, uint32_t span_size,
+  RemoteStore(client::Cluster* cluster, client::Resilience res, uint32_t span_size,
               std::chrono::milliseconds op_timeout, std::chrono::milliseconds reconcile_interval);
   Status Init();
 
   // Members a span set needs to be written (and read) at all: k for erasure, else 1.
-  int MinMembers() const { return res_.mode == SpanResilience::Mode::kErasure ? res_.k : 1; }
+  int MinMembers() const { return res_.mode == client::Resilience::Mode::kErasure ? res_.k : 1; }
   // Reserves a free row in a healthy group (allocating a group if none has room); `members` and
   // `epoch` get the group's members and epoch as they were when the row was taken. With
   // `allow_degraded`, when no complete group can be had, a row of a group missing members (but
@@ -350,7 +361,7 @@ class RemoteStore {
   std::string MemberName(const client::Lease& l) const;
 
   client::Cluster* cluster_;
-  const SpanResilience res_;
+  const client::Resilience res_;
   const uint32_t span_size_;
   const std::chrono::milliseconds op_timeout_;
   const std::chrono::milliseconds reconcile_interval_;
@@ -392,4 +403,4 @@ class RemoteStore {
   std::thread recovery_thread_;
 };
 
-}  // namespace farmem::farptr_internal
+}  // namespace farmem::spanstore

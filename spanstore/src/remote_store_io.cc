@@ -6,9 +6,9 @@
 #include <bit>
 #include <cstring>
 
-#include "remote_store.h"
+#include "farmem/spanstore/remote_store.h"
 
-namespace farmem::farptr_internal {
+namespace farmem::spanstore {
 
 bool NodeGone(const Status& s) {
   switch (s.code()) {
@@ -53,9 +53,9 @@ void RemoteStore::RunOps(IoContext& io, std::span<transport::Op> ops,
 }
 
 Result<SpanSet*> RemoteStore::WriteSet(IoContext& io, std::span<const uint8_t* const> data,
-                                       std::span<Span* const> spans) {
+                                       std::span<SpanOwner* const> spans) {
   const int k = res_.k;
-  const int n = res_.width();
+  const int n = res_.group_size();
   const size_t span = span_size_;
   if (data.empty() || data.size() > static_cast<size_t>(k) || spans.size() != data.size()) {
     return Err(Internal(fmt::format("WriteSet with {} spans (k = {})", data.size(), k)));
@@ -63,14 +63,14 @@ Result<SpanSet*> RemoteStore::WriteSet(IoContext& io, std::span<const uint8_t* c
   // The k data cells (zeros where there is no span), then parity or copies.
   const uint8_t* cells[kMaxSetWidth];
   const uint32_t live = DataCells(data, cells);
-  if (res_.mode == SpanResilience::Mode::kErasure && res_.r > 0) {
+  if (res_.mode == client::Resilience::Mode::kErasure && res_.r > 0) {
     if (io.scratch.size() < span * static_cast<size_t>(n)) io.scratch.resize(span * n);
     uint8_t* parity[kMaxSetWidth];
     for (int j = 0; j < res_.r; ++j) parity[j] = io.scratch.data() + static_cast<size_t>(j) * span;
     FARMEM_RETURN_IF_ERROR(codec_->Encode({cells, static_cast<size_t>(k)},
                                           {parity, static_cast<size_t>(res_.r)}, span));
     for (int j = 0; j < res_.r; ++j) cells[k + j] = parity[j];
-  } else if (res_.mode == SpanResilience::Mode::kReplicate) {
+  } else if (res_.mode == client::Resilience::Mode::kReplicate) {
     for (int j = 1; j < n; ++j) cells[j] = cells[0];
   }
   Status last;
@@ -191,7 +191,7 @@ void RemoteStore::WriteCells(IoContext& io, const std::vector<client::Lease>& me
 
 Status RemoteStore::ReadSpan(IoContext& io, SpanSet* set, int member, uint8_t* dst) {
   const int k = res_.k;
-  const int n = res_.width();
+  const int n = res_.group_size();
   const size_t span = span_size_;
   for (int attempt = 0; attempt < 4; ++attempt) {
     std::vector<client::Lease> members;
@@ -232,7 +232,7 @@ Status RemoteStore::ReadSpan(IoContext& io, SpanSet* set, int member, uint8_t* d
     for (int m = 0; m < n; ++m) {
       if (((bad >> m) & 1) == 0) readers.push_back(m);
     }
-    const bool erasure = res_.mode == SpanResilience::Mode::kErasure && res_.r > 0;
+    const bool erasure = res_.mode == client::Resilience::Mode::kErasure && res_.r > 0;
     const size_t need = erasure ? static_cast<size_t>(k) : 1;
     if (readers.size() < need) {
       std::string gone;
@@ -248,7 +248,7 @@ Status RemoteStore::ReadSpan(IoContext& io, SpanSet* set, int member, uint8_t* d
           "it lived in span set {} (slab group {}, row {}) whose members on {} are gone; "
           "resilience {} can rebuild a span only while at most {} of its {} daemons are gone",
           set_id, group_id, row, gone, res_.ToString(),
-          res_.mode == SpanResilience::Mode::kNone ? 0 : n - static_cast<int>(need), n));
+          res_.mode == client::Resilience::Mode::kNone ? 0 : n - static_cast<int>(need), n));
     }
     readers.resize(need);
     if (io.scratch.size() < span * static_cast<size_t>(n)) io.scratch.resize(span * n);
@@ -293,4 +293,4 @@ Status RemoteStore::ReadSpan(IoContext& io, SpanSet* set, int member, uint8_t* d
   return Unavailable("daemons kept failing");
 }
 
-}  // namespace farmem::farptr_internal
+}  // namespace farmem::spanstore
