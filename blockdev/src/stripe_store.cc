@@ -26,6 +26,11 @@ struct StripeStore::Worker {
   std::vector<uint8_t*> dsts;
   std::vector<Status> results;
   std::vector<size_t> which;
+  std::vector<const uint8_t*> data;
+  std::vector<SpanOwner*> owners;
+  std::vector<std::span<const uint8_t* const>> set_data;
+  std::vector<std::span<SpanOwner* const>> set_owners;
+  std::vector<Result<SpanSet*>> written;
 };
 
 StripeStore::StripeStore(client::Cluster* cluster, StripeStoreOptions options)
@@ -362,23 +367,34 @@ void StripeStore::WritePages(Worker& w, std::span<PageIo> pages, std::span<Statu
     }
     w.which.resize(kept);
   }
+  // k pages a set, every set of the batch written together (RemoteStore::WriteSets).
   const size_t k = static_cast<size_t>(options_.resilience.k);
-  for (size_t i = 0; i < w.which.size(); i += k) {
-    const size_t n = std::min(k, w.which.size() - i);
-    const uint8_t* data[spanstore::kMaxSetWidth];
-    SpanOwner* owners[spanstore::kMaxSetWidth];
-    for (size_t j = 0; j < n; ++j) {
-      const PageIo& p = pages[w.which[i + j]];
-      data[j] = p.src;
-      owners[j] = &table_[p.page];
-    }
-    Result<SpanSet*> set = remote_->WriteSet(*w.io, {data, n}, {owners, n});
+  const size_t nsets = (w.which.size() + k - 1) / k;
+  w.data.resize(w.which.size());
+  w.owners.resize(w.which.size());
+  w.set_data.resize(nsets);
+  w.set_owners.resize(nsets);
+  w.written.resize(nsets);
+  for (size_t j = 0; j < w.which.size(); ++j) {
+    const PageIo& p = pages[w.which[j]];
+    w.data[j] = p.src;
+    w.owners[j] = &table_[p.page];
+  }
+  for (size_t i = 0; i < nsets; ++i) {
+    const size_t n = std::min(k, w.which.size() - i * k);
+    w.set_data[i] = {w.data.data() + i * k, n};
+    w.set_owners[i] = {w.owners.data() + i * k, n};
+  }
+  remote_->WriteSets(*w.io, w.set_data, w.set_owners, w.written);
+  for (size_t i = 0; i < nsets; ++i) {
+    const Result<SpanSet*>& set = w.written[i];
+    const size_t n = w.set_data[i].size();
     if (set) {
       sets_written_.fetch_add(1, std::memory_order_relaxed);
       if (n < k) short_sets_.fetch_add(1, std::memory_order_relaxed);
     }
     for (size_t j = 0; j < n; ++j) {
-      const PageIo& p = pages[w.which[i + j]];
+      const PageIo& p = pages[w.which[i * k + j]];
       if (!set) {
         if (crypto_) crypto_->EndWrite(p.page, /*ok=*/false);
         if (op_status[p.op].ok()) {

@@ -173,6 +173,15 @@ class RemoteStore {
   // take it; fails when fewer than the minimum (k, or 1 for replicate) can.
   Result<SpanSet*> WriteSet(IoContext& io, std::span<const uint8_t* const> data,
                             std::span<SpanOwner* const> spans);
+  // Several WriteSets at once (farmem-nbd's write batches): set i is data[i] / spans[i]. Every
+  // set's row is reserved and its parity computed first, then all their cells go out in one batch
+  // (one doorbell per daemon, kMaxBatchSets sets at a time), so their round trips overlap; a set
+  // whose write failed is written again alone through WriteSet (retries included). out[i]: set i
+  // or why it could not be written. io.scratch holds every set's parity meanwhile.
+  static constexpr size_t kMaxBatchSets = 8;
+  void WriteSets(IoContext& io, std::span<const std::span<const uint8_t* const>> data,
+                 std::span<const std::span<SpanOwner* const>> spans,
+                 std::span<Result<SpanSet*>> out);
   // WriteSet with parity offload (remote_store_offload.cc): the client writes only the k data
   // cells; each parity member's daemon reads them from their daemons and computes its own cell
   // (PARITY_ENCODE, docs/wire-protocol.md), so r spans are neither encoded nor sent here. If
@@ -285,6 +294,16 @@ class RemoteStore {
   // cells[m] = data[m], or zeros_ where there is no span, for the k data members; returns the
   // mask of members that hold a span.
   uint32_t DataCells(std::span<const uint8_t* const> data, const uint8_t** cells) const;
+  // DataCells, then parity (computed into `parity`, r spans) or copies: cells[0..k+r); *live gets
+  // DataCells' mask.
+  Status SetCells(std::span<const uint8_t* const> data, uint8_t* parity, const uint8_t** cells,
+                  uint32_t* live) const;
+  // After a reserved row's cells were written (results[m] per member): commits the set (true), or
+  // notes the failed members and frees the row (false, *last says why).
+  bool FinishSetWrite(IoContext& io, SpanSet* set, const std::vector<client::Lease>& members,
+                      uint64_t epoch, uint32_t absent, const Status* results, uint32_t live,
+                      std::span<const uint8_t* const> data, std::span<SpanOwner* const> spans,
+                      Status* last);
   void FreeRowLocked(SpanSet* set) REQUIRES(mu_);
   // Writes cells[m] (span_size bytes) at `off` of member m's slab, for every m not in `skip`;
   // results[m] (OK for skipped members).
