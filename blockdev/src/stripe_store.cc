@@ -26,6 +26,7 @@ struct StripeStore::Worker {
   std::vector<uint8_t*> dsts;
   std::vector<Status> results;
   std::vector<size_t> which;
+  std::vector<size_t> rmw;  // MergePartialWrites' scratch
   std::vector<const uint8_t*> data;
   std::vector<SpanOwner*> owners;
   std::vector<std::span<const uint8_t* const>> set_data;
@@ -254,12 +255,14 @@ void StripeStore::ExecuteBatch(std::span<BlockOp> ops, BatchListener* /*listener
       pages.push_back(p);
     }
   }
+  MergePartialWrites(*w);
   LockPages(*w, pages);
   ReadPages(*w, pages, w->op_status);
   for (PageIo& p : pages) {
-    if (!w->op_status[p.op].ok()) continue;
+    const size_t base_op = p.primary == kNoPrimary ? p.op : pages[p.primary].op;
+    if (!w->op_status[p.op].ok() || !w->op_status[base_op].ok()) continue;
     if (p.copy_to != nullptr) std::memcpy(p.copy_to, p.buf + p.patch_at, p.patch_len);
-    if (p.read && p.write) {
+    if ((p.read && p.write) || p.primary != kNoPrimary) {
       if (p.patch != nullptr) {
         std::memcpy(p.buf + p.patch_at, p.patch, p.patch_len);
       } else {
@@ -270,10 +273,37 @@ void StripeStore::ExecuteBatch(std::span<BlockOp> ops, BatchListener* /*listener
   WritePages(*w, pages, w->op_status);
   for (const PageIo& p : pages) {
     if (p.release && w->op_status[p.op].ok()) ReleaseCell(p.page);
+    // A patch merged into another op's page landed only if that page was written.
+    if (p.primary != kNoPrimary && w->op_status[p.op].ok() &&
+        !w->op_status[pages[p.primary].op].ok()) {
+      w->op_status[p.op] = w->op_status[pages[p.primary].op];
+    }
   }
   UnlockPages(*w);
   for (size_t i = 0; i < ops.size(); ++i) ops[i].status = std::move(w->op_status[i]);
   Return(w);
+}
+
+void StripeStore::MergePartialWrites(Worker& w) {
+  std::vector<PageIo>& pages = w.pages;
+  w.rmw.clear();
+  for (size_t i = 0; i < pages.size(); ++i) {
+    if (pages[i].read && pages[i].write) w.rmw.push_back(i);
+  }
+  if (w.rmw.size() < 2) return;
+  std::stable_sort(w.rmw.begin(), w.rmw.end(),
+                   [&](size_t a, size_t b) { return pages[a].page < pages[b].page; });
+  size_t first = w.rmw[0];
+  for (size_t j = 1; j < w.rmw.size(); ++j) {
+    PageIo& p = pages[w.rmw[j]];
+    if (p.page != pages[first].page) {
+      first = w.rmw[j];
+      continue;
+    }
+    p.primary = first;
+    p.read = p.write = false;
+    p.buf = pages[first].buf;
+  }
 }
 
 void StripeStore::ReadPages(Worker& w, std::span<PageIo> pages, std::span<Status> op_status) {

@@ -136,6 +136,7 @@ class StripeStore final : public BatchBackend {
     int32_t member = 0;
   };
   struct Worker;
+  static constexpr size_t kNoPrimary = ~size_t{0};
   // One page a batch touches.
   struct PageIo {
     uint64_t page = 0;
@@ -148,6 +149,9 @@ class StripeStore final : public BatchBackend {
     uint32_t patch_at = 0, patch_len = 0;  // read-modify-write: bytes of the op to lay over it
     const uint8_t* patch = nullptr;        // null: zeroes (write-zeroes)
     uint8_t* copy_to = nullptr;            // sub-page read: where the asked bytes go
+    // Another sub-page write of the same page in this batch (pages[primary]) reads and writes
+    // the page; this one only lays its patch over that buffer (MergePartialWrites).
+    size_t primary = kNoPrimary;
   };
   static constexpr size_t kLockStripes = 1024;
 
@@ -158,6 +162,9 @@ class StripeStore final : public BatchBackend {
   // Takes the stripes of `pages` in ascending order (exclusive where a page changes) / drops them.
   void LockPages(Worker& w, std::span<const PageIo> pages) NO_THREAD_SAFETY_ANALYSIS;
   void UnlockPages(Worker& w) NO_THREAD_SAFETY_ANALYSIS;
+  // Sub-page writes of one page by several ops of a batch (different bytes: all must land) are
+  // folded into the first: one read, every patch laid over its buffer, one write.
+  void MergePartialWrites(Worker& w);
   // Reads (and opens) the pages marked `read` into their bufs; zeroes for unwritten pages. Page
   // locks held. Errors go to op_status[page.op].
   void ReadPages(Worker& w, std::span<PageIo> pages, std::span<Status> op_status);

@@ -171,6 +171,37 @@ TEST_F(StripeStoreTest, FlippedBitWithoutRedundancyFailsExactlyThatPage) {
   EXPECT_TRUE(next.ok()) << "the page beside the bad one: " << next.ToString();
 }
 
+// Regression: sub-page writes of different bytes of one page in one batch each read the old page
+// and wrote it back patched, so all but the last were lost (nbd_write_cache_test with the cache
+// off found it).
+TEST_F(StripeStoreTest, SubPageWritesOfOnePageInOneBatchAllLand) {
+  StartDaemons(6);
+  OpenStripe("ec:4+2");
+  RandomWrites(20, 12);
+  std::vector<uint8_t> data(8 * 512);
+  BlockOp ops[9];
+  for (int i = 0; i < 8; ++i) {
+    std::fill_n(data.begin() + i * 512, 512, static_cast<uint8_t>(0x11 * (i + 1)));
+    ops[i].kind = BlockOp::Kind::kWrite;
+    ops[i].offset = 5 * 4096 + static_cast<uint64_t>((i * 3) % 8) * 512;
+    ops[i].length = 512;
+    ops[i].data = {data.data() + i * 512, 512};
+  }
+  ops[8].kind = BlockOp::Kind::kWriteZeroes;  // a sub-page write-zeroes of another page, too
+  ops[8].offset = 6 * 4096 + 1024;
+  ops[8].length = 1024;
+  stripe_->ExecuteBatch(ops);
+  for (const BlockOp& op : ops) {
+    ASSERT_TRUE(op.status.ok()) << op.status.ToString();
+    if (op.kind == BlockOp::Kind::kWrite) {
+      std::memcpy(shadow_.data() + op.offset, op.data.data(), op.length);
+    } else {
+      std::memset(shadow_.data() + op.offset, 0, op.length);
+    }
+  }
+  VerifyAll();
+}
+
 TEST_F(StripeStoreTest, TrimAndWriteZeroesReadAsZeroes) {
   StartDaemons(6);
   OpenStripe("ec:4+2");
