@@ -34,8 +34,9 @@
 //
 // Writes: a write is acknowledged when its set is on the k + r members (or as many as RemoteStore
 // could place, degraded, at least k). Nothing is buffered here: Flush has nothing to do, FUA is
-// free. Sub-page writes read, patch and write their page under its exclusive lock (the write cache
-// in front, on by default, turns most of them into whole pages). Trim and write-zeroes release the
+// free. Sub-page writes read, patch and write their page under its exclusive lock (several of one
+// page in one batch: one read, all patches, one write — MergePartialWrites); the write cache in
+// front, on by default, turns most of them into whole pages. Trim and write-zeroes release the
 // whole pages they cover (they read as zeroes); write-zeroes patches partial pages with zeroes;
 // trim leaves partial pages alone (their content is unspecified after a trim anyway).
 //
@@ -197,7 +198,6 @@ class StripeStore final : public BatchBackend {
   Mutex compact_mu_;       // the compaction thread's wake-up
   CondVar compact_cv_;
   bool stopping_ GUARDED_BY(compact_mu_) = false;
-  bool compact_wanted_ GUARDED_BY(compact_mu_) = false;
   std::thread compact_thread_;
 
   std::atomic<uint64_t> integrity_failures_{0};
