@@ -2,7 +2,7 @@
 #   sbin/farmemd, sbin/farmem-nbd, bin/farmemctl           (install() next to each program)
 #   lib/systemd/system/farmemd{,@}.service, farmem-nbd.{service,socket}   (ExecStart= = this prefix)
 #   share/man/man8/farmemd.8, farmem-nbd.8, man1/farmemctl.1   (help2man, cmake/FarmemManPages.cmake)
-#   include/farmem/...  lib/libfarmem_{farptr,client,transport,ec,common}.a
+#   include/farmem/...  lib/libfarmem_{farptr,spanstore,client,transport,ec,common}.a
 #   lib/cmake/farmem/   find_package(farmem) -> farmem::farptr, farmem::client, ...
 #   lib/pkgconfig/farmem.pc
 # Included at the end of the top-level CMakeLists.txt, after every target exists.
@@ -16,7 +16,8 @@ set(FARMEM_INSTALL_UNITDIR "lib/systemd/system" CACHE STRING "Where systemd unit
 set(FARMEM_INSTALL_CMAKEDIR "${CMAKE_INSTALL_LIBDIR}/cmake/farmem")
 
 # ---- libraries, headers, the CMake package and farmem.pc ----
-set(farmem_installed_libs farmem_common farmem_ec farmem_transport farmem_client farmem_farptr)
+set(farmem_installed_libs farmem_common farmem_ec farmem_transport farmem_client farmem_spanstore
+    farmem_farptr)
 foreach(lib ${farmem_installed_libs})
   string(REGEX REPLACE "^farmem_" "" short "${lib}")
   set_target_properties(${lib} PROPERTIES EXPORT_NAME ${short})
@@ -26,7 +27,7 @@ install(TARGETS ${farmem_installed_libs} farmem_version EXPORT farmemTargets
   ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR}
   LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR}
   INCLUDES DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})
-foreach(dir common ec transport client farptr)
+foreach(dir common ec transport client spanstore farptr)
   # command_line.h (CLI11) and service_notify.h (libsystemd) serve the programs, not library users.
   install(DIRECTORY ${CMAKE_SOURCE_DIR}/${dir}/include/ DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}
     PATTERN command_line.h EXCLUDE PATTERN service_notify.h EXCLUDE)

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <charconv>
 #include <chrono>
+#include <functional>
 #include <memory>
 #include <string>
 #include <thread>
@@ -25,6 +26,7 @@
 #include "farmem/common/status.h"
 #include "farmem/common/version.h"
 #include "page_store.h"
+#include "stripe_store.h"
 
 namespace farmem::blockdev {
 
@@ -59,6 +61,13 @@ void AddBackendFlags(CLI::App& app, BackendConfig* cfg) {
             return r ? std::string() : r.error().message();
           },
           "none|replicate:N|ec:K+R"));
+  app.add_option("--ec-layout", cfg->ec_layout,
+                 "farmem, ec:k+r only: 'split' cuts each 4 KiB page into k fragments on k+r "
+                 "daemons (a read asks all of them); 'stripe' keeps each page whole on one daemon "
+                 "in stripes of k pages + r parity pages (a read is one message to one daemon; "
+                 "overwrites leave holes that compaction reclaims). No --backup with stripe")
+      ->capture_default_str()
+      ->check(farmem::cli::OneOf({"split", "stripe"}));
   app.add_option("--backup", cfg->backup,
                  "farmem: also write every block to this local file (io_uring); reads fall back "
                  "to it when remote copies are gone");
@@ -128,10 +137,10 @@ Status CheckFlagsApply(const CLI::App& app, const BackendConfig& cfg) {
   if (cfg.kind == "farmem") return Status::Ok();
   return farmem::cli::RejectGiven(
       app,
-      {"--peers", "--peers-dns", "--secret-file", "--key-file", "--resilience", "--backup",
-       "--transport", "--heartbeat-ms", "--failure-timeout-ms", "--overcommit", "--peer-wait-ms",
-       "--encrypt", "--data-key-file", "--write-cache-pages", "--write-cache-max-age-ms",
-       "--busy-poll-us"},
+      {"--peers", "--peers-dns", "--secret-file", "--key-file", "--resilience", "--ec-layout",
+       "--backup", "--transport", "--heartbeat-ms", "--failure-timeout-ms", "--overcommit",
+       "--peer-wait-ms", "--encrypt", "--data-key-file", "--write-cache-pages",
+       "--write-cache-max-age-ms", "--busy-poll-us"},
       "only to --backend farmem, and this is --backend " + cfg.kind +
           " (the device lives in this process's RAM): add --backend farmem, or leave "
           "them out");
@@ -145,6 +154,25 @@ Status CheckEncryptionFlags(const BackendConfig& cfg) {
     return farmem::InvalidArgument(
         "--data-key-file applies only with encryption, and --no-encrypt turns it off: leave out "
         "--no-encrypt (pages are then encrypted with the key in that file) or --data-key-file");
+  }
+  return Status::Ok();
+}
+
+Status CheckLayoutFlags(const BackendConfig& cfg) {
+  if (cfg.kind != "farmem" || cfg.ec_layout != "stripe") return Status::Ok();
+  auto res = farmem::client::Resilience::Parse(cfg.resilience);
+  if (res && res->mode != farmem::client::Resilience::Mode::kErasure) {
+    return farmem::InvalidArgument(
+        "--ec-layout stripe applies only to an ec:k+r --resilience, and this is --resilience " +
+        cfg.resilience +
+        " (none and replicate keep whole pages already): give --resilience ec:k+r, or leave out "
+        "--ec-layout");
+  }
+  if (!cfg.backup.empty()) {
+    return farmem::InvalidArgument(
+        "--backup is not supported with --ec-layout stripe yet (the backup file is written and "
+        "read by the split layout's page store only): leave out --backup, or use --ec-layout "
+        "split");
   }
   return Status::Ok();
 }
@@ -283,8 +311,21 @@ Result<std::unique_ptr<BlockBackend>> OpenBackend(BackendConfig& cfg) {
       spdlog::info("farmem-nbd: pages encrypted with the data key {} {}",
                    created ? "created in" : "from", cfg.data_key_file);
     }
-    FARMEM_ASSIGN_OR_RETURN(auto store,
-                            farmem::blockdev::PageStore::Create(cfg.cluster.get(), std::move(po)));
+    std::unique_ptr<BlockBackend> store;
+    if (cfg.ec_layout == "stripe") {
+      FARMEM_RETURN_IF_ERROR(CheckLayoutFlags(cfg));
+      farmem::blockdev::StripeStoreOptions so;
+      so.size = po.size;
+      so.resilience = po.resilience;
+      so.encrypt = po.encrypt;
+      so.data_key = po.data_key;
+      so.busy_poll = po.busy_poll;
+      FARMEM_ASSIGN_OR_RETURN(
+          store, farmem::blockdev::StripeStore::Create(cfg.cluster.get(), std::move(so)));
+    } else {
+      FARMEM_ASSIGN_OR_RETURN(
+          store, farmem::blockdev::PageStore::Create(cfg.cluster.get(), std::move(po)));
+    }
     if (cfg.write_cache_pages == 0) {
       spdlog::info(
           "farmem-nbd: write cache off: each write smaller than 4 KiB reads, patches "
@@ -318,8 +359,19 @@ void RegisterExportMetrics(farmem::metrics::Registry* r, BackendConfig* cfg, Blo
   using farmem::metrics::Type;
   using Emit = farmem::metrics::Registry::Emit;
   auto* cache = dynamic_cast<farmem::blockdev::WriteCache*>(backend);
-  auto* store =
-      dynamic_cast<farmem::blockdev::PageStore*>(cache != nullptr ? cache->inner() : backend);
+  BlockBackend* inner = cache != nullptr ? cache->inner() : backend;
+  // The page store's stats and encryption, from whichever layout serves the export (the stripe
+  // layout fills the PageStoreStats that apply to it: docs/nbd.md "Stripe layout").
+  struct StoreView {
+    std::function<farmem::blockdev::PageStoreStats()> stats;
+    bool encrypted = false;
+  };
+  std::shared_ptr<StoreView> store;
+  if (auto* ps = dynamic_cast<farmem::blockdev::PageStore*>(inner); ps != nullptr) {
+    store = std::make_shared<StoreView>(StoreView{[ps] { return ps->stats(); }, ps->encrypted()});
+  } else if (auto* ss = dynamic_cast<farmem::blockdev::StripeStore*>(inner); ss != nullptr) {
+    store = std::make_shared<StoreView>(StoreView{[ss] { return ss->stats(); }, ss->encrypted()});
+  }
   if (cache != nullptr) {
     using CacheStats = farmem::blockdev::WriteCacheStats;
     auto cstat = [&](const char* name, const char* help, Type type, auto value) {
@@ -403,7 +455,7 @@ void RegisterExportMetrics(farmem::metrics::Registry* r, BackendConfig* cfg, Blo
   r->AddCallback("farmem_export_encrypted",
                  "1 when pages are encrypted and authenticated (the default), 0 with --no-encrypt.",
                  Type::kGauge,
-                 [store](const Emit& emit) { emit({}, store->encrypted() ? 1.0 : 0.0); });
+                 [store](const Emit& emit) { emit({}, store->encrypted ? 1.0 : 0.0); });
   stat("farmem_export_last_reprotect_seconds",
        "The last degraded episode: how long re-protection took.", Type::kGauge,
        [d](const Stats& s) { return d(s.last_reprotect_ms) / 1000; });

@@ -24,6 +24,9 @@ struct BackendConfig {
   // --backend farmem: the remote page store on farmemd daemons.
   std::string peers, peers_dns, secret_file, key_file, resilience = "ec:4+2", backup,
                                                        transport = "auto";
+  // ec:k+r only: "split" (each page cut into k fragments, PageStore) or "stripe" (whole pages in
+  // stripes of k pages + r parity, StripeStore; docs/nbd.md "Stripe layout").
+  std::string ec_layout = "split";
   uint32_t heartbeat_ms = 500, failure_timeout_ms = 2000, peer_wait_ms = 5000;
   // The write-back page cache in front of the page store (write_cache.h, docs/nbd.md).
   uint32_t write_cache_pages = 1024, write_cache_max_age_ms = 100;
@@ -42,6 +45,9 @@ void AddBackendFlags(CLI::App& app, BackendConfig* cfg);
 Status CheckFlagsApply(const CLI::App& app, const BackendConfig& cfg);
 // Encryption flags that contradict each other fail closed.
 Status CheckEncryptionFlags(const BackendConfig& cfg);
+// --ec-layout stripe with what it does not support (a resilience other than ec:k+r, --backup)
+// fails closed.
+Status CheckLayoutFlags(const BackendConfig& cfg);
 // Opens the backend cfg names (for farmem: connects cfg.cluster, then the page store).
 Result<std::unique_ptr<BlockBackend>> OpenBackend(BackendConfig& cfg);
 // The export's health for --metrics-listen (docs/operations.md "Metrics").

@@ -34,6 +34,7 @@ using farmem::blockdev::BackendConfig;
 using farmem::blockdev::BlockBackend;
 using farmem::blockdev::CheckEncryptionFlags;
 using farmem::blockdev::CheckFlagsApply;
+using farmem::blockdev::CheckLayoutFlags;
 using farmem::blockdev::OpenBackend;
 using farmem::blockdev::RegisterExportMetrics;
 
@@ -96,6 +97,7 @@ int main(int argc, char** argv) {
   farmem::cli::SetUpLogging("farmem-nbd", log_level);
   if (Status s = CheckFlagsApply(app, backend_cfg); !s.ok()) return Fail(s);
   if (Status s = CheckEncryptionFlags(backend_cfg); !s.ok()) return Fail(s);
+  if (Status s = CheckLayoutFlags(backend_cfg); !s.ok()) return Fail(s);
 
   // Signals: SIGINT/SIGTERM are taken synchronously by the main thread (blocked in every thread,
   // which inherit the mask); a vanished client must not kill the server through SIGPIPE.

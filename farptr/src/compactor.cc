@@ -92,7 +92,7 @@ Status Heap::CompactOnce(size_t* moved) NO_THREAD_SAFETY_ANALYSIS {
   // Every victim stays locked for the whole pass: keep the batch modest (ThreadSanitizer also
   // tracks at most 64 locks held by one thread).
   const size_t batch = std::min<size_t>(std::max<size_t>(4 * k, 16), 32);
-  std::vector<Span*> cands = store_->CompactionCandidates(batch);
+  std::vector<Span*> cands = SpansOf(store_->CompactionCandidates(batch));
   const std::set<Span*> from_sets(cands.begin(), cands.end());
   if (cands.size() < batch) {
     // Sparse remote spans, emptiest first.
@@ -233,8 +233,10 @@ Status Heap::CompactOnce(size_t* moved) NO_THREAD_SAFETY_ANALYSIS {
     std::vector<std::pair<SpanSet*, int>> corrupt;
     for (size_t i = 0; i < targets.size(); i += k) {
       const size_t n = std::min(k, targets.size() - i);
-      Result<SpanSet*> set = store_->WriteSetGathered(
-          *io, {cells.data() + i, n}, {targets.data() + i, n}, {new_crcs.data() + i, n}, &corrupt);
+      SpanOwner* owners[kMaxSetWidth];
+      OwnersOf(targets.data() + i, n, owners);
+      Result<SpanSet*> set = store_->WriteSetGathered(*io, {cells.data() + i, n}, {owners, n},
+                                                      {new_crcs.data() + i, n}, &corrupt);
       if (!set) {
         gather_error = set.error();
         break;
@@ -303,10 +305,12 @@ Status Heap::CompactOnce(size_t* moved) NO_THREAD_SAFETY_ANALYSIS {
       const size_t n = std::min(k, targets.size() - i);
       const uint8_t* data[kMaxSetWidth];
       for (size_t j = 0; j < n; ++j) data[j] = out.data() + (i + j) * span_size_;
+      SpanOwner* owners[kMaxSetWidth];
+      OwnersOf(targets.data() + i, n, owners);
       Result<SpanSet*> set = Err(Internal("not written"));
       if (options_.parity_offload) {
         Status offload_error;
-        set = store_->WriteSetOffloaded(*io, {data, n}, {targets.data() + i, n}, &offload_error);
+        set = store_->WriteSetOffloaded(*io, {data, n}, {owners, n}, &offload_error);
         if (set && offload_error.ok()) {
           compaction_offloaded_sets_.fetch_add(1, std::memory_order_relaxed);
         } else if (!offload_error.ok()) {
@@ -317,7 +321,7 @@ Status Heap::CompactOnce(size_t* moved) NO_THREAD_SAFETY_ANALYSIS {
           }
         }
       } else {
-        set = store_->WriteSet(*io, {data, n}, {targets.data() + i, n});
+        set = store_->WriteSet(*io, {data, n}, {owners, n});
       }
       if (!set) {
         st = set.error();

@@ -365,7 +365,7 @@ void Heap::EvictCleanLocked(Span* s) {
 
 void Heap::DropCopiesInHoledSets() {
   // Snapshot, then lock each span on its own (no other span lock is held here).
-  for (Span* s : store_->CompactionCandidates(256)) {
+  for (Span* s : SpansOf(store_->CompactionCandidates(256))) {
     MutexLock sl(&s->mu);
     if (s->state == SpanState::kLocal || s->state == SpanState::kEvicting) DropCopyLocked(s);
   }
@@ -405,13 +405,15 @@ size_t Heap::WriteOut(std::vector<Span*>& spans) {
     // What compaction checks each cell against before it moves it (Span::cell_crc).
     uint32_t crcs[kMaxSetWidth];
     for (size_t j = 0; j < n; ++j) crcs[j] = ec::Crc32c({data[j], span_size_});
-    Result<SpanSet*> set = store_->WriteSet(*io, {data, n}, {members, n});
+    SpanOwner* owners[kMaxSetWidth];
+    OwnersOf(members, n, owners);
+    Result<SpanSet*> set = store_->WriteSet(*io, {data, n}, {owners, n});
     if (!set && set.error().code() == StatusCode::kResourceExhausted) {
       // The daemons are full: compaction may give rows back.
       size_t moved = 0;
       for (int c = 0; c < 4 && !set; ++c) {
         if (!CompactOnce(&moved).ok() || moved == 0) break;
-        set = store_->WriteSet(*io, {data, n}, {members, n});
+        set = store_->WriteSet(*io, {data, n}, {owners, n});
       }
     }
     if (!set) {

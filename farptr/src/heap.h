@@ -50,7 +50,7 @@
 #include "farmem/internal/object.h"
 #include "farmem/internal/seal_observer.h"
 #include "farmem/runtime.h"
-#include "remote_store.h"
+#include "farmem/spanstore/remote_store.h"
 #include "span_crypto.h"
 
 namespace farmem::farptr_internal {
@@ -58,9 +58,21 @@ namespace farmem::farptr_internal {
 class Heap;
 struct SizeClass;
 
+// The span-set store (farmem::spanstore, shared with farmem-nbd's stripe layout) under the names
+// far_ptr has always used for it.
+using spanstore::Group;
+using spanstore::IoContext;
+using spanstore::kMaxSetWidth;
+using spanstore::NodeGone;
+using spanstore::RemoteStore;
+using spanstore::RemoteStoreStats;
+using spanstore::SpanOwner;
+using spanstore::SpanSet;
+using spanstore::Vacant;
+
 enum class SpanState : uint8_t { kLocal, kEvicting, kWriting, kRemote, kLost, kFree };
 
-struct Span {
+struct Span : SpanOwner {  // the owner RemoteStore keeps of the span's cell (Owners, SpanOf)
   Heap* heap = nullptr;
   SizeClass* cls = nullptr;
   uint64_t id = 0;
@@ -86,6 +98,19 @@ struct Span {
   bool in_partial = false;      // guarded by cls->mu
   int64_t resident_index = -1;  // guarded by Heap::resident_mu_
 };
+
+// RemoteStore keeps spans as SpanOwner pointers: every one it hands back is a Span.
+inline Span* SpanOf(SpanOwner* o) { return static_cast<Span*>(o); }
+inline std::vector<Span*> SpansOf(const std::vector<SpanOwner*>& owners) {
+  std::vector<Span*> out;
+  out.reserve(owners.size());
+  for (SpanOwner* o : owners) out.push_back(SpanOf(o));
+  return out;
+}
+// owners[j] = spans[j] for the n spans of one set (the form WriteSet* takes them in).
+inline void OwnersOf(Span* const* spans, size_t n, SpanOwner** owners) {
+  for (size_t j = 0; j < n; ++j) owners[j] = spans[j];
+}
 
 struct SizeClass {
   uint32_t index = 0;

@@ -3,7 +3,8 @@
 // daemons with a cache much smaller than the range written (pages are evicted all the time), then
 // FLUSH; the flush leaves no dirty page. Then one daemon is killed and nbdcopy reads the whole
 // range back: it must be exactly the reference buffer. Run with the cache (16 pages) and without
-// (--write-cache-pages 0); nbdinfo must see FLUSH and FUA offered either way.
+// (--write-cache-pages 0); nbdinfo must see FLUSH and FUA offered either way. The same with the
+// stripe layout (ec:2+1, --ec-layout stripe) on the three daemons, cache on and off.
 #include <gtest/gtest.h>
 
 #include <fstream>
@@ -46,13 +47,22 @@ std::string Describe(const CommandResult& r) {
   return "exit " + std::to_string(r.exit_code) + "\nstdout:\n" + r.out + "\nstderr:\n" + r.err;
 }
 
-class NbdWriteCacheTest : public ::testing::TestWithParam<const char*> {};
+// The cache on or off, over the split page store (replicate:2) or the stripe layout (ec:2+1,
+// --ec-layout stripe: with the cache off its own read-modify-write of partial pages is what runs).
+struct CacheCase {
+  const char* cache_pages;
+  const char* resilience;
+  const char* layout;
+  const char* name;
+};
 
-TEST_P(NbdWriteCacheTest, MixedSizeWritesFlushedSurviveADaemonKilledInReplicate2) {
+class NbdWriteCacheTest : public ::testing::TestWithParam<CacheCase> {};
+
+TEST_P(NbdWriteCacheTest, MixedSizeWritesFlushedSurviveADaemonKilled) {
   for (const char* tool : {"qemu-io", "nbdcopy", "nbdinfo"}) {
     if (!testing::HaveProgram(tool)) GTEST_SKIP() << tool << " missing";
   }
-  const std::string cache_pages = GetParam();
+  const std::string cache_pages = GetParam().cache_pages;
   farmem::testing::DaemonSet daemons({.capacity = "40M",
                                       .slab_size = "1M",
                                       .extra_args = {"--no-mlock", "--memory-source", "off"}});
@@ -71,7 +81,9 @@ TEST_P(NbdWriteCacheTest, MixedSizeWritesFlushedSurviveADaemonKilledInReplicate2
                                 "--secret-file",
                                 daemons.work_dir() + "/secret",
                                 "--resilience",
-                                "replicate:2",
+                                GetParam().resilience,
+                                "--ec-layout",
+                                GetParam().layout,
                                 "--size",
                                 std::to_string(kExportMiB) + "M",
                                 "--heartbeat-ms",
@@ -154,9 +166,13 @@ TEST_P(NbdWriteCacheTest, MixedSizeWritesFlushedSurviveADaemonKilledInReplicate2
   EXPECT_TRUE((*nbd)->process().Alive());
 }
 
-INSTANTIATE_TEST_SUITE_P(CacheOnOff, NbdWriteCacheTest, ::testing::Values("16", "0"),
-                         [](const ::testing::TestParamInfo<const char*>& info) {
-                           return std::string(info.param) == "0" ? "off" : "on";
+INSTANTIATE_TEST_SUITE_P(CacheOnOff, NbdWriteCacheTest,
+                         ::testing::Values(CacheCase{"16", "replicate:2", "split", "on"},
+                                           CacheCase{"0", "replicate:2", "split", "off"},
+                                           CacheCase{"16", "ec:2+1", "stripe", "stripe_on"},
+                                           CacheCase{"0", "ec:2+1", "stripe", "stripe_off"}),
+                         [](const ::testing::TestParamInfo<CacheCase>& info) {
+                           return std::string(info.param.name);
                          });
 
 }  // namespace

@@ -38,22 +38,6 @@ void FillPattern(uint64_t page, uint8_t* out) {
 
 size_t CountMarks(std::string_view hay) { return testing::CountMarker(hay, kMark); }
 
-// One synchronous raw operation on a lease, on a channel of our own (the test's identity owns the
-// lease): how a lender's root, or a bad NIC, would change the bytes behind the client's back.
-Status RawOp(client::Cluster& cluster, const client::Lease& lease, transport::OpType type,
-             uint64_t offset, uint8_t* buf, uint32_t len) {
-  FARMEM_ASSIGN_OR_RETURN(auto ch, cluster.OpenChannel(lease.node));
-  transport::Op op{type, lease.slab(), offset, buf, len, nullptr, 7};
-  FARMEM_RETURN_IF_ERROR(ch->Post(op));
-  FARMEM_RETURN_IF_ERROR(ch->Flush());
-  transport::Completion c[1];
-  for (int i = 0; i < 100; ++i) {
-    FARMEM_ASSIGN_OR_RETURN(size_t n, ch->Poll(c, milliseconds(100)));
-    if (n == 1) return c[0].status;
-  }
-  return DeadlineExceeded("raw op did not complete");
-}
-
 class CryptoTest : public PageStoreTest {
  protected:
   void OpenWith(const std::string& mode, bool encrypt, const std::string& backup = "",

@@ -86,7 +86,7 @@ class PageStoreTest : public ::testing::Test {
       uint64_t off = aligned ? (rng() % (kExport / 4096)) * 4096 : (rng() % (kExport / 512)) * 512;
       if (off + len > kExport) off = kExport - len;
       for (uint64_t j = 0; j < len; ++j) buf[j] = static_cast<uint8_t>(rng());
-      Status s = store_->Write(off, {buf.data(), len}, rng() % 8 == 0);
+      Status s = Target().Write(off, {buf.data(), len}, rng() % 8 == 0);
       ASSERT_TRUE(s.ok()) << s.ToString() << " writing " << len << " at " << off;
       std::memcpy(shadow_.data() + off, buf.data(), len);
     }
@@ -95,7 +95,7 @@ class PageStoreTest : public ::testing::Test {
   void VerifyAll() {
     std::vector<uint8_t> buf(1 << 20);
     for (uint64_t off = 0; off < kExport; off += buf.size()) {
-      Status s = store_->Read(off, buf);
+      Status s = Target().Read(off, buf);
       ASSERT_TRUE(s.ok()) << s.ToString() << " reading at " << off;
       ASSERT_EQ(0, std::memcmp(buf.data(), shadow_.data() + off, buf.size()))
           << "mismatch in the MiB at " << off;
@@ -146,7 +146,7 @@ class PageStoreTest : public ::testing::Test {
         ops[i].read_into = {bufs.data() + i * 4096, 4096};
       }
       CheckingListener l(ops, shadow_);
-      store_->ExecuteBatch(ops, listener ? &l : nullptr);
+      Target().ExecuteBatch(ops, listener ? &l : nullptr);
       early += l.early;
       for (int i = 0; i < 16; ++i) {
         EXPECT_TRUE(ops[i].status.ok()) << ops[i].status.ToString();
@@ -176,7 +176,7 @@ class PageStoreTest : public ::testing::Test {
         ops[i].data = {data, ops[i].length};
       }
       CheckingListener l(ops, shadow_);
-      store_->ExecuteBatch(ops, &l);
+      Target().ExecuteBatch(ops, &l);
       early += l.early;
       for (int i = 0; i < 16; ++i) {
         EXPECT_TRUE(ops[i].status.ok()) << ops[i].status.ToString();
@@ -226,6 +226,26 @@ class PageStoreTest : public ::testing::Test {
   std::unique_ptr<client::Cluster> cluster_;
   std::unique_ptr<PageStore> store_;
   std::vector<uint8_t> shadow_;
+  // What the helpers above write and verify: store_, unless a test sets another backend here
+  // (the stripe layout's tests).
+  BlockBackend* target_ = nullptr;
+  BlockBackend& Target() { return target_ != nullptr ? *target_ : *store_; }
 };
+
+// One synchronous raw operation on a lease, on a channel of our own (the test's identity owns the
+// lease): how a lender's root, or a bad NIC, would change the bytes behind the client's back.
+inline Status RawOp(client::Cluster& cluster, const client::Lease& lease, transport::OpType type,
+                    uint64_t offset, uint8_t* buf, uint32_t len) {
+  FARMEM_ASSIGN_OR_RETURN(auto ch, cluster.OpenChannel(lease.node));
+  transport::Op op{type, lease.slab(), offset, buf, len, nullptr, 7};
+  FARMEM_RETURN_IF_ERROR(ch->Post(op));
+  FARMEM_RETURN_IF_ERROR(ch->Flush());
+  transport::Completion c[1];
+  for (int i = 0; i < 100; ++i) {
+    FARMEM_ASSIGN_OR_RETURN(size_t n, ch->Poll(c, std::chrono::milliseconds(100)));
+    if (n == 1) return c[0].status;
+  }
+  return DeadlineExceeded("raw op did not complete");
+}
 
 }  // namespace farmem::blockdev::pstest

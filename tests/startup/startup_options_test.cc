@@ -158,6 +158,31 @@ TEST_F(StartupOptionsTest, FarmemNbdRefusesRemoteOptionsWithTheMemoryBackend) {
   }
 }
 
+// --ec-layout stripe fails closed where it does not apply, before any daemon is asked.
+TEST_F(StartupOptionsTest, FarmemNbdRefusesTheStripeLayoutWhereItDoesNotApply) {
+  const std::vector<std::string> remote = {"--backend", "farmem", "--peers", "127.0.0.1:1"};
+  auto with = [&](std::vector<std::string> more) {
+    std::vector<std::string> args = remote;
+    args.insert(args.end(), more.begin(), more.end());
+    return FarmemNbd(args);
+  };
+  const CommandResult rep = with({"--resilience", "replicate:2", "--ec-layout", "stripe"});
+  EXPECT_NE(rep.exit_code, 0) << Describe(rep);
+  EXPECT_THAT(rep.err, HasSubstr("--ec-layout stripe applies only to an ec:k+r --resilience"))
+      << Describe(rep);
+  const CommandResult backup = with({"--ec-layout", "stripe", "--backup", dir_.File("backup")});
+  EXPECT_NE(backup.exit_code, 0) << Describe(backup);
+  EXPECT_THAT(backup.err, HasSubstr("--backup is not supported with --ec-layout stripe"))
+      << Describe(backup);
+  const CommandResult bad = with({"--ec-layout", "raid"});
+  EXPECT_NE(bad.exit_code, 0) << Describe(bad);
+  EXPECT_THAT(bad.err, HasSubstr("'raid' is not one of split, stripe")) << Describe(bad);
+  const CommandResult memory = FarmemNbd({"--ec-layout", "stripe"});
+  EXPECT_NE(memory.exit_code, 0) << Describe(memory);
+  EXPECT_THAT(memory.err, HasSubstr("--ec-layout applies only to --backend farmem"))
+      << Describe(memory);
+}
+
 // Regression: a 1-byte secret was accepted.
 TEST_F(StartupOptionsTest, ShortSecretIsRefusedByDaemonAndClients) {
   const std::string shorty = WriteFile("short-secret", "s\n");

@@ -1,7 +1,7 @@
 // RemoteStore setup, row/group bookkeeping, noting failures (MarkFailed, cluster events) and the
 // recovery thread's loop. Re-protecting a group (Reprotect) and the periodic reconcile are in
 // remote_store_recovery.cc; the data path (WriteSet, ReadSpan, RunOps) in remote_store_io.cc.
-#include "remote_store.h"
+#include "farmem/spanstore/remote_store.h"
 
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>
@@ -10,9 +10,9 @@
 #include <bit>
 #include <cstring>
 
-namespace farmem::farptr_internal {
+namespace farmem::spanstore {
 
-RemoteStore::RemoteStore(client::Cluster* cluster, SpanResilience res, uint32_t span_size,
+RemoteStore::RemoteStore(client::Cluster* cluster, client::Resilience res, uint32_t span_size,
                          std::chrono::milliseconds op_timeout,
                          std::chrono::milliseconds reconcile_interval)
     : cluster_(cluster),
@@ -22,7 +22,7 @@ RemoteStore::RemoteStore(client::Cluster* cluster, SpanResilience res, uint32_t 
       reconcile_interval_(std::max(reconcile_interval, std::chrono::milliseconds(10))) {}
 
 Result<std::unique_ptr<RemoteStore>> RemoteStore::Create(
-    client::Cluster* cluster, SpanResilience res, uint32_t span_size,
+    client::Cluster* cluster, client::Resilience res, uint32_t span_size,
     std::chrono::milliseconds op_timeout, std::chrono::milliseconds reconcile_interval) {
   std::unique_ptr<RemoteStore> s(
       new RemoteStore(cluster, res, span_size, op_timeout, reconcile_interval));
@@ -31,17 +31,17 @@ Result<std::unique_ptr<RemoteStore>> RemoteStore::Create(
 }
 
 Status RemoteStore::Init() {
-  if (res_.width() > kMaxSetWidth) {
+  if (res_.group_size() > kMaxSetWidth) {
     return InvalidArgument(
         fmt::format("resilience {} spreads a span set over {} daemons; at most "
                     "{} are supported",
-                    res_.ToString(), res_.width(), kMaxSetWidth));
+                    res_.ToString(), res_.group_size(), kMaxSetWidth));
   }
-  if (static_cast<size_t>(res_.width()) > cluster_->node_count()) {
+  if (static_cast<size_t>(res_.group_size()) > cluster_->node_count()) {
     return InvalidArgument(fmt::format("resilience {} needs {} daemons, the cluster has {}",
-                                       res_.ToString(), res_.width(), cluster_->node_count()));
+                                       res_.ToString(), res_.group_size(), cluster_->node_count()));
   }
-  if (res_.mode == SpanResilience::Mode::kErasure && res_.r > 0) {
+  if (res_.mode == client::Resilience::Mode::kErasure && res_.r > 0) {
     FARMEM_ASSIGN_OR_RETURN(codec_, ec::ReedSolomon::Create(res_.k, res_.r));
   }
   for (client::NodeId id = 0; id < cluster_->node_count() && slab_size_ == 0; ++id) {
@@ -100,7 +100,7 @@ SpanSet* RemoteStore::TakeRowLocked(bool degraded, std::vector<client::Lease>* m
     if (degraded) {
       // Missing members, but enough of them to write (and later rebuild) a set.
       if (g->lost_mask != 0 || g->failed_mask == 0) continue;
-      if (res_.width() - std::popcount(g->failed_mask) < MinMembers()) continue;
+      if (res_.group_size() - std::popcount(g->failed_mask) < MinMembers()) continue;
     } else if (g->failed_mask != 0 || g->lost_mask != 0) {
       continue;
     }
@@ -142,7 +142,7 @@ Result<SpanSet*> RemoteStore::ReserveRow(bool allow_degraded, std::vector<client
     }
     MutexLock alloc(&alloc_mu_, kAdoptLock);
     Result<std::vector<client::Lease>> leases =
-        cluster_->AllocateGroup(static_cast<size_t>(res_.width()));
+        cluster_->AllocateGroup(static_cast<size_t>(res_.group_size()));
     if (!leases) {
       if (!allow_degraded) return Err(leases.error());
       {
@@ -163,7 +163,7 @@ Result<SpanSet*> RemoteStore::ReserveRow(bool allow_degraded, std::vector<client
 }
 
 Result<std::vector<client::Lease>> RemoteStore::AllocateDegraded(const Status& full_error) {
-  const int n = res_.width();
+  const int n = res_.group_size();
   const int min = MinMembers();
   Status last = full_error;
   const int alive = static_cast<int>(cluster_->alive_count());
@@ -284,7 +284,7 @@ bool RemoteStore::Healthy(const SpanSet* set) const {
   return g->failed_mask == 0 && g->lost_mask == 0 && !g->rebuilding;
 }
 
-std::vector<Span*> RemoteStore::CompactionCandidates(size_t max_spans) {
+std::vector<SpanOwner*> RemoteStore::CompactionCandidates(size_t max_spans) {
   MutexLock lock(&mu_);
   std::vector<SpanSet*> holed;
   uint64_t used_rows = 0;
@@ -297,7 +297,7 @@ std::vector<Span*> RemoteStore::CompactionCandidates(size_t max_spans) {
   std::sort(holed.begin(), holed.end(), [](SpanSet* a, SpanSet* b) {
     return std::popcount(a->live_mask) < std::popcount(b->live_mask);
   });
-  std::vector<Span*> out;
+  std::vector<SpanOwner*> out;
   auto take = [&](SpanSet* set) {
     for (int m = 0; m < res_.k && out.size() < max_spans; ++m) {
       if (set->spans[static_cast<size_t>(m)] != nullptr) {
@@ -347,9 +347,9 @@ RemoteStoreStats RemoteStore::stats() const {
   MutexLock lock(&mu_);
   RemoteStoreStats s;
   s.sets = sets_;
-  s.set_bytes = sets_ * static_cast<uint64_t>(res_.width()) * span_size_;
+  s.set_bytes = sets_ * static_cast<uint64_t>(res_.group_size()) * span_size_;
   s.groups = groups_.size();
-  s.leased_bytes = groups_.size() * static_cast<uint64_t>(res_.width()) * slab_size_;
+  s.leased_bytes = groups_.size() * static_cast<uint64_t>(res_.group_size()) * slab_size_;
   s.degraded_reads = degraded_reads_;
   s.members_reprotected = reprotected_;
   for (auto& g : groups_) {
@@ -583,4 +583,4 @@ void RemoteStore::RecoverGroupLocked(Group* g, const std::function<void()>& work
   recovery_cv_.SignalAll();
 }
 
-}  // namespace farmem::farptr_internal
+}  // namespace farmem::spanstore

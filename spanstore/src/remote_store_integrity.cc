@@ -2,20 +2,20 @@
 // failed member (see span_crypto.h, docs/farptr.md "Encryption").
 #include <bit>
 
-#include "remote_store.h"
+#include "farmem/spanstore/remote_store.h"
 
-namespace farmem::farptr_internal {
+namespace farmem::spanstore {
 
 bool RemoteStore::ReportCorrupt(SpanSet* set, int member, const Status& why) {
   Group* g = nullptr;
   uint64_t lease_id = 0;
   {
     MutexLock lock(&mu_);
-    if (res_.mode == SpanResilience::Mode::kNone) return false;
+    if (res_.mode == client::Resilience::Mode::kNone) return false;
     g = set->group;
     const uint32_t bit = 1u << member;
     const uint32_t bad = g->failed_mask | g->lost_mask;
-    const int tolerance = res_.width() - MinMembers();
+    const int tolerance = res_.group_size() - MinMembers();
     // Failed already (by another cell of this member): this cell was read before that — a span
     // swapped in keeps its objects sealed until their first deref, and the compactor reads
     // several cells before it checks them. A read now rebuilds it from the other members (or
@@ -41,12 +41,12 @@ std::vector<std::pair<client::Lease, uint64_t>> RemoteStore::CellPlaces(const Sp
   std::vector<std::pair<client::Lease, uint64_t>> out;
   const Group* g = set->group;
   const uint64_t off = static_cast<uint64_t>(set->row) * span_size_;
-  for (int m = 0; m < res_.width(); ++m) {
-    if (m != member && res_.mode != SpanResilience::Mode::kReplicate) continue;
+  for (int m = 0; m < res_.group_size(); ++m) {
+    if (m != member && res_.mode != client::Resilience::Mode::kReplicate) continue;
     const client::Lease& l = g->members[static_cast<size_t>(m)];
     if (!Vacant(l)) out.emplace_back(l, off);
   }
   return out;
 }
 
-}  // namespace farmem::farptr_internal
+}  // namespace farmem::spanstore

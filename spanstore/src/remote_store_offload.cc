@@ -14,9 +14,9 @@
 #include <map>
 
 #include "farmem/common/wire_gather.h"
-#include "remote_store.h"
+#include "farmem/spanstore/remote_store.h"
 
-namespace farmem::farptr_internal {
+namespace farmem::spanstore {
 
 namespace {
 // The largest success reply body CallAll keeps (GATHER_CELL's: 8 + 4 per source, <= 136 B).
@@ -40,13 +40,13 @@ transport::TcpConnection* RemoteStore::CallConnectionFor(IoContext& io, client::
 }
 
 Result<SpanSet*> RemoteStore::WriteSetOffloaded(IoContext& io, std::span<const uint8_t* const> data,
-                                                std::span<Span* const> spans,
+                                                std::span<SpanOwner* const> spans,
                                                 Status* offload_error) {
   *offload_error = Status::Ok();
   const int k = res_.k;
   const int r = res_.r;
   const size_t span = span_size_;
-  if (res_.mode != SpanResilience::Mode::kErasure || r == 0) return WriteSet(io, data, spans);
+  if (res_.mode != client::Resilience::Mode::kErasure || r == 0) return WriteSet(io, data, spans);
   if (data.empty() || data.size() > static_cast<size_t>(k) || spans.size() != data.size()) {
     return Err(Internal(fmt::format("WriteSetOffloaded with {} spans (k = {})", data.size(), k)));
   }
@@ -193,13 +193,13 @@ Status RemoteStore::CallAll(IoContext& io, wire::Opcode op, std::span<const clie
 
 Result<SpanSet*> RemoteStore::WriteSetGathered(IoContext& io,
                                                std::span<const std::vector<GatherPiece>> cells,
-                                               std::span<Span* const> spans,
+                                               std::span<SpanOwner* const> spans,
                                                std::span<uint32_t> cell_crcs,
                                                std::vector<std::pair<SpanSet*, int>>* corrupt) {
   const int k = res_.k;
   const int r = res_.r;
   const size_t span = span_size_;
-  if (res_.mode != SpanResilience::Mode::kErasure || r == 0) {
+  if (res_.mode != client::Resilience::Mode::kErasure || r == 0) {
     return Err(Unimplemented("compaction offload needs erasure coding with parity"));
   }
   if (cells.empty() || cells.size() > static_cast<size_t>(k) || spans.size() != cells.size() ||
@@ -327,4 +327,4 @@ Result<SpanSet*> RemoteStore::WriteSetGathered(IoContext& io,
   return set;
 }
 
-}  // namespace farmem::farptr_internal
+}  // namespace farmem::spanstore

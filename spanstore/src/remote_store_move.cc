@@ -21,9 +21,9 @@
 #include <algorithm>
 #include <bit>
 
-#include "remote_store.h"
+#include "farmem/spanstore/remote_store.h"
 
-namespace farmem::farptr_internal {
+namespace farmem::spanstore {
 
 namespace {
 
@@ -113,7 +113,7 @@ std::vector<client::NodeId> RemoteStore::MoveExclusions(const std::vector<client
 void RemoteStore::Move(IoContext& io, PendingMove mv) {
   Group* g = mv.group;
   const int j = mv.member;
-  const int n = res_.width();
+  const int n = res_.group_size();
   const uint32_t bit = 1u << j;
   std::vector<client::Lease> members;
   uint32_t live = 0;
@@ -168,9 +168,9 @@ void RemoteStore::Move(IoContext& io, PendingMove mv) {
   }
   if (!fresh) {
     const uint32_t rest = live & ~bit;
-    const bool spare = res_.mode == SpanResilience::Mode::kErasure
+    const bool spare = res_.mode == client::Resilience::Mode::kErasure
                            ? res_.r > 0 && std::popcount(rest) >= res_.k
-                           : (res_.mode == SpanResilience::Mode::kReplicate && rest != 0);
+                           : (res_.mode == client::Resilience::Mode::kReplicate && rest != 0);
     if (spare) {
       spdlog::warn(
           "far memory: no daemon can take slab group {} member {} ({} span sets) that {} wants "
@@ -312,4 +312,4 @@ void RemoteStore::Move(IoContext& io, PendingMove mv) {
       moved_ms, slack_ms);
 }
 
-}  // namespace farmem::farptr_internal
+}  // namespace farmem::spanstore

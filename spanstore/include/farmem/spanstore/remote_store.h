@@ -1,4 +1,7 @@
 // RemoteStore: where swapped-out spans live — span sets in rows of slab groups on the daemons.
+// One owner of the span-set layout for both borrowers: far_ptr (spans of objects, farptr/) and
+// farmem-nbd's stripe layout (4 KiB pages, blockdev/src/stripe_store.h). A span is span_size
+// bytes the borrower hands over whole; what it means is the borrower's (SpanOwner).
 //
 // A group is k + r slabs on k + r distinct daemons (one client::Cluster::AllocateGroup). A slab
 // is cut into rows of span_size bytes; row i of member j is the j-th cell of the span set that
@@ -53,16 +56,23 @@
 
 #include "farmem/client/channel_set.h"
 #include "farmem/client/cluster.h"
+#include "farmem/client/resilience.h"
 #include "farmem/common/mutex.h"
 #include "farmem/ec/reed_solomon.h"
-#include "farmem/runtime.h"
 
-namespace farmem::farptr_internal {
+namespace farmem::spanstore {
 
 struct Group;
-struct Span;
 
-inline constexpr int kMaxSetWidth = SpanResilience::kMaxWidth;
+// A span set is spread over at most this many daemons (k + r): its members are kept in fixed
+// arrays on the request path. Each borrower's resilience parser enforces it (far_ptr's
+// SpanResilience, farmem-nbd's stripe layout); Create checks it too.
+inline constexpr int kMaxSetWidth = 16;
+
+// What a data cell holds, as its borrower knows it: an opaque owner the store only keeps and
+// hands back (SpanSet::spans, CompactionCandidates), never dereferences. A borrower's own type
+// derives from it (far_ptr's Span, farmem-nbd's page-table entry) and casts back.
+struct SpanOwner {};
 
 // True for the codes after which a member's slab is taken to be gone (its daemon died, restarted,
 // or dropped the lease): the member is then failed and re-protected.
@@ -75,7 +85,7 @@ struct SpanSet {
   uint32_t live_mask = 0;  // data members whose span still lives here (not holes)
   uint32_t id = 0;         // for messages
   bool writing = true;     // reserved, its cells not all written yet: re-protection skips it
-  std::array<Span*, kMaxSetWidth> spans{};  // data member -> span stored there (null: hole)
+  std::array<SpanOwner*, kMaxSetWidth> spans{};  // data member -> its owner (null: hole)
 };
 
 // A member that was never placed (a degraded group made with fewer daemons than k + r).
@@ -147,12 +157,12 @@ class RemoteStore {
   // `reconcile_interval`: how often the recovery thread looks for degraded groups and failed
   // members by itself (RuntimeOptions::reconcile_interval).
   static Result<std::unique_ptr<RemoteStore>> Create(
-      client::Cluster* cluster, SpanResilience res, uint32_t span_size,
+      client::Cluster* cluster, client::Resilience res, uint32_t span_size,
       std::chrono::milliseconds op_timeout,
       std::chrono::milliseconds reconcile_interval = std::chrono::milliseconds(1000));
   ~RemoteStore();
 
-  const SpanResilience& resilience() const { return res_; }
+  const client::Resilience& resilience() const { return res_; }
   uint32_t span_size() const { return span_size_; }
   int k() const { return res_.k; }
 
@@ -162,7 +172,16 @@ class RemoteStore {
   // Written degraded (members missing, re-protected later) when fewer than k + r daemons can
   // take it; fails when fewer than the minimum (k, or 1 for replicate) can.
   Result<SpanSet*> WriteSet(IoContext& io, std::span<const uint8_t* const> data,
-                            std::span<Span* const> spans);
+                            std::span<SpanOwner* const> spans);
+  // Several WriteSets at once (farmem-nbd's write batches): set i is data[i] / spans[i]. Every
+  // set's row is reserved and its parity computed first, then all their cells go out in one batch
+  // (one doorbell per daemon, kMaxBatchSets sets at a time), so their round trips overlap; a set
+  // whose write failed is written again alone through WriteSet (retries included). out[i]: set i
+  // or why it could not be written. io.scratch holds every set's parity meanwhile.
+  static constexpr size_t kMaxBatchSets = 8;
+  void WriteSets(IoContext& io, std::span<const std::span<const uint8_t* const>> data,
+                 std::span<const std::span<SpanOwner* const>> spans,
+                 std::span<Result<SpanSet*>> out);
   // WriteSet with parity offload (remote_store_offload.cc): the client writes only the k data
   // cells; each parity member's daemon reads them from their daemons and computes its own cell
   // (PARITY_ENCODE, docs/wire-protocol.md), so r spans are neither encoded nor sent here. If
@@ -170,7 +189,7 @@ class RemoteStore {
   // lost meanwhile), the set is written the ordinary way (WriteSet) and *offload_error says why;
   // it stays OK when the offload worked.
   Result<SpanSet*> WriteSetOffloaded(IoContext& io, std::span<const uint8_t* const> data,
-                                     std::span<Span* const> spans, Status* offload_error);
+                                     std::span<SpanOwner* const> spans, Status* offload_error);
   // Compaction offload (remote_store_offload.cc): writes a new span set whose data cells the
   // daemons assemble themselves from pieces of existing cells (GATHER_CELL), and whose parity
   // they compute (PARITY_ENCODE): no span crosses the client. cells[i] lists the pieces of data
@@ -194,7 +213,8 @@ class RemoteStore {
     uint32_t length = 0;
   };
   Result<SpanSet*> WriteSetGathered(IoContext& io, std::span<const std::vector<GatherPiece>> cells,
-                                    std::span<Span* const> spans, std::span<uint32_t> cell_crcs,
+                                    std::span<SpanOwner* const> spans,
+                                    std::span<uint32_t> cell_crcs,
                                     std::vector<std::pair<SpanSet*, int>>* corrupt);
   // Reads data member `member` of `set` into dst (span_size bytes); degraded if needed. Errors
   // say where the span lived; the caller adds what it was.
@@ -223,7 +243,7 @@ class RemoteStore {
   // For the compactor: the spans of sets that have holes, emptiest sets first, and then the
   // spans of the emptiest group when leased slabs exceed the rows in use by more than a group.
   // Snapshots: the caller locks each span and checks it still lives in a set.
-  std::vector<Span*> CompactionCandidates(size_t max_spans);
+  std::vector<SpanOwner*> CompactionCandidates(size_t max_spans);
 
   RemoteStoreStats stats() const;
   // Each slab group's daemons in member order (k data members, then parity / copies).
@@ -249,12 +269,12 @@ class RemoteStore {
   bool StaleChannel(IoContext& io, client::NodeId node) { return io.channels.DropIfStale(node); }
 
  private:
-  RemoteStore(client::Cluster* cluster, SpanResilience res, uint32_t span_size,
+  RemoteStore(client::Cluster* cluster, client::Resilience res, uint32_t span_size,
               std::chrono::milliseconds op_timeout, std::chrono::milliseconds reconcile_interval);
   Status Init();
 
   // Members a span set needs to be written (and read) at all: k for erasure, else 1.
-  int MinMembers() const { return res_.mode == SpanResilience::Mode::kErasure ? res_.k : 1; }
+  int MinMembers() const { return res_.mode == client::Resilience::Mode::kErasure ? res_.k : 1; }
   // Reserves a free row in a healthy group (allocating a group if none has room); `members` and
   // `epoch` get the group's members and epoch as they were when the row was taken. With
   // `allow_degraded`, when no complete group can be had, a row of a group missing members (but
@@ -274,6 +294,16 @@ class RemoteStore {
   // cells[m] = data[m], or zeros_ where there is no span, for the k data members; returns the
   // mask of members that hold a span.
   uint32_t DataCells(std::span<const uint8_t* const> data, const uint8_t** cells) const;
+  // DataCells, then parity (computed into `parity`, r spans) or copies: cells[0..k+r); *live gets
+  // DataCells' mask.
+  Status SetCells(std::span<const uint8_t* const> data, uint8_t* parity, const uint8_t** cells,
+                  uint32_t* live) const;
+  // After a reserved row's cells were written (results[m] per member): commits the set (true), or
+  // notes the failed members and frees the row (false, *last says why).
+  bool FinishSetWrite(IoContext& io, SpanSet* set, const std::vector<client::Lease>& members,
+                      uint64_t epoch, uint32_t absent, const Status* results, uint32_t live,
+                      std::span<const uint8_t* const> data, std::span<SpanOwner* const> spans,
+                      Status* last);
   void FreeRowLocked(SpanSet* set) REQUIRES(mu_);
   // Writes cells[m] (span_size bytes) at `off` of member m's slab, for every m not in `skip`;
   // results[m] (OK for skipped members).
@@ -350,7 +380,7 @@ class RemoteStore {
   std::string MemberName(const client::Lease& l) const;
 
   client::Cluster* cluster_;
-  const SpanResilience res_;
+  const client::Resilience res_;
   const uint32_t span_size_;
   const std::chrono::milliseconds op_timeout_;
   const std::chrono::milliseconds reconcile_interval_;
@@ -392,4 +422,4 @@ class RemoteStore {
   std::thread recovery_thread_;
 };
 
-}  // namespace farmem::farptr_internal
+}  // namespace farmem::spanstore

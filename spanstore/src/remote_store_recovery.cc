@@ -9,9 +9,9 @@
 #include <bit>
 #include <cstring>
 
-#include "remote_store.h"
+#include "farmem/spanstore/remote_store.h"
 
-namespace farmem::farptr_internal {
+namespace farmem::spanstore {
 
 void RemoteStore::ReconcileMembers() {
   const std::vector<client::NodeInfo> nodes = cluster_->nodes();
@@ -55,7 +55,7 @@ void RemoteStore::ReconcileMembers() {
 // rebuilt g->rebuilding is set: no new rows are placed in g, and rows reserved before and
 // committed after see the flag (or the new epoch) and go elsewhere.
 void RemoteStore::Reprotect(IoContext& io, Group* g) {
-  const int n = res_.width();
+  const int n = res_.group_size();
   const size_t span = span_size_;
   if (io.scratch.size() < span * static_cast<size_t>(n)) io.scratch.resize(span * n);
   std::vector<client::Lease> members;
@@ -78,9 +78,9 @@ void RemoteStore::Reprotect(IoContext& io, Group* g) {
   }
   const uint32_t all = n >= 32 ? ~0u : ((1u << n) - 1);
   const uint32_t live = all & ~failed & ~lost;
-  const bool recoverable = res_.mode == SpanResilience::Mode::kErasure
+  const bool recoverable = res_.mode == client::Resilience::Mode::kErasure
                                ? std::popcount(live) >= res_.k
-                               : (res_.mode == SpanResilience::Mode::kReplicate && live != 0);
+                               : (res_.mode == client::Resilience::Mode::kReplicate && live != 0);
   if (!recoverable) {
     // Nothing else holds the data. A member whose lease may still come back (its daemon was
     // declared down but may answer again as the same process) is waited for: giving it up now
@@ -106,7 +106,7 @@ void RemoteStore::Reprotect(IoContext& io, Group* g) {
   for (int m = 0; m < n; ++m) {
     if (((live >> m) & 1) != 0) readers.push_back(m);
   }
-  readers.resize(res_.mode == SpanResilience::Mode::kErasure ? static_cast<size_t>(res_.k) : 1);
+  readers.resize(res_.mode == client::Resilience::Mode::kErasure ? static_cast<size_t>(res_.k) : 1);
   // A replacement may share a daemon with no surviving member, nor with another replacement.
   std::vector<client::NodeId> exclude;
   for (int m = 0; m < n; ++m) {
@@ -147,7 +147,7 @@ void RemoteStore::Reprotect(IoContext& io, Group* g) {
     }
     if (!s.ok()) return s;
     uint8_t* cell = io.scratch.data() + static_cast<size_t>(j) * span;
-    if (res_.mode == SpanResilience::Mode::kErasure) {
+    if (res_.mode == client::Resilience::Mode::kErasure) {
       uint8_t* frags[kMaxSetWidth];
       std::vector<int> erased;
       for (int m = 0; m < n; ++m) {
@@ -249,4 +249,4 @@ void RemoteStore::Reprotect(IoContext& io, Group* g) {
   }
 }
 
-}  // namespace farmem::farptr_internal
+}  // namespace farmem::spanstore

@@ -6,9 +6,9 @@
 #include <bit>
 #include <cstring>
 
-#include "remote_store.h"
+#include "farmem/spanstore/remote_store.h"
 
-namespace farmem::farptr_internal {
+namespace farmem::spanstore {
 
 bool NodeGone(const Status& s) {
   switch (s.code()) {
@@ -52,27 +52,77 @@ void RemoteStore::RunOps(IoContext& io, std::span<transport::Op> ops,
                        });
 }
 
-Result<SpanSet*> RemoteStore::WriteSet(IoContext& io, std::span<const uint8_t* const> data,
-                                       std::span<Span* const> spans) {
+Status RemoteStore::SetCells(std::span<const uint8_t* const> data, uint8_t* parity,
+                             const uint8_t** cells, uint32_t* live) const {
   const int k = res_.k;
-  const int n = res_.width();
+  const int n = res_.group_size();
+  *live = DataCells(data, cells);
+  if (res_.mode == client::Resilience::Mode::kErasure && res_.r > 0) {
+    uint8_t* out[kMaxSetWidth];
+    for (int j = 0; j < res_.r; ++j) out[j] = parity + static_cast<size_t>(j) * span_size_;
+    FARMEM_RETURN_IF_ERROR(codec_->Encode({cells, static_cast<size_t>(k)},
+                                          {out, static_cast<size_t>(res_.r)}, span_size_));
+    for (int j = 0; j < res_.r; ++j) cells[k + j] = out[j];
+  } else if (res_.mode == client::Resilience::Mode::kReplicate) {
+    for (int j = 1; j < n; ++j) cells[j] = cells[0];
+  }
+  return Status::Ok();
+}
+
+bool RemoteStore::FinishSetWrite(IoContext& io, SpanSet* set,
+                                 const std::vector<client::Lease>& members, uint64_t epoch,
+                                 uint32_t absent, const Status* results, uint32_t live,
+                                 std::span<const uint8_t* const> data,
+                                 std::span<SpanOwner* const> spans, Status* last) {
+  const int n = res_.group_size();
+  bool ok = true;
+  for (int m = 0; m < n; ++m) {
+    if (results[m].ok() || ((absent >> m) & 1) != 0) continue;
+    ok = false;
+    *last = results[m];
+    if (StaleChannel(io, members[static_cast<size_t>(m)].node)) continue;  // not the member's
+    cluster_->ReportFailure(members[static_cast<size_t>(m)].node, results[m]);
+    if (NodeGone(results[m])) {
+      MarkFailed(set->group, m, members[static_cast<size_t>(m)].id(), results[m]);
+    }
+  }
+  MutexLock lock(&mu_);
+  if (ok) {
+    Group* g = set->group;
+    if (g->rebuilding || g->epoch != epoch || g->lost_mask != 0) {
+      // A member is being (or was) replaced while we wrote: re-protection did not see this
+      // row. Or the group is beyond repair. The data is still in the caller's hands, so place
+      // the set elsewhere rather than rebuild it. (A member that failed after we wrote it is
+      // rebuilt with the group's other rows.)
+      *last = Unavailable(fmt::format("slab group {} lost a member during the write", g->id));
+      FreeRowLocked(set);
+      return false;
+    }
+    if (absent != 0) ++degraded_sets_written_;
+    g->stale_mask |= absent;  // those members miss this set's cells
+    set->writing = false;
+    set->live_mask = live;
+    for (size_t i = 0; i < spans.size(); ++i)
+      set->spans[i] = data[i] != nullptr ? spans[i] : nullptr;
+    return true;
+  }
+  FreeRowLocked(set);
+  return false;
+}
+
+Result<SpanSet*> RemoteStore::WriteSet(IoContext& io, std::span<const uint8_t* const> data,
+                                       std::span<SpanOwner* const> spans) {
+  const int k = res_.k;
+  const int n = res_.group_size();
   const size_t span = span_size_;
   if (data.empty() || data.size() > static_cast<size_t>(k) || spans.size() != data.size()) {
     return Err(Internal(fmt::format("WriteSet with {} spans (k = {})", data.size(), k)));
   }
   // The k data cells (zeros where there is no span), then parity or copies.
+  if (io.scratch.size() < span * static_cast<size_t>(n)) io.scratch.resize(span * n);
   const uint8_t* cells[kMaxSetWidth];
-  const uint32_t live = DataCells(data, cells);
-  if (res_.mode == SpanResilience::Mode::kErasure && res_.r > 0) {
-    if (io.scratch.size() < span * static_cast<size_t>(n)) io.scratch.resize(span * n);
-    uint8_t* parity[kMaxSetWidth];
-    for (int j = 0; j < res_.r; ++j) parity[j] = io.scratch.data() + static_cast<size_t>(j) * span;
-    FARMEM_RETURN_IF_ERROR(codec_->Encode({cells, static_cast<size_t>(k)},
-                                          {parity, static_cast<size_t>(res_.r)}, span));
-    for (int j = 0; j < res_.r; ++j) cells[k + j] = parity[j];
-  } else if (res_.mode == SpanResilience::Mode::kReplicate) {
-    for (int j = 1; j < n; ++j) cells[j] = cells[0];
-  }
+  uint32_t live = 0;
+  FARMEM_RETURN_IF_ERROR(SetCells(data, io.scratch.data(), cells, &live));
   Status last;
   for (int attempt = 0; attempt < 4; ++attempt) {
     std::vector<client::Lease> members;
@@ -82,43 +132,93 @@ Result<SpanSet*> RemoteStore::WriteSet(IoContext& io, std::span<const uint8_t* c
     Status results[kMaxSetWidth];
     const uint64_t off = static_cast<uint64_t>(set->row) * span;
     WriteCells(io, members, off, {cells, static_cast<size_t>(n)}, results, absent);
-    bool ok = true;
-    for (int m = 0; m < n; ++m) {
-      if (results[m].ok() || ((absent >> m) & 1) != 0) continue;
-      ok = false;
-      last = results[m];
-      if (StaleChannel(io, members[static_cast<size_t>(m)].node)) continue;  // not the member's
-      cluster_->ReportFailure(members[static_cast<size_t>(m)].node, results[m]);
-      if (NodeGone(results[m])) {
-        MarkFailed(set->group, m, members[static_cast<size_t>(m)].id(), results[m]);
-      }
-    }
-    if (ok) {
-      MutexLock lock(&mu_);
-      Group* g = set->group;
-      if (g->rebuilding || g->epoch != epoch || g->lost_mask != 0) {
-        // A member is being (or was) replaced while we wrote: re-protection did not see this
-        // row. Or the group is beyond repair. The data is still in the caller's hands, so place
-        // the set elsewhere rather than rebuild it. (A member that failed after we wrote it is
-        // rebuilt with the group's other rows.)
-        last = Unavailable(fmt::format("slab group {} lost a member during the write", g->id));
-        FreeRowLocked(set);
-        continue;
-      }
-      if (absent != 0) ++degraded_sets_written_;
-      g->stale_mask |= absent;  // those members miss this set's cells
-      set->writing = false;
-      set->live_mask = live;
-      for (size_t i = 0; i < spans.size(); ++i)
-        set->spans[i] = data[i] != nullptr ? spans[i] : nullptr;
+    if (FinishSetWrite(io, set, members, epoch, absent, results, live, data, spans, &last)) {
       return set;
-    }
-    {
-      MutexLock lock(&mu_);
-      FreeRowLocked(set);
     }
   }
   return Err(last.WithContext("writing a span set"));
+}
+
+void RemoteStore::WriteSets(IoContext& io, std::span<const std::span<const uint8_t* const>> data,
+                            std::span<const std::span<SpanOwner* const>> spans,
+                            std::span<Result<SpanSet*>> out) {
+  const size_t count = data.size();
+  const int k = res_.k;
+  const int n = res_.group_size();
+  const size_t span = span_size_;
+  if (count > kMaxBatchSets) {
+    for (size_t i = 0; i < count; i += kMaxBatchSets) {
+      const size_t c = std::min(kMaxBatchSets, count - i);
+      WriteSets(io, data.subspan(i, c), spans.subspan(i, c), out.subspan(i, c));
+    }
+    return;
+  }
+  if (count == 1) {
+    out[0] = WriteSet(io, data[0], spans[0]);
+    return;
+  }
+  // Every set's cells (parity in io.scratch, one set's worth each) and row first, then all their
+  // writes in one batch; a set whose write failed goes again alone (WriteSet, which retries).
+  struct Pending {
+    SpanSet* set = nullptr;
+    std::vector<client::Lease> members;
+    uint64_t epoch = 0;
+    uint32_t absent = 0;
+    uint32_t live = 0;
+    const uint8_t* cells[kMaxSetWidth];
+    Status results[kMaxSetWidth];
+  };
+  Pending p[kMaxBatchSets];
+  if (io.scratch.size() < span * static_cast<size_t>(n) * count) {
+    io.scratch.resize(span * static_cast<size_t>(n) * count);
+  }
+  client::BatchOp ops[kMaxBatchSets * kMaxSetWidth];
+  size_t nops = 0;
+  size_t where[kMaxBatchSets * kMaxSetWidth];  // op -> set * kMaxSetWidth + member
+  for (size_t i = 0; i < count; ++i) {
+    if (data[i].empty() || data[i].size() > static_cast<size_t>(k) ||
+        spans[i].size() != data[i].size()) {
+      out[i] = Err(Internal(fmt::format("WriteSets with {} spans (k = {})", data[i].size(), k)));
+      continue;
+    }
+    if (Status s = SetCells(data[i], io.scratch.data() + i * span * static_cast<size_t>(n),
+                            p[i].cells, &p[i].live);
+        !s.ok()) {
+      out[i] = Err(s);
+      continue;
+    }
+    Result<SpanSet*> set = ReserveRow(true, &p[i].members, &p[i].epoch, &p[i].absent);
+    if (!set) {
+      out[i] = Err(set.error());
+      continue;
+    }
+    p[i].set = *set;
+    const uint64_t off = static_cast<uint64_t>(p[i].set->row) * span;
+    for (int m = 0; m < n; ++m) {
+      if (((p[i].absent >> m) & 1) != 0) continue;
+      const client::Lease& l = p[i].members[static_cast<size_t>(m)];
+      ops[nops] = {l.node,
+                   {transport::OpType::kWrite, l.slab(), off, const_cast<uint8_t*>(p[i].cells[m]),
+                    static_cast<uint32_t>(span), nullptr, 0},
+                   false};
+      where[nops++] = i * kMaxSetWidth + static_cast<size_t>(m);
+    }
+  }
+  io.channels.RunBatch(std::span<client::BatchOp>(ops, nops), DeadlineIn(op_timeout_),
+                       [&](size_t j, const Status& s) {
+                         p[where[j] / kMaxSetWidth].results[where[j] % kMaxSetWidth] = s;
+                         if (s.ok()) io.bytes_written += ops[j].op.length;
+                       });
+  for (size_t i = 0; i < count; ++i) {
+    if (p[i].set == nullptr) continue;
+    Status last;
+    if (FinishSetWrite(io, p[i].set, p[i].members, p[i].epoch, p[i].absent, p[i].results, p[i].live,
+                       data[i], spans[i], &last)) {
+      out[i] = p[i].set;
+    } else {
+      out[i] = WriteSet(io, data[i], spans[i]);  // its own row, retried; recomputes the parity
+    }
+  }
 }
 
 void RemoteStore::ReadSpans(IoContext& io, std::span<SpanSet* const> sets,
@@ -191,7 +291,7 @@ void RemoteStore::WriteCells(IoContext& io, const std::vector<client::Lease>& me
 
 Status RemoteStore::ReadSpan(IoContext& io, SpanSet* set, int member, uint8_t* dst) {
   const int k = res_.k;
-  const int n = res_.width();
+  const int n = res_.group_size();
   const size_t span = span_size_;
   for (int attempt = 0; attempt < 4; ++attempt) {
     std::vector<client::Lease> members;
@@ -232,7 +332,7 @@ Status RemoteStore::ReadSpan(IoContext& io, SpanSet* set, int member, uint8_t* d
     for (int m = 0; m < n; ++m) {
       if (((bad >> m) & 1) == 0) readers.push_back(m);
     }
-    const bool erasure = res_.mode == SpanResilience::Mode::kErasure && res_.r > 0;
+    const bool erasure = res_.mode == client::Resilience::Mode::kErasure && res_.r > 0;
     const size_t need = erasure ? static_cast<size_t>(k) : 1;
     if (readers.size() < need) {
       std::string gone;
@@ -248,7 +348,7 @@ Status RemoteStore::ReadSpan(IoContext& io, SpanSet* set, int member, uint8_t* d
           "it lived in span set {} (slab group {}, row {}) whose members on {} are gone; "
           "resilience {} can rebuild a span only while at most {} of its {} daemons are gone",
           set_id, group_id, row, gone, res_.ToString(),
-          res_.mode == SpanResilience::Mode::kNone ? 0 : n - static_cast<int>(need), n));
+          res_.mode == client::Resilience::Mode::kNone ? 0 : n - static_cast<int>(need), n));
     }
     readers.resize(need);
     if (io.scratch.size() < span * static_cast<size_t>(n)) io.scratch.resize(span * n);
@@ -293,4 +393,4 @@ Status RemoteStore::ReadSpan(IoContext& io, SpanSet* set, int member, uint8_t* d
   return Unavailable("daemons kept failing");
 }
 
-}  // namespace farmem::farptr_internal
+}  // namespace farmem::spanstore

@@ -1,0 +1,588 @@
+// StripeStore (stripe_store.h): setup, the batch path (lock, read, write, release), compaction.
+#include "stripe_store.h"
+
+#include <fmt/format.h>
+#include <spdlog/spdlog.h>
+
+#include <algorithm>
+#include <cstring>
+
+namespace farmem::blockdev {
+
+using spanstore::SpanOwner;
+using spanstore::SpanSet;
+
+struct StripeStore::Worker {
+  std::unique_ptr<spanstore::IoContext> io;
+  std::optional<aead::Cipher> cipher;
+  std::vector<PageIo> pages;
+  std::vector<Status> op_status;
+  std::vector<uint8_t> scratch;                 // partial pages (and the compactor's pages)
+  std::vector<uint8_t> sealed;                  // ciphertext of the pages being written
+  std::vector<std::pair<uint32_t, bool>> held;  // stripes held (ascending), exclusive?
+  // ReadSpans / WriteSet arguments.
+  std::vector<SpanSet*> sets;
+  std::vector<int> members;
+  std::vector<uint8_t*> dsts;
+  std::vector<Status> results;
+  std::vector<size_t> which;
+  std::vector<size_t> rmw;  // MergePartialWrites' scratch
+  std::vector<const uint8_t*> data;
+  std::vector<SpanOwner*> owners;
+  std::vector<std::span<const uint8_t* const>> set_data;
+  std::vector<std::span<SpanOwner* const>> set_owners;
+  std::vector<Result<SpanSet*>> written;
+};
+
+StripeStore::StripeStore(client::Cluster* cluster, StripeStoreOptions options)
+    : cluster_(cluster), options_(std::move(options)) {}
+
+Result<std::unique_ptr<StripeStore>> StripeStore::Create(client::Cluster* cluster,
+                                                         StripeStoreOptions options) {
+  if (options.size == 0 || options.size % kPage != 0) {
+    return Err(InvalidArgument(
+        fmt::format("export size {} must be a non-zero multiple of 4096", options.size)));
+  }
+  const client::Resilience& res = options.resilience;
+  if (res.mode != client::Resilience::Mode::kErasure) {
+    return Err(InvalidArgument(fmt::format(
+        "the stripe layout is for ec:k+r resilience, not {}: use the split layout (the default)",
+        res.ToString())));
+  }
+  if (res.group_size() > spanstore::kMaxSetWidth) {
+    return Err(
+        InvalidArgument(fmt::format("{}: the stripe layout spreads a stripe over at most {} "
+                                    "daemons (k + r)",
+                                    res.ToString(), spanstore::kMaxSetWidth)));
+  }
+  if (options.busy_poll.count() < 0 || options.busy_poll > client::ChannelSet::kMaxBusyPoll) {
+    return Err(InvalidArgument(fmt::format("busy poll of {} µs: give 0 (off) to {} µs",
+                                           options.busy_poll.count(),
+                                           client::ChannelSet::kMaxBusyPoll.count())));
+  }
+  std::unique_ptr<StripeStore> s(new StripeStore(cluster, std::move(options)));
+  FARMEM_RETURN_IF_ERROR(s->Init());
+  return s;
+}
+
+Status StripeStore::Init() {
+  const client::Resilience& res = options_.resilience;
+  pages_ = options_.size / kPage;
+  if (options_.encrypt) {
+    aead::Key key{};
+    if (options_.data_key) {
+      key = *options_.data_key;
+    } else {
+      FARMEM_ASSIGN_OR_RETURN(key, aead::GenerateKey());
+    }
+    FARMEM_ASSIGN_OR_RETURN(crypto_, PageCrypto::Create(key, pages_, options_.seal_observer));
+  }
+  // Daemons may still be starting: wait a bounded time for the k a stripe needs at least.
+  const Deadline wait_until = DeadlineIn(options_.startup_wait);
+  while (cluster_->alive_count() < static_cast<size_t>(res.k)) {
+    if (Clock::now() >= wait_until) {
+      return Unavailable(fmt::format(
+          "resilience {} needs at least {} live daemons, but only {} of {} are up after {} ms",
+          res.ToString(), res.k, cluster_->alive_count(), cluster_->node_count(),
+          options_.startup_wait.count()));
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));  // polls state, with a deadline
+  }
+  FARMEM_ASSIGN_OR_RETURN(
+      remote_, spanstore::RemoteStore::Create(cluster_, res, static_cast<uint32_t>(kPage),
+                                              options_.op_timeout, options_.reconcile_interval));
+  table_ = std::make_unique<PageEntry[]>(pages_);
+  locks_ = std::make_unique<SharedMutex[]>(kLockStripes);
+  for (size_t i = 0; i < options_.workers + 1; ++i) {  // +1: the compactor's
+    auto w = std::make_unique<Worker>();
+    w->io = remote_->NewIoContext();
+    if (i < options_.workers) w->io->channels.SetBusyPoll(options_.busy_poll);
+    if (crypto_) {
+      FARMEM_ASSIGN_OR_RETURN(aead::Cipher c, crypto_->NewCipher());
+      w->cipher.emplace(std::move(c));
+    }
+    all_workers_.push_back(std::move(w));
+  }
+  {
+    MutexLock lock(&workers_mu_);  // no other thread yet: for the analysis
+    for (size_t i = 0; i < options_.workers; ++i) free_workers_.push_back(all_workers_[i].get());
+  }
+  compact_thread_ = std::thread([this] { CompactLoop(); });
+  spdlog::info("stripe store: {} export, {} in stripes of {} pages + {} parity, {}",
+               FormatSize(options_.size), res.ToString(), res.k, res.r,
+               crypto_ ? "pages encrypted (AES-256-GCM)" : "pages NOT encrypted");
+  return Status::Ok();
+}
+
+StripeStore::~StripeStore() {
+  {
+    MutexLock lock(&compact_mu_);
+    stopping_ = true;
+  }
+  compact_cv_.SignalAll();
+  if (compact_thread_.joinable()) compact_thread_.join();
+  if (remote_) remote_->Shutdown();  // frees the groups' leases
+}
+
+StripeStore::Worker* StripeStore::Checkout() {
+  MutexLock lock(&workers_mu_);
+  workers_cv_.Wait(&workers_mu_, [&] {
+    workers_mu_.AssertHeld();
+    return !free_workers_.empty();
+  });
+  Worker* w = free_workers_.back();
+  free_workers_.pop_back();
+  return w;
+}
+
+void StripeStore::Return(Worker* w) {
+  {
+    MutexLock lock(&workers_mu_);
+    free_workers_.push_back(w);
+  }
+  workers_cv_.Signal();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Page locks
+
+void StripeStore::LockPages(Worker& w, std::span<const PageIo> pages) {
+  w.held.clear();
+  for (const PageIo& p : pages) {
+    w.held.emplace_back(static_cast<uint32_t>(p.page % kLockStripes), p.write || p.release);
+  }
+  std::sort(w.held.begin(), w.held.end());
+  // One entry per stripe, exclusive if any page of it changes (sorted: the exclusive one last).
+  size_t out = 0;
+  for (size_t i = 0; i < w.held.size(); ++i) {
+    if (out > 0 && w.held[out - 1].first == w.held[i].first) {
+      w.held[out - 1].second = w.held[out - 1].second || w.held[i].second;
+    } else {
+      w.held[out++] = w.held[i];
+    }
+  }
+  w.held.resize(out);
+  for (const auto& [stripe, exclusive] : w.held) {
+    if (exclusive) {
+      locks_[stripe].Lock();
+    } else {
+      locks_[stripe].LockShared();
+    }
+  }
+}
+
+void StripeStore::UnlockPages(Worker& w) {
+  for (auto it = w.held.rbegin(); it != w.held.rend(); ++it) {
+    if (it->second) {
+      locks_[it->first].Unlock();
+    } else {
+      locks_[it->first].UnlockShared();
+    }
+  }
+  w.held.clear();
+}
+
+// ---------------------------------------------------------------------------------------------
+// The batch path
+
+void StripeStore::ExecuteBatch(std::span<BlockOp> ops, BatchListener* /*listener*/) {
+  Worker* w = Checkout();
+  std::vector<PageIo>& pages = w->pages;
+  pages.clear();
+  w->op_status.assign(ops.size(), Status::Ok());
+  // Partial pages: at most two per op (its first and last page).
+  size_t partial = 0;
+  for (const BlockOp& op : ops) {
+    if (op.kind == BlockOp::Kind::kFlush) continue;
+    partial += (op.offset % kPage != 0 ? 1 : 0) + ((op.offset + op.length) % kPage != 0 ? 1 : 0);
+  }
+  if (w->scratch.size() < partial * kPage) w->scratch.resize(partial * kPage);
+  uint8_t* scratch = w->scratch.data();
+  for (size_t i = 0; i < ops.size(); ++i) {
+    const BlockOp& op = ops[i];
+    if (op.kind == BlockOp::Kind::kFlush || op.length == 0) continue;
+    if (op.offset > options_.size || op.length > options_.size - op.offset) {
+      w->op_status[i] = OutOfRange(fmt::format("{} bytes at {} lie beyond the export's {} bytes",
+                                               op.length, op.offset, options_.size));
+      continue;
+    }
+    const uint64_t end = op.offset + op.length;
+    for (uint64_t pg = op.offset / kPage; pg * kPage < end; ++pg) {
+      const uint64_t start = pg * kPage;
+      const uint64_t lo = std::max(op.offset, start);
+      const uint64_t hi = std::min(end, start + kPage);
+      const bool whole = hi - lo == kPage;
+      PageIo p;
+      p.page = pg;
+      p.op = i;
+      p.patch_at = static_cast<uint32_t>(lo - start);
+      p.patch_len = static_cast<uint32_t>(hi - lo);
+      switch (op.kind) {
+        case BlockOp::Kind::kRead:
+          p.read = true;
+          if (whole) {
+            p.buf = op.read_into.data() + (lo - op.offset);
+          } else {
+            p.buf = scratch;
+            scratch += kPage;
+            p.copy_to = op.read_into.data() + (lo - op.offset);
+          }
+          break;
+        case BlockOp::Kind::kWrite:
+        case BlockOp::Kind::kWriteZeroes: {
+          const bool zero = op.kind == BlockOp::Kind::kWriteZeroes;
+          if (whole && zero) {
+            p.release = true;
+          } else if (whole) {
+            p.write = true;
+            p.src = op.data.data() + (lo - op.offset);
+          } else {  // read-modify-write of the page, under its exclusive lock
+            p.read = p.write = true;
+            p.buf = scratch;
+            scratch += kPage;
+            p.src = p.buf;
+            p.patch = zero ? nullptr : op.data.data() + (lo - op.offset);
+          }
+          break;
+        }
+        case BlockOp::Kind::kTrim:
+          if (!whole) continue;  // contents after a trim are unspecified: leave it
+          p.release = true;
+          break;
+        case BlockOp::Kind::kFlush:
+          break;
+      }
+      pages.push_back(p);
+    }
+  }
+  MergePartialWrites(*w);
+  LockPages(*w, pages);
+  ReadPages(*w, pages, w->op_status);
+  for (PageIo& p : pages) {
+    const size_t base_op = p.primary == kNoPrimary ? p.op : pages[p.primary].op;
+    if (!w->op_status[p.op].ok() || !w->op_status[base_op].ok()) continue;
+    if (p.copy_to != nullptr) std::memcpy(p.copy_to, p.buf + p.patch_at, p.patch_len);
+    if ((p.read && p.write) || p.primary != kNoPrimary) {
+      if (p.patch != nullptr) {
+        std::memcpy(p.buf + p.patch_at, p.patch, p.patch_len);
+      } else {
+        std::memset(p.buf + p.patch_at, 0, p.patch_len);
+      }
+    }
+  }
+  WritePages(*w, pages, w->op_status);
+  for (const PageIo& p : pages) {
+    if (p.release && w->op_status[p.op].ok()) ReleaseCell(p.page);
+    // A patch merged into another op's page landed only if that page was written.
+    if (p.primary != kNoPrimary && w->op_status[p.op].ok() &&
+        !w->op_status[pages[p.primary].op].ok()) {
+      w->op_status[p.op] = w->op_status[pages[p.primary].op];
+    }
+  }
+  UnlockPages(*w);
+  for (size_t i = 0; i < ops.size(); ++i) ops[i].status = std::move(w->op_status[i]);
+  Return(w);
+}
+
+void StripeStore::MergePartialWrites(Worker& w) {
+  std::vector<PageIo>& pages = w.pages;
+  w.rmw.clear();
+  for (size_t i = 0; i < pages.size(); ++i) {
+    if (pages[i].read && pages[i].write) w.rmw.push_back(i);
+  }
+  if (w.rmw.size() < 2) return;
+  std::stable_sort(w.rmw.begin(), w.rmw.end(),
+                   [&](size_t a, size_t b) { return pages[a].page < pages[b].page; });
+  size_t first = w.rmw[0];
+  for (size_t j = 1; j < w.rmw.size(); ++j) {
+    PageIo& p = pages[w.rmw[j]];
+    if (p.page != pages[first].page) {
+      first = w.rmw[j];
+      continue;
+    }
+    p.primary = first;
+    p.read = p.write = false;
+    p.buf = pages[first].buf;
+  }
+}
+
+void StripeStore::ReadPages(Worker& w, std::span<PageIo> pages, std::span<Status> op_status) {
+  w.sets.clear();
+  w.members.clear();
+  w.dsts.clear();
+  w.which.clear();
+  for (size_t i = 0; i < pages.size(); ++i) {
+    PageIo& p = pages[i];
+    if (!p.read || !op_status[p.op].ok()) continue;
+    const PageEntry& e = table_[p.page];
+    if (e.set == nullptr) {
+      std::memset(p.buf, 0, kPage);
+      continue;
+    }
+    if (crypto_) crypto_->Prefetch(p.page, 1);
+    w.sets.push_back(e.set);
+    w.members.push_back(e.member);
+    w.dsts.push_back(p.buf);
+    w.which.push_back(i);
+  }
+  if (w.sets.empty()) return;
+  w.results.assign(w.sets.size(), Status::Ok());
+  // ReadSpans posts up to kMaxSetWidth reads together (one doorbell per daemon) and would read
+  // the rest one at a time: hand it that many at once.
+  const size_t total = w.sets.size();
+  for (size_t i = 0; i < total; i += spanstore::kMaxSetWidth) {
+    const size_t n = std::min<size_t>(spanstore::kMaxSetWidth, total - i);
+    remote_->ReadSpans(*w.io, {w.sets.data() + i, n}, {w.members.data() + i, n},
+                       {w.dsts.data() + i, n}, {w.results.data() + i, n});
+  }
+  for (size_t j = 0; j < w.sets.size(); ++j) {
+    PageIo& p = pages[w.which[j]];
+    Status st = std::move(w.results[j]);
+    if (st.ok() && crypto_) {
+      st = crypto_->Open(*w.cipher, p.page, p.buf);
+      if (!st.ok()) st = RecoverCell(w, p.page, w.sets[j], w.members[j], p.buf);
+    } else if (!st.ok()) {
+      if (st.code() == StatusCode::kDataLoss) lost_reads_.fetch_add(1, std::memory_order_relaxed);
+      st = st.WithContext(fmt::format("reading export page {} (bytes {}..{})", p.page,
+                                      p.page * kPage, (p.page + 1) * kPage));
+    }
+    if (!st.ok() && op_status[p.op].ok()) op_status[p.op] = std::move(st);
+  }
+}
+
+Status StripeStore::RecoverCell(Worker& w, uint64_t page, SpanSet* set, int member, uint8_t* buf) {
+  integrity_failures_.fetch_add(1, std::memory_order_relaxed);
+  const Status why = DataLoss(fmt::format("export page {} failed authentication", page));
+  if (remote_->ReportCorrupt(set, member, why)) {
+    Status st = remote_->ReadSpan(*w.io, set, member, buf);
+    if (st.ok()) st = crypto_->Open(*w.cipher, page, buf);
+    if (st.ok()) {
+      spdlog::warn(
+          "stripe store: export page {} failed authentication on its daemon (changed there or in "
+          "transit); served rebuilt from the other members, its member is re-protected",
+          page);
+      return Status::Ok();
+    }
+  }
+  lost_reads_.fetch_add(1, std::memory_order_relaxed);
+  spdlog::error(
+      "stripe store: export page {} (bytes {}..{}) failed authentication and no other "
+      "member could produce a copy that opens: the read fails",
+      page, page * kPage, (page + 1) * kPage);
+  return DataLoss(
+      fmt::format("export page {} (bytes {}..{}) failed authentication and cannot be "
+                  "rebuilt from the other members",
+                  page, page * kPage, (page + 1) * kPage));
+}
+
+void StripeStore::WritePages(Worker& w, std::span<PageIo> pages, std::span<Status> op_status) {
+  w.which.clear();
+  for (size_t i = 0; i < pages.size(); ++i) {
+    if (pages[i].write && op_status[pages[i].op].ok()) w.which.push_back(i);
+  }
+  if (w.which.empty()) return;
+  if (crypto_) {
+    if (w.sealed.size() < w.which.size() * kPage) w.sealed.resize(w.which.size() * kPage);
+    size_t kept = 0;
+    for (size_t j = 0; j < w.which.size(); ++j) {
+      PageIo& p = pages[w.which[j]];
+      uint8_t* out = w.sealed.data() + kept * kPage;
+      if (Status s = crypto_->Seal(*w.cipher, p.page, p.src, out); !s.ok()) {
+        crypto_->EndWrite(p.page, /*ok=*/false);
+        if (op_status[p.op].ok()) op_status[p.op] = s;
+        continue;
+      }
+      p.src = out;  // what goes out is the ciphertext
+      w.which[kept++] = w.which[j];
+    }
+    w.which.resize(kept);
+  }
+  // k pages a set, every set of the batch written together (RemoteStore::WriteSets).
+  const size_t k = static_cast<size_t>(options_.resilience.k);
+  const size_t nsets = (w.which.size() + k - 1) / k;
+  w.data.resize(w.which.size());
+  w.owners.resize(w.which.size());
+  w.set_data.resize(nsets);
+  w.set_owners.resize(nsets);
+  w.written.resize(nsets);
+  for (size_t j = 0; j < w.which.size(); ++j) {
+    const PageIo& p = pages[w.which[j]];
+    w.data[j] = p.src;
+    w.owners[j] = &table_[p.page];
+  }
+  for (size_t i = 0; i < nsets; ++i) {
+    const size_t n = std::min(k, w.which.size() - i * k);
+    w.set_data[i] = {w.data.data() + i * k, n};
+    w.set_owners[i] = {w.owners.data() + i * k, n};
+  }
+  remote_->WriteSets(*w.io, w.set_data, w.set_owners, w.written);
+  for (size_t i = 0; i < nsets; ++i) {
+    const Result<SpanSet*>& set = w.written[i];
+    const size_t n = w.set_data[i].size();
+    if (set) {
+      sets_written_.fetch_add(1, std::memory_order_relaxed);
+      if (n < k) short_sets_.fetch_add(1, std::memory_order_relaxed);
+    }
+    for (size_t j = 0; j < n; ++j) {
+      const PageIo& p = pages[w.which[i * k + j]];
+      if (!set) {
+        if (crypto_) crypto_->EndWrite(p.page, /*ok=*/false);
+        if (op_status[p.op].ok()) {
+          op_status[p.op] =
+              set.error().WithContext(fmt::format("writing export page {} (bytes {}..{})", p.page,
+                                                  p.page * kPage, (p.page + 1) * kPage));
+        }
+        continue;
+      }
+      PageEntry& e = table_[p.page];
+      if (e.set != nullptr) {
+        remote_->Release(e.set, e.member);  // the old cell becomes a hole
+      } else {
+        live_pages_.fetch_add(1, std::memory_order_relaxed);
+      }
+      e.set = *set;
+      e.member = static_cast<int32_t>(j);
+      if (crypto_) crypto_->EndWrite(p.page, /*ok=*/true);
+    }
+  }
+}
+
+void StripeStore::ReleaseCell(uint64_t page) {
+  PageEntry& e = table_[page];
+  if (e.set == nullptr) return;
+  remote_->Release(e.set, e.member);
+  e.set = nullptr;
+  e.member = 0;
+  live_pages_.fetch_sub(1, std::memory_order_relaxed);
+}
+
+std::vector<std::pair<client::Lease, uint64_t>> StripeStore::PagePlaces(uint64_t page) {
+  if (page >= pages_) return {};
+  ReaderLock lock(&locks_[page % kLockStripes]);
+  const PageEntry& e = table_[page];
+  if (e.set == nullptr) return {};
+  return remote_->CellPlaces(e.set, e.member);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Compaction: the live cells of the emptiest sets, read (and opened: a corrupted cell is caught
+// here, not moved) and written again as full sets through the batch path's own ReadPages and
+// WritePages, under the pages' exclusive locks; their old cells become holes and the emptied rows
+// and groups go back to the daemons.
+
+Status StripeStore::CompactOnce(uint64_t* moved) {
+  *moved = 0;
+  MutexLock pass(&compact_pass_mu_);
+  const size_t k = static_cast<size_t>(options_.resilience.k);
+  std::vector<SpanOwner*> cands = remote_->CompactionCandidates(8 * k);
+  if (cands.empty()) return Status::Ok();
+  Worker* w = all_workers_.back().get();  // the compactor's own (one pass at a time)
+  std::vector<PageIo>& pages = w->pages;
+  pages.clear();
+  if (w->scratch.size() < cands.size() * kPage) w->scratch.resize(cands.size() * kPage);
+  for (size_t i = 0; i < cands.size(); ++i) {
+    PageIo p;
+    p.page = static_cast<uint64_t>(static_cast<PageEntry*>(cands[i]) - table_.get());
+    p.op = i;
+    p.read = p.write = true;
+    p.buf = w->scratch.data() + i * kPage;
+    p.src = p.buf;
+    pages.push_back(p);
+  }
+  LockPages(*w, pages);
+  // The candidates are a snapshot: a page trimmed since has nothing to move.
+  for (PageIo& p : pages) {
+    if (table_[p.page].set == nullptr) p.read = p.write = false;
+  }
+  w->op_status.assign(pages.size(), Status::Ok());
+  ReadPages(*w, pages, w->op_status);
+  WritePages(*w, pages, w->op_status);
+  UnlockPages(*w);
+  Status first;
+  for (size_t i = 0; i < pages.size(); ++i) {
+    if (!pages[i].write) continue;
+    if (w->op_status[i].ok()) {
+      ++*moved;
+    } else if (first.ok()) {
+      first = w->op_status[i];
+    }
+  }
+  if (*moved > 0) {
+    compactions_.fetch_add(1, std::memory_order_relaxed);
+    pages_compacted_.fetch_add(*moved, std::memory_order_relaxed);
+  }
+  return first;
+}
+
+bool StripeStore::CompactionWanted() const {
+  if (options_.compact_trigger <= 0) return false;
+  const client::Resilience& res = options_.resilience;
+  const spanstore::RemoteStoreStats rs = remote_->stats();
+  const double packed = static_cast<double>(live_pages_.load(std::memory_order_relaxed)) * kPage *
+                        res.group_size() / res.k;
+  // One group's worth of slack: a small store is not compacted for rounding.
+  return static_cast<double>(rs.set_bytes) >
+         options_.compact_trigger * packed + static_cast<double>(res.group_size()) * kPage * 64;
+}
+
+void StripeStore::CompactLoop() {
+  for (;;) {
+    {
+      MutexLock lock(&compact_mu_);
+      // Compaction polls the store's fill (a cheap look at the set counts), every 50 ms.
+      compact_cv_.WaitFor(&compact_mu_, std::chrono::milliseconds(50), [&] {
+        compact_mu_.AssertHeld();
+        return stopping_;
+      });
+      if (stopping_) return;
+    }
+    while (CompactionWanted()) {
+      uint64_t moved = 0;
+      Status s = CompactOnce(&moved);
+      if (!s.ok()) spdlog::warn("stripe store: compaction: {}", s.ToString());
+      if (moved == 0) break;
+      MutexLock lock(&compact_mu_);
+      if (stopping_) return;
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Stats
+
+PageStoreStats StripeStore::stats() const {
+  const spanstore::RemoteStoreStats rs = remote_->stats();
+  PageStoreStats s;
+  s.extents_mapped = rs.groups;
+  s.degraded_reads = rs.degraded_reads;
+  s.rebuilds = rs.members_reprotected;
+  s.degraded_extents = rs.degraded_sets + rs.unrecoverable_sets;
+  s.degraded_maps = rs.degraded_sets_written;
+  s.degraded_episodes = rs.members_failed;
+  s.moved_members = rs.members_moved;
+  s.last_move_ms = rs.move_last_ms;
+  s.last_reprotect_ms = rs.reprotect_last_ms;
+  s.revalidated_members = rs.members_revalidated;
+  s.write_retries = write_retries_.load(std::memory_order_relaxed);
+  s.integrity_failures = integrity_failures_.load(std::memory_order_relaxed);
+  s.lost_bytes = lost_reads_.load(std::memory_order_relaxed) * kPage;
+  s.rebuild_running = rs.degraded_sets > 0 || rs.moves_pending > 0;
+  s.rebuild_queued = rs.moves_pending;
+  return s;
+}
+
+StripeStoreStats StripeStore::stripe_stats() const {
+  const spanstore::RemoteStoreStats rs = remote_->stats();
+  StripeStoreStats s;
+  s.live_pages = live_pages_.load(std::memory_order_relaxed);
+  s.sets = rs.sets;
+  s.set_bytes = rs.set_bytes;
+  s.leased_bytes = rs.leased_bytes;
+  s.sets_written = sets_written_.load(std::memory_order_relaxed);
+  s.short_sets = short_sets_.load(std::memory_order_relaxed);
+  s.compactions = compactions_.load(std::memory_order_relaxed);
+  s.pages_compacted = pages_compacted_.load(std::memory_order_relaxed);
+  return s;
+}
+
+}  // namespace farmem::blockdev

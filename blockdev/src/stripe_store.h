@@ -1,0 +1,212 @@
+// StripeStore: farmem-nbd's stripe layout for ec:k+r (--ec-layout stripe, docs/nbd.md "Stripe
+// layout") — a page lives whole on one daemon, so a read is one message to one daemon.
+//
+// What it solves: the split layout (PageStore, Hydra) cuts every 4 KiB page into k fragments on
+// k + r daemons, so a 4 KiB read asks all of them and waits for k. Here pages are kept as span
+// sets of the shared span-set store (spanstore::RemoteStore, Carbink's layout, also far_ptr's)
+// with span_size 4096: the pages of a write batch are packed k at a time into a set — k data
+// cells on k daemons plus r parity cells, written whole (no read-modify-write of parity) — and a
+// page table maps each export page to its cell (set, member). An overwrite writes a new set and
+// makes the old cell a hole; compaction rewrites the live cells of the emptiest sets as full sets
+// so that their rows go back to the daemons. A read is ReadSpans: one op to the one daemon of the
+// cell while it is up; a degraded read (that daemon gone) decodes from k members. Re-protection
+// of failed members, revalidation, eviction-notice moves, degraded writes: RemoteStore's.
+//
+// Page table: export page -> PageEntry {set, member}, 16 bytes per 4 KiB page (4 MiB per GiB of
+// export, allocated at start). A page whose entry has no set was never written (or was trimmed)
+// and reads as zeroes. The entry is the cell's SpanOwner, so compaction maps a candidate cell back
+// to its page without another table.
+//
+// Concurrency (every BlockBackend method from any thread, plus the compaction thread): the page
+// table is guarded by kLockStripes striped reader/writer locks (farmem::SharedMutex; page p ->
+// stripe p % kLockStripes). A batch takes the stripes of all its pages up front, in ascending
+// order (one order for every thread: no deadlock), shared for reads and exclusive for anything
+// that changes a page (write, trim, write-zeroes, a compaction move), and holds them until the
+// batch is done, network I/O included. Why that is enough: a cell is released (RemoteStore may
+// then free its row, and reuse it for another set) only by whoever changes its page's entry,
+// under the page's exclusive lock; a reader holds the page shared from looking up (set, member)
+// until the cell is read and opened, so the row it reads cannot be freed or reused meanwhile.
+// The same lock orders the page's seal (PageCrypto::EndWrite) with readers: a reader sees the
+// old entry with the old recorded seal, or the new entry with the new one. Which stripes are held
+// is dynamic, so the analysis cannot follow them: LockPages/UnlockPages are the only places that
+// take them (NO_THREAD_SAFETY_ANALYSIS there, the entries are not GUARDED_BY).
+// Each call checks out a Worker (its own IoContext, cipher, buffers) for its duration.
+//
+// Writes: a write is acknowledged when its set is on the k + r members (or as many as RemoteStore
+// could place, degraded, at least k). Nothing is buffered here: Flush has nothing to do, FUA is
+// free. Sub-page writes read, patch and write their page under its exclusive lock (several of one
+// page in one batch: one read, all patches, one write — MergePartialWrites); the write cache in
+// front, on by default, turns most of them into whole pages. Trim and write-zeroes release the
+// whole pages they cover (they read as zeroes); write-zeroes patches partial pages with zeroes;
+// trim leaves partial pages alone (their content is unspecified after a trim anyway).
+//
+// Encryption (on by default): PageCrypto exactly as PageStore uses it — each page sealed before
+// its cell leaves the process, AAD binding the export page number; a cell that fails to open is
+// reported (RemoteStore::ReportCorrupt: its member is failed and rebuilt) and read again, rebuilt
+// from the other members; with no redundancy left, an error for exactly that page. Compaction
+// moves ciphertext unchanged (its recorded seal stays valid) after checking that it opens.
+//
+// Not supported (yet): the backup file (farmem-nbd refuses --backup with the stripe layout),
+// compaction offload to the daemons (the client moves the bytes), none / replicate modes.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <thread>
+#include <vector>
+
+#include "farmem/blockdev/block_backend.h"
+#include "farmem/client/cluster.h"
+#include "farmem/client/resilience.h"
+#include "farmem/common/aead.h"
+#include "farmem/common/mutex.h"
+#include "farmem/spanstore/remote_store.h"
+#include "page_crypto.h"
+#include "page_store.h"  // PageStoreStats: status and metrics read the same struct
+
+namespace farmem::blockdev {
+
+struct StripeStoreOptions {
+  uint64_t size = 0;              // export size, a multiple of 4096
+  client::Resilience resilience;  // ec:k+r with k + r <= spanstore::kMaxSetWidth
+  size_t workers = 8;             // concurrent callers served without waiting
+  std::chrono::milliseconds op_timeout{5000};
+  std::chrono::microseconds busy_poll{0};  // client::ChannelSet::SetBusyPoll of the workers
+  std::chrono::milliseconds reconcile_interval{1000};  // RemoteStore's
+  std::chrono::milliseconds startup_wait{10000};       // for k live daemons
+  bool encrypt = true;
+  std::optional<aead::Key> data_key;  // empty: a fresh one
+  PageCrypto::SealObserver seal_observer;
+  // Compaction runs while the rows in use exceed compact_trigger * (k + r) / k * live bytes (the
+  // space a fully packed store would use). 0: never by itself (CompactOnce still works).
+  double compact_trigger = 1.5;
+};
+
+// What only the stripe layout has (PageStoreStats has the rest).
+struct StripeStoreStats {
+  uint64_t live_pages = 0;    // pages with a cell
+  uint64_t sets = 0;          // span sets in use
+  uint64_t set_bytes = 0;     // sets * (k + r) * 4096: rows in use
+  uint64_t leased_bytes = 0;  // slabs leased from the daemons
+  uint64_t sets_written = 0;  // by writes (not compaction)
+  uint64_t short_sets = 0;    // of those, with fewer than k pages
+  uint64_t compactions = 0;   // compaction passes that moved something
+  uint64_t pages_compacted = 0;
+};
+
+class StripeStore final : public BatchBackend {
+ public:
+  static Result<std::unique_ptr<StripeStore>> Create(client::Cluster* cluster,
+                                                     StripeStoreOptions options);
+  ~StripeStore() override;
+
+  uint64_t size() const override { return options_.size; }
+  Status Flush() override { return Status::Ok(); }  // nothing is buffered: see above
+  void ExecuteBatch(std::span<BlockOp> ops, BatchListener* listener = nullptr) override;
+
+  bool can_flush() const override { return true; }
+  bool can_fua() const override { return true; }
+  bool can_trim() const override { return true; }
+  bool can_write_zeroes() const override { return true; }
+  bool can_multi_conn() const override { return true; }
+
+  // PageStoreStats where they apply (docs/nbd.md "Stripe layout" says which): "extents" are span
+  // sets here (degraded_extents: sets in a group with a failed member).
+  PageStoreStats stats() const;
+  StripeStoreStats stripe_stats() const;
+  bool encrypted() const { return crypto_ != nullptr; }
+  const client::Resilience& resilience() const { return options_.resilience; }
+
+  // One compaction pass over the emptiest sets; *moved gets the pages moved.
+  Status CompactOnce(uint64_t* moved);
+  // False if failed members still wait for re-protection after `timeout`.
+  bool WaitForRecovery(std::chrono::milliseconds timeout) {
+    return remote_->WaitForRecovery(timeout);
+  }
+  // Where page `page`'s cell lives now: (lease, byte offset), empty if unwritten. For tests.
+  std::vector<std::pair<client::Lease, uint64_t>> PagePlaces(uint64_t page);
+
+  static constexpr uint64_t kPage = 4096;
+
+ private:
+  struct PageEntry : spanstore::SpanOwner {
+    spanstore::SpanSet* set = nullptr;  // null: never written or trimmed (reads as zeroes)
+    int32_t member = 0;
+  };
+  struct Worker;
+  static constexpr size_t kNoPrimary = ~size_t{0};
+  // One page a batch touches.
+  struct PageIo {
+    uint64_t page = 0;
+    size_t op = 0;
+    uint8_t* buf = nullptr;  // where the page is read to: the op's buffer, or the worker's scratch
+    const uint8_t* src = nullptr;  // write: the page's new plaintext (the op's data, or buf)
+    bool read = false;             // read it (a read op, or the read half of a read-modify-write)
+    bool write = false;            // write buf as the page's new content
+    bool release = false;          // trim / write-zeroes of the whole page
+    uint32_t patch_at = 0, patch_len = 0;  // read-modify-write: bytes of the op to lay over it
+    const uint8_t* patch = nullptr;        // null: zeroes (write-zeroes)
+    uint8_t* copy_to = nullptr;            // sub-page read: where the asked bytes go
+    // Another sub-page write of the same page in this batch (pages[primary]) reads and writes
+    // the page; this one only lays its patch over that buffer (MergePartialWrites).
+    size_t primary = kNoPrimary;
+  };
+  static constexpr size_t kLockStripes = 1024;
+
+  StripeStore(client::Cluster* cluster, StripeStoreOptions options);
+  Status Init();
+  Worker* Checkout() EXCLUDES(workers_mu_);
+  void Return(Worker* w) EXCLUDES(workers_mu_);
+  // Takes the stripes of `pages` in ascending order (exclusive where a page changes) / drops them.
+  void LockPages(Worker& w, std::span<const PageIo> pages) NO_THREAD_SAFETY_ANALYSIS;
+  void UnlockPages(Worker& w) NO_THREAD_SAFETY_ANALYSIS;
+  // Sub-page writes of one page by several ops of a batch (different bytes: all must land) are
+  // folded into the first: one read, every patch laid over its buffer, one write.
+  void MergePartialWrites(Worker& w);
+  // Reads (and opens) the pages marked `read` into their bufs; zeroes for unwritten pages. Page
+  // locks held. Errors go to op_status[page.op].
+  void ReadPages(Worker& w, std::span<PageIo> pages, std::span<Status> op_status);
+  // After a cell of `page` read from (set, member) into buf failed to open: reports it and reads
+  // it again from the other members. An error for exactly that page if nothing opens.
+  Status RecoverCell(Worker& w, uint64_t page, spanstore::SpanSet* set, int member, uint8_t* buf);
+  // Writes the pages marked `write` as full sets (k at a time), points the table at the new
+  // cells and releases the old ones. Page locks held exclusively.
+  void WritePages(Worker& w, std::span<PageIo> pages, std::span<Status> op_status);
+  void ReleaseCell(uint64_t page);  // page lock held exclusively
+  void CompactLoop();
+  bool CompactionWanted() const;
+
+  client::Cluster* cluster_;
+  StripeStoreOptions options_;
+  uint64_t pages_ = 0;
+  std::unique_ptr<spanstore::RemoteStore> remote_;
+  std::unique_ptr<PageCrypto> crypto_;  // null: --no-encrypt
+  // The page table: entries guarded by locks_[page % kLockStripes] (see the header comment).
+  std::unique_ptr<PageEntry[]> table_;
+  std::unique_ptr<SharedMutex[]> locks_;
+  std::atomic<uint64_t> live_pages_{0};
+
+  Mutex workers_mu_;
+  CondVar workers_cv_;
+  std::vector<std::unique_ptr<Worker>> all_workers_;  // the last one is the compactor's
+  std::vector<Worker*> free_workers_ GUARDED_BY(workers_mu_);
+
+  Mutex compact_pass_mu_;  // one compaction pass at a time (held across its I/O)
+  Mutex compact_mu_;       // the compaction thread's wake-up
+  CondVar compact_cv_;
+  bool stopping_ GUARDED_BY(compact_mu_) = false;
+  std::thread compact_thread_;
+
+  std::atomic<uint64_t> integrity_failures_{0};
+  std::atomic<uint64_t> lost_reads_{0};
+  std::atomic<uint64_t> write_retries_{0};
+  std::atomic<uint64_t> sets_written_{0};
+  std::atomic<uint64_t> short_sets_{0};
+  std::atomic<uint64_t> compactions_{0};
+  std::atomic<uint64_t> pages_compacted_{0};
+};
+
+}  // namespace farmem::blockdev
