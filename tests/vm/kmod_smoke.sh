@@ -18,7 +18,10 @@
 # --wait` of the daemon holding most slabs while block_writer rewrites and re-reads random blocks:
 # the keeper must move every slab off it from the noticed lease itself (the only copy) and free
 # the old leases before the grace period ends, the drained daemon then exits at once on SIGTERM,
-# and all 64 MiB must read back as last written (docs/kmod.md "Moving a noticed copy"). insmod farmem.ko;
+# and all 64 MiB must read back as last written (docs/kmod.md "Moving a noticed copy"); then a
+# fresh daemon takes the drained one's place, a second daemon is drained, and the fresh one is
+# SIGKILLed while the first move onto it is half done: that move fails, the old lease serves on,
+# the keeper moves the slab elsewhere, and all 64 MiB must still read back. insmod farmem.ko;
 # farmemctl kmod attach leases 64 MiB (2 MiB slabs) and keeps it; then
 #   1. dd: 8 MiB of random bytes written with O_DIRECT in 64 KiB blocks across slab boundaries and
 #      read back with 4 KiB and 1 MiB blocks: byte-identical; /sys/kernel/farmem/slabs lists
@@ -33,7 +36,7 @@
 #   and the kernel log has no WARNING/BUG/farmem error. Exit 77 when farmem.ko was not built.
 # Environment (optional): KMOD_SWAP_MIB (32), KMOD_SWAP_LIMIT (8M), KMOD_DRAIN_RESILIENCE (drain:
 # none, or replicate:2: twice the moves), KMOD_DRAIN_GRACE_MS
-# (drain: 60000), KMOD_LEAK_CYCLES (none: 10).
+# (drain: 60000), KMOD_DRAIN_FAIL (drain, none: 1, the failed move; 0 skips it), KMOD_LEAK_CYCLES.
 set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 source "$here/guest_daemons.sh"
@@ -57,7 +60,8 @@ case $mode in
   restart) daemons=2 resilience=none capacity=48M victim="" ;;
   # (KMOD_DRAIN_RESILIENCE=replicate:2 by hand: the keeper moves the noticed copies too rather
   # than rebuild them from the other copy; 80M each: two daemons hold both copies after it)
-  drain) daemons=3 resilience=${KMOD_DRAIN_RESILIENCE:-none} capacity=48M victim=""
+  # (64M with none: two daemons hold all 32 slabs after the move failure phase)
+  drain) daemons=3 resilience=${KMOD_DRAIN_RESILIENCE:-none} capacity=64M victim=""
     [[ $resilience == none ]] || capacity=80M ;;
   *) fail "mode must be none, replicate, restart or drain, not $mode" ;;
 esac
@@ -130,7 +134,9 @@ size=$(blockdev --getsize64 /dev/farmem0)
 # ---- 4. detach, rmmod, a clean kernel log (every mode ends here) ---------------------------------
 finish() {
   if [[ -z $victim ]]; then
-    grep -q 'errors=0 stale=0' /sys/kernel/farmem/status ||
+    # (A move whose daemon was killed: the writes to it failed.)
+    grep -q 'stale=0 ' /sys/kernel/farmem/status || fail "a stale copy: $(cat /sys/kernel/farmem/status)"
+    [[ -n ${move_failed:-} ]] || grep -q 'errors=0 ' /sys/kernel/farmem/status ||
       fail "completion errors: $(cat /sys/kernel/farmem/status)"
   fi
   "$bin/farmemctl" kmod detach || fail "farmemctl kmod detach"
@@ -150,7 +156,11 @@ finish() {
   [[ -n $victim ]] && bad='WARNING|BUG|Oops'
   # drain: the drained daemon's exit disconnects it (it holds no slab by then: nothing fails).
   [[ $mode == drain ]] && bad='WARNING|BUG|Oops|farmem: .*(failed|error)'
-  if dmesg | grep -v 'module verification failed' | grep -E "$bad"; then
+  # The daemon killed mid-move: its failures are expected (the move's, the writes' to it, a
+  # retry's connection to it, and what those control writes returned).
+  local ignore='^$'
+  [[ -n ${move_failed:-} ]] && ignore=" ${peers[$d]%:*}:|farmem: control: '(move|peer)' failed: -"
+  if dmesg | grep -v 'module verification failed' | grep -v -E "$ignore" | grep -E "$bad"; then
     fail "the kernel log has warnings or farmem errors (above)"
   fi
   say "PASS in $(elapsed) s"
@@ -240,6 +250,88 @@ slab_leaks() {  # [min total]: "group +N (a -> b) grew in K of C cycles" per lea
 }
 status_field() { sed -n "s/.* $1=\([0-9]*\).*/\1/p" /sys/kernel/farmem/status; }
 
+# ---- drain, then: a move that fails partway (the new lease's daemon dies mid-copy) ----------------
+# A fresh farmemd takes the drained one's address and port (the keeper's Cluster finds it again)
+# and holds nothing; the daemon of the other two holding fewer slabs is drained. The keeper places
+# each move on the daemon with the most free slabs, the fresh one, first; with the copier slowed
+# down (300 ms per 64 KiB chunk) it is SIGKILLed as soon as the module has a copy on it (stale:
+# being filled), while block_writer keeps writing. That move must fail with the old lease put back
+# as the slab's copy (nothing on the killed daemon was ever the only copy of anything), the keeper
+# must move every slab to the last daemon instead within the grace, and all 64 MiB must read back
+# as last written. KMOD_DRAIN_FAIL=0 skips it.
+move_fails_partway() {
+  local slabs counts n2 p2 target2 e moved_before t0 ms rc ups_before
+  ups_before=$(grep -c "NodeUp ${peers[$d]}" "$work/attach.log" || true)
+  "$bin/farmemd" --listen "${peers[$d]}" --capacity "$capacity" --slab-size 2M \
+    --max-client-share 1 --rdma on --secret-file "$work/secret" --lease-ttl-ms "$ttl_ms" \
+    "${daemon_args[@]}" 2>"$work/farmemd${d}b.log" &
+  e=$!
+  pids+=("$e")
+  # The keeper's word that it reaches the fresh daemon (its Cluster's heartbeat got through).
+  give_up=$((SECONDS + 30))
+  until (($(grep -c "NodeUp ${peers[$d]}" "$work/attach.log") > ups_before)); do
+    ((SECONDS < give_up)) || fail "the keeper did not see farmemd $d back at ${peers[$d]}"
+    sleep 0.1
+  done
+  slabs=$(cat /sys/kernel/farmem/slabs)
+  counts=$(awk '$1 == "slab" { n[$3]++ } END { for (p in n) print n[p], p }' <<<"$slabs" | sort -n)
+  read -r n2 p2 <<<"$counts"
+  target2=$(awk -v p="$p2" '$1 == "peer" && $2 == p { print $5 }' <<<"$slabs")
+  say "fresh farmemd at ${peers[$d]}; draining $target2 ($n2 slabs), its first move is to fail"
+  moved_before=$(status_field moved)
+  echo 300 >/sys/module/farmem/parameters/rebuild_chunk_delay_ms
+  rm -f "$work/stop"
+  "$block_writer" /dev/farmem0 "$work/full" 0 1024 65536 "$work/stop" >"$work/writer2.log" 2>&1 &
+  writer=$!
+  t0=$EPOCHREALTIME
+  "$bin/farmemctl" drain "$target2" --secret-file "$work/secret" --grace-ms "$grace_ms" --wait \
+    >"$work/drain2.log" 2>&1 &
+  local drainer=$!
+  # The module's word that a move onto the fresh daemon began (status and slabs wait while a
+  # move runs: it holds the control lock). With 300 ms per chunk it has ~10 s to go.
+  local started="farmem: move of slab .* to daemon ${peers[$d]%:*}:.* started" starts
+  starts=$(dmesg | grep -c "$started" || true)
+  give_up=$((SECONDS + 60))
+  until (($(dmesg | grep -c "$started") > starts)); do
+    kill -0 "$drainer" 2>/dev/null || fail "the drain ended before a move to the fresh daemon began"
+    ((SECONDS < give_up)) || fail "no move to the fresh daemon began"
+    sleep 0.05
+  done
+  kill -9 "$e"
+  say "SIGKILL the fresh farmemd mid-copy ($(dmesg | grep "$started" | tail -n 1 | sed 's/^.*farmem: //')) at $(elapsed) s"
+  echo 0 >/sys/module/farmem/parameters/rebuild_chunk_delay_ms
+  rc=0
+  wait "$drainer" || rc=$?
+  ms=$(((${EPOCHREALTIME/./} - ${t0/./}) / 1000))
+  ((rc == 0)) || fail "farmemctl drain --wait: $(cat "$work/drain2.log")"
+  say "$(tail -n 1 "$work/drain2.log") $ms ms after the notice (grace $grace_ms ms)"
+  ((ms < grace_ms)) || fail "the leases were freed only after the grace period"
+  # (grep -q would end the pipe early: dmesg's SIGPIPE fails it under pipefail)
+  grep -q "farmem: move of slab .* to daemon ${peers[$d]%:*}:.* failed: .*(the old lease is its copy again)" <<<"$(dmesg)" ||
+    fail "no move to the killed daemon failed with its old lease put back"
+  give_up=$((SECONDS + 60))
+  until (($(status_field moved) >= moved_before + n2)) && ! grep -q 'stale=[1-9]' /sys/kernel/farmem/status; do
+    ((SECONDS < give_up)) || fail "moved= $(status_field moved), want $((moved_before + n2)): $(cat /sys/kernel/farmem/status)"
+    sleep 0.2
+  done
+  touch "$work/stop"
+  rc=0
+  wait "$writer" || rc=$?
+  writer=""
+  cat "$work/writer2.log"
+  ((rc == 0)) || fail "the writer failed during the moves (above)"
+  ! grep -E 'is lost|no live copy|rebuilt on' "$work/attach.log" || fail "slabs were lost or rebuilt, not moved"
+  slabs=$(cat /sys/kernel/farmem/slabs)
+  ! awk -v a="$target2" -v b="${peers[$d]}" '$1 == "peer" && ($5 == a || $5 == b) { gone[$2] = 1 }
+    $1 == "slab" && gone[$3]' <<<"$slabs" | grep -q . ||
+    fail "slabs left on the drained or the killed daemon: $slabs"
+  dd if=/dev/farmem0 of="$work/full.back" bs=1M iflag=direct status=none ||
+    fail "dd read of the whole device after the failed move"
+  cmp "$work/full" "$work/full.back" || fail "the device differs from what was written last"
+  say "verified 64 MiB after a move failed partway and $n2 slabs moved at $(elapsed) s: $(cat /sys/kernel/farmem/status)"
+  move_failed=1
+}
+
 # ---- drain: move every slab off a noticed daemon, resilience none ---------------------------------
 if [[ $mode == drain ]]; then
   # The daemon holding most slabs (their only copies).
@@ -309,6 +401,8 @@ if [[ $mode == drain ]]; then
     fail "dd read of the whole device after the drain"
   cmp "$work/full" "$work/full.back" || fail "the device differs from what was written last"
   say "verified 64 MiB after the drain at $(elapsed) s: $(cat /sys/kernel/farmem/status)"
+  # (replicate:2: the other daemon holds the slabs' other copies, the fresh one is the only place)
+  [[ ${KMOD_DRAIN_FAIL:-1} == 1 && $resilience == none ]] && move_fails_partway
   finish
   exit 0
 fi
