@@ -215,10 +215,12 @@ leak_check() {
     rmmod farmem || fail "leak check: rmmod, cycle $i"
   done
   # A leak grows its cache by at least one object in (nearly) every cycle; the rest of the
-  # guest allocates in bursts (seen: kmalloc-96 +40 over 5 cycles, then +0; +420 over 10 cycles
-  # in 6 of them). A group leaks when it grew by `cycles` objects or more in all and grew in at
-  # least 8 of 10 cycles (a module leaking a kmalloc per attach: 10 of 10). RCU-deferred frees
-  # of the last cycle may still be pending: look again (a state, not a time) before failing.
+  # guest allocates in bursts: kmalloc-96 +40 over 5 cycles then +0, +420 in 6 of 10 cycles,
+  # +247 in 7 of 10 — 9p fids (p9_fid_create, slub_debug=U's alloc_traces), the root file
+  # system's, for the files each cycle's processes open. A group leaks when it grew by `cycles`
+  # objects or more in all and grew in at least 9 of 10 cycles (a module leaking a kmalloc per
+  # attach: 10 of 10). RCU-deferred frees of the last cycle may still be pending: look again
+  # (a state, not a time) before failing.
   for _ in $(seq 8); do
     slab_counts "$work/slabs.$cycles"
     grown=$(slab_leaks)
@@ -243,7 +245,7 @@ slab_leaks() {  # [min total]: "group +N (a -> b) grew in K of C cycles" per lea
         up = 0
         for (i = 2; i <= c + 1; i++) if (n[k, i] > n[k, i - 1]) up++
         d = n[k, c + 1] - n[k, 1]
-        if (min != "" ? d >= min : d >= c && up * 10 >= c * 8)
+        if (min != "" ? d >= min : d >= c && up * 10 >= c * 9)
           printf "%s +%d (%d -> %d) grew in %d of %d cycles\n", k, d, n[k, 1], n[k, c + 1], up, c
       }
     }' "${files[@]}"
