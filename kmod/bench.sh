@@ -12,7 +12,10 @@
 # With a third argument, the swap_workload program (tests/vm), each device also serves as swap for
 # a patterned, verified working set of SWAP_MIB (32) MiB under a memory.max of SWAP_LIMIT (8M) (two passes,
 # rewriting), and the workload's runtime is printed per device ("RESULT swap NAME SECONDS").
-# Environment: RUNTIME (fio seconds per job, 5), SIZE (device size, 64M), SWAP_MIB, SWAP_LIMIT.
+# Environment: RUNTIME (fio seconds per job, 5), SIZE (device size, 64M), SWAP_MIB, SWAP_LIMIT,
+# LAT_ITERS (ib_read_lat/ib_write_lat iterations, 1000: ~0.1 s; as many as fio's RUNTIME takes
+# at depth 1, e.g. 25000 for 3 s, make the means comparable: both then sit through the same
+# share of the host's preemptions of the guest), KMOD_ONLY=1 (farmem0 and perftest only).
 set -euo pipefail
 [[ ${FARMEM_VM:-} == 1 ]] || { echo "run me inside the guest: deploy/vm/run -- bash $0 ..." >&2; exit 2; }
 bin=${1:?usage: bench.sh <bin dir> <farmem.ko>}
@@ -115,22 +118,23 @@ rmmod farmem || say "rmmod failed"
 say "perftest: starting"
 
 # ---- perftest on the same rxe0 ---------------------------------------------------------------------
-perftest() {  # TOOL: "RESULT TOOL t_typical t_avg"
-  local tool=$1 out=""
-  "$tool" -d rxe0 -x 1 -F -s 4096 -n 1000 >"$work/server.log" 2>&1 &
+perftest() {  # TOOL: "RESULT TOOL t_typical t_avg p99"
+  local tool=$1 out="" iters=${LAT_ITERS:-1000}
+  "$tool" -d rxe0 -x 1 -F -s 4096 -n "$iters" >"$work/server.log" 2>&1 &
   local server=$!
   for _ in 1 2 3 4 5 6 7 8 9 10; do
     sleep 0.5
-    if out=$("$tool" -d rxe0 -x 1 -F -s 4096 -n 1000 "$addr" 2>&1); then break; fi
+    if out=$("$tool" -d rxe0 -x 1 -F -s 4096 -n "$iters" "$addr" 2>&1); then break; fi
     out=""
   done
   wait "$server" || true
-  awk -v t="$tool" '$1 == 4096 { printf "RESULT %s %s %s\n", t, $5, $6; exit }' <<<"$out" >>"$results"
+  awk -v t="$tool" '$1 == 4096 { printf "RESULT %s %s %s %s\n", t, $5, $6, $8; exit }' <<<"$out" >>"$results"
   tail -n 1 "$results"
 }
 perftest ib_read_lat
 perftest ib_write_lat
 
+if [[ ${KMOD_ONLY:-0} != 1 ]]; then
 # ---- nbdkit memory ---------------------------------------------------------------------------------
 say "nbdkit memory: starting"
 # As a swap device is served (tests/vm/nbd_swap_smoke.sh): the server locked in memory (--swap),
@@ -177,6 +181,7 @@ say "farmem-nbd over verbs: starting"
 farmem_nbd nbd verbs
 say "farmem-nbd over tcp: starting"
 farmem_nbd nbdtcp tcp
+fi
 
 # ---- the table -------------------------------------------------------------------------------------
 python3 - "$results" <<'EOF'
@@ -185,11 +190,11 @@ fio, pt, swap = {}, {}, {}
 for line in open(sys.argv[1]):
     w = line.split()
     if len(w) == 8:
-        fio[(w[1], w[2], w[3])] = (float(w[4]), float(w[5]), float(w[6]))
+        fio[(w[1], w[2], w[3])] = (float(w[4]), float(w[5]), float(w[6]), float(w[7]))
     elif len(w) == 4 and w[1] == "swap":
         swap[w[2]] = w[3]
-    elif len(w) == 4:
-        pt[w[1]] = (float(w[2]), float(w[3]))
+    elif len(w) == 5:
+        pt[w[1]] = (float(w[2]), float(w[3]), float(w[4]))
 print("| job | kmod IOPS / mean µs / p50 µs | farmem-nbd verbs | farmem-nbd tcp | nbdkit memory | kmod vs nbd (mean lat) |")
 print("|---|---|---|---|---|---|")
 for rw in ("randread", "randwrite"):
@@ -201,13 +206,14 @@ for rw in ("randread", "randwrite"):
         k, b = fio.get(("kmod", rw, qd)), fio.get(("nbd", rw, qd))
         ratio = f"{b[1] / k[1]:.2f}x lower" if k and b and k[1] else "-"
         print(f"| 4 KiB {rw} depth {qd} | " + " | ".join(cells) + f" | {ratio} |")
-for t, (typ, avg) in pt.items():
-    print(f"{t} 4 KiB: t_typical {typ} us, t_avg {avg} us")
+for t, (typ, avg, p99) in pt.items():
+    print(f"{t} 4 KiB: t_typical {typ} us, t_avg {avg} us, p99 {p99} us")
 if swap:
     print("swap workload runtime, s: " + ", ".join(
         f"{n} {float(t):.1f}" if t[0].isdigit() else f"{n} {t}" for n, t in swap.items()))
 k = fio.get(("kmod", "randread", "1"))
 if k and "ib_read_lat" in pt:
     print(f"kmod depth-1 read mean / ib_read_lat t_avg: {k[1] / pt['ib_read_lat'][1]:.2f}x "
-          f"(p50 / t_typical: {k[2] / pt['ib_read_lat'][0]:.2f}x)")
+          f"(p50 / t_typical: {k[2] / pt['ib_read_lat'][0]:.2f}x, "
+          f"p99 / p99: {k[3] / pt['ib_read_lat'][2]:.2f}x)")
 EOF

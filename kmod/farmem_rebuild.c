@@ -333,6 +333,9 @@ int farmem_dev_rebuild(u32 s, u32 r, u32 peer_index, u64 lease_id, u64 raddr, u3
 	bitmap_zero(dev->sync.dirty, dev->sync.nchunks);
 	WRITE_ONCE(dev->sync.slab, s);
 	blk_mq_unfreeze_queue(dev->disk->queue);
+	/* (The copy takes seconds under load: its start is worth a line, e.g. to see it stall.) */
+	pr_info("farmem: %s of slab %u copy %u to daemon %pI4:%u (lease %llu) started\n", what, s, r,
+		&peer->addr.sin_addr, ntohs(peer->addr.sin_port), lease_id);
 
 	for (c = 0; c < dev->sync.nchunks && !ret; c++) {
 		ret = farmem_copy_chunk(dev, cp, slab, src, r, c);

@@ -18,7 +18,10 @@
 # --wait` of the daemon holding most slabs while block_writer rewrites and re-reads random blocks:
 # the keeper must move every slab off it from the noticed lease itself (the only copy) and free
 # the old leases before the grace period ends, the drained daemon then exits at once on SIGTERM,
-# and all 64 MiB must read back as last written (docs/kmod.md "Moving a noticed copy"). insmod farmem.ko;
+# and all 64 MiB must read back as last written (docs/kmod.md "Moving a noticed copy"); then a
+# fresh daemon takes the drained one's place, a second daemon is drained, and the fresh one is
+# SIGKILLed while the first move onto it is half done: that move fails, the old lease serves on,
+# the keeper moves the slab elsewhere, and all 64 MiB must still read back. insmod farmem.ko;
 # farmemctl kmod attach leases 64 MiB (2 MiB slabs) and keeps it; then
 #   1. dd: 8 MiB of random bytes written with O_DIRECT in 64 KiB blocks across slab boundaries and
 #      read back with 4 KiB and 1 MiB blocks: byte-identical; /sys/kernel/farmem/slabs lists
@@ -28,10 +31,12 @@
 #   3. swap: mkswap, swapon, swap_workload (a patterned 32 MiB working set under memory.max 8M,
 #      re-read and rewritten) verifies every byte; pswpout/pswpin show it went through farmem0;
 #   4. swapoff, farmemctl kmod detach: the attach process frees its leases and exits 0; rmmod;
+#   5. (none) leaks: KMOD_LEAK_CYCLES (10) cycles of insmod, attach, I/O, detach, rmmod; no kmalloc
+#      cache (nor kernfs nodes, block inodes, request queues) may grow by an object per cycle;
 #   and the kernel log has no WARNING/BUG/farmem error. Exit 77 when farmem.ko was not built.
 # Environment (optional): KMOD_SWAP_MIB (32), KMOD_SWAP_LIMIT (8M), KMOD_DRAIN_RESILIENCE (drain:
 # none, or replicate:2: twice the moves), KMOD_DRAIN_GRACE_MS
-# (drain: 60000).
+# (drain: 60000), KMOD_DRAIN_FAIL (drain, none: 1, the failed move; 0 skips it), KMOD_LEAK_CYCLES.
 set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 source "$here/guest_daemons.sh"
@@ -55,7 +60,8 @@ case $mode in
   restart) daemons=2 resilience=none capacity=48M victim="" ;;
   # (KMOD_DRAIN_RESILIENCE=replicate:2 by hand: the keeper moves the noticed copies too rather
   # than rebuild them from the other copy; 80M each: two daemons hold both copies after it)
-  drain) daemons=3 resilience=${KMOD_DRAIN_RESILIENCE:-none} capacity=48M victim=""
+  # (64M with none: two daemons hold all 32 slabs after the move failure phase)
+  drain) daemons=3 resilience=${KMOD_DRAIN_RESILIENCE:-none} capacity=64M victim=""
     [[ $resilience == none ]] || capacity=80M ;;
   *) fail "mode must be none, replicate, restart or drain, not $mode" ;;
 esac
@@ -103,20 +109,23 @@ say "farmemd up at $(elapsed) s: $peer_list"
 # ---- the module and its control plane -------------------------------------------------------------
 insmod "$ko" || fail "insmod $ko"
 [[ $(cat /sys/kernel/farmem/version) == 4 ]] || fail "unexpected interface version"
-start_attach() {  # log file
+start_attach() {  # log file [size]
   "$bin/farmemctl" --log-level info kmod attach --peers "$peer_list" --secret-file "$work/secret" \
-    --size 64M --resilience "$resilience" >"$1" 2>&1 &
+    --size "${2:-64M}" --resilience "$resilience" >"$1" 2>&1 &
   attach=$!
 }
+wait_running() {  # /dev/farmem0 is there and serving
+  for _ in $(seq 600); do
+    grep -q '^state=running' /sys/kernel/farmem/status 2>/dev/null && break
+    kill -0 "$attach" 2>/dev/null || fail "farmemctl kmod attach exited"
+    sleep 0.05
+  done
+  grep -q '^state=running' /sys/kernel/farmem/status || fail "/dev/farmem0 not running"
+  for _ in $(seq 200); do [[ -b /dev/farmem0 ]] && break; sleep 0.05; done
+  [[ -b /dev/farmem0 ]] || fail "no /dev/farmem0"
+}
 start_attach "$work/attach.log"
-for _ in $(seq 600); do
-  grep -q '^state=running' /sys/kernel/farmem/status 2>/dev/null && break
-  kill -0 "$attach" 2>/dev/null || fail "farmemctl kmod attach exited"
-  sleep 0.05
-done
-grep -q '^state=running' /sys/kernel/farmem/status || fail "/dev/farmem0 not running"
-for _ in $(seq 200); do [[ -b /dev/farmem0 ]] && break; sleep 0.05; done
-[[ -b /dev/farmem0 ]] || fail "no /dev/farmem0"
+wait_running
 say "attached at $(elapsed) s: $(cat /sys/kernel/farmem/status)"
 size=$(blockdev --getsize64 /dev/farmem0)
 ((size == 64 << 20)) || fail "/dev/farmem0 has $size bytes, want $((64 << 20))"
@@ -125,7 +134,9 @@ size=$(blockdev --getsize64 /dev/farmem0)
 # ---- 4. detach, rmmod, a clean kernel log (every mode ends here) ---------------------------------
 finish() {
   if [[ -z $victim ]]; then
-    grep -q 'errors=0 stale=0' /sys/kernel/farmem/status ||
+    # (A move whose daemon was killed: the writes to it failed.)
+    grep -q 'stale=0 ' /sys/kernel/farmem/status || fail "a stale copy: $(cat /sys/kernel/farmem/status)"
+    [[ -n ${move_failed:-} ]] || grep -q 'errors=0 ' /sys/kernel/farmem/status ||
       fail "completion errors: $(cat /sys/kernel/farmem/status)"
   fi
   "$bin/farmemctl" kmod detach || fail "farmemctl kmod detach"
@@ -138,18 +149,190 @@ finish() {
     ! grep -q 'lapsed\|cannot be renewed' "$work/attach2.log" || fail "leases lapsed (above)"
   fi
   rmmod farmem || fail "rmmod farmem"
+  [[ $mode == none ]] && leak_check
   # (The taint notices "module verification failed" of an unsigned out-of-tree module are expected.)
   # With a daemon killed, its failed operations and its disconnect are expected in the log.
   bad='WARNING|BUG|Oops|farmem: .*(failed|error|disconnected)'
   [[ -n $victim ]] && bad='WARNING|BUG|Oops'
   # drain: the drained daemon's exit disconnects it (it holds no slab by then: nothing fails).
   [[ $mode == drain ]] && bad='WARNING|BUG|Oops|farmem: .*(failed|error)'
-  if dmesg | grep -v 'module verification failed' | grep -E "$bad"; then
+  # The daemon killed mid-move: its failures are expected (the move's, the writes' to it, a
+  # retry's connection to it, and what those control writes returned).
+  local ignore='^$'
+  [[ -n ${move_failed:-} ]] && ignore=" ${peers[$d]%:*}:|farmem: control: '(move|peer)' failed: -"
+  if dmesg | grep -v 'module verification failed' | grep -v -E "$ignore" | grep -E "$bad"; then
     fail "the kernel log has warnings or farmem errors (above)"
   fi
   say "PASS in $(elapsed) s"
 }
+
+# ---- 5. (none) leaks: cycles of insmod, attach, I/O, detach, rmmod --------------------------------
+# Debian's kernel has no kmemleak (CONFIG_DEBUG_KMEMLEAK is off), so: the module's own slab caches
+# (it makes none) must be gone after rmmod, and the caches it and what it drives (rdma_cm, the
+# verbs core, rxe, blk-mq, the gendisk and its sysfs) allocate from must not grow by one object
+# per cycle over KMOD_LEAK_CYCLES cycles. Watched: kmalloc-* (every kind), kernfs nodes, block
+# devices' inodes, request queues, each counted for its merged group (SLUB merges caches of one
+# size: /sys/kernel/slab/NAME is a link to the group). The other caches are only reported: the
+# cycles' processes and TCP connections (pid, TIME_WAIT sockets, dentries) are noise there.
+# SLUB counts every object of a CPU's current slab as in use; shrinking each cache first flushes
+# the per-CPU slabs, which makes the counts exact up to what the rest of the guest does meanwhile.
+slab_groups() {  # the watched caches' groups, "DIR NAME" (one name per group)
+  local n
+  for n in /sys/kernel/slab/{kmalloc-,dma-kmalloc-}* /sys/kernel/slab/{kernfs_node_cache,kernfs_iattrs_cache,bdev_cache,request_queue}; do
+    [[ -e $n ]] && echo "$(realpath "$n") ${n##*/}"
+  done | sort -u -k1,1 >"$work/slab.groups"
+}
+slab_counts() {  # prefix: PREFIX.all "cache objects" of every cache, PREFIX.watched of the groups
+  local g n f
+  awk 'NR > 2 { print $1, $2 }' /proc/slabinfo >"$1.all"
+  while read -r g n; do
+    echo 1 >>"$g/shrink"  # (not >: a truncate sets the file's attributes, allocating kernfs_iattrs)
+    read -r f _ <"$g/objects"
+    echo "${g##*/}/$n $f"
+  done <"$work/slab.groups" >"$1.watched"
+}
+leak_check() {
+  local cycles=${KMOD_LEAK_CYCLES:-10} i grown t0=$EPOCHREALTIME
+  ! grep -i farmem /proc/slabinfo || fail "a farmem slab cache outlived rmmod (above)"
+  [[ ! -e /sys/kernel/farmem ]] || fail "/sys/kernel/farmem outlived rmmod"
+  head -c $((4 << 20)) /dev/urandom >"$work/small"
+  slab_groups
+  # Two cycles before counting: the first use of a kernel path may allocate for good (rdma_cm's
+  # and rxe's pools, a block major's kobjects, ...), and what the phases above left settles.
+  for ((i = -2; i < cycles; i++)); do
+    ((i >= 0)) && slab_counts "$work/slabs.$i"
+    insmod "$ko" || fail "leak check: insmod, cycle $i"
+    start_attach "$work/attach-leak.log" 4M
+    wait_running
+    if ! { dd if="$work/small" of=/dev/farmem0 bs=64K oflag=direct status=none &&
+      dd if=/dev/farmem0 of="$work/small.back" bs=1M iflag=direct status=none &&
+      cmp -s "$work/small" "$work/small.back"; }; then
+      fail "leak check: I/O in cycle $i"
+    fi
+    "$bin/farmemctl" kmod detach || fail "leak check: detach, cycle $i"
+    wait "$attach" || fail "leak check: the attach process exited with $? after detach, cycle $i"
+    attach=""
+    rmmod farmem || fail "leak check: rmmod, cycle $i"
+  done
+  # A leak grows its cache by at least one object in (nearly) every cycle; the rest of the
+  # guest allocates in bursts: kmalloc-96 +40 over 5 cycles then +0, +420 in 6 of 10 cycles,
+  # +247 in 7 of 10 — 9p fids (p9_fid_create, slub_debug=U's alloc_traces), the root file
+  # system's, for the files each cycle's processes open. A group leaks when it grew by `cycles`
+  # objects or more in all and grew in at least 9 of 10 cycles (a module leaking a kmalloc per
+  # attach: 10 of 10). RCU-deferred frees of the last cycle may still be pending: look again
+  # (a state, not a time) before failing.
+  for _ in $(seq 8); do
+    slab_counts "$work/slabs.$cycles"
+    grown=$(slab_leaks)
+    [[ -z $grown ]] && break
+    sleep 0.25
+  done
+  say "leak check: $cycles cycles of insmod, attach (4 MiB), I/O, detach, rmmod in $(((${EPOCHREALTIME/./} - ${t0/./}) / 1000)) ms"
+  say "leak check: watched caches that grew (objects, cycles that grew it): $(slab_leaks 1 | sort -t+ -k2 -rn | head -n 6 | tr '\n' ';')"
+  say "leak check: largest growths of all caches (not checked): $(awk 'NR == FNR { n[$1] = $2; next }
+    $2 > n[$1] { printf "%s +%d\n", $1, $2 - n[$1] }' "$work/slabs.0.all" "$work/slabs.$cycles.all" |
+    sort -t+ -k2 -rn | head -n 4 | tr '\n' ';')"
+  [[ -z $grown ]] ||
+    fail "slab caches grew by one object per cycle over $cycles cycles (a leak): $grown"
+}
+slab_leaks() {  # [min total]: "group +N (a -> b) grew in K of C cycles" per leaking (or growing) group
+  local f files=()
+  for ((f = 0; f <= cycles; f++)); do files+=("$work/slabs.$f.watched"); done
+  awk -v c="$cycles" -v min="${1:-}" '
+    { if (FNR == 1) f++; n[$1, f] = $2; g[$1] = 1 }
+    END {
+      for (k in g) {
+        up = 0
+        for (i = 2; i <= c + 1; i++) if (n[k, i] > n[k, i - 1]) up++
+        d = n[k, c + 1] - n[k, 1]
+        if (min != "" ? d >= min : d >= c && up * 10 >= c * 9)
+          printf "%s +%d (%d -> %d) grew in %d of %d cycles\n", k, d, n[k, 1], n[k, c + 1], up, c
+      }
+    }' "${files[@]}"
+}
 status_field() { sed -n "s/.* $1=\([0-9]*\).*/\1/p" /sys/kernel/farmem/status; }
+
+# ---- drain, then: a move that fails partway (the new lease's daemon dies mid-copy) ----------------
+# A fresh farmemd takes the drained one's address and port (the keeper's Cluster finds it again)
+# and holds nothing; the daemon of the other two holding fewer slabs is drained. The keeper places
+# each move on the daemon with the most free slabs, the fresh one, first; with the copier slowed
+# down (300 ms per 64 KiB chunk) it is SIGKILLed as soon as the module has a copy on it (stale:
+# being filled), while block_writer keeps writing. That move must fail with the old lease put back
+# as the slab's copy (nothing on the killed daemon was ever the only copy of anything), the keeper
+# must move every slab to the last daemon instead within the grace, and all 64 MiB must read back
+# as last written. KMOD_DRAIN_FAIL=0 skips it.
+move_fails_partway() {
+  local slabs counts n2 p2 target2 e moved_before t0 ms rc ups_before
+  ups_before=$(grep -c "NodeUp ${peers[$d]}" "$work/attach.log" || true)
+  "$bin/farmemd" --listen "${peers[$d]}" --capacity "$capacity" --slab-size 2M \
+    --max-client-share 1 --rdma on --secret-file "$work/secret" --lease-ttl-ms "$ttl_ms" \
+    "${daemon_args[@]}" 2>"$work/farmemd${d}b.log" &
+  e=$!
+  pids+=("$e")
+  # The keeper's word that it reaches the fresh daemon (its Cluster's heartbeat got through).
+  give_up=$((SECONDS + 30))
+  until (($(grep -c "NodeUp ${peers[$d]}" "$work/attach.log") > ups_before)); do
+    ((SECONDS < give_up)) || fail "the keeper did not see farmemd $d back at ${peers[$d]}"
+    sleep 0.1
+  done
+  slabs=$(cat /sys/kernel/farmem/slabs)
+  counts=$(awk '$1 == "slab" { n[$3]++ } END { for (p in n) print n[p], p }' <<<"$slabs" | sort -n)
+  read -r n2 p2 <<<"$counts"
+  target2=$(awk -v p="$p2" '$1 == "peer" && $2 == p { print $5 }' <<<"$slabs")
+  say "fresh farmemd at ${peers[$d]}; draining $target2 ($n2 slabs), its first move is to fail"
+  moved_before=$(status_field moved)
+  echo 300 >/sys/module/farmem/parameters/rebuild_chunk_delay_ms
+  rm -f "$work/stop"
+  "$block_writer" /dev/farmem0 "$work/full" 0 1024 65536 "$work/stop" >"$work/writer2.log" 2>&1 &
+  writer=$!
+  t0=$EPOCHREALTIME
+  "$bin/farmemctl" drain "$target2" --secret-file "$work/secret" --grace-ms "$grace_ms" --wait \
+    >"$work/drain2.log" 2>&1 &
+  local drainer=$!
+  # The module's word that a move onto the fresh daemon began (status and slabs wait while a
+  # move runs: it holds the control lock). With 300 ms per chunk it has ~10 s to go.
+  local started="farmem: move of slab .* to daemon ${peers[$d]%:*}:.* started" starts
+  starts=$(dmesg | grep -c "$started" || true)
+  give_up=$((SECONDS + 60))
+  until (($(dmesg | grep -c "$started") > starts)); do
+    kill -0 "$drainer" 2>/dev/null || fail "the drain ended before a move to the fresh daemon began"
+    ((SECONDS < give_up)) || fail "no move to the fresh daemon began"
+    sleep 0.05
+  done
+  kill -9 "$e"
+  say "SIGKILL the fresh farmemd mid-copy ($(dmesg | grep "$started" | tail -n 1 | sed 's/^.*farmem: //')) at $(elapsed) s"
+  echo 0 >/sys/module/farmem/parameters/rebuild_chunk_delay_ms
+  rc=0
+  wait "$drainer" || rc=$?
+  ms=$(((${EPOCHREALTIME/./} - ${t0/./}) / 1000))
+  ((rc == 0)) || fail "farmemctl drain --wait: $(cat "$work/drain2.log")"
+  say "$(tail -n 1 "$work/drain2.log") $ms ms after the notice (grace $grace_ms ms)"
+  ((ms < grace_ms)) || fail "the leases were freed only after the grace period"
+  # (grep -q would end the pipe early: dmesg's SIGPIPE fails it under pipefail)
+  grep -q "farmem: move of slab .* to daemon ${peers[$d]%:*}:.* failed: .*(the old lease is its copy again)" <<<"$(dmesg)" ||
+    fail "no move to the killed daemon failed with its old lease put back"
+  give_up=$((SECONDS + 60))
+  until (($(status_field moved) >= moved_before + n2)) && ! grep -q 'stale=[1-9]' /sys/kernel/farmem/status; do
+    ((SECONDS < give_up)) || fail "moved= $(status_field moved), want $((moved_before + n2)): $(cat /sys/kernel/farmem/status)"
+    sleep 0.2
+  done
+  touch "$work/stop"
+  rc=0
+  wait "$writer" || rc=$?
+  writer=""
+  cat "$work/writer2.log"
+  ((rc == 0)) || fail "the writer failed during the moves (above)"
+  ! grep -E 'is lost|no live copy|rebuilt on' "$work/attach.log" || fail "slabs were lost or rebuilt, not moved"
+  slabs=$(cat /sys/kernel/farmem/slabs)
+  ! awk -v a="$target2" -v b="${peers[$d]}" '$1 == "peer" && ($5 == a || $5 == b) { gone[$2] = 1 }
+    $1 == "slab" && gone[$3]' <<<"$slabs" | grep -q . ||
+    fail "slabs left on the drained or the killed daemon: $slabs"
+  dd if=/dev/farmem0 of="$work/full.back" bs=1M iflag=direct status=none ||
+    fail "dd read of the whole device after the failed move"
+  cmp "$work/full" "$work/full.back" || fail "the device differs from what was written last"
+  say "verified 64 MiB after a move failed partway and $n2 slabs moved at $(elapsed) s: $(cat /sys/kernel/farmem/status)"
+  move_failed=1
+}
 
 # ---- drain: move every slab off a noticed daemon, resilience none ---------------------------------
 if [[ $mode == drain ]]; then
@@ -220,6 +403,8 @@ if [[ $mode == drain ]]; then
     fail "dd read of the whole device after the drain"
   cmp "$work/full" "$work/full.back" || fail "the device differs from what was written last"
   say "verified 64 MiB after the drain at $(elapsed) s: $(cat /sys/kernel/farmem/status)"
+  # (replicate:2: the other daemon holds the slabs' other copies, the fresh one is the only place)
+  [[ ${KMOD_DRAIN_FAIL:-1} == 1 && $resilience == none ]] && move_fails_partway
   finish
   exit 0
 fi
