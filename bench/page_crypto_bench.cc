@@ -14,7 +14,14 @@
 // the nbd_bench runs), one thread, timed by the thread's CPU clock. Run it pinned (taskset -c 0).
 // The ciphertext of every page is kept in a 256 MiB array, so that reads open what was written;
 // a read copies its page from there first, as it arrives from a member, and that copy (from a
-// cold, random place) is measured on its own. Usage: page_crypto_bench [blocks] [pages per block]
+// cold, random place) is measured on its own.
+//   cold        the seal, the open and PageCrypto's write and read again, each alone after 2 MiB
+//               (twice the L2) or 32 MiB (twice the L3) of other memory was written, with only
+//               the page itself in cache: a depth-1 request finds OpenSSL's context, its code and
+//               the page table evicted by whatever ran while it waited, from the L2 on a quiet
+//               machine, from every cache on a busy one (medians of single calls, less the same
+//               timing of nothing)
+// Usage: page_crypto_bench [blocks] [pages per block] [cold samples (400)]
 #include <fmt/format.h>
 #include <openssl/core_names.h>
 #include <openssl/evp.h>
@@ -41,6 +48,22 @@ double CpuNs() {
 }
 constexpr uint64_t kExportPages = 65536;  // 256 MiB
 constexpr size_t kPage = 4096;
+
+// The median CPU time of `n` single calls of f(i), each after `trash` was written whole and
+// `page` (4 KiB) was written again (as a request's data arrives just before it is sealed).
+template <typename F>
+double ColdNs(uint64_t n, std::vector<uint8_t>& trash, uint8_t* page, F&& f) {
+  std::vector<double> t(n);
+  for (uint64_t i = 0; i < n; ++i) {
+    std::memset(trash.data(), static_cast<int>(i), trash.size());
+    std::memset(page, 0x5a, 4096);
+    const double t0 = CpuNs();
+    f(i);
+    t[i] = CpuNs() - t0;
+  }
+  std::nth_element(t.begin(), t.begin() + static_cast<std::ptrdiff_t>(n / 2), t.end());
+  return t[n / 2];
+}
 
 template <typename F>
 double NsPer(uint64_t n, F&& f) {
@@ -94,8 +117,11 @@ int main(int argc, char** argv) {
   using namespace farmem;
   const uint64_t blocks = argc > 1 ? std::strtoull(argv[1], nullptr, 10) : 200;
   const uint64_t m = argc > 2 ? std::strtoull(argv[2], nullptr, 10) : 2000;
-  if (blocks == 0 || m == 0) {
-    fmt::print(stderr, "usage: page_crypto_bench [blocks (200)] [pages per block (2000)]\n");
+  const uint64_t cold_n = argc > 3 ? std::strtoull(argv[3], nullptr, 10) : 400;
+  if (blocks == 0 || m == 0 || cold_n == 0) {
+    fmt::print(stderr,
+               "usage: page_crypto_bench [blocks (200)] [pages per block (2000)] [cold samples "
+               "(400)]\n");
     return 2;
   }
   auto key = aead::GenerateKey();
@@ -197,6 +223,47 @@ int main(int argc, char** argv) {
     std::sort(v.begin(), v.end());
     return v[v.size() / 2];
   };
+  // Cold: each call alone after other data went through the caches: 2 MiB (twice the L2: the L3
+  // keeps the cipher's code and state, as on a quiet machine between depth-1 requests) and 32 MiB
+  // (twice the L3: everything but the page evicted, as when other processes ran meanwhile).
+  struct ColdRow {
+    uint64_t mib;
+    double timing, raw, seal, open, copy, write, read, read_copy;
+  };
+  std::vector<ColdRow> colds;
+  uint8_t* page = out.data();
+  uint64_t cr = 0;
+  for (uint64_t mib : {2, 32}) {
+    std::vector<uint8_t> trash(mib << 20);
+    ColdRow c{mib, 0, 0, 0, 0, 0, 0, 0, 0};
+    c.timing = ColdNs(cold_n, trash, page, [](uint64_t) {});
+    c.raw = ColdNs(cold_n, trash, page, [&](uint64_t) { raw_ok &= raw.Seal(page, page, kPage); });
+    c.seal = ColdNs(cold_n, trash, page, [&](uint64_t) {
+      aead::Tag t{};
+      keep(cipher->Seal(nonce, aad, {page, kPage}, {page, kPage}, &t));
+    });
+    c.open = ColdNs(cold_n, trash, page, [&](uint64_t) {
+      std::memcpy(page, sealed.data(), kPage);
+      keep(cipher->Open(nonce, aad, {page, kPage}, {page, kPage}, tag));
+    });
+    c.copy =
+        ColdNs(cold_n, trash, page, [&](uint64_t) { std::memcpy(page, sealed.data(), kPage); });
+    c.write = ColdNs(cold_n, trash, page, [&](uint64_t) {
+      const uint64_t p = order[w++ % kHalf];
+      keep((*crypto)->Seal(*cipher, p, page, page));
+      (*crypto)->EndWrite(p, true);
+    });
+    c.read = ColdNs(cold_n, trash, page, [&](uint64_t) {
+      const uint64_t p = order[kHalf + cr++ % kHalf];
+      std::memcpy(page, stored.data() + p * kPage, kPage);
+      keep((*crypto)->Open(*cipher, p, page));
+    });
+    c.read_copy = ColdNs(cold_n, trash, page, [&](uint64_t) {
+      const uint64_t p = order[kHalf + cr++ % kHalf];
+      std::memcpy(page, stored.data() + p * kPage, kPage);
+    });
+    colds.push_back(c);
+  }
   if (!raw_ok) Die(farmem::Internal("raw OpenSSL AES-256-GCM failed"));
   fmt::print(
       "per 4 KiB page, medians over {} blocks of {} pages (CPU ns): copy {:.0f}; baseline: raw "
@@ -209,6 +276,15 @@ int main(int argc, char** argv) {
       blocks, m, median(copy), median(raw_seal), median(raw_bulk), median(seal), median(open),
       median(write), median(write_extra), median(cold), median(read), median(read_extra),
       median(read_posted), median(posted_extra));
+  for (const ColdRow& c : colds) {
+    fmt::print(
+        "cold, {} MiB of other data through the caches before each call (medians of {} calls, "
+        "less {:.0f} of timing): raw OpenSSL seal {:.0f}; aead::Cipher seal {:.0f}, open {:.0f} "
+        "(its copy-in {:.0f} taken off); PageCrypto write {:.0f}, read {:.0f} (its copy-in {:.0f} "
+        "taken off)\n",
+        c.mib, cold_n, c.timing, c.raw - c.timing, c.seal - c.timing, c.open - c.copy,
+        c.copy - c.timing, c.write - c.timing, c.read - c.read_copy, c.read_copy - c.timing);
+  }
   if (!st.ok()) Die(st);
   return 0;
 }
