@@ -2,7 +2,8 @@
 # nbd_crypto_profile.sh: where page encryption's cost goes in farmem-nbd (issue 16,
 # docs/benchmarks-nbd.md "The miss at depth 16, found"). An encrypted and a --no-encrypt
 # farmem-nbd (--resilience none, 256 MiB) on the SAME six farmemd (tcp, loopback), fio 4 KiB
-# randwrite and randread at depth 16 (nbd engine), each job on one export then the other, and:
+# randwrite and randread at depth 16 (nbd engine; --depth N for another, --resilience ec:4+2 for
+# erasure-coded exports), each job on one export then the other, and:
 #   - farmem-nbd's and the daemons' CPU per request (process CPU clocks, bench_lib.sh cpu_ns)
 #   - pages per daemon frame (the daemons' data ops / READ+WRITE+BATCH frames, from their metrics)
 #   - syscalls (sendmsg, recvfrom, recvmsg, poll, futex) and context switches per request, for
@@ -12,18 +13,23 @@
 # Needs root (or perf_event_paranoid <= 0) for the tracepoints and the kernel samples.
 #
 #   blockdev/bench/nbd_crypto_profile.sh [--build-dir DIR] [--runtime S] [--reps N] [--out DIR]
+#                                        [--resilience none|ec:4+2] [--depth N]
 set -euo pipefail
 
 build=build
 runtime=5
 reps=2
 out=
+resilience=none
+depth=16
 while [ $# -gt 0 ]; do
   case $1 in
     --build-dir) build=$2; shift 2 ;;
     --runtime) runtime=$2; shift 2 ;;
     --reps) reps=$2; shift 2 ;;
     --out) out=$2; shift 2 ;;
+    --resilience) resilience=$2; shift 2 ;;
+    --depth) depth=$2; shift 2 ;;
     *) echo "unknown option $1 (see the header of $0)" >&2; exit 2 ;;
   esac
 done
@@ -46,7 +52,7 @@ for t in enc plain; do
   extra=()
   [ $t = plain ] && extra=(--no-encrypt)
   "$bin/farmem-nbd" --backend farmem --peers "$peers" --secret-file "$work/secret" \
-    --resilience none --transport tcp --size 256M --unix "$work/$t.sock" --log-level warn \
+    --resilience "$resilience" --transport tcp --size 256M --unix "$work/$t.sock" --log-level warn \
     --no-swap-safe "${extra[@]}" 2>"$work/$t.log" &
   pids+=($!)
   npid[$t]=$!
@@ -69,7 +75,7 @@ daemon_counts() {
   echo "$f $o"
 }
 job() {
-  fio --name=j --ioengine=nbd --uri="$(nbd_uri "$1")" --rw="$2" --bs=4k --iodepth=16 --numjobs=1 \
+  fio --name=j --ioengine=nbd --uri="$(nbd_uri "$1")" --rw="$2" --bs=4k --iodepth="$depth" --numjobs=1 \
     --size=256M --time_based --runtime="$runtime" --output-format=json --output="$3" >/dev/null
 }
 requests() {
@@ -80,7 +86,7 @@ events=syscalls:sys_enter_sendmsg,syscalls:sys_enter_recvfrom,syscalls:sys_enter
 events=$events,syscalls:sys_enter_poll,syscalls:sys_enter_futex,context-switches
 dlist=$(IFS=,; echo "${dpids[*]}")
 
-echo "load average $(cut -d' ' -f1-3 /proc/loadavg), $(date -u +%H:%M) UTC; out: $out"
+echo "--resilience $resilience, 4 KiB at depth $depth; load average $(cut -d' ' -f1-3 /proc/loadavg), $(date -u +%H:%M) UTC; out: $out"
 printf '%-18s %7s %9s %9s %12s %s\n' job IOPS "nbd us/r" "daemon us/r" "pages/frame" \
   "per request (farmem-nbd | daemons): sendmsg recvfrom recvmsg poll futex cs"
 for ((rep = 1; rep <= reps; rep++)); do
