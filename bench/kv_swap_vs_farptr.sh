@@ -25,7 +25,7 @@
 # Environment (defaults, sized for TCG): KEYS (262144), VALUE_BYTES (64), OPS (20000), WARMUP_OPS
 # (10000), PHASE_SECONDS (60: a phase stops there), UPDATE_PCT (5), DISTS (uniform,zipf), BUDGET (6M),
 # STD_OVERHEAD (measured), SPAN (16384), RESILIENCE (none), ENCRYPT (1: both encrypt, as they do by
-# default; 0: neither), TRANSPORT (tcp; verbs puts the daemon on rxe0, not run yet), ORDER ("far
+# default; 0: neither), TRANSPORT (tcp; verbs: the daemon on rxe0, both sides over verbs), ORDER ("far
 # std stdpeak stdpeak std far": back-ends in run order, interleaved against host noise: far, std,
 # stdpeak).
 set -euo pipefail
