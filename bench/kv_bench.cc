@@ -1,0 +1,391 @@
+// A small-object key-value workload written once and run on two back-ends (issue 13, item 5:
+// object far memory vs kernel paging on the same workload, AIFM's comparison with Fastswap):
+//
+//   --backend far  farmem::far_hash_map<uint64_t, Value> with a local budget (--budget): the
+//                  runtime moves cold buckets to farmemd daemons (--peers) and back on a miss
+//   --backend std  std::unordered_map<uint64_t, Value> in plain process memory; what does not fit
+//                  is the kernel's to swap (run it in a memory cgroup with swap on farmem-nbd:
+//                  bench/kv_swap_vs_farptr.sh does that in the qemu guest)
+//
+// Both run the same template, Workload<Backend>: load --keys keys in key order (values of
+// --value-bytes), then for each distribution in --dists (uniform, zipf = YCSB's scrambled
+// Zipfian, theta 0.99) --warmup-ops untimed and --ops timed operations, --update-pct of them
+// updates (read, check, write the next version), the rest gets. Keys are drawn before the phase
+// (fixed seeds; the Zipf generator costs more than a hit). A phase also ends at --seconds.
+//
+// Every value read is checked: word 0 is the key, word 1 its version (the number of updates made
+// to it, mod 256, kept locally in one byte per key), every other word a hash of both. A wrong
+// value prints MISMATCH and exits 3.
+//
+// Prints "RESULT kv <backend> <dist> <ops> <seconds> <ops/s>" per distribution, and the memory it
+// used: RSS before the load (the fixed overhead: binary, libraries, the version bytes, the key
+// streams, the runtime and its connections) and after it, and the peak (VmHWM).
+//
+//   kv_bench --backend std --keys 1048576 --value-bytes 64
+//   kv_bench --backend far --peers 127.0.0.1:7411 --secret-file s --budget 24M --span 16384
+//            --resilience none
+#include <sys/resource.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <memory>
+#include <optional>
+#include <random>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "bench_main.h"
+#include "farmem/common/auth.h"
+#include "farmem/common/command_line.h"
+#include "farmem/common/config.h"
+#include "farmem/far_hash_map.h"
+#include "farmem/runtime.h"
+#include "zipf.h"
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+struct Args {
+  std::string backend = "std";
+  uint64_t keys = 1u << 20;
+  size_t value_bytes = 64;
+  std::vector<std::string> dists = {"uniform", "zipf"};
+  uint64_t ops = 200000;
+  uint64_t warmup_ops = 50000;
+  double seconds = 120;  // per phase at most
+  int update_pct = 5;    // YCSB-B's mix
+  uint64_t seed = 1;
+  // far
+  std::string peers;
+  std::string secret_file;
+  std::string budget = "24M";
+  uint32_t span = 16u << 10;
+  std::string resilience = "none";
+  bool encrypt = true;
+};
+
+[[noreturn]] void Die(const std::string& m) {
+  std::fprintf(stderr, "kv_bench: %s\n", m.c_str());
+  std::exit(1);
+}
+
+uint64_t Mix(uint64_t x) {  // splitmix64's finalizer
+  x ^= x >> 30;
+  x *= 0xBF58476D1CE4E5B9ull;
+  x ^= x >> 27;
+  x *= 0x94D049BB133111EBull;
+  return x ^ (x >> 31);
+}
+
+template <size_t kBytes>
+struct Value {
+  static_assert(kBytes % 8 == 0 && kBytes >= 16);
+  static constexpr size_t kWords = kBytes / 8;
+  uint64_t w[kWords];
+
+  static Value Make(uint64_t key, uint8_t version) {
+    Value v;
+    v.w[0] = key;
+    v.w[1] = version;
+    for (size_t i = 2; i < kWords; ++i) v.w[i] = Mix(key * 0x9E3779B97F4A7C15ull ^ version ^ i);
+    return v;
+  }
+  // The index of the first wrong word, or kWords if `key`'s value at `version` is exactly this.
+  size_t FirstWrong(uint64_t key, uint8_t version) const {
+    const Value want = Make(key, version);
+    for (size_t i = 0; i < kWords; ++i) {
+      if (w[i] != want.w[i]) return i;
+    }
+    return kWords;
+  }
+};
+
+// The two back-ends: Put (load), Get (copy out), Update (copy the old value out, write the new one
+// in one step). False when the key is absent.
+template <typename V>
+class StdBackend {
+ public:
+  explicit StdBackend(uint64_t keys) { m_.reserve(keys); }
+  void Put(uint64_t k, const V& v) { m_.insert_or_assign(k, v); }
+  bool Get(uint64_t k, V* out) const {
+    auto it = m_.find(k);
+    if (it == m_.end()) return false;
+    *out = it->second;
+    return true;
+  }
+  bool Update(uint64_t k, V* old, const V& next) {
+    auto it = m_.find(k);
+    if (it == m_.end()) return false;
+    *old = it->second;
+    it->second = next;
+    return true;
+  }
+  void PrintStats(const char*) const {}
+
+ private:
+  std::unordered_map<uint64_t, V> m_;
+};
+
+template <typename V>
+class FarBackend {
+ public:
+  FarBackend(farmem::Runtime& rt, uint64_t keys) : rt_(&rt), m_(rt, keys) {}
+  void Put(uint64_t k, const V& v) { m_.insert_or_assign(k, v); }
+  bool Get(uint64_t k, V* out) const {
+    std::optional<V> v = m_.find(k);
+    if (!v) return false;
+    *out = *v;
+    return true;
+  }
+  bool Update(uint64_t k, V* old, const V& next) {
+    bool found = true;
+    // update() inserts V{} for an absent key first: that shows as a wrong value (word 0 is 0
+    // where the key is, key 0 aside), and `found` catches the rest.
+    const bool inserted = m_.update(k, [&](V& v) {
+      *old = v;
+      v = next;
+    });
+    if (inserted) found = false;
+    return found;
+  }
+  // The runtime's counters since the last call, prefixed by `phase`.
+  void PrintStats(const char* phase) {
+    const farmem::RuntimeStats s = rt_->stats();
+    std::printf(
+        "  far %s: %lu swap-ins (%lu prefetched), %lu spans evicted (%lu clean), %lu objects "
+        "gathered, %.1f MiB read, %.1f MiB written; now local %.1f MiB of %.1f MiB budget, %.1f "
+        "MiB of objects\n",
+        phase, static_cast<unsigned long>(s.swap_ins - last_.swap_ins),
+        static_cast<unsigned long>(s.prefetches - last_.prefetches),
+        static_cast<unsigned long>(s.spans_evicted - last_.spans_evicted),
+        static_cast<unsigned long>(s.clean_evictions - last_.clean_evictions),
+        static_cast<unsigned long>(s.objects_gathered - last_.objects_gathered),
+        (s.bytes_read - last_.bytes_read) / 1048576.0,
+        (s.bytes_written - last_.bytes_written) / 1048576.0, s.local_bytes / 1048576.0,
+        s.local_budget / 1048576.0, s.object_bytes / 1048576.0);
+    last_ = s;
+  }
+
+ private:
+  farmem::Runtime* rt_;
+  farmem::far_hash_map<uint64_t, V> m_;
+  farmem::RuntimeStats last_;
+};
+
+// VmRSS / VmHWM of this process in MiB (/proc/self/status).
+double StatusMiB(const char* field) {
+  std::ifstream in("/proc/self/status");
+  std::string line;
+  const std::string want = std::string(field) + ":";
+  while (std::getline(in, line)) {
+    if (line.rfind(want, 0) == 0) return std::strtod(line.c_str() + want.size(), nullptr) / 1024;
+  }
+  return 0;
+}
+
+struct Faults {
+  long minor, major;
+};
+Faults FaultsNow() {
+  rusage r{};
+  ::getrusage(RUSAGE_SELF, &r);
+  return {r.ru_minflt, r.ru_majflt};
+}
+
+double Seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
+
+// One key stream of `n` keys for `dist` (drawn before the phase that uses it).
+std::vector<uint32_t> DrawKeys(const std::string& dist, uint64_t keys, uint64_t n, uint64_t seed) {
+  std::vector<uint32_t> out(n);
+  if (dist == "zipf") {
+    farmem::bench::Zipf z(keys, 0.99, seed);
+    for (auto& k : out) k = static_cast<uint32_t>(z.Next());
+  } else {
+    std::mt19937_64 rng(seed);
+    for (auto& k : out) k = static_cast<uint32_t>(rng() % keys);
+  }
+  return out;
+}
+
+template <typename V, typename Backend>
+void Workload(Backend& b, const Args& a) {
+  std::vector<uint8_t> version(a.keys, 0);
+  struct Phase {
+    std::string dist;
+    std::vector<uint32_t> warm, timed;
+    std::vector<uint8_t> kind;  // per warm-up and timed op: 1 = update
+  };
+  std::vector<Phase> phases;
+  for (size_t i = 0; i < a.dists.size(); ++i) {
+    const std::string& d = a.dists[i];
+    std::vector<uint32_t> all = DrawKeys(d, a.keys, a.warmup_ops + a.ops, a.seed + 10 * i);
+    Phase p{d,
+            {all.begin(), all.begin() + static_cast<long>(a.warmup_ops)},
+            {all.begin() + static_cast<long>(a.warmup_ops), all.end()},
+            {}};
+    std::mt19937_64 rng(a.seed + 10 * i + 1);
+    p.kind.resize(a.warmup_ops + a.ops);
+    for (auto& k : p.kind) k = rng() % 100 < static_cast<uint64_t>(a.update_pct) ? 1 : 0;
+    phases.push_back(std::move(p));
+  }
+  std::printf(
+      "kv %s: %lu keys, %zu B values, %d%% updates; RSS before the load (fixed overhead) %.1f "
+      "MiB\n",
+      a.backend.c_str(), static_cast<unsigned long>(a.keys), sizeof(V), a.update_pct,
+      StatusMiB("VmRSS"));
+  std::fflush(stdout);
+
+  auto t0 = Clock::now();
+  for (uint64_t k = 0; k < a.keys; ++k) b.Put(k, V::Make(k, 0));
+  std::printf("kv %s: loaded in %.1f s; RSS %.1f MiB\n", a.backend.c_str(),
+              Seconds(Clock::now() - t0), StatusMiB("VmRSS"));
+  b.PrintStats("load");
+  std::fflush(stdout);
+
+  uint64_t checked = 0;
+  auto one = [&](uint32_t k, bool update) {
+    V v;
+    uint8_t want = version[k];
+    bool found;
+    if (update) {
+      found = b.Update(k, &v, V::Make(k, static_cast<uint8_t>(want + 1)));
+      version[k] = static_cast<uint8_t>(want + 1);
+    } else {
+      found = b.Get(k, &v);
+    }
+    if (!found) {
+      std::printf("kv %s: MISMATCH key %u is missing\n", a.backend.c_str(), k);
+      std::fflush(stdout);
+      std::exit(3);
+    }
+    if (const size_t i = v.FirstWrong(k, want); i != V::kWords) {
+      std::printf("kv %s: MISMATCH key %u version %u word %zu: got %016lx want %016lx\n",
+                  a.backend.c_str(), k, want, i, static_cast<unsigned long>(v.w[i]),
+                  static_cast<unsigned long>(V::Make(k, want).w[i]));
+      std::fflush(stdout);
+      std::exit(3);
+    }
+    ++checked;
+  };
+  // Runs keys[i] (op kinds from kind[offset + i]) until done or `seconds`; how many ran.
+  auto run = [&](const std::vector<uint32_t>& keys, const std::vector<uint8_t>& kind,
+                 size_t offset) {
+    const auto deadline = Clock::now() + std::chrono::duration<double>(a.seconds);
+    size_t i = 0;
+    for (; i < keys.size(); ++i) {
+      if ((i & 255) == 0 && Clock::now() > deadline) break;
+      one(keys[i], kind[offset + i] != 0);
+    }
+    return i;
+  };
+  for (const Phase& p : phases) {
+    t0 = Clock::now();
+    const size_t warm = run(p.warm, p.kind, 0);
+    std::printf("kv %s %s: warm-up %zu ops in %.1f s\n", a.backend.c_str(), p.dist.c_str(), warm,
+                Seconds(Clock::now() - t0));
+    b.PrintStats("warm-up");
+    const Faults f0 = FaultsNow();
+    t0 = Clock::now();
+    const size_t done = run(p.timed, p.kind, a.warmup_ops);
+    const double s = Seconds(Clock::now() - t0);
+    const Faults f1 = FaultsNow();
+    std::printf(
+        "RESULT kv %s %s %zu %.2f %.0f\n  (%zu ops in %.2f s: %.0f ops/s; %.3f major / %.3f "
+        "minor page faults per op; RSS %.1f MiB, peak %.1f MiB)\n",
+        a.backend.c_str(), p.dist.c_str(), done, s, done / s, done, s, done / s,
+        static_cast<double>(f1.major - f0.major) / static_cast<double>(std::max<size_t>(done, 1)),
+        static_cast<double>(f1.minor - f0.minor) / static_cast<double>(std::max<size_t>(done, 1)),
+        StatusMiB("VmRSS"), StatusMiB("VmHWM"));
+    b.PrintStats("timed");
+    std::fflush(stdout);
+  }
+  std::printf("kv %s: %lu values checked, all correct\n", a.backend.c_str(),
+              static_cast<unsigned long>(checked));
+}
+
+template <typename V>
+void RunWithValue(const Args& a) {
+  if (a.backend == "std") {
+    StdBackend<V> b(a.keys);
+    Workload<V>(b, a);
+    return;
+  }
+  farmem::RuntimeOptions o;
+  auto peers = farmem::ParseEndpointList(a.peers);
+  if (!peers || peers->empty()) Die("--backend far needs --peers HOST:PORT,...");
+  o.peers = *peers;
+  auto secret = farmem::auth::LoadSecretFile(a.secret_file);
+  if (!secret) Die("--secret-file: " + secret.error().ToString());
+  o.secret = *secret;
+  auto budget = farmem::ParseSize(a.budget);
+  if (!budget) Die("--budget: " + budget.error().ToString());
+  o.local_budget = *budget;
+  o.span_size = a.span;
+  o.resilience = a.resilience;
+  o.encrypt = a.encrypt;
+  auto rt = farmem::Runtime::Create(o);
+  if (!rt) Die(rt.error().ToString());
+  std::printf("kv far: budget %.1f MiB, %u B spans, resilience %s, encryption %s\n",
+              static_cast<double>(*budget) / 1048576.0, a.span, a.resilience.c_str(),
+              a.encrypt ? "on" : "off");
+  {
+    FarBackend<V> b(**rt, a.keys);
+    Workload<V>(b, a);
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Args a;
+  CLI::App app{"a small-object key-value workload on far_hash_map or std::unordered_map"};
+  farmem::cli::AddVersionOption(app, "kv_bench");
+  app.add_option("--backend", a.backend, "far (far_hash_map) or std (std::unordered_map)")
+      ->capture_default_str()
+      ->check(farmem::cli::OneOf({"far", "std"}));
+  app.add_option("--keys", a.keys, "keys loaded")
+      ->capture_default_str()
+      ->check(CLI::Range(uint64_t{1}, uint64_t{1} << 31));
+  app.add_option("--value-bytes", a.value_bytes, "value size")
+      ->capture_default_str()
+      ->check(CLI::IsMember({64, 128, 256}));
+  app.add_option("--dists", a.dists, "key distributions, comma-separated: uniform, zipf")
+      ->capture_default_str()
+      ->delimiter(',')
+      ->check(farmem::cli::OneOf({"uniform", "zipf"}));
+  app.add_option("--ops", a.ops, "timed operations per distribution")->capture_default_str();
+  app.add_option("--warmup-ops", a.warmup_ops, "untimed operations before them")
+      ->capture_default_str();
+  app.add_option("--seconds", a.seconds, "at most this long per phase (warm-up, timed)")
+      ->capture_default_str();
+  app.add_option("--update-pct", a.update_pct, "updates among the operations, percent")
+      ->capture_default_str()
+      ->check(CLI::Range(0, 100));
+  app.add_option("--seed", a.seed, "seed of the key streams")->capture_default_str();
+  app.add_option("--peers", a.peers, "far: the farmemd daemons, HOST:PORT,...");
+  app.add_option("--secret-file", a.secret_file, "far: the cluster secret");
+  app.add_option("--budget", a.budget, "far: local_budget (e.g. 24M)")->capture_default_str();
+  app.add_option("--span", a.span, "far: span size in bytes")->capture_default_str();
+  app.add_option("--resilience", a.resilience, "far: none, replicate:N, ec:k+r")
+      ->capture_default_str();
+  app.add_flag("--encrypt,!--no-encrypt", a.encrypt, "far: encrypt objects (the default)");
+  CLI11_PARSE(app, argc, argv);
+  switch (a.value_bytes) {
+    case 64:
+      RunWithValue<Value<64>>(a);
+      break;
+    case 128:
+      RunWithValue<Value<128>>(a);
+      break;
+    default:
+      RunWithValue<Value<256>>(a);
+      break;
+  }
+  return 0;
+}
