@@ -26,23 +26,23 @@ const std::regex kDownPatterns[] = {
 // "farmem client: node 2 (127.0.0.1:4711) is up" (client/src/cluster_monitor.cc, MarkUp).
 const std::regex kUpPattern(R"(farmem client: node \d+ \(([^)]+)\) is up)");
 
-// One line per member re-protected: the page store's rebuild (blockdev/src/page_store.cc,
+// One line per member re-protected: the page store's rebuild (blockdev/src/page_store_rebuild.cc,
 // RebuildExtent: "page store: extent 3 member 1 rebuilt on 127.0.0.1:4711 (1 MiB)"), far_ptr's
-// re-protection (farptr/src/remote_store.cc: "far memory: slab group 6 member 1 re-protected on
-// 127.0.0.1:4711 (12 span sets rebuilt in 3 ms; 5012 ms after it went missing)").
+// re-protection (spanstore/src/remote_store_recovery.cc: "far memory: slab group 6 member 1
+// re-protected on 127.0.0.1:4711 (12 span sets rebuilt in 3 ms; 5012 ms after it went missing)").
 const std::regex kReprotectPatterns[] = {
     std::regex(R"(page store: extent \d+ member \d+ rebuilt on)"),
     std::regex(R"(far memory: slab group \d+ member \d+ re-protected on)"),
 };
 
-// The page store's end of a degraded episode (page_store.cc, Reprotect): "page store: every
+// The page store's end of a degraded episode (page_store_rebuild.cc, Reprotect): "page store: every
 // extent is whole again: 8 extents re-protected, 16 MiB written to new members in 412 ms
 // (degraded for 5230 ms)". Every fault before it is re-protected.
 const std::regex kWholePattern(
     R"(page store: every extent is whole again: (\d+) extents re-protected, .* in (\d+) ms \(degraded for (\d+) ms\))");
 
 // "far memory: slab group 6 member 1 (127.0.0.1:45751, lease 1412680156006318084) failed: ..."
-// (farptr/src/remote_store.cc).
+// (spanstore/src/remote_store.cc).
 const std::regex kFailedMemberPattern(
     R"(far memory: slab group (\d+) member (\d+) \(([^,]+), lease \d+\) failed)");
 
