@@ -59,6 +59,7 @@
 #include <vector>
 
 #include "farmem/blockdev/block_backend.h"
+#include "farmem/blockdev/write_cache.h"
 #include "farmem/client/cluster.h"
 #include "farmem/client/resilience.h"
 #include "farmem/common/aead.h"
@@ -119,6 +120,16 @@ class StripeStore final : public BatchBackend {
   StripeStoreStats stripe_stats() const;
   bool encrypted() const { return crypto_ != nullptr; }
   const client::Resilience& resilience() const { return options_.resilience; }
+
+  // What the write cache in front of this store (farmem-nbd's, on by default) should hold: a
+  // write of fewer than k pages would be a short stripe here (k-1 zero holes + r parity, its
+  // pages moved again by compaction), so whole-page writes of fewer than 4k pages whose count is
+  // not a multiple of k are held too and go back k pages at a time (write-backs are whole
+  // stripes where the dirty pages allow). docs/nbd.md "Stripe layout", "Write cache".
+  void TuneWriteCache(WriteCacheOptions& o) const {
+    o.writeback_multiple = static_cast<size_t>(options_.resilience.k);
+    o.absorb_writes_below_pages = 4 * o.writeback_multiple;
+  }
 
   // One compaction pass over the emptiest sets; *moved gets the pages moved.
   Status CompactOnce(uint64_t* moved);
