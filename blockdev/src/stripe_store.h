@@ -146,6 +146,9 @@ class StripeStore final : public BatchBackend {
   struct PageEntry : spanstore::SpanOwner {
     spanstore::SpanSet* set = nullptr;  // null: never written or trimmed (reads as zeroes)
     int32_t member = 0;
+    // Its cell failed authentication and nothing could rebuild it: counted in lost_bytes once
+    // (readers hold the page shared, hence atomic); cleared when the page gets a new cell.
+    std::atomic<bool> lost_counted{false};
   };
   struct Worker;
   static constexpr size_t kNoPrimary = ~size_t{0};
@@ -212,7 +215,7 @@ class StripeStore final : public BatchBackend {
   std::thread compact_thread_;
 
   std::atomic<uint64_t> integrity_failures_{0};
-  std::atomic<uint64_t> lost_reads_{0};
+  std::atomic<uint64_t> lost_pages_{0};  // pages whose cell failed to open, unrecoverable
   std::atomic<uint64_t> write_retries_{0};
   std::atomic<uint64_t> sets_written_{0};
   std::atomic<uint64_t> short_sets_{0};

@@ -125,6 +125,10 @@ TEST_F(StripeStoreTest, SurvivesOneThenASecondDaemonKilledAndReprotects) {
   VerifyAll();
   EXPECT_GT(stripe_->stats().degraded_reads, 0u) << "nothing was read from a dead daemon";
   EXPECT_EQ(stripe_->stats().lost_bytes, 0u);
+  // Re-protection figures: two members rebuilt, each a cell of 4 KiB per stripe of its group.
+  EXPECT_GE(stripe_->stats().rebuilt_bytes, 2 * 4096u);
+  EXPECT_EQ(stripe_->stats().rebuilt_bytes % 4096, 0u);
+  EXPECT_GT(stripe_->stats().reprotected_extents, 0u);
 }
 
 TEST_F(StripeStoreTest, FlippedBitIsServedFromTheOtherMembersAndReprotected) {
@@ -156,7 +160,7 @@ TEST_F(StripeStoreTest, FlippedBitIsServedFromTheOtherMembersAndReprotected) {
 
 TEST_F(StripeStoreTest, FlippedBitWithoutRedundancyFailsExactlyThatPage) {
   StartDaemons(4);
-  OpenStripe("ec:4+0");
+  OpenStripe("ec:4+0", true, /*compact_trigger=*/0);  // as above
   RandomWrites(50, 8);
   std::vector<uint8_t> page(4096, 0x5a);
   ASSERT_TRUE(stripe_->Write(17 * 4096, page, false).ok());
@@ -173,6 +177,13 @@ TEST_F(StripeStoreTest, FlippedBitWithoutRedundancyFailsExactlyThatPage) {
   EXPECT_NE(s.message().find("export page 17 "), std::string::npos) << s.ToString();
   Status next = stripe_->Read(18 * 4096, {back.data(), 4096});
   EXPECT_TRUE(next.ok()) << "the page beside the bad one: " << next.ToString();
+  // Lost bytes count the page once, however often it is read.
+  EXPECT_EQ(stripe_->stats().lost_bytes, 4096u);
+  EXPECT_EQ(stripe_->Read(17 * 4096, {back.data(), 4096}).code(), StatusCode::kDataLoss);
+  EXPECT_EQ(stripe_->stats().lost_bytes, 4096u) << "counted per read, not per page";
+  // A new write of the page makes it whole again.
+  ASSERT_TRUE(stripe_->Write(17 * 4096, page, false).ok());
+  EXPECT_TRUE(stripe_->Read(17 * 4096, {back.data(), 4096}).ok());
 }
 
 // Regression: sub-page writes of different bytes of one page in one batch each read the old page
