@@ -36,7 +36,8 @@
 // could place, degraded, at least k). Nothing is buffered here: Flush has nothing to do, FUA is
 // free. Sub-page writes read, patch and write their page under its exclusive lock (several of one
 // page in one batch: one read, all patches, one write — MergePartialWrites); the write cache in
-// front, on by default, turns most of them into whole pages. Trim and write-zeroes release the
+// front, on by default, turns most of them into whole pages, and holds small whole-page writes
+// so that they arrive k pages at a time (TuneWriteCache). Trim and write-zeroes release the
 // whole pages they cover (they read as zeroes); write-zeroes patches partial pages with zeroes;
 // trim leaves partial pages alone (their content is unspecified after a trim anyway).
 //
