@@ -20,8 +20,9 @@
 //  - Dirty pages go back to the backend, as whole-page writes in batches: when a slot is needed
 //    and no clean page is left (least recently used dirty pages first); on Flush() (NBD_CMD_FLUSH,
 //    answered only once every page that was dirty when it arrived is durable in the backend, and
-//    the backend's own Flush() ran); for a FUA write, before it completes (its pages only); when
-//    they have been dirty for max_dirty_age (the flusher thread); and on destruction.
+//    the backend's own Flush() ran); for a FUA write, before it completes (its pages, topped up to
+//    whole groups of writeback_multiple with other dirty pages); when they have been dirty for
+//    max_dirty_age (the flusher thread); and on destruction.
 //  - Trim and write-zeroes drop or patch the cached pages they cover and go to the backend.
 // This is the contract of a disk's volatile write cache: a write is acknowledged before it is
 // durable, Flush and FUA make it durable. The cache is shared by all connections, so a Flush on
