@@ -335,12 +335,19 @@ Result<std::unique_ptr<BlockBackend>> OpenBackend(BackendConfig& cfg) {
     farmem::blockdev::WriteCacheOptions wo;
     wo.pages = cfg.write_cache_pages;
     wo.max_dirty_age = std::chrono::milliseconds(cfg.write_cache_max_age_ms);
+    if (auto* ss = dynamic_cast<farmem::blockdev::StripeStore*>(store.get()); ss != nullptr) {
+      ss->TuneWriteCache(wo);
+    }
     FARMEM_ASSIGN_OR_RETURN(auto cache,
                             farmem::blockdev::WriteCache::Create(std::move(store), std::move(wo)));
     spdlog::info(
-        "farmem-nbd: write cache of {} pages ({}): writes are durable on FLUSH or FUA, or {} ms "
+        "farmem-nbd: write cache of {} pages ({}){}: writes are durable on FLUSH or FUA, or {} ms "
         "after they were made",
         cfg.write_cache_pages, farmem::FormatSize(uint64_t{cfg.write_cache_pages} * 4096),
+        wo.absorb_writes_below_pages > 0
+            ? fmt::format(", holding whole-page writes of fewer than {} pages too (stripe layout)",
+                          wo.absorb_writes_below_pages)
+            : std::string(),
         cfg.write_cache_max_age_ms);
     return std::unique_ptr<BlockBackend>(std::move(cache));
   }

@@ -342,7 +342,7 @@ void StripeStore::ReadPages(Worker& w, std::span<PageIo> pages, std::span<Status
       st = crypto_->Open(*w.cipher, p.page, p.buf);
       if (!st.ok()) st = RecoverCell(w, p.page, w.sets[j], w.members[j], p.buf);
     } else if (!st.ok()) {
-      if (st.code() == StatusCode::kDataLoss) lost_reads_.fetch_add(1, std::memory_order_relaxed);
+      // Lost cells (members given up) are counted by RemoteStore when it gives them up.
       st = st.WithContext(fmt::format("reading export page {} (bytes {}..{})", p.page,
                                       p.page * kPage, (p.page + 1) * kPage));
     }
@@ -364,7 +364,9 @@ Status StripeStore::RecoverCell(Worker& w, uint64_t page, SpanSet* set, int memb
       return Status::Ok();
     }
   }
-  lost_reads_.fetch_add(1, std::memory_order_relaxed);
+  if (!table_[page].lost_counted.exchange(true, std::memory_order_relaxed)) {
+    lost_pages_.fetch_add(1, std::memory_order_relaxed);
+  }
   spdlog::error(
       "stripe store: export page {} (bytes {}..{}) failed authentication and no other "
       "member could produce a copy that opens: the read fails",
@@ -442,6 +444,7 @@ void StripeStore::WritePages(Worker& w, std::span<PageIo> pages, std::span<Statu
       }
       e.set = *set;
       e.member = static_cast<int32_t>(j);
+      e.lost_counted.store(false, std::memory_order_relaxed);
       if (crypto_) crypto_->EndWrite(p.page, /*ok=*/true);
     }
   }
@@ -453,6 +456,7 @@ void StripeStore::ReleaseCell(uint64_t page) {
   remote_->Release(e.set, e.member);
   e.set = nullptr;
   e.member = 0;
+  e.lost_counted.store(false, std::memory_order_relaxed);
   live_pages_.fetch_sub(1, std::memory_order_relaxed);
 }
 
@@ -565,7 +569,11 @@ PageStoreStats StripeStore::stats() const {
   s.revalidated_members = rs.members_revalidated;
   s.write_retries = write_retries_.load(std::memory_order_relaxed);
   s.integrity_failures = integrity_failures_.load(std::memory_order_relaxed);
-  s.lost_bytes = lost_reads_.load(std::memory_order_relaxed) * kPage;
+  // Once per page, not per read: cells on members given up (RemoteStore), and cells that failed
+  // authentication with no redundancy left to rebuild them.
+  s.lost_bytes = rs.lost_bytes + lost_pages_.load(std::memory_order_relaxed) * kPage;
+  s.rebuilt_bytes = rs.rebuilt_bytes;
+  s.reprotected_extents = rs.sets_reprotected;
   s.rebuild_running = rs.degraded_sets > 0 || rs.moves_pending > 0;
   s.rebuild_queued = rs.moves_pending;
   return s;

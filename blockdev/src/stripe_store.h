@@ -36,7 +36,8 @@
 // could place, degraded, at least k). Nothing is buffered here: Flush has nothing to do, FUA is
 // free. Sub-page writes read, patch and write their page under its exclusive lock (several of one
 // page in one batch: one read, all patches, one write — MergePartialWrites); the write cache in
-// front, on by default, turns most of them into whole pages. Trim and write-zeroes release the
+// front, on by default, turns most of them into whole pages, and holds small whole-page writes
+// so that they arrive k pages at a time (TuneWriteCache). Trim and write-zeroes release the
 // whole pages they cover (they read as zeroes); write-zeroes patches partial pages with zeroes;
 // trim leaves partial pages alone (their content is unspecified after a trim anyway).
 //
@@ -59,6 +60,7 @@
 #include <vector>
 
 #include "farmem/blockdev/block_backend.h"
+#include "farmem/blockdev/write_cache.h"
 #include "farmem/client/cluster.h"
 #include "farmem/client/resilience.h"
 #include "farmem/common/aead.h"
@@ -120,6 +122,16 @@ class StripeStore final : public BatchBackend {
   bool encrypted() const { return crypto_ != nullptr; }
   const client::Resilience& resilience() const { return options_.resilience; }
 
+  // What the write cache in front of this store (farmem-nbd's, on by default) should hold: a
+  // write of fewer than k pages would be a short stripe here (k-1 zero holes + r parity, its
+  // pages moved again by compaction), so whole-page writes of fewer than 4k pages whose count is
+  // not a multiple of k are held too and go back k pages at a time (write-backs are whole
+  // stripes where the dirty pages allow). docs/nbd.md "Stripe layout", "Write cache".
+  void TuneWriteCache(WriteCacheOptions& o) const {
+    o.writeback_multiple = static_cast<size_t>(options_.resilience.k);
+    o.absorb_writes_below_pages = 4 * o.writeback_multiple;
+  }
+
   // One compaction pass over the emptiest sets; *moved gets the pages moved.
   Status CompactOnce(uint64_t* moved);
   // False if failed members still wait for re-protection after `timeout`.
@@ -135,6 +147,9 @@ class StripeStore final : public BatchBackend {
   struct PageEntry : spanstore::SpanOwner {
     spanstore::SpanSet* set = nullptr;  // null: never written or trimmed (reads as zeroes)
     int32_t member = 0;
+    // Its cell failed authentication and nothing could rebuild it: counted in lost_bytes once
+    // (readers hold the page shared, hence atomic); cleared when the page gets a new cell.
+    std::atomic<bool> lost_counted{false};
   };
   struct Worker;
   static constexpr size_t kNoPrimary = ~size_t{0};
@@ -201,7 +216,7 @@ class StripeStore final : public BatchBackend {
   std::thread compact_thread_;
 
   std::atomic<uint64_t> integrity_failures_{0};
-  std::atomic<uint64_t> lost_reads_{0};
+  std::atomic<uint64_t> lost_pages_{0};  // pages whose cell failed to open, unrecoverable
   std::atomic<uint64_t> write_retries_{0};
   std::atomic<uint64_t> sets_written_{0};
   std::atomic<uint64_t> short_sets_{0};

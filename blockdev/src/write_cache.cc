@@ -147,6 +147,13 @@ Result<std::unique_ptr<WriteCache>> WriteCache::Create(std::unique_ptr<BlockBack
     return Err(InvalidArgument("write cache: the maximum dirty age must be positive"));
   }
   options.writeback_batch = std::clamp<size_t>(options.writeback_batch, 1, options.pages / 2);
+  options.writeback_multiple = std::max<size_t>(options.writeback_multiple, 1);
+  if (options.writeback_batch >= options.writeback_multiple) {  // whole groups a batch
+    options.writeback_batch -= options.writeback_batch % options.writeback_multiple;
+  }
+  // An op held whole must find its pages: at most a quarter of the cache.
+  options.absorb_writes_below_pages =
+      std::min(options.absorb_writes_below_pages, options.pages / 4);
   std::unique_ptr<WriteCache> c(new WriteCache(std::move(inner), std::move(options)));
   const size_t n = c->options_.pages;
   c->buffers_ = std::make_unique<uint8_t[]>(n * kPage);
@@ -328,13 +335,18 @@ WriteCache::Plan WriteCache::PlanReadWrite(BlockOp& op, size_t i, Scratch& s) {
   const bool write = op.kind == BlockOp::Kind::kWrite;
   const uint64_t end = op.offset + op.length;
   const uint64_t first = op.offset / kPage, last = (end - 1) / kPage;
+  // Whole pages of this write are held too (absorb_writes_below_pages): it would leave a short
+  // group in the backend.
+  const uint64_t op_pages = last - first + 1;
+  const bool absorb = write && op_pages < options_.absorb_writes_below_pages &&
+                      op_pages % options_.writeback_multiple != 0;
   // Pass 1: can the op go ahead without waiting, and are there pages enough?
   size_t need = 0, clean_in_range = 0;
   for (uint64_t p = first; p <= last; ++p) {
     const int32_t slot = Lookup(p);
     const bool whole = op.offset <= p * kPage && end >= (p + 1) * kPage;
     if (slot == kNone) {
-      if (write && !whole) ++need;
+      if (write && (!whole || absorb)) ++need;
       continue;
     }
     const Slot& sl = slots_[slot];
@@ -379,7 +391,7 @@ WriteCache::Plan WriteCache::PlanReadWrite(BlockOp& op, size_t i, Scratch& s) {
     const uint32_t len = static_cast<uint32_t>(to - from);
     const uint8_t mask = SectorMask(in_page, in_page + len);
     int32_t slot = Lookup(p);
-    if (slot == kNone && write && len < kPage) {
+    if (slot == kNone && write && (len < kPage || absorb)) {
       slot = AllocSlot(first, last);  // pass 1 made sure there is one
       Slot& sl = slots_[slot];
       sl.page = p;
@@ -715,6 +727,7 @@ Status WriteCache::WriteBackRange(uint64_t offset, uint64_t length) {
         changed_.Wait(&mu_);
         continue;
       }
+      TopUpLocked(sel);  // a held single page goes back in a full group with other dirty pages
     }
     if (Status st = WriteBackSlots(sel, /*fua=*/true, /*to_lru_tail=*/false); !st.ok()) {
       result = st;
@@ -754,6 +767,7 @@ Status WriteCache::Flush() {
         changed_.Wait(&mu_);
         continue;
       }
+      TopUpLocked(sel);
       lock.Unlock();
       (void)WriteBackSlots(sel, /*fua=*/false, /*to_lru_tail=*/false);
       lock.Lock();
@@ -793,12 +807,23 @@ Status WriteCache::WriteBackExpired() {
         sel.push_back(i);
       }
       stats_.expired += sel.size();
+      if (!sel.empty()) TopUpLocked(sel);
     }
     if (sel.empty()) return first;
     if (Status st = WriteBackSlots(sel, /*fua=*/false, /*to_lru_tail=*/false);
         !st.ok() && first.ok()) {
       first = st;
     }
+  }
+}
+
+void WriteCache::TopUpLocked(std::vector<int32_t>& sel) {
+  const size_t m = options_.writeback_multiple;
+  for (int32_t i = dirty_.tail; i != kNone && sel.size() % m != 0; i = slots_[i].prev) {
+    Slot& sl = slots_[i];
+    if (sl.writeback || sl.failed) continue;
+    sl.writeback = true;
+    sel.push_back(i);
   }
 }
 

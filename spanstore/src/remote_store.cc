@@ -352,6 +352,9 @@ RemoteStoreStats RemoteStore::stats() const {
   s.leased_bytes = groups_.size() * static_cast<uint64_t>(res_.group_size()) * slab_size_;
   s.degraded_reads = degraded_reads_;
   s.members_reprotected = reprotected_;
+  s.rebuilt_bytes = rebuilt_bytes_;
+  s.sets_reprotected = sets_reprotected_;
+  s.lost_bytes = lost_bytes_;
   for (auto& g : groups_) {
     if (g->lost_mask != 0) {
       s.unrecoverable_sets += g->used_rows;

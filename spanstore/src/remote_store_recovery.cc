@@ -95,6 +95,9 @@ void RemoteStore::Reprotect(IoContext& io, Group* g) {
     MutexLock lock(&mu_);
     g->lost_mask |= failed;
     g->failed_mask = 0;
+    for (const SpanSet* set : g->rows) {  // the live data cells on the members given up
+      if (set != nullptr) lost_bytes_ += std::popcount(set->live_mask & failed) * uint64_t{span};
+    }
     spdlog::error(
         "far memory: slab group {} lost members {:#x}: {} span sets cannot be rebuilt with "
         "resilience {}; objects that were only there are LOST (deref says which)",
@@ -232,6 +235,8 @@ void RemoteStore::Reprotect(IoContext& io, Group* g) {
       g->rebuilding = false;
       ++g->epoch;
       ++reprotected_;
+      rebuilt_bytes_ += rows.size() * uint64_t{span};
+      if (g->failed_mask == 0) sets_reprotected_ += g->used_rows;
       degraded_ms = static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::milliseconds>(
                                               now - g->failed_since[static_cast<size_t>(j)])
                                               .count());

@@ -25,7 +25,9 @@ struct Fixture {
   std::unique_ptr<WriteCache> cache;
   std::chrono::steady_clock::time_point now{std::chrono::hours(1)};
 
-  explicit Fixture(size_t pages = 16, size_t batch = 64, uint64_t size = 1u << 20) {
+  // `multiple`, `absorb`: writeback_multiple, absorb_writes_below_pages (the stripe layout's).
+  explicit Fixture(size_t pages = 16, size_t batch = 64, uint64_t size = 1u << 20,
+                   size_t multiple = 1, size_t absorb = 0) {
     auto mem = MemoryBackend::Create(size);
     EXPECT_TRUE(mem.has_value());
     auto rec = std::make_unique<RecordingBackend>(std::move(*mem));
@@ -33,6 +35,8 @@ struct Fixture {
     WriteCacheOptions o;
     o.pages = pages;
     o.writeback_batch = batch;
+    o.writeback_multiple = multiple;
+    o.absorb_writes_below_pages = absorb;
     o.flusher_thread = false;
     o.now = [this] { return now; };
     auto c = WriteCache::Create(std::move(rec), o);
@@ -177,6 +181,48 @@ TEST(WriteCache, DirtyPagesGoBackWhenTheyReachTheirDeadline) {
   EXPECT_EQ(f.Ops(BlockOp::Kind::kWrite).size(), 2u);
   EXPECT_EQ(f.cache->stats().expired, 2u);
   EXPECT_EQ(f.cache->stats().dirty, 0u);
+}
+
+// The stripe layout's setting (StripeStore::TuneWriteCache, k = 4): whole-page writes that would
+// leave a short stripe are held; write-backs by deadline, FUA and Flush are topped up to whole
+// groups of 4 with other dirty pages; writes of a multiple of 4 pages, or of 16 pages and more,
+// pass straight through.
+TEST(WriteCache, HeldWholePageWritesGoBackInWholeGroups) {
+  Fixture f(/*pages=*/64, /*batch=*/64, 1u << 20, /*multiple=*/4, /*absorb=*/16);
+  ASSERT_TRUE(f.cache->Write(0, Bytes(kPage, 1), false).ok());
+  f.now += std::chrono::milliseconds(60);
+  for (uint64_t p = 1; p <= 5; ++p)
+    ASSERT_TRUE(f.cache->Write(p * kPage, Bytes(kPage, 2), false).ok());
+  EXPECT_TRUE(f.Ops(BlockOp::Kind::kWrite).empty()) << "single whole pages are held";
+  EXPECT_EQ(f.cache->stats().dirty, 6u);
+  f.now += std::chrono::milliseconds(40);  // page 0 is due, pages 1..5 are not
+  ASSERT_TRUE(f.cache->WriteBackExpired().ok());
+  auto writes = f.Ops(BlockOp::Kind::kWrite);
+  ASSERT_EQ(writes.size(), 4u) << "the due page, topped up to a group of 4";
+  EXPECT_EQ(writes[0].offset, 0u);
+  EXPECT_EQ(f.cache->stats().dirty, 2u);
+  // A FUA write of one page: back before it returns, with the two held pages and one more.
+  f.backend->clear();
+  ASSERT_TRUE(f.cache->Write(20 * kPage, Bytes(kPage, 3), false).ok());
+  ASSERT_TRUE(f.cache->Write(21 * kPage, Bytes(kPage, 4), /*fua=*/true).ok());
+  EXPECT_EQ(f.Ops(BlockOp::Kind::kWrite).size(), 4u);
+  EXPECT_EQ(f.Backing(21 * kPage, kPage), Bytes(kPage, 4));
+  EXPECT_EQ(f.cache->stats().dirty, 0u);
+  // Whole groups and large writes pass straight through; 5 pages are held.
+  f.backend->clear();
+  ASSERT_TRUE(f.cache->Write(32 * kPage, Bytes(8 * kPage, 5), false).ok());
+  ASSERT_TRUE(f.cache->Write(64 * kPage, Bytes(17 * kPage, 6), false).ok());
+  EXPECT_EQ(f.Ops(BlockOp::Kind::kWrite).size(), 2u);
+  ASSERT_TRUE(f.cache->Write(100 * kPage, Bytes(5 * kPage, 7), false).ok());
+  EXPECT_EQ(f.Ops(BlockOp::Kind::kWrite).size(), 2u);
+  EXPECT_EQ(f.cache->stats().dirty, 5u);
+  std::vector<uint8_t> got(5 * kPage);
+  ASSERT_TRUE(f.cache->Read(100 * kPage, got).ok());
+  EXPECT_EQ(got, Bytes(5 * kPage, 7));
+  // Flush: the 5 held pages go back (no more dirty pages to top up with).
+  ASSERT_TRUE(f.cache->Flush().ok());
+  EXPECT_EQ(f.Ops(BlockOp::Kind::kWrite).size(), 7u);
+  EXPECT_EQ(f.Backing(100 * kPage, 5 * kPage), Bytes(5 * kPage, 7));
 }
 
 TEST(WriteCache, FailedWriteBackIsKeptAndFailsTheNextFlush) {

@@ -12,15 +12,17 @@
 //    not at all if later writes filled it (sequential small writes).
 //  - A write that covers whole pages that are not cached goes straight to the backend, as before
 //    (the cache adds nothing but a lookup to 4 KiB and larger I/O); whole pages that are cached
-//    are updated in the cache.
+//    are updated in the cache. With absorb_writes_below_pages (the stripe layout), small
+//    whole-page writes are held as well, so that they go back k pages at a time (full stripes).
 //  - Reads see the cache (read-your-writes, also for reads that overlap cached pages partly);
 //    what is not cached, and sectors a cached page lacks, are read from the backend (the page's
 //    sectors are then laid over that; the page is pinned meanwhile).
 //  - Dirty pages go back to the backend, as whole-page writes in batches: when a slot is needed
 //    and no clean page is left (least recently used dirty pages first); on Flush() (NBD_CMD_FLUSH,
 //    answered only once every page that was dirty when it arrived is durable in the backend, and
-//    the backend's own Flush() ran); for a FUA write, before it completes (its pages only); when
-//    they have been dirty for max_dirty_age (the flusher thread); and on destruction.
+//    the backend's own Flush() ran); for a FUA write, before it completes (its pages, topped up to
+//    whole groups of writeback_multiple with other dirty pages); when they have been dirty for
+//    max_dirty_age (the flusher thread); and on destruction.
 //  - Trim and write-zeroes drop or patch the cached pages they cover and go to the backend.
 // This is the contract of a disk's volatile write cache: a write is acknowledged before it is
 // durable, Flush and FUA make it durable. The cache is shared by all connections, so a Flush on
@@ -66,6 +68,19 @@ struct WriteCacheOptions {
   std::chrono::milliseconds max_dirty_age{100};
   // Dirty pages written back together when a slot is needed (one batch on the backend).
   size_t writeback_batch = 64;
+  // The backend stores pages in groups of this many (the stripe layout's k: a stripe of k pages
+  // plus parity, docs/nbd.md). Write-backs then take a multiple of it where the dirty pages allow
+  // (one that a deadline, a flush or an eviction starts is topped up with other dirty pages), and
+  // writes that would leave a group short are held (absorb_writes_below_pages). 1: no groups.
+  size_t writeback_multiple = 1;
+  // Writes of whole pages are held in the cache too (not only partial pages) when they cover
+  // fewer than this many pages and their page count is not a multiple of writeback_multiple: such
+  // a write would go to the backend as a short group (the stripe layout: a stripe of 1 page + k-1
+  // zero holes + r parity, rewritten by compaction later); held, it goes back in a write-back
+  // batch of whole groups. A FUA write is held too and goes back before its reply, topped up with
+  // other dirty pages to a whole group. 0: whole pages always pass straight through (what a
+  // backend that stores single pages wants). At most pages / 4 (Create clamps it).
+  size_t absorb_writes_below_pages = 0;
   // Run the flusher thread. Tests that drive the clock themselves call WriteBackExpired() instead.
   bool flusher_thread = true;
   // The clock that ages dirty pages; null: steady_clock. Tests inject a fake one.
@@ -152,6 +167,9 @@ class WriteCache final : public BatchBackend {
   // (still dirty, error latched). Returns the first error.
   Status WriteBackSlots(std::span<const int32_t> slots, bool fua, bool to_lru_tail) EXCLUDES(mu_);
   void FlusherLoop() EXCLUDES(mu_);
+  // Adds dirty pages that are not going back or failed (least recently used first) to `sel`,
+  // marked writeback, until its size is a multiple of writeback_multiple or none is left.
+  void TopUpLocked(std::vector<int32_t>& sel) REQUIRES(mu_);
 
   // ---- the map and the lists (mu_ held) ----
   int32_t Lookup(uint64_t page) const REQUIRES(mu_);

@@ -135,6 +135,11 @@ struct RemoteStoreStats {
   uint64_t leased_bytes = 0;
   uint64_t degraded_reads = 0;
   uint64_t members_reprotected = 0;
+  uint64_t rebuilt_bytes = 0;     // cells written to replacement members
+  uint64_t sets_reprotected = 0;  // sets of groups made whole again (all their members back)
+  // Data cells that lived (not holes) on members given up for good (nothing could rebuild them),
+  // span_size bytes each, counted once when the member is given up.
+  uint64_t lost_bytes = 0;
   uint64_t groups = 0;
   uint64_t degraded_sets = 0;       // in groups with a failed member that can still be rebuilt
   uint64_t unrecoverable_sets = 0;  // in groups that lost more members than they survive
@@ -407,6 +412,9 @@ class RemoteStore {
   uint64_t sets_ GUARDED_BY(mu_) = 0;
   uint64_t degraded_reads_ GUARDED_BY(mu_) = 0;
   uint64_t reprotected_ GUARDED_BY(mu_) = 0;
+  uint64_t rebuilt_bytes_ GUARDED_BY(mu_) = 0;
+  uint64_t sets_reprotected_ GUARDED_BY(mu_) = 0;
+  uint64_t lost_bytes_ GUARDED_BY(mu_) = 0;
   uint64_t degraded_sets_written_ GUARDED_BY(mu_) = 0;
   uint64_t reprotect_last_ms_ GUARDED_BY(mu_) = 0;
   uint64_t reprotect_max_ms_ GUARDED_BY(mu_) = 0;
