@@ -15,10 +15,9 @@
 # Environment: RUNTIME (fio seconds per job, 5), SIZE (device size, 64M), SWAP_MIB, SWAP_LIMIT,
 # LAT_ITERS (ib_read_lat/ib_write_lat iterations, 1000: ~0.1 s; as many as fio's RUNTIME takes
 # at depth 1, e.g. 25000 for 3 s, make the means comparable: both then sit through the same
-# share of the host's preemptions of the guest), KMOD_ONLY=1 (farmem0 and perftest only),
-# POLL_AB=US (then farmem0's depth-1 read and write with the module's poll_us at 0 and at US,
-# interleaved with ib_read_lat: A B L B A L, AB_ROUNDS (2) times; AB_ONLY=1: nothing else on
-# farmem0).
+# share of the host's preemptions of the guest), KMOD_ONLY=1 (farmem0 and perftest only).
+# Latencies in the table are fio's total latency (lat: from before io_submit to the completion),
+# the one comparable with ib_read_lat's (from ibv_post_send); RESULT lines carry clat too.
 set -euo pipefail
 [[ ${FARMEM_VM:-} == 1 ]] || { echo "run me inside the guest: deploy/vm/run -- bash $0 ..." >&2; exit 2; }
 bin=${1:?usage: bench.sh <bin dir> <farmem.ko>}
@@ -46,8 +45,8 @@ results=$work/results
 
 # fio_one NAME DEVICE RW DEPTH: one 4 KiB job; RESULT line "NAME rw qd iops mean_us p50_us p99_us
 # lat_mean_us lat_p50_us lat_p99_us": completion latency (clat: from io_submit's return) and total
-# latency (lat: from before io_submit). A request that ends inside io_submit (the module's poll)
-# has its time in lat only.
+# latency (lat: from before io_submit; clat leaves out the ~70-80 µs io_submit takes in the
+# guest, and all of a request that ends inside io_submit).
 fio_one() {
   local name=$1 dev=$2 rw=$3 qd=$4
   fio --name=b --filename="$dev" --rw=$rw --bs=4k --iodepth=$qd --ioengine=libaio --direct=1 \
@@ -111,20 +110,6 @@ pids+=($!)
 for _ in $(seq 400); do [[ -s $work/port ]] && break; sleep 0.05; done
 peer="$addr:$(cat "$work/port")"
 
-# perftest on the same rxe0 (the farmemd above does not use it meanwhile)
-perftest() {  # TOOL [NAME]: "RESULT NAME t_typical t_avg p99" (NAME defaults to TOOL)
-  local tool=$1 name=${2:-$1} out="" iters=${LAT_ITERS:-1000}
-  "$tool" -d rxe0 -x 1 -F -s 4096 -n "$iters" >"$work/server.log" 2>&1 &
-  local server=$!
-  for _ in 1 2 3 4 5 6 7 8 9 10; do
-    sleep 0.5
-    if out=$("$tool" -d rxe0 -x 1 -F -s 4096 -n "$iters" "$addr" 2>&1); then break; fi
-    out=""
-  done
-  wait "$server" || true
-  awk -v t="$name" '$1 == 4096 { printf "RESULT %s %s %s %s\n", t, $5, $6, $8; exit }' <<<"$out" >>"$results"
-  tail -n 1 "$results"
-}
 # ---- kmod ------------------------------------------------------------------------------------------
 insmod "$ko"
 "$bin/farmemctl" kmod attach --peers "$peer" --secret-file "$work/secret" --size "$size" \
@@ -133,24 +118,8 @@ attach=$!
 for _ in $(seq 600); do [[ -b /dev/farmem0 ]] && break; sleep 0.05; done
 [[ -b /dev/farmem0 ]] || { say "no /dev/farmem0"; cat "$work/attach.log"; exit 1; }
 dd if=/dev/urandom of=/dev/farmem0 bs=1M oflag=direct status=none 2>/dev/null || true
-[[ ${AB_ONLY:-0} == 1 ]] || fio_all kmod /dev/farmem0
-# The submitter's poll (module parameter poll_us, docs/kmod.md "Polling") off and on, interleaved
-# A B L B A L per round (L: ib_read_lat on the same rxe0), depth-1 reads and writes.
-if [[ -n ${POLL_AB:-} ]]; then
-  knob=/sys/module/farmem/parameters/poll_us
-  poll_default=$(cat "$knob")
-  for round in $(seq "${AB_ROUNDS:-2}"); do
-    for us in 0 "$POLL_AB" lat "$POLL_AB" 0 lat; do
-      if [[ $us == lat ]]; then perftest ib_read_lat ab-ib_read_lat; continue; fi
-      echo "$us" >"$knob"
-      fio_one "ab-poll$us" /dev/farmem0 randread 1
-      fio_one "ab-poll$us" /dev/farmem0 randwrite 1
-    done
-  done
-  echo "$poll_default" >"$knob"
-  say "status after the A/B: $(cat /sys/kernel/farmem/status)"
-fi
-[[ ${AB_ONLY:-0} == 1 ]] || swap_time kmod /dev/farmem0
+fio_all kmod /dev/farmem0
+swap_time kmod /dev/farmem0
 say "kmod done; detaching"
 timeout 60 "$bin/farmemctl" kmod detach || say "detach failed or hung"
 say "detached; waiting for the keeper"
@@ -158,6 +127,20 @@ wait "$attach" || say "the keeper exited with $?"
 rmmod farmem || say "rmmod failed"
 say "perftest: starting"
 
+# ---- perftest on the same rxe0 ---------------------------------------------------------------------
+perftest() {  # TOOL: "RESULT TOOL t_typical t_avg p99"
+  local tool=$1 out="" iters=${LAT_ITERS:-1000}
+  "$tool" -d rxe0 -x 1 -F -s 4096 -n "$iters" >"$work/server.log" 2>&1 &
+  local server=$!
+  for _ in 1 2 3 4 5 6 7 8 9 10; do
+    sleep 0.5
+    if out=$("$tool" -d rxe0 -x 1 -F -s 4096 -n "$iters" "$addr" 2>&1); then break; fi
+    out=""
+  done
+  wait "$server" || true
+  awk -v t="$tool" '$1 == 4096 { printf "RESULT %s %s %s %s\n", t, $5, $6, $8; exit }' <<<"$out" >>"$results"
+  tail -n 1 "$results"
+}
 perftest ib_read_lat
 perftest ib_write_lat
 
@@ -212,37 +195,16 @@ fi
 
 # ---- the table -------------------------------------------------------------------------------------
 python3 - "$results" <<'EOF'
-import statistics, sys
-fio, pt, swap, ab, ablat = {}, {}, {}, {}, []
+import sys
+fio, pt, swap = {}, {}, {}
 for line in open(sys.argv[1]):
     w = line.split()
-    if len(w) == 11 and w[1].startswith("ab-"):
-        ab.setdefault((w[1], w[2]), []).append(tuple(float(x) for x in w[4:11]))
-    elif len(w) == 11:
+    if len(w) == 11:
         fio[(w[1], w[2], w[3])] = tuple(float(x) for x in w[4:11])
     elif len(w) == 4 and w[1] == "swap":
         swap[w[2]] = w[3]
-    elif len(w) == 5 and w[1] == "ab-ib_read_lat":
-        ablat.append((float(w[2]), float(w[3]), float(w[4])))
     elif len(w) == 5:
         pt[w[1]] = (float(w[2]), float(w[3]), float(w[4]))
-if ab:
-    med = lambda xs: statistics.median(xs)
-    print("poll A/B, depth 1, each run IOPS, total latency (lat) mean / p50 / p99 µs, clat p50;"
-          " median of the runs:")
-    for (name, rw), runs in sorted(ab.items()):
-        each = "; ".join(f"{r[0]:.0f}, {r[4]:.0f} / {r[5]:.0f} / {r[6]:.0f}, {r[2]:.0f}" for r in runs)
-        m = [med([r[i] for r in runs]) for i in range(7)]
-        line = (f"  {name} {rw}: {each}  => median {m[0]:.0f}, {m[4]:.0f} / {m[5]:.0f} / {m[6]:.0f},"
-                f" {m[2]:.0f}")
-        if rw == "randread" and ablat:
-            typ, avg, p99 = (med([l[i] for l in ablat]) for i in range(3))
-            line += (f"  (lat vs ib_read_lat: mean {m[4] / avg:.2f}x, p50 {m[5] / typ:.2f}x,"
-                     f" p99 {m[6] / p99:.2f}x)")
-        print(line)
-    if ablat:
-        print("  ib_read_lat typical / avg / p99 µs: " +
-              "; ".join(f"{l[0]} / {l[1]} / {l[2]}" for l in ablat))
 print("| job | kmod IOPS / mean µs / p50 µs (total latency) | farmem-nbd verbs | farmem-nbd tcp | nbdkit memory | kmod vs nbd (mean lat) |")
 print("|---|---|---|---|---|---|")
 for rw in ("randread", "randwrite"):
@@ -263,5 +225,6 @@ k = fio.get(("kmod", "randread", "1"))
 if k and "ib_read_lat" in pt:
     print(f"kmod depth-1 read mean / ib_read_lat t_avg: {k[4] / pt['ib_read_lat'][1]:.2f}x "
           f"(p50 / t_typical: {k[5] / pt['ib_read_lat'][0]:.2f}x, "
-          f"p99 / p99: {k[6] / pt['ib_read_lat'][2]:.2f}x; total latency, fio's lat)")
+          f"p99 / p99: {k[6] / pt['ib_read_lat'][2]:.2f}x; total latency, fio's lat; "
+          f"clat p50 / t_typical: {k[2] / pt['ib_read_lat'][0]:.2f}x)")
 EOF

@@ -98,14 +98,6 @@ struct farmem_sync {
 	unsigned long *dirty;
 };
 
-/*
- * Per hardware queue (hctx->driver_data): requests posted and not yet ended. The submitter's
- * poll (farmem_main.c, module parameter poll_us) runs only when its own request is the only one.
- */
-struct farmem_hctx {
-	atomic_t inflight;
-};
-
 struct farmem_dev {
 	u64 size_bytes;
 	u64 slab_bytes;
@@ -115,7 +107,6 @@ struct farmem_dev {
 	struct ib_device *ibdev; /* every peer's device: requests are DMA-mapped once, for it */
 	struct farmem_peer *peers[FARMEM_MAX_PEERS];
 	struct blk_mq_tag_set tag_set;
-	struct farmem_hctx *hctxs; /* one per hardware queue, allocated at start */
 	struct gendisk *disk; /* non-NULL while started */
 	/*
 	 * Who holds the leases (`owner` command): the tool's client id (32 hex digits) and identity.
@@ -130,7 +121,6 @@ struct farmem_dev {
 	atomic64_t rebuild_writes; /* writes that also went to a copy being rebuilt (status) */
 	u64 recopied; /* chunks the copier copied again because a write overtook it (status) */
 	u64 moved; /* copies moved off a noticed lease (status) */
-	atomic64_t polled; /* requests ended while their submitter polled (status) */
 };
 
 /* One work request of a request: to one replica. */

@@ -23,7 +23,7 @@
  *     4 remove                                 delete the disk, disconnect, forget everything
  *   A peer may be added while running (a daemon the device did not use yet, for a rebuild).
  *   status   read: "state=<none|created|running> size=.. slab=.. peers=N connected=N errors=N
- *            stale=N rebuilt=N rebuild_writes=N recopied=N moved=N polled=N";
+ *            stale=N rebuilt=N rebuild_writes=N recopied=N moved=N";
  *            poll(2) for POLLPRI: it changes when the disk is added or removed or a daemon
  *            disconnects.
  *   slabs    read (root): what the module holds, for a restarted tool to re-adopt the device:
@@ -99,8 +99,7 @@ static int farmem_cmd_peer(char *args)
 		return ret;
 	}
 	farmem_dev0->ibdev = peer->cm_id->device;
-	/* Published fully set up: the submitter's poll (farmem_main.c) reads peers[] unlocked. */
-	smp_store_release(&farmem_dev0->peers[index], peer);
+	farmem_dev0->peers[index] = peer;
 	return 0;
 }
 
@@ -240,11 +239,10 @@ static ssize_t status_show(struct kobject *kobj, struct kobj_attribute *attr, ch
 	for (i = 0; i < dev->nslabs; i++)
 		stale += hweight_long(READ_ONCE(dev->slabs[i].stale));
 	n = sysfs_emit(buf,
-		       "state=%s size=%llu slab=%llu copies=%u peers=%d connected=%d errors=%lld stale=%d rebuilt=%llu rebuild_writes=%lld recopied=%llu moved=%llu polled=%lld\n",
+		       "state=%s size=%llu slab=%llu copies=%u peers=%d connected=%d errors=%lld stale=%d rebuilt=%llu rebuild_writes=%lld recopied=%llu moved=%llu\n",
 		       dev->disk ? "running" : "created", dev->size_bytes, dev->slab_bytes,
 		       dev->replicas, peers, connected, errors, stale, dev->rebuilt,
-		       atomic64_read(&dev->rebuild_writes), dev->recopied, dev->moved,
-		       atomic64_read(&dev->polled));
+		       atomic64_read(&dev->rebuild_writes), dev->recopied, dev->moved);
 	mutex_unlock(&farmem_ctl_lock);
 	return n;
 }

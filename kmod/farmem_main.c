@@ -8,24 +8,9 @@
  */
 #include <linux/blkdev.h>
 #include <linux/module.h>
-#include <linux/moduleparam.h>
-#include <linux/sched/clock.h>
 #include <linux/slab.h>
 
 #include "farmem.h"
-
-/*
- * The submitter's poll: a request that is alone on its hardware queue (depth 1) is waited for
- * by the context that posted it, for at most poll_us microseconds, running this CPU's pending
- * softirqs itself (local_bh_enable) rather than sleeping in the caller and being woken by
- * ksoftirqd: the CQ's handler (IB_POLL_SOFTIRQ) and, on soft-RoCE, rxe's own tasklets then run
- * right here, and the request usually ends before queue_rq returns. Past the bound the request
- * completes as it would have (the CQ's softirq). 0 turns it off. docs/kmod.md "Polling".
- */
-static unsigned int poll_us = 200;
-module_param(poll_us, uint, 0644);
-MODULE_PARM_DESC(poll_us,
-		 "microseconds the submitter of a lone (depth-1) request polls for its completion before leaving it to the CQ's softirq (0: never; default 200)");
 
 static void farmem_rdma_done(struct ib_cq *cq, struct ib_wc *wc);
 
@@ -63,67 +48,16 @@ static int farmem_post(struct farmem_cmd *cmd, int r)
 	return ib_post_send(rep->peer->qp, &w->wr.wr, &bad);
 }
 
-static inline struct farmem_hctx *farmem_hctx_of(struct request *rq)
-{
-	return rq->mq_hctx->driver_data;
-}
-
 static void farmem_end(struct farmem_cmd *cmd, blk_status_t status)
 {
-	struct request *rq = blk_mq_rq_from_pdu(cmd);
-
 	ib_dma_unmap_sg(cmd->dev->ibdev, cmd->sg, cmd->nents, cmd->dir);
-	atomic_dec(&farmem_hctx_of(rq)->inflight);
-	blk_mq_end_request(rq, status);
+	blk_mq_end_request(blk_mq_rq_from_pdu(cmd), status);
 }
 
 /*
- * Reaps what the daemons' CQs hold, here and now, as the CQ's softirq handler would
- * (__ib_process_cq): the work requests' `done` handlers end their requests. Each completion is
- * taken by exactly one poller (the device's CQ lock); the handler of a CQ's softirq finds what
- * is left. Called with bottom halves disabled: that handler does not run on this CPU meanwhile.
+ * A read goes to the first usable replica after `after`, then (a copy being moved) to the old
+ * copy; false if there is none left.
  */
-static void farmem_reap(struct farmem_dev *dev)
-{
-	struct farmem_peer *peer;
-	struct ib_wc wc;
-	int i;
-
-	for (i = 0; i < FARMEM_MAX_PEERS; i++) {
-		peer = smp_load_acquire(&dev->peers[i]);
-		if (!peer || !READ_ONCE(peer->connected))
-			continue;
-		while (ib_poll_cq(peer->cq, 1, &wc) > 0) {
-			if (wc.wr_cqe)
-				wc.wr_cqe->done(peer->cq, &wc);
-		}
-	}
-}
-
-/*
- * Waits up to `us` for every request of the hardware queue to end (the caller's is the only
- * one). At each turn it runs the softirqs pending on this CPU (local_bh_enable: on soft-RoCE,
- * rxe's tasklets, which carry the RDMA operation and post its completion) and reaps the CQs
- * itself (the CQ's own softirq is not run while ksoftirqd is runnable). Nothing is allocated
- * and nothing sleeps; the caller's request may be gone when this returns (only the counter is
- * read).
- */
-static void farmem_poll(struct farmem_dev *dev, struct farmem_hctx *fh, unsigned int us)
-{
-	u64 end = local_clock() + (u64)us * NSEC_PER_USEC;
-
-	do {
-		local_bh_disable();
-		farmem_reap(dev);
-		local_bh_enable(); /* runs what is pending: rxe's tasklets */
-		if (atomic_read(&fh->inflight) == 0) {
-			atomic64_inc(&dev->polled);
-			return;
-		}
-		cpu_relax();
-	} while (local_clock() < end);
-}
-
 static bool farmem_read_next(struct farmem_cmd *cmd, int after)
 {
 	int r;
@@ -230,9 +164,7 @@ static blk_status_t farmem_queue_rq(struct blk_mq_hw_ctx *hctx, const struct blk
 	struct request *rq = bd->rq;
 	struct farmem_dev *dev = hctx->queue->queuedata;
 	struct farmem_cmd *cmd = blk_mq_rq_to_pdu(rq);
-	struct farmem_hctx *fh = hctx->driver_data;
 	int r, n, targets[FARMEM_MAX_REPLICAS + 1], ntargets = 0;
-	unsigned int poll = READ_ONCE(poll_us);
 	bool syncing = false;
 	u64 pos, len;
 
@@ -306,49 +238,28 @@ static blk_status_t farmem_queue_rq(struct blk_mq_hw_ctx *hctx, const struct blk
 	if (unlikely(n == 0))
 		return BLK_STS_RESOURCE;
 	cmd->mapped_nents = n;
-	/* From here the request ends through farmem_end, which counts it out. */
-	atomic_inc(&fh->inflight);
 	if (cmd->dir == DMA_FROM_DEVICE) {
-		if (!farmem_read_next(cmd, -1)) {
-			atomic_dec(&fh->inflight);
-			ib_dma_unmap_sg(dev->ibdev, cmd->sg, cmd->nents, cmd->dir);
-			return BLK_STS_IOERR;
-		}
-	} else {
-		/* A write: every usable replica; the request ends when the last one answered. */
-		if (unlikely(syncing))
-			farmem_sync_begin(cmd, len);
-		atomic_set(&cmd->pending, ntargets);
-		atomic_set(&cmd->ok, 0);
-		for (n = 0; n < ntargets; n++) {
-			if (unlikely(farmem_post(cmd, targets[n]))) {
-				set_bit(targets[n], &cmd->slab->stale);
-				farmem_write_one_done(cmd, targets[n], false);
-			}
+		if (farmem_read_next(cmd, -1))
+			return BLK_STS_OK;
+		ib_dma_unmap_sg(dev->ibdev, cmd->sg, cmd->nents, cmd->dir);
+		return BLK_STS_IOERR;
+	}
+	/* A write: every usable replica; the request ends when the last one answered. */
+	if (unlikely(syncing))
+		farmem_sync_begin(cmd, len);
+	atomic_set(&cmd->pending, ntargets);
+	atomic_set(&cmd->ok, 0);
+	for (n = 0; n < ntargets; n++) {
+		if (unlikely(farmem_post(cmd, targets[n]))) {
+			set_bit(targets[n], &cmd->slab->stale);
+			farmem_write_one_done(cmd, targets[n], false);
 		}
 	}
-	/*
-	 * Depth 1: the request (possibly ended already) is the only one on this queue and no
-	 * other follows in this batch. Only where local_bh_enable runs softirqs: not in interrupt
-	 * or softirq context (a requeue kick), nor with interrupts or bottom halves disabled.
-	 */
-	if (poll && bd->last && atomic_read(&fh->inflight) == 1 && !in_interrupt() &&
-	    !irqs_disabled())
-		farmem_poll(dev, fh, poll);
 	return BLK_STS_OK;
-}
-
-static int farmem_init_hctx(struct blk_mq_hw_ctx *hctx, void *data, unsigned int index)
-{
-	struct farmem_dev *dev = data;
-
-	hctx->driver_data = &dev->hctxs[index];
-	return 0;
 }
 
 static const struct blk_mq_ops farmem_mq_ops = {
 	.queue_rq = farmem_queue_rq,
-	.init_hctx = farmem_init_hctx,
 };
 
 static const struct block_device_operations farmem_fops = {
@@ -402,10 +313,6 @@ int farmem_dev_start(void)
 			}
 		}
 	}
-	if (!dev->hctxs)
-		dev->hctxs = kcalloc(num_possible_cpus(), sizeof(*dev->hctxs), GFP_KERNEL);
-	if (!dev->hctxs)
-		return -ENOMEM;
 	dev->tag_set.ops = &farmem_mq_ops;
 	dev->tag_set.nr_hw_queues = num_possible_cpus();
 	dev->tag_set.queue_depth = FARMEM_QUEUE_DEPTH;
@@ -469,7 +376,6 @@ void farmem_dev_destroy(void)
 			farmem_peer_destroy(dev->peers[i]);
 	}
 	farmem_sync_free(&dev->sync);
-	kfree(dev->hctxs);
 	kvfree(dev->slabs);
 	kfree(dev);
 	farmem_dev0 = NULL;
