@@ -16,6 +16,8 @@
 # LAT_ITERS (ib_read_lat/ib_write_lat iterations, 1000: ~0.1 s; as many as fio's RUNTIME takes
 # at depth 1, e.g. 25000 for 3 s, make the means comparable: both then sit through the same
 # share of the host's preemptions of the guest), KMOD_ONLY=1 (farmem0 and perftest only).
+# Latencies in the table are fio's total latency (lat: from before io_submit to the completion),
+# the one comparable with ib_read_lat's (from ibv_post_send); RESULT lines carry clat too.
 set -euo pipefail
 [[ ${FARMEM_VM:-} == 1 ]] || { echo "run me inside the guest: deploy/vm/run -- bash $0 ..." >&2; exit 2; }
 bin=${1:?usage: bench.sh <bin dir> <farmem.ko>}
@@ -41,25 +43,33 @@ trap cleanup EXIT
 results=$work/results
 : >"$results"
 
-# fio_all NAME DEVICE: the four 4 KiB jobs; RESULT lines "NAME rw qd iops mean_us p50_us p99_us".
-fio_all() {
-  local name=$1 dev=$2 rw qd
-  for rw in randread randwrite; do
-    for qd in 1 32; do
-      fio --name=b --filename="$dev" --rw=$rw --bs=4k --iodepth=$qd --ioengine=libaio --direct=1 \
-        --size="$size" --time_based --runtime="$runtime" --ramp_time=1 --randrepeat=0 \
-        --output-format=json >"$work/fio.json" || { say "fio $name $rw qd$qd failed"; exit 1; }
-      python3 - "$name" "$rw" "$qd" "$work/fio.json" >>"$results" <<'EOF'
+# fio_one NAME DEVICE RW DEPTH: one 4 KiB job; RESULT line "NAME rw qd iops mean_us p50_us p99_us
+# lat_mean_us lat_p50_us lat_p99_us": completion latency (clat: from io_submit's return) and total
+# latency (lat: from before io_submit; clat leaves out the ~70-80 µs io_submit takes in the
+# guest, and all of a request that ends inside io_submit).
+fio_one() {
+  local name=$1 dev=$2 rw=$3 qd=$4
+  fio --name=b --filename="$dev" --rw=$rw --bs=4k --iodepth=$qd --ioengine=libaio --direct=1 \
+    --size="$size" --time_based --runtime="$runtime" --ramp_time=1 --randrepeat=0 \
+    --lat_percentiles=1 --output-format=json >"$work/fio.json" || { say "fio $name $rw qd$qd failed"; exit 1; }
+  python3 - "$name" "$rw" "$qd" "$work/fio.json" >>"$results" <<'EOF'
 import json, sys
 name, rw, qd, path = sys.argv[1:]
 j = json.load(open(path))["jobs"][0]["read" if rw == "randread" else "write"]
-c = j["clat_ns"]
-p = c.get("percentile", {})
+c, t = j["clat_ns"], j["lat_ns"]
+p, q = c.get("percentile", {}), t.get("percentile", {})
 print(f"RESULT {name} {rw} {qd} {j['iops']:.0f} {c['mean'] / 1000:.1f} "
-      f"{p.get('50.000000', 0) / 1000:.1f} {p.get('99.000000', 0) / 1000:.1f}")
+      f"{p.get('50.000000', 0) / 1000:.1f} {p.get('99.000000', 0) / 1000:.1f} "
+      f"{t['mean'] / 1000:.1f} {q.get('50.000000', 0) / 1000:.1f} {q.get('99.000000', 0) / 1000:.1f}")
 EOF
-      tail -n 1 "$results"
-    done
+  tail -n 1 "$results"
+}
+
+# fio_all NAME DEVICE: the four 4 KiB jobs.
+fio_all() {
+  local rw qd
+  for rw in randread randwrite; do
+    for qd in 1 32; do fio_one "$1" "$2" $rw $qd; done
   done
 }
 
@@ -189,22 +199,22 @@ import sys
 fio, pt, swap = {}, {}, {}
 for line in open(sys.argv[1]):
     w = line.split()
-    if len(w) == 8:
-        fio[(w[1], w[2], w[3])] = (float(w[4]), float(w[5]), float(w[6]), float(w[7]))
+    if len(w) == 11:
+        fio[(w[1], w[2], w[3])] = tuple(float(x) for x in w[4:11])
     elif len(w) == 4 and w[1] == "swap":
         swap[w[2]] = w[3]
     elif len(w) == 5:
         pt[w[1]] = (float(w[2]), float(w[3]), float(w[4]))
-print("| job | kmod IOPS / mean µs / p50 µs | farmem-nbd verbs | farmem-nbd tcp | nbdkit memory | kmod vs nbd (mean lat) |")
+print("| job | kmod IOPS / mean µs / p50 µs (total latency) | farmem-nbd verbs | farmem-nbd tcp | nbdkit memory | kmod vs nbd (mean lat) |")
 print("|---|---|---|---|---|---|")
 for rw in ("randread", "randwrite"):
     for qd in ("1", "32"):
         cells = []
         for n in ("kmod", "nbd", "nbdtcp", "nbdkit"):
             v = fio.get((n, rw, qd))
-            cells.append(f"{v[0]:.0f} / {v[1]:.0f} / {v[2]:.0f}" if v else "-")
+            cells.append(f"{v[0]:.0f} / {v[4]:.0f} / {v[5]:.0f}" if v else "-")
         k, b = fio.get(("kmod", rw, qd)), fio.get(("nbd", rw, qd))
-        ratio = f"{b[1] / k[1]:.2f}x lower" if k and b and k[1] else "-"
+        ratio = f"{b[4] / k[4]:.2f}x lower" if k and b and k[4] else "-"
         print(f"| 4 KiB {rw} depth {qd} | " + " | ".join(cells) + f" | {ratio} |")
 for t, (typ, avg, p99) in pt.items():
     print(f"{t} 4 KiB: t_typical {typ} us, t_avg {avg} us, p99 {p99} us")
@@ -213,7 +223,8 @@ if swap:
         f"{n} {float(t):.1f}" if t[0].isdigit() else f"{n} {t}" for n, t in swap.items()))
 k = fio.get(("kmod", "randread", "1"))
 if k and "ib_read_lat" in pt:
-    print(f"kmod depth-1 read mean / ib_read_lat t_avg: {k[1] / pt['ib_read_lat'][1]:.2f}x "
-          f"(p50 / t_typical: {k[2] / pt['ib_read_lat'][0]:.2f}x, "
-          f"p99 / p99: {k[3] / pt['ib_read_lat'][2]:.2f}x)")
+    print(f"kmod depth-1 read mean / ib_read_lat t_avg: {k[4] / pt['ib_read_lat'][1]:.2f}x "
+          f"(p50 / t_typical: {k[5] / pt['ib_read_lat'][0]:.2f}x, "
+          f"p99 / p99: {k[6] / pt['ib_read_lat'][2]:.2f}x; total latency, fio's lat; "
+          f"clat p50 / t_typical: {k[2] / pt['ib_read_lat'][0]:.2f}x)")
 EOF
