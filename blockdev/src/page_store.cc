@@ -173,6 +173,7 @@ Status PageStore::Init() {
   }
   const size_t stage = static_cast<size_t>(kRoundBytes / kPage) * static_cast<size_t>(frag_size_) *
                        static_cast<size_t>(res.group_size());
+  std::vector<std::unique_ptr<Worker>> workers;
   for (size_t i = 0; i < options_.workers + 1; ++i) {  // +1: the rebuild thread's
     auto w = std::make_unique<Worker>(cluster_, options_.op_timeout);
     if (i < options_.workers) w->channels.SetBusyPoll(options_.busy_poll);
@@ -183,12 +184,9 @@ Status PageStore::Init() {
       w->cipher.emplace(std::move(c));
       w->sealed.resize(kSealedReserve);  // grown for larger batches, then kept
     }
-    all_workers_.push_back(std::move(w));
+    workers.push_back(std::move(w));
   }
-  {
-    MutexLock lock(&workers_mu_);  // no other thread yet: for the analysis
-    for (size_t i = 0; i < options_.workers; ++i) free_workers_.push_back(all_workers_[i].get());
-  }
+  workers_.Init(std::move(workers));
   subscription_ = cluster_->Subscribe([this](const client::Event& ev) { OnClusterEvent(ev); });
   rebuild_thread_ = std::thread([this] { RebuildLoop(); });
   spdlog::info("page store: {} export, {}, {} extents of {} (slabs of {}){}, {}",
@@ -216,25 +214,6 @@ PageStore::~PageStore() {
   if (!leases.empty()) {
     if (Status s = cluster_->Free(leases); !s.ok()) spdlog::warn("page store: {}", s.ToString());
   }
-}
-
-PageStore::Worker* PageStore::Checkout() {
-  MutexLock lock(&workers_mu_);
-  workers_cv_.Wait(&workers_mu_, [&] {
-    workers_mu_.AssertHeld();
-    return !free_workers_.empty();
-  });
-  Worker* w = free_workers_.back();
-  free_workers_.pop_back();
-  return w;
-}
-
-void PageStore::Return(Worker* w) {
-  {
-    MutexLock lock(&workers_mu_);
-    free_workers_.push_back(w);
-  }
-  workers_cv_.Signal();
 }
 
 PageStoreStats PageStore::stats() const {
@@ -428,7 +407,7 @@ Status PageStore::Flush() {
 }
 
 void PageStore::ExecuteBatch(std::span<BlockOp> ops, BatchListener* listener) {
-  Worker* w = Checkout();
+  Worker* w = workers_.Checkout();
   // Aligned reads and writes of the whole batch go out together; the rest one by one.
   std::vector<Piece>& pieces = w->pieces;
   std::vector<Status>& status = w->status;
@@ -520,7 +499,7 @@ void PageStore::ExecuteBatch(std::span<BlockOp> ops, BatchListener* listener) {
     }
   }
   for (size_t i = 0; i < ops.size(); ++i) ops[i].status = status[i];
-  Return(w);
+  workers_.Return(w);
 }
 
 }  // namespace farmem::blockdev

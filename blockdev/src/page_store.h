@@ -76,6 +76,7 @@
 #include "farmem/common/mutex.h"
 #include "farmem/ec/reed_solomon.h"
 #include "page_crypto.h"
+#include "worker_pool.h"
 
 namespace farmem::blockdev {
 
@@ -211,9 +212,6 @@ class PageStore final : public BatchBackend {
 
   PageStore(client::Cluster* cluster, PageStoreOptions options);
   Status Init();
-
-  Worker* Checkout() EXCLUDES(workers_mu_);
-  void Return(Worker* w) EXCLUDES(workers_mu_);
 
   // One read or write, split into pieces that each stay inside one extent and one round.
   Status DoRead(Worker& w, uint64_t offset, std::span<uint8_t> buf);
@@ -403,11 +401,7 @@ class PageStore final : public BatchBackend {
   // member). Taken before any extent lock.
   Mutex partial_mu_;
 
-  Mutex workers_mu_;
-  CondVar workers_cv_;
-  // Created by Init, immutable afterwards; the last one is the rebuild thread's.
-  std::vector<std::unique_ptr<Worker>> all_workers_;
-  std::vector<Worker*> free_workers_ GUARDED_BY(workers_mu_);
+  WorkerPool<Worker> workers_;  // filled by Init; its background worker is the rebuild thread's
 
   mutable Mutex rebuild_mu_;
   CondVar rebuild_cv_;

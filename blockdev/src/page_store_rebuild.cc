@@ -233,7 +233,7 @@ void PageStore::WaitForRebuilds() {
 }
 
 void PageStore::RebuildLoop() {
-  Worker& w = *all_workers_.back();
+  Worker& w = workers_.background();
   MutexLock lock(&rebuild_mu_);
   Clock::time_point next_reconcile = Clock::now() + options_.reconcile_interval;
   // Moves that could not be done yet (no room, a copy failed) are retried this often until their
@@ -553,7 +553,7 @@ Status PageStore::RebuildExtent(Worker& w, uint64_t index, bool wait) {
                  cluster_->node(fresh->node).endpoint.ToString(), FormatSize(written_bytes));
   }
   // A rebuild on a request path: let the rebuild thread see whether the store is whole again.
-  if (&w != all_workers_.back().get() && e.failed.load() == 0) RequestReconcile();
+  if (&w != &workers_.background() && e.failed.load() == 0) RequestReconcile();
   return result;
 }
 

@@ -93,6 +93,7 @@ Status StripeStore::Init() {
                                               options_.op_timeout, options_.reconcile_interval));
   table_ = std::make_unique<PageEntry[]>(pages_);
   locks_ = std::make_unique<SharedMutex[]>(kLockStripes);
+  std::vector<std::unique_ptr<Worker>> workers;
   for (size_t i = 0; i < options_.workers + 1; ++i) {  // +1: the compactor's
     auto w = std::make_unique<Worker>();
     w->io = remote_->NewIoContext();
@@ -101,12 +102,9 @@ Status StripeStore::Init() {
       FARMEM_ASSIGN_OR_RETURN(aead::Cipher c, crypto_->NewCipher());
       w->cipher.emplace(std::move(c));
     }
-    all_workers_.push_back(std::move(w));
+    workers.push_back(std::move(w));
   }
-  {
-    MutexLock lock(&workers_mu_);  // no other thread yet: for the analysis
-    for (size_t i = 0; i < options_.workers; ++i) free_workers_.push_back(all_workers_[i].get());
-  }
+  workers_.Init(std::move(workers));
   compact_thread_ = std::thread([this] { CompactLoop(); });
   spdlog::info("stripe store: {} export, {} in stripes of {} pages + {} parity, {}",
                FormatSize(options_.size), res.ToString(), res.k, res.r,
@@ -122,25 +120,6 @@ StripeStore::~StripeStore() {
   compact_cv_.SignalAll();
   if (compact_thread_.joinable()) compact_thread_.join();
   if (remote_) remote_->Shutdown();  // frees the groups' leases
-}
-
-StripeStore::Worker* StripeStore::Checkout() {
-  MutexLock lock(&workers_mu_);
-  workers_cv_.Wait(&workers_mu_, [&] {
-    workers_mu_.AssertHeld();
-    return !free_workers_.empty();
-  });
-  Worker* w = free_workers_.back();
-  free_workers_.pop_back();
-  return w;
-}
-
-void StripeStore::Return(Worker* w) {
-  {
-    MutexLock lock(&workers_mu_);
-    free_workers_.push_back(w);
-  }
-  workers_cv_.Signal();
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -186,7 +165,7 @@ void StripeStore::UnlockPages(Worker& w) {
 // The batch path
 
 void StripeStore::ExecuteBatch(std::span<BlockOp> ops, BatchListener* /*listener*/) {
-  Worker* w = Checkout();
+  Worker* w = workers_.Checkout();
   std::vector<PageIo>& pages = w->pages;
   pages.clear();
   w->op_status.assign(ops.size(), Status::Ok());
@@ -281,7 +260,7 @@ void StripeStore::ExecuteBatch(std::span<BlockOp> ops, BatchListener* /*listener
   }
   UnlockPages(*w);
   for (size_t i = 0; i < ops.size(); ++i) ops[i].status = std::move(w->op_status[i]);
-  Return(w);
+  workers_.Return(w);
 }
 
 void StripeStore::MergePartialWrites(Worker& w) {
@@ -480,7 +459,7 @@ Status StripeStore::CompactOnce(uint64_t* moved) {
   const size_t k = static_cast<size_t>(options_.resilience.k);
   std::vector<SpanOwner*> cands = remote_->CompactionCandidates(8 * k);
   if (cands.empty()) return Status::Ok();
-  Worker* w = all_workers_.back().get();  // the compactor's own (one pass at a time)
+  Worker* w = &workers_.background();  // the compactor's own (one pass at a time)
   std::vector<PageIo>& pages = w->pages;
   pages.clear();
   if (w->scratch.size() < cands.size() * kPage) w->scratch.resize(cands.size() * kPage);

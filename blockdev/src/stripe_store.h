@@ -68,6 +68,7 @@
 #include "farmem/spanstore/remote_store.h"
 #include "page_crypto.h"
 #include "page_store.h"  // PageStoreStats: status and metrics read the same struct
+#include "worker_pool.h"
 
 namespace farmem::blockdev {
 
@@ -173,8 +174,6 @@ class StripeStore final : public BatchBackend {
 
   StripeStore(client::Cluster* cluster, StripeStoreOptions options);
   Status Init();
-  Worker* Checkout() EXCLUDES(workers_mu_);
-  void Return(Worker* w) EXCLUDES(workers_mu_);
   // Takes the stripes of `pages` in ascending order (exclusive where a page changes) / drops them.
   void LockPages(Worker& w, std::span<const PageIo> pages) NO_THREAD_SAFETY_ANALYSIS;
   void UnlockPages(Worker& w) NO_THREAD_SAFETY_ANALYSIS;
@@ -204,10 +203,7 @@ class StripeStore final : public BatchBackend {
   std::unique_ptr<SharedMutex[]> locks_;
   std::atomic<uint64_t> live_pages_{0};
 
-  Mutex workers_mu_;
-  CondVar workers_cv_;
-  std::vector<std::unique_ptr<Worker>> all_workers_;  // the last one is the compactor's
-  std::vector<Worker*> free_workers_ GUARDED_BY(workers_mu_);
+  WorkerPool<Worker> workers_;  // its background worker is the compactor's
 
   Mutex compact_pass_mu_;  // one compaction pass at a time (held across its I/O)
   Mutex compact_mu_;       // the compaction thread's wake-up
