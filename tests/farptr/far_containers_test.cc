@@ -146,6 +146,15 @@ TEST_F(FarptrTest, FarHashMapGetManyReadsObjectsNotSpans) {
   m.get_many(keys, got);
   EXPECT_EQ(rt_->stats().swap_ins, reads);
   for (size_t i = 0; i < keys.size(); ++i) ASSERT_EQ(got[i]->a, keys[i] / 2);
+  // prefetch: the same reads, for the updates that follow to hit.
+  ASSERT_TRUE(rt_->EvictUntil(0).ok());
+  const uint64_t before = rt_->stats().swap_ins;
+  m.prefetch(keys);
+  const uint64_t fetched = rt_->stats().swap_ins;
+  EXPECT_GT(fetched, before);
+  for (uint64_t k : keys) m.update(k, [](Value& v) { v.b = 9; });
+  EXPECT_EQ(rt_->stats().swap_ins, fetched);
+  for (uint64_t k : keys) ASSERT_EQ(m.find(k)->b, 9u);
 }
 
 // budget_includes_metadata: entries and span tables count against the budget, so frames get what
