@@ -12,6 +12,10 @@
 // Zipfian, theta 0.99) --warmup-ops untimed and --ops timed operations, --update-pct of them
 // updates (read, check, write the next version), the rest gets. Keys are drawn before the phase
 // (fixed seeds; the Zipf generator costs more than a hit). A phase also ends at --seconds.
+// --batch N hands N consecutive operations over together, as a server with N requests at hand
+// would: their gets in one GetMany (far: far_hash_map::get_many, whose bucket misses are read
+// together, overlapping their round trips; std: one find after another, since a page fault
+// stops the thread), then their updates one by one.
 //
 // Every value read is checked: word 0 is the key, word 1 its version (the number of updates made
 // to it, mod 256, kept locally in one byte per key), every other word a hash of both. A wrong
@@ -24,6 +28,7 @@
 //   kv_bench --backend std --keys 1048576 --value-bytes 64
 //   kv_bench --backend far --peers 127.0.0.1:7411 --secret-file s --budget 24M --span 16384
 //            --resilience none
+#include <malloc.h>
 #include <sys/resource.h>
 
 #include <algorithm>
@@ -35,6 +40,7 @@
 #include <memory>
 #include <optional>
 #include <random>
+#include <span>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -60,6 +66,7 @@ struct Args {
   uint64_t warmup_ops = 50000;
   double seconds = 120;  // per phase at most
   int update_pct = 5;    // YCSB-B's mix
+  size_t batch = 1;      // ops handed over together (far: get_many; 1: one op at a time)
   uint64_t seed = 1;
   // far
   std::string peers;
@@ -68,6 +75,7 @@ struct Args {
   uint32_t span = 16u << 10;
   std::string resilience = "none";
   bool encrypt = true;
+  bool metadata_in_budget = true;  // RuntimeOptions::budget_includes_metadata
 };
 
 [[noreturn]] void Die(const std::string& m) {
@@ -106,6 +114,17 @@ struct Value {
   }
 };
 
+// VmRSS / VmHWM of this process in MiB (/proc/self/status).
+double StatusMiB(const char* field) {
+  std::ifstream in("/proc/self/status");
+  std::string line;
+  const std::string want = std::string(field) + ":";
+  while (std::getline(in, line)) {
+    if (line.rfind(want, 0) == 0) return std::strtod(line.c_str() + want.size(), nullptr) / 1024;
+  }
+  return 0;
+}
+
 // The two back-ends: Put (load), Get (copy out), Update (copy the old value out, write the new one
 // in one step). False when the key is absent.
 template <typename V>
@@ -125,6 +144,13 @@ class StdBackend {
     *old = it->second;
     it->second = next;
     return true;
+  }
+  // A batch: one lookup after another (a page fault cannot be overlapped by the program).
+  void GetMany(std::span<const uint64_t> keys, std::span<std::optional<V>> out) const {
+    for (size_t i = 0; i < keys.size(); ++i) {
+      auto it = m_.find(keys[i]);
+      out[i] = it == m_.end() ? std::nullopt : std::optional<V>(it->second);
+    }
   }
   void PrintStats(const char*) const {}
 
@@ -154,6 +180,10 @@ class FarBackend {
     if (inserted) found = false;
     return found;
   }
+  // far_hash_map::get_many: the buckets not local are read together.
+  void GetMany(std::span<const uint64_t> keys, std::span<std::optional<V>> out) const {
+    m_.get_many(keys, out);
+  }
   // The runtime's counters since the last call, prefixed by `phase`.
   void PrintStats(const char* phase) {
     const farmem::RuntimeStats s = rt_->stats();
@@ -169,6 +199,17 @@ class FarBackend {
         (s.bytes_read - last_.bytes_read) / 1048576.0,
         (s.bytes_written - last_.bytes_written) / 1048576.0, s.local_bytes / 1048576.0,
         s.local_budget / 1048576.0, s.object_bytes / 1048576.0);
+    // Where the process's memory is beyond the budget's frames (docs/farptr.md, "Sizing the
+    // local budget"); malloc's own view: bytes in use and free in its arenas, and mmap'd.
+    const struct mallinfo2 mi = ::mallinfo2();
+    std::printf(
+        "  far %s memory: RSS %.1f MiB = frames %.1f (of %.1f allowed) + frame cache %.1f + "
+        "entries %.1f + span metadata %.1f + bucket directory %.1f MiB + the rest; malloc in use "
+        "%.1f MiB, free in arenas %.1f MiB\n",
+        phase, StatusMiB("VmRSS"), s.local_bytes / 1048576.0, s.frame_budget_bytes / 1048576.0,
+        s.frame_cache_bytes / 1048576.0, s.entry_bytes / 1048576.0, s.span_meta_bytes / 1048576.0,
+        m_.bucket_count() * sizeof(farmem::far_bytes) / 1048576.0,
+        (mi.uordblks + mi.hblkhd) / 1048576.0, mi.fordblks / 1048576.0);
     last_ = s;
   }
 
@@ -177,17 +218,6 @@ class FarBackend {
   farmem::far_hash_map<uint64_t, V> m_;
   farmem::RuntimeStats last_;
 };
-
-// VmRSS / VmHWM of this process in MiB (/proc/self/status).
-double StatusMiB(const char* field) {
-  std::ifstream in("/proc/self/status");
-  std::string line;
-  const std::string want = std::string(field) + ":";
-  while (std::getline(in, line)) {
-    if (line.rfind(want, 0) == 0) return std::strtod(line.c_str() + want.size(), nullptr) / 1024;
-  }
-  return 0;
-}
 
 struct Faults {
   long minor, major;
@@ -235,9 +265,9 @@ void Workload(Backend& b, const Args& a) {
     phases.push_back(std::move(p));
   }
   std::printf(
-      "kv %s: %lu keys, %zu B values, %d%% updates; RSS before the load (fixed overhead) %.1f "
-      "MiB\n",
-      a.backend.c_str(), static_cast<unsigned long>(a.keys), sizeof(V), a.update_pct,
+      "kv %s: %lu keys, %zu B values, %d%% updates, %zu op(s) a batch; RSS before the load "
+      "(fixed overhead) %.1f MiB\n",
+      a.backend.c_str(), static_cast<unsigned long>(a.keys), sizeof(V), a.update_pct, a.batch,
       StatusMiB("VmRSS"));
   std::fflush(stdout);
 
@@ -273,11 +303,60 @@ void Workload(Backend& b, const Args& a) {
     }
     ++checked;
   };
+  // A batch of ops (--batch): the gets' values come from one GetMany taken first (the values
+  // at the batch's start); updates run one by one after it (their buckets now local), and a
+  // get of a key updated earlier in the same batch reads again.
+  std::vector<uint64_t> batch_keys;
+  std::vector<std::optional<V>> batch_vals;
+  auto check = [&](uint32_t k, uint8_t want, const std::optional<V>& got) {
+    if (!got) {
+      std::printf("kv %s: MISMATCH key %u is missing\n", a.backend.c_str(), k);
+      std::fflush(stdout);
+      std::exit(3);
+    }
+    if (const size_t i = got->FirstWrong(k, want); i != V::kWords) {
+      std::printf("kv %s: MISMATCH key %u version %u word %zu: got %016lx want %016lx\n",
+                  a.backend.c_str(), k, want, i, static_cast<unsigned long>(got->w[i]),
+                  static_cast<unsigned long>(V::Make(k, want).w[i]));
+      std::fflush(stdout);
+      std::exit(3);
+    }
+    ++checked;
+  };
+  auto batch = [&](const uint32_t* keys, const uint8_t* kind, size_t n) {
+    batch_keys.assign(keys, keys + n);
+    batch_vals.resize(n);
+    b.GetMany(batch_keys, batch_vals);
+    for (size_t j = 0; j < n; ++j) {
+      const uint32_t k = keys[j];
+      bool again = kind[j] != 0;
+      for (size_t p = 0; p < j && !again; ++p) again = kind[p] != 0 && keys[p] == k;
+      if (again) {
+        one(k, kind[j] != 0);
+      } else {
+        check(k, version[k], batch_vals[j]);
+      }
+    }
+  };
   // Runs keys[i] (op kinds from kind[offset + i]) until done or `seconds`; how many ran.
   auto run = [&](const std::vector<uint32_t>& keys, const std::vector<uint8_t>& kind,
                  size_t offset) {
     const auto deadline = Clock::now() + std::chrono::duration<double>(a.seconds);
     size_t i = 0;
+    if (a.batch > 1) {
+      size_t since_check = 0;
+      while (i < keys.size()) {
+        if (since_check >= 256) {
+          since_check = 0;
+          if (Clock::now() > deadline) break;
+        }
+        const size_t n = std::min(a.batch, keys.size() - i);
+        batch(&keys[i], &kind[offset + i], n);
+        i += n;
+        since_check += n;
+      }
+      return i;
+    }
     for (; i < keys.size(); ++i) {
       if ((i & 255) == 0 && Clock::now() > deadline) break;
       one(keys[i], kind[offset + i] != 0);
@@ -329,11 +408,13 @@ void RunWithValue(const Args& a) {
   o.span_size = a.span;
   o.resilience = a.resilience;
   o.encrypt = a.encrypt;
+  o.budget_includes_metadata = a.metadata_in_budget;
   auto rt = farmem::Runtime::Create(o);
   if (!rt) Die(rt.error().ToString());
-  std::printf("kv far: budget %.1f MiB, %u B spans, resilience %s, encryption %s\n",
-              static_cast<double>(*budget) / 1048576.0, a.span, a.resilience.c_str(),
-              a.encrypt ? "on" : "off");
+  std::printf("kv far: budget %.1f MiB (%s), %u B spans, resilience %s, encryption %s\n",
+              static_cast<double>(*budget) / 1048576.0,
+              a.metadata_in_budget ? "metadata included" : "frames only", a.span,
+              a.resilience.c_str(), a.encrypt ? "on" : "off");
   {
     FarBackend<V> b(**rt, a.keys);
     Workload<V>(b, a);
@@ -368,6 +449,11 @@ int main(int argc, char** argv) {
       ->capture_default_str()
       ->check(CLI::Range(0, 100));
   app.add_option("--seed", a.seed, "seed of the key streams")->capture_default_str();
+  app.add_option("--batch", a.batch,
+                 "operations handed to the map together: their gets in one get_many (far: the "
+                 "misses overlapped; std: one after another), then the updates; 1: one at a time")
+      ->capture_default_str()
+      ->check(CLI::Range(size_t{1}, size_t{256}));
   app.add_option("--peers", a.peers, "far: the farmemd daemons, HOST:PORT,...");
   app.add_option("--secret-file", a.secret_file, "far: the cluster secret");
   app.add_option("--budget", a.budget, "far: local_budget (e.g. 24M)")->capture_default_str();
@@ -375,6 +461,9 @@ int main(int argc, char** argv) {
   app.add_option("--resilience", a.resilience, "far: none, replicate:N, ec:k+r")
       ->capture_default_str();
   app.add_flag("--encrypt,!--no-encrypt", a.encrypt, "far: encrypt objects (the default)");
+  app.add_flag("--metadata-in-budget,!--no-metadata-in-budget", a.metadata_in_budget,
+               "far: the budget counts the runtime's metadata too (entries, span tables, frame "
+               "cache), so RSS is about budget + fixed overhead (the default); off: frames only");
   CLI11_PARSE(app, argc, argv);
   switch (a.value_bytes) {
     case 64:

@@ -6,16 +6,22 @@
 #   std  kv_bench --backend std: std::unordered_map, its pages swapped by the kernel to /dev/nbd0,
 #        an NBD export of farmem-nbd (--backend farmem) whose pages live on the same farmemd
 #
+#   farb the far back-end with --batch BATCH: each batch's gets in one far_hash_map::get_many,
+#        whose bucket misses are read together (overlapped), as a server with BATCH requests at
+#        hand would; std cannot overlap its page faults, so it has no batched form
+#
 # Local memory (docs/benchmarks-farptr.md, "Object far memory vs kernel swap", says how it was
-# sized): far gets local_budget = BUDGET for its objects' span frames (its metadata, ~48 B per
-# object and ~0.7 KiB per span, and the directory are outside the budget, as RuntimeOptions
-# documents); std runs in a cgroup with memory.max = BUDGET + its fixed overhead, measured first
+# sized): far gets local_budget = BUDGET, and with METADATA_IN_BUDGET=1 (the default) that budget
+# counts the runtime's metadata (48 B per object, the span tables, the free-frame cache) as well
+# as its frames (RuntimeOptions::budget_includes_metadata), so the far process holds about
+# BUDGET + its fixed overhead; only far_hash_map's directory (8 B per bucket) is outside it.
+# std runs in a cgroup with memory.max = BUDGET + its fixed overhead, measured first
 # in this guest as the cgroup memory.peak of a tiny std run (--keys 1024, the same operations:
 # what the cgroup is charged for the binary, the libraries' pages it faults in first, the key
 # streams, the stack and the allocator, but no data; set STD_OVERHEAD to skip that). Each
 # run's cgroup memory.peak is printed, far's too (its cgroup has no limit), and with "stdpeak" in
-# ORDER std runs once more with memory.max = the last far run's memory.peak: the same total
-# memory as far really used. /dev/nbd0 is the only swap.
+# ORDER std runs once more with memory.max = the largest memory.peak of the far runs before it
+# (far or farb): the same total memory as far really used. /dev/nbd0 is the only swap.
 #   deploy/vm/run --smp 1 --timeout 1800 -- bash bench/kv_swap_vs_farptr.sh build/bin
 # (~10-15 minutes at the defaults under TCG on a loaded 2-core host.)
 #
@@ -25,9 +31,12 @@
 # Environment (defaults, sized for TCG): KEYS (262144), VALUE_BYTES (64), OPS (20000), WARMUP_OPS
 # (10000), PHASE_SECONDS (60: a phase stops there), UPDATE_PCT (5), DISTS (uniform,zipf), BUDGET (6M),
 # STD_OVERHEAD (measured), SPAN (16384), RESILIENCE (none), ENCRYPT (1: both encrypt, as they do by
-# default; 0: neither), TRANSPORT (tcp; verbs: the daemon on rxe0, both sides over verbs), ORDER ("far
-# std stdpeak stdpeak std far": back-ends in run order, interleaved against host noise: far, std,
-# stdpeak).
+# default; 0: neither), TRANSPORT (tcp; verbs: the daemon on rxe0, both sides over verbs),
+# METADATA_IN_BUDGET (1; 0: far's budget counts frames only), BATCH (16: ops per get_many in farb),
+# ORDER ("far std stdpeak stdpeak std far": back-ends in run order, interleaved against host noise:
+# far, farb, std, stdpeak), PROFILE (0; 1: perf record -a of the guest's one CPU during each run,
+# then where its time went by process and library, and the top symbols: the perf sampling costs a
+# few percent).
 set -euo pipefail
 say() { echo "[kv_swap] $*"; }
 fail() {
@@ -53,6 +62,9 @@ span=${SPAN:-16384}
 resilience=${RESILIENCE:-none}
 encrypt=${ENCRYPT:-1}
 transport=${TRANSPORT:-tcp}
+metadata_in_budget=${METADATA_IN_BUDGET:-1}
+batch=${BATCH:-16}
+profile=${PROFILE:-0}
 read -r -a order <<<"${ORDER:-far std stdpeak stdpeak std far}"
 mib() { numfmt --from=iec "$1" | awk '{ printf "%d", $1 / 1048576 }'; }
 enc_far=() enc_nbd=()
@@ -78,7 +90,7 @@ cpu_s() { awk '{ printf "%.1f", ($14 + $15) / 100 }' "/proc/$1/stat" 2>/dev/null
 guest_cpu() { awk '/^cpu / { printf "%.1f %.1f %.1f %.1f", ($2 + $3) / 100, $4 / 100, $8 / 100, $5 / 100 }' /proc/stat; }
 
 say "config: $keys keys, $value_bytes B values, $update_pct% updates, dists $dists, $warmup warm-up + $ops timed ops per dist (at most $phase_s s each)"
-say "config: far local_budget $budget, $span B spans; std memory.max = $budget + its fixed overhead; resilience $resilience, transport $transport, encryption $([[ $encrypt == 1 ]] && echo on || echo off) (both)"
+say "config: far local_budget $budget ($([[ $metadata_in_budget == 1 ]] && echo "metadata included" || echo "frames only")), $span B spans, farb $batch ops a get_many; std memory.max = $budget + its fixed overhead; resilience $resilience, transport $transport, encryption $([[ $encrypt == 1 ]] && echo on || echo off) (both)"
 say "config: kernel $(uname -r), $(nproc) vCPU, vm.page-cluster $(cat /proc/sys/vm/page-cluster), swappiness $(cat /proc/sys/vm/swappiness), MemTotal $(awk '/MemTotal/ { print $2 / 1024 " MiB" }' /proc/meminfo)"
 
 # ---- the daemon both use (loopback; --rdma on only for TRANSPORT=verbs) -----------------------------
@@ -117,6 +129,17 @@ if [[ -z $std_overhead ]]; then
 fi
 limit="$(( $(mib "$budget") + $(mib "$std_overhead") ))M"
 say "std's fixed overhead (memory.peak of a --keys 1024 run, rounded up): $std_overhead; std memory.max $limit"
+# The same for far, which also brings the pages of the code and libraries only it uses (the
+# runtime, OpenSSL) into the page cache: a cgroup is charged for the file pages it faults in
+# first, so without this the first far run's memory.peak would carry them and stdpeak get more.
+cg=/sys/fs/cgroup/kv_calibrate_far
+mkdir "$cg"
+in_cgroup "$cg" "$bin/kv_bench" --keys 1024 "${common[@]}" --backend far --peers "$peer_list" \
+  --secret-file "$work/secret" --budget "$budget" --span "$span" --resilience "$resilience" \
+  "${enc_far[@]}" >"$work/calibrate-far.log" 2>&1 ||
+  fail "the far calibration run failed: $(tail -n 3 "$work/calibrate-far.log")"
+say "far's fixed overhead (memory.peak of a --keys 1024 run, all local): $(( ($(cat "$cg/memory.peak") + 1048575) / 1048576 )) MiB"
+rmdir "$cg"
 
 # ---- the runs -------------------------------------------------------------------------------------
 results=$work/results
@@ -127,36 +150,51 @@ for backend in "${order[@]}"; do
   cg=/sys/fs/cgroup/kv_$run
   mkdir "$cg"
   case $backend in
-    far) echo max >"$cg/memory.max" ;;
+    far | farb) echo max >"$cg/memory.max" ;;
     std) echo "$limit" >"$cg/memory.max" ;;
     stdpeak)
       [[ -n ${far_peak:-} ]] || fail "stdpeak needs a far run before it"
       echo "$far_peak" >"$cg/memory.max"
       say "run $run: std with memory.max = far's memory.peak, $((far_peak / 1048576)) MiB"
       ;;
-    *) fail "ORDER: far, std or stdpeak, not $backend" ;;
+    *) fail "ORDER: far, farb, std or stdpeak, not $backend" ;;
   esac
   args=(--keys "$keys" "${common[@]}")
-  if [[ $backend == far ]]; then
+  if [[ $backend == far* ]]; then
     args+=(--backend far --peers "$peer_list" --secret-file "$work/secret" --budget "$budget"
       --span "$span" --resilience "$resilience" "${enc_far[@]}")
+    [[ $metadata_in_budget == 1 ]] || args+=(--no-metadata-in-budget)
+    [[ $backend == farb ]] && args+=(--batch "$batch")
   else
     args+=(--backend std)
   fi
   name=$backend
   [[ $backend == stdpeak ]] && name=std-at-far-peak
+  [[ $backend == farb ]] && name=far-batched
   out0=$(vmstat pswpout) in0=$(vmstat pswpin)
   n0=$(cpu_s "$nbd_pid") d0=$(cpu_s "$daemon") g0=$(guest_cpu) t0=$(date +%s.%N)
   say "run $run: $backend: kv_bench ${args[*]}"
-  rc=0
+  rc=0 perf_pid=""
+  if [[ $profile == 1 ]]; then
+    perf record -a -e cpu-clock -F 499 -q -o "$work/perf$run.data" 2>"$work/perf$run.log" &
+    perf_pid=$!
+  fi
   in_cgroup "$cg" "$bin/kv_bench" "${args[@]}" >"$work/run$run.log" 2>&1 || rc=$?
+  if [[ -n $perf_pid ]]; then
+    kill -INT "$perf_pid" 2>/dev/null || true
+    wait "$perf_pid" || true
+    say "run $run: $backend: where the guest CPU went (perf, cpu-clock, whole run incl. the load)"
+    perf report -i "$work/perf$run.data" --stdio -q --sort comm,dso --percent-limit 1.5 2>/dev/null | sed 's/^/  /'
+    perf report -i "$work/perf$run.data" --stdio -q --sort comm,sym --percent-limit 0.8 2>/dev/null | head -40 | sed 's/^/  /'
+  fi
   cat "$work/run$run.log"
   grep MISMATCH "$work/run$run.log" && fail "run $run ($backend) read a wrong value"
   ((rc == 0)) || fail "run $run ($backend) exited with $rc (137: the cgroup's OOM killer); memory.events: $(tr '\n' ' ' <"$cg/memory.events")"
   grep '^RESULT' "$work/run$run.log" | sed "s/^RESULT kv [a-z]* /RESULT kv $name /" >>"$results"
-  if [[ $backend == far ]]; then
-    far_peak=$(cat "$cg/memory.peak")
-    say "run $run: far's memory beyond its budget: $(( far_peak / 1048576 - $(mib "$budget") )) MiB (memory.peak - local_budget)"
+  if [[ $backend == far* ]]; then
+    peak=$(cat "$cg/memory.peak")
+    (( peak > ${far_peak:-0} )) && far_peak=$peak
+    say "run $run: far's memory beyond its budget: $(( peak / 1048576 - $(mib "$budget") )) MiB (memory.peak - local_budget)"
   fi
   read -r gu gs gsi gi <<<"$(guest_cpu)"
   read -r gu0 gs0 gsi0 gi0 <<<"$g0"
@@ -180,13 +218,15 @@ for line in open(sys.argv[1]):
 med = lambda v: statistics.median(v) if v else 0
 cell = lambda v: " / ".join(f"{x:.0f}" for x in v) or "-"
 ratio = lambda a, b: f"{a / b:.2f}x" if a and b else "-"
-print("| distribution | far_hash_map ops/s | std::unordered_map + swap on farmem-nbd ops/s | far / std "
-      "| std at far's memory.peak ops/s | far / that |")
-print("|---|---|---|---|---|---|")
+print("| distribution | far_hash_map ops/s | batched (get_many) ops/s "
+      "| std::unordered_map + swap on farmem-nbd ops/s | far / std | batched / std "
+      "| std at far's memory.peak ops/s | far / that | batched / that |")
+print("|---|---|---|---|---|---|---|---|---|")
 for dist in dict.fromkeys(d for _, d in runs):
-    f, s, p = (runs.get((b, dist), []) for b in ("far", "std", "std-at-far-peak"))
-    print(f"| {dist} | {cell(f)} | {cell(s)} | {ratio(med(f), med(s))} | {cell(p)} "
-          f"| {ratio(med(f), med(p))} |")
-    print(f"RATIO {dist} far/std {ratio(med(f), med(s))} far/std-at-far-peak {ratio(med(f), med(p))}")
+    f, fb, s, p = (runs.get((b, dist), []) for b in ("far", "far-batched", "std", "std-at-far-peak"))
+    print(f"| {dist} | {cell(f)} | {cell(fb)} | {cell(s)} | {ratio(med(f), med(s))} "
+          f"| {ratio(med(fb), med(s))} | {cell(p)} | {ratio(med(f), med(p))} | {ratio(med(fb), med(p))} |")
+    print(f"RATIO {dist} far/std {ratio(med(f), med(s))} batched/std {ratio(med(fb), med(s))} "
+          f"far/std-at-far-peak {ratio(med(f), med(p))} batched/std-at-far-peak {ratio(med(fb), med(p))}")
 EOF
 say "done"

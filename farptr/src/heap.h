@@ -172,6 +172,13 @@ class Heap {
   void Free(ObjectEntry* e);
   Result<void*> Deref(ObjectEntry* e, bool mut);
   void Prefetch(ObjectEntry* e);
+  // Makes the objects of `entries` local as their demand misses would (each gathered into its
+  // hot span, or its span swapped in whole when several of them share it or it was missed just
+  // before), with the reads posted together, up to kMaxSetWidth spans a round (one doorbell per
+  // daemon, the round trips overlapping). Entries present, stale, null or whose span is busy are
+  // left to their deref, which also reports any error. Nothing is pinned: call it inside the
+  // scope that will deref them.
+  void FetchMany(std::span<ObjectEntry* const> entries);
   // Where a remote object's bytes lie (LocateObjectForTest).
   Result<std::vector<ObjectPlace>> Locate(ObjectEntry* e);
 
@@ -209,6 +216,17 @@ class Heap {
   // is busy: only try-locks, s is held and the evictor takes those locks in the other order) the
   // read becomes an ordinary swap-in: false, s is kLocal.
   Result<bool> MissLocked(Span* s, ObjectEntry* e) REQUIRES(s->mu);
+  // Counts a demand miss on s (Span::last_miss) and says whether it gathers its object (a small
+  // class, gathering on, s not missed just before) rather than swapping s in whole.
+  bool GatherOnMissLocked(Span* s) REQUIRES(s->mu);
+  // Where e's bytes lie in its span's cell: what a gathering miss reads.
+  static RemoteStore::Piece PieceOf(Span* s, ObjectEntry* e);
+  // MissLocked's second half, once `frame` holds at least e's piece of s's cell (frame is
+  // taken: given back, or s's frame after a whole swap-in).
+  Result<bool> GatherLocked(Span* s, ObjectEntry* e, uint8_t* frame) REQUIRES(s->mu);
+  // Reads s's whole cell into `frame` (which may hold a piece of it) and swaps s in: false, or
+  // the read's error (the frame given back).
+  Result<bool> SwapInWholeLocked(Span* s, uint8_t* frame) REQUIRES(s->mu);
   // The class's hot span, locked into *lock: the current one if it is local, has room and no
   // remote copy, else a new one. With `try_only` no lock is waited for (null when one is busy).
   Span* HotSpanLocked(SizeClass* c, Span* not_this, SpanLock* lock, bool try_only) REQUIRES(c->mu);
@@ -307,9 +325,25 @@ class Heap {
   std::unique_ptr<RemoteStore> store_;
   std::unique_ptr<SpanCrypto> crypto_;  // null: encryption off
   uint32_t span_size_ = 0;
-  size_t budget_frames_ = 0, high_frames_ = 0, low_frames_ = 0;
+  // The frames the budget allows, and the watermarks in frames. Fixed, or with
+  // RuntimeOptions::budget_includes_metadata what the budget leaves beside the metadata
+  // (UpdateFrameLimits, whenever metadata grows or shrinks).
+  std::atomic<size_t> budget_frames_{0}, high_frames_{0}, low_frames_{0};
+  size_t base_frames_ = 0;  // local_budget / span_size
+  void UpdateFrameLimits();
+  // Local memory the runtime holds outside the frames: entries, span structs and slot tables,
+  // and the warm frame cache at its limit.
+  uint64_t MetadataBytes() const;
+  std::atomic<uint64_t> entry_bytes_{0}, span_structs_{0};
+  std::atomic<bool> metadata_warned_{false};
   std::vector<std::unique_ptr<SizeClass>> classes_;
   std::vector<uint16_t> class_of_;  // (size + 15) / 16 -> class index
+
+  // A live span's slot tables (owner: 8 B a slot, free_slots: 4 B, sealed: a bit); RetireLocked
+  // gives them back, the struct stays (RuntimeStats::span_meta_bytes).
+  static uint64_t SlotTableBytes(const SizeClass* c) { return c->slots * 12ull + c->slots / 8 + 1; }
+  std::atomic<uint64_t> slot_table_bytes_{0};
+  static constexpr size_t kEntriesPerChunk = 4096;
 
   mutable Mutex spans_mu_;
   std::vector<std::unique_ptr<Span>> spans_ GUARDED_BY(spans_mu_);  // every span ever made
@@ -319,13 +353,23 @@ class Heap {
   std::vector<Span*> resident_ GUARDED_BY(resident_mu_);
   size_t clock_hand_ GUARDED_BY(resident_mu_) = 0;
 
-  Mutex frames_mu_;
-  std::vector<uint8_t*> free_frames_ GUARDED_BY(frames_mu_);
+  // Frames come from chunks mapped kFrameChunk bytes at a time (munmapped in Stop), never from
+  // malloc: glibc's aligned_alloc(4096, span_size) cost about one page more per frame (~2x for
+  // 4 KiB spans) and its freed frames stayed resident. A frame given back goes to warm_frames_
+  // (at most warm_limit_ of them, resident: the next GetFrame takes it with no page fault);
+  // beyond that its pages are handed back to the kernel (MADV_DONTNEED) and the frame, now
+  // costing no memory, goes to cold_frames_. So resident frame memory is frames_in_use_ plus at
+  // most warm_limit_ frames (RuntimeStats::frame_cache_bytes).
+  mutable Mutex frames_mu_;
+  std::vector<uint8_t*> warm_frames_ GUARDED_BY(frames_mu_);
+  std::vector<uint8_t*> cold_frames_ GUARDED_BY(frames_mu_);
+  std::vector<std::pair<void*, size_t>> frame_chunks_ GUARDED_BY(frames_mu_);
+  size_t warm_limit_ = 0;
   std::atomic<size_t> frames_in_use_{0};
   std::atomic<bool> over_budget_{false};
   std::atomic<bool> eviction_stalled_{false};  // the last eviction attempt moved nothing
 
-  Mutex entries_mu_;
+  mutable Mutex entries_mu_;
   std::vector<std::unique_ptr<ObjectEntry[]>> entry_chunks_ GUARDED_BY(entries_mu_);
   std::vector<ObjectEntry*> free_entries_ GUARDED_BY(entries_mu_);
 

@@ -2,6 +2,7 @@
 // miss (swap-in) and prefetch are in object_swap_in.cc.
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>
+#include <sys/mman.h>
 
 #include <algorithm>
 #include <cstdlib>
@@ -12,8 +13,7 @@
 namespace farmem::farptr_internal {
 
 namespace {
-constexpr size_t kEntriesPerChunk = 4096;
-constexpr size_t kMaxFreeFrames = 64;
+constexpr size_t kFrameChunk = 1u << 20;  // frames are mapped this many bytes at a time
 }  // namespace
 
 // ---------------------------------------------------------------------------------------------
@@ -46,6 +46,10 @@ void FreeObject(ObjectEntry* e) { e->span.load(std::memory_order_acquire)->heap-
 
 void PrefetchObject(ObjectEntry* e) { e->span.load(std::memory_order_acquire)->heap->Prefetch(e); }
 
+void FetchObjects(Runtime* rt, std::span<ObjectEntry* const> entries) {
+  rt->heap()->FetchMany(entries);
+}
+
 Runtime* RuntimeOf(const ObjectEntry* e) {
   return e->span.load(std::memory_order_acquire)->heap->runtime();
 }
@@ -57,17 +61,22 @@ uint8_t* Heap::GetFrame() {
   uint8_t* f = nullptr;
   {
     MutexLock lock(&frames_mu_);
-    if (!free_frames_.empty()) {
-      f = free_frames_.back();
-      free_frames_.pop_back();
+    if (warm_frames_.empty() && cold_frames_.empty()) {
+      // A new chunk of frames (span_size divides kFrameChunk, or the chunk is one frame).
+      const size_t len = std::max<size_t>(kFrameChunk, span_size_);
+      void* p = ::mmap(nullptr, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+      if (p == MAP_FAILED) {
+        std::fprintf(stderr, "far memory: out of local memory for %zu bytes of span frames\n", len);
+        std::abort();
+      }
+      frame_chunks_.emplace_back(p, len);
+      for (size_t off = len; off >= span_size_; off -= span_size_) {
+        cold_frames_.push_back(static_cast<uint8_t*>(p) + off - span_size_);
+      }
     }
-  }
-  if (f == nullptr) {
-    f = static_cast<uint8_t*>(std::aligned_alloc(4096, span_size_));
-    if (f == nullptr) {
-      std::fprintf(stderr, "far memory: out of local memory for a %u-byte span\n", span_size_);
-      std::abort();
-    }
+    std::vector<uint8_t*>& from = warm_frames_.empty() ? cold_frames_ : warm_frames_;
+    f = from.back();
+    from.pop_back();
   }
   const size_t used = frames_in_use_.fetch_add(1, std::memory_order_acq_rel) + 1;
   if (used > budget_frames_ && !eviction_stalled_.load(std::memory_order_relaxed)) {
@@ -84,14 +93,22 @@ uint8_t* Heap::GetFrame() {
 }
 
 void Heap::PutFrame(uint8_t* f) {
+  bool cold = false;
   {
     MutexLock lock(&frames_mu_);
-    if (free_frames_.size() < kMaxFreeFrames) {
-      free_frames_.push_back(f);
-      f = nullptr;
+    if (warm_frames_.size() < warm_limit_) {
+      warm_frames_.push_back(f);
+    } else {
+      cold = true;
     }
   }
-  std::free(f);
+  if (cold) {
+    // Its pages go back to the kernel now (they read as zeros when next touched); the frame
+    // stays in the pool.
+    (void)::madvise(f, span_size_, MADV_DONTNEED);
+    MutexLock lock(&frames_mu_);
+    cold_frames_.push_back(f);
+  }
   const size_t used = frames_in_use_.fetch_sub(1, std::memory_order_acq_rel) - 1;
   if (used <= budget_frames_ && over_budget_.load(std::memory_order_relaxed)) {
     SetOverBudget(this, over_budget_, false);
@@ -102,6 +119,8 @@ ObjectEntry* Heap::NewEntry() {
   MutexLock lock(&entries_mu_);
   if (free_entries_.empty()) {
     entry_chunks_.push_back(std::make_unique<ObjectEntry[]>(kEntriesPerChunk));
+    entry_bytes_.fetch_add(kEntriesPerChunk * sizeof(ObjectEntry), std::memory_order_relaxed);
+    UpdateFrameLimits();
     ObjectEntry* chunk = entry_chunks_.back().get();
     for (size_t i = kEntriesPerChunk; i-- > 0;) free_entries_.push_back(&chunk[i]);
   }
@@ -158,6 +177,7 @@ Span* Heap::NewSpan(SizeClass* cls, SpanState state) NO_THREAD_SAFETY_ANALYSIS {
     MutexLock lock(&spans_mu_);
     spans_.push_back(std::move(fresh));
     s = spans_.back().get();
+    span_structs_.fetch_add(1, std::memory_order_relaxed);
   }
   // Try first: a span new or from the free list is in nobody's hands (a miss that gathers an
   // object makes its hot span while holding another span's lock: HotSpanLocked).
@@ -174,6 +194,8 @@ Span* Heap::NewSpan(SizeClass* cls, SpanState state) NO_THREAD_SAFETY_ANALYSIS {
   s->last_miss = 0;
   s->live.store(0, std::memory_order_relaxed);
   s->owner.assign(cls->slots, nullptr);
+  slot_table_bytes_.fetch_add(SlotTableBytes(cls), std::memory_order_relaxed);
+  UpdateFrameLimits();
   s->free_slots.clear();
   s->free_slots.reserve(cls->slots);
   for (uint32_t i = cls->slots; i-- > 0;) s->free_slots.push_back(i);
@@ -203,6 +225,8 @@ void Heap::RetireLocked(Span* s) {
   s->owner.shrink_to_fit();
   s->free_slots.clear();
   s->free_slots.shrink_to_fit();
+  slot_table_bytes_.fetch_sub(SlotTableBytes(s->cls), std::memory_order_relaxed);
+  UpdateFrameLimits();
   s->cv.SignalAll();
   MutexLock lock(&s->cls->free_mu);
   s->cls->free_spans.push_back(s);

@@ -108,22 +108,54 @@ Status Heap::SwapInLocked(Span* s, bool prefetch) {
   return Status::Ok();
 }
 
-// NO_THREAD_SAFETY_ANALYSIS: try-locks the size class and its hot span while s is held (the
-// evictor's Relocate takes them in the other order, so waiting here could deadlock); the
-// analysis cannot follow the hot span's SpanLock.
-Result<bool> Heap::MissLocked(Span* s, ObjectEntry* e) NO_THREAD_SAFETY_ANALYSIS {
-  SizeClass* c = s->cls;
+bool Heap::GatherOnMissLocked(Span* s) {
   const uint64_t now = miss_clock_.fetch_add(1, std::memory_order_relaxed) + 1;
   // Locality: the span was missed again within the last budget/8 misses (a scan, objects used
   // together): bring it whole, as the next misses would otherwise read it again and again.
   const bool recent =
       s->last_miss != 0 && now - s->last_miss <= std::max<size_t>(8, budget_frames_ / 8);
   s->last_miss = now;
-  if (!options_.gather_on_miss || c->slots < kGatherMinSlots || recent) {
+  return options_.gather_on_miss && s->cls->slots >= kGatherMinSlots && !recent;
+}
+
+RemoteStore::Piece Heap::PieceOf(Span* s, ObjectEntry* e) {
+  return {e->slot.load(std::memory_order_relaxed) * s->cls->size, e->size};
+}
+
+Result<bool> Heap::MissLocked(Span* s, ObjectEntry* e) {
+  if (!GatherOnMissLocked(s)) {
     FARMEM_RETURN_IF_ERROR(SwapInLocked(s, false));
     return false;
   }
-  FARMEM_ASSIGN_OR_RETURN(uint8_t * frame, ReadSpanLocked(s));
+  // Only the object's bytes: the rest of the cell would be thrown away.
+  uint8_t* frame = GetFrame();
+  IoContext* io = CheckoutIo();
+  Status st = store_->ReadSpan(*io, s->set, s->member, frame, PieceOf(s, e));
+  ReturnIo(io);
+  if (!st.ok()) {
+    PutFrame(frame);
+    return Err(SwapInFailedLocked(s, st));
+  }
+  return GatherLocked(s, e, frame);
+}
+
+Result<bool> Heap::SwapInWholeLocked(Span* s, uint8_t* frame) {
+  IoContext* io = CheckoutIo();
+  Status st = store_->ReadSpan(*io, s->set, s->member, frame);
+  ReturnIo(io);
+  if (!st.ok()) {
+    PutFrame(frame);
+    return Err(SwapInFailedLocked(s, st));
+  }
+  FinishSwapInLocked(s, frame, false);
+  return false;
+}
+
+// NO_THREAD_SAFETY_ANALYSIS: try-locks the size class and its hot span while s is held (the
+// evictor's Relocate takes them in the other order, so waiting here could deadlock); the
+// analysis cannot follow the hot span's SpanLock.
+Result<bool> Heap::GatherLocked(Span* s, ObjectEntry* e, uint8_t* frame) NO_THREAD_SAFETY_ANALYSIS {
+  SizeClass* c = s->cls;
   const uint32_t slot = e->slot.load(std::memory_order_relaxed);
   const size_t off = static_cast<size_t>(slot) * c->size;
   const uint8_t* bytes = frame + off;
@@ -133,9 +165,9 @@ Result<bool> Heap::MissLocked(Span* s, ObjectEntry* e) NO_THREAD_SAFETY_ANALYSIS
     std::vector<uint32_t> failed;
     crypto_->OpenSlots(frame, plain.data(), c->size, s->owner, {&slot, 1}, &failed);
     if (!failed.empty()) {
-      // The swap-in's way of answering a failed tag (from the other members) takes over.
-      FinishSwapInLocked(s, frame, false);
-      return false;
+      // The swap-in's way of answering a failed tag (from the other members) takes over; it
+      // needs the whole cell.
+      return SwapInWholeLocked(s, frame);
     }
     bytes = plain.data() + off;
   }
@@ -145,10 +177,7 @@ Result<bool> Heap::MissLocked(Span* s, ObjectEntry* e) NO_THREAD_SAFETY_ANALYSIS
     MutexLock cl(&c->mu, kAdoptLock);
     dst = HotSpanLocked(c, s, &dl, true);
   }
-  if (dst == nullptr) {
-    FinishSwapInLocked(s, frame, false);
-    return false;
-  }
+  if (dst == nullptr) return SwapInWholeLocked(s, frame);
   (void)PlaceObjectLocked(dst, e, bytes, 0);
   dl.unlock();
   PutFrame(frame);
@@ -160,6 +189,91 @@ Result<bool> Heap::MissLocked(Span* s, ObjectEntry* e) NO_THREAD_SAFETY_ANALYSIS
   swap_ins_.fetch_add(1, std::memory_order_relaxed);
   objects_gathered_.fetch_add(1, std::memory_order_relaxed);
   return true;
+}
+
+// NO_THREAD_SAFETY_ANALYSIS: holds a batch of span locks in an array across the batched read (as
+// PrefetchLoop); the analysis cannot follow span locks held that way.
+void Heap::FetchMany(std::span<ObjectEntry* const> entries) NO_THREAD_SAFETY_ANALYSIS {
+  struct Want {
+    Span* span;
+    ObjectEntry* entry;
+  };
+  std::vector<Want> wants;
+  wants.reserve(entries.size());
+  for (ObjectEntry* e : entries) {
+    if (e == nullptr || (LoadWord(e) & kPresent) != 0) continue;
+    if (Span* s = e->span.load(std::memory_order_acquire); s != nullptr) wants.push_back({s, e});
+  }
+  // Span locks in address order (heap.h); the first of a batch is waited for, the others only
+  // tried (a busy one is left to its deref), so holding several can never deadlock.
+  std::sort(wants.begin(), wants.end(),
+            [](const Want& a, const Want& b) { return std::less<Span*>{}(a.span, b.span); });
+  size_t next = 0;
+  while (next < wants.size()) {
+    Span* spans[kMaxSetWidth];
+    SpanLock locks[kMaxSetWidth];
+    ObjectEntry* gather[kMaxSetWidth];  // the one object to gather, or null: swap in whole
+    uint8_t* frames[kMaxSetWidth];
+    SpanSet* sets[kMaxSetWidth];
+    int members[kMaxSetWidth];
+    RemoteStore::Piece pieces[kMaxSetWidth];
+    Status results[kMaxSetWidth];
+    size_t n = 0;
+    while (next < wants.size() && n < static_cast<size_t>(kMaxSetWidth)) {
+      Span* s = wants[next].span;
+      size_t end = next;
+      while (end < wants.size() && wants[end].span == s) ++end;
+      SpanLock lock = n == 0 ? SpanLock(&s->mu) : SpanLock(&s->mu, std::try_to_lock);
+      ObjectEntry* only = nullptr;
+      size_t missing = 0;
+      if (lock.owns_lock() && s->state == SpanState::kRemote) {
+        for (size_t j = next; j < end; ++j) {
+          ObjectEntry* e = wants[j].entry;
+          if (e->span.load(std::memory_order_acquire) != s) continue;  // moved meanwhile
+          if (std::find_if(wants.begin() + static_cast<long>(next),
+                           wants.begin() + static_cast<long>(j), [&](const Want& w) {
+                             return w.entry == e;
+                           }) != wants.begin() + static_cast<long>(j)) {
+            continue;  // the same object twice
+          }
+          only = e;
+          ++missing;
+        }
+      }
+      next = end;
+      if (missing == 0) continue;
+      // Several objects of one span wanted together: that is locality, read it whole.
+      const bool gathers = GatherOnMissLocked(s) && missing == 1;
+      spans[n] = s;
+      gather[n] = gathers ? only : nullptr;
+      sets[n] = s->set;
+      members[n] = s->member;
+      pieces[n] = gathers ? PieceOf(s, only) : RemoteStore::Piece{0, span_size_};
+      frames[n] = GetFrame();
+      locks[n++] = std::move(lock);
+    }
+    if (n == 0) continue;
+    IoContext* io = CheckoutIo();
+    store_->ReadSpans(*io, {sets, n}, {members, n}, {frames, n}, {results, n}, {pieces, n});
+    ReturnIo(io);
+    for (size_t i = 0; i < n; ++i) {
+      Span* s = spans[i];
+      bool partial = false;
+      if (!results[i].ok()) {
+        PutFrame(frames[i]);
+        (void)SwapInFailedLocked(s, results[i]);  // its deref reads again and reports it
+      } else if (gather[i] != nullptr) {
+        // An error here marked s lost or left it remote: the deref reports it.
+        Result<bool> g = GatherLocked(s, gather[i], frames[i]);
+        partial = g && !*g && !s->free_slots.empty();
+      } else {
+        FinishSwapInLocked(s, frames[i], false);
+        partial = !s->free_slots.empty();
+      }
+      locks[i].unlock();
+      if (partial) AddPartial(s);
+    }
+  }
 }
 
 Status Heap::OpenSealedLocked(Span* s, std::span<const uint32_t> slots) {

@@ -1,6 +1,7 @@
 // Runtime setup: options, size classes, connecting, background threads, statistics.
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>
+#include <sys/mman.h>
 
 #include <algorithm>
 #include <bit>
@@ -86,13 +87,15 @@ Status Heap::Start() {
     return InvalidArgument(fmt::format("watermarks must satisfy 0 < low ({}) < high ({}) <= 1",
                                        options_.low_watermark, options_.high_watermark));
   }
-  budget_frames_ = static_cast<size_t>(options_.local_budget / span_size_);
-  if (budget_frames_ < 4) {
+  base_frames_ = static_cast<size_t>(options_.local_budget / span_size_);
+  if (base_frames_ < 4) {
     return InvalidArgument(fmt::format("local budget {} holds fewer than 4 spans of {}",
                                        FormatSize(options_.local_budget), FormatSize(span_size_)));
   }
-  high_frames_ = std::max<size_t>(2, static_cast<size_t>(budget_frames_ * options_.high_watermark));
-  low_frames_ = std::max<size_t>(1, static_cast<size_t>(budget_frames_ * options_.low_watermark));
+  // Frames kept resident while free (heap.h, frames_mu_): at most 256 KiB, for the frames a miss
+  // borrows and gives back at once and the refill after an eviction burst.
+  warm_limit_ = std::clamp<size_t>((256u << 10) / span_size_, 1, 64);
+  UpdateFrameLimits();
 
   // Size classes: multiples of 16 up to 256, then about 12.5% apart (rounded to 16), then the
   // largest slot sizes that still fit 8, 7, ..., 1 objects in a span.
@@ -196,17 +199,44 @@ void Heap::Stop() {
   }
   for (Span* s : all) {
     MutexLock sl(&s->mu);
-    if (s->frame != nullptr) {
-      std::free(s->frame);
-      s->frame = nullptr;
-    }
+    s->frame = nullptr;  // its chunk is unmapped below
   }
   MutexLock flock(&frames_mu_);
-  for (uint8_t* f : free_frames_) std::free(f);
-  free_frames_.clear();
+  warm_frames_.clear();
+  cold_frames_.clear();
+  for (auto [p, len] : frame_chunks_) ::munmap(p, len);
+  frame_chunks_.clear();
 }
 
 Heap::~Heap() { Stop(); }
+
+uint64_t Heap::MetadataBytes() const {
+  return entry_bytes_.load(std::memory_order_relaxed) +
+         span_structs_.load(std::memory_order_relaxed) * sizeof(Span) +
+         slot_table_bytes_.load(std::memory_order_relaxed) +
+         static_cast<uint64_t>(warm_limit_) * span_size_;
+}
+
+void Heap::UpdateFrameLimits() {
+  size_t frames = base_frames_;
+  if (options_.budget_includes_metadata) {
+    const uint64_t meta = MetadataBytes();
+    const uint64_t left = options_.local_budget > meta ? options_.local_budget - meta : 0;
+    frames = std::max<size_t>(4, left / span_size_);
+    if (left / span_size_ < 4 && !metadata_warned_.exchange(true)) {
+      spdlog::warn(
+          "far memory: metadata ({} for {} objects) leaves less than 4 spans of the {} local "
+          "budget for object data; running with 4 (raise local_budget)",
+          FormatSize(meta), objects_.load(), FormatSize(options_.local_budget));
+    }
+  }
+  if (frames == budget_frames_.load(std::memory_order_relaxed)) return;
+  budget_frames_.store(frames, std::memory_order_relaxed);
+  high_frames_.store(std::max<size_t>(2, static_cast<size_t>(frames * options_.high_watermark)),
+                     std::memory_order_relaxed);
+  low_frames_.store(std::max<size_t>(1, static_cast<size_t>(frames * options_.low_watermark)),
+                    std::memory_order_relaxed);
+}
 
 RuntimeStats Heap::stats() const {
   RuntimeStats s;
@@ -218,6 +248,13 @@ RuntimeStats Heap::stats() const {
   s.copies_dropped = copies_dropped_.load();
   s.local_budget = options_.local_budget;
   s.local_bytes = frames_in_use_.load() * static_cast<uint64_t>(span_size_);
+  {
+    MutexLock lock(&frames_mu_);
+    s.frame_cache_bytes = warm_frames_.size() * static_cast<uint64_t>(span_size_);
+  }
+  s.entry_bytes = entry_bytes_.load();
+  s.span_meta_bytes = span_structs_.load() * sizeof(Span) + slot_table_bytes_.load();
+  s.frame_budget_bytes = budget_frames_.load() * static_cast<uint64_t>(span_size_);
   s.resident_spans = resident_spans_.load();
   s.remote_spans = remote_spans_.load();
   const RemoteStoreStats rs = store_->stats();

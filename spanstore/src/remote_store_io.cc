@@ -223,7 +223,7 @@ void RemoteStore::WriteSets(IoContext& io, std::span<const std::span<const uint8
 
 void RemoteStore::ReadSpans(IoContext& io, std::span<SpanSet* const> sets,
                             std::span<const int> members, std::span<uint8_t* const> dsts,
-                            std::span<Status> results) {
+                            std::span<Status> results, std::span<const Piece> pieces) {
   const size_t n = std::min<size_t>(sets.size(), kMaxSetWidth);
   transport::Op ops[kMaxSetWidth];
   client::NodeId nodes[kMaxSetWidth];
@@ -238,11 +238,16 @@ void RemoteStore::ReadSpans(IoContext& io, std::span<SpanSet* const> sets,
       results[i] = Unavailable("not read");
       if ((((g->failed_mask | g->lost_mask) >> m) & 1) != 0) continue;  // degraded: alone below
       const client::Lease& l = g->members[static_cast<size_t>(m)];
+      Piece p{0, span_size_};
+      if (!pieces.empty() && pieces[i].length > 0 &&
+          static_cast<uint64_t>(pieces[i].offset) + pieces[i].length <= span_size_) {
+        p = pieces[i];
+      }
       ops[posted] = {transport::OpType::kRead,
                      l.slab(),
-                     static_cast<uint64_t>(sets[i]->row) * span_size_,
-                     dsts[i],
-                     span_size_,
+                     static_cast<uint64_t>(sets[i]->row) * span_size_ + p.offset,
+                     dsts[i] + p.offset,
+                     p.length,
                      nullptr,
                      0};
       nodes[posted] = l.node;
@@ -257,10 +262,13 @@ void RemoteStore::ReadSpans(IoContext& io, std::span<SpanSet* const> sets,
       ok[index[j]] = true;
     }  // else ReadSpan below reads it again and reports the failure
   }
+  const auto piece = [&](size_t i) { return pieces.empty() ? Piece{} : pieces[i]; };
   for (size_t i = 0; i < n; ++i) {
-    if (!ok[i]) results[i] = ReadSpan(io, sets[i], members[i], dsts[i]);
+    if (!ok[i]) results[i] = ReadSpan(io, sets[i], members[i], dsts[i], piece(i));
   }
-  for (size_t i = n; i < sets.size(); ++i) results[i] = ReadSpan(io, sets[i], members[i], dsts[i]);
+  for (size_t i = n; i < sets.size(); ++i) {
+    results[i] = ReadSpan(io, sets[i], members[i], dsts[i], piece(i));
+  }
 }
 
 void RemoteStore::WriteCells(IoContext& io, const std::vector<client::Lease>& members, uint64_t off,
@@ -289,7 +297,10 @@ void RemoteStore::WriteCells(IoContext& io, const std::vector<client::Lease>& me
   for (size_t i = 0; i < posted; ++i) results[index[i]] = std::move(got[i]);
 }
 
-Status RemoteStore::ReadSpan(IoContext& io, SpanSet* set, int member, uint8_t* dst) {
+Status RemoteStore::ReadSpan(IoContext& io, SpanSet* set, int member, uint8_t* dst, Piece piece) {
+  if (piece.length == 0 || static_cast<uint64_t>(piece.offset) + piece.length > span_size_) {
+    piece = {0, span_size_};
+  }
   const int k = res_.k;
   const int n = res_.group_size();
   const size_t span = span_size_;
@@ -312,9 +323,9 @@ Status RemoteStore::ReadSpan(IoContext& io, SpanSet* set, int member, uint8_t* d
     if (((bad >> member) & 1) == 0) {
       transport::Op op{transport::OpType::kRead,
                        members[static_cast<size_t>(member)].slab(),
-                       off,
-                       dst,
-                       static_cast<uint32_t>(span),
+                       off + piece.offset,
+                       dst + piece.offset,
+                       piece.length,
                        nullptr,
                        0};
       client::NodeId node = members[static_cast<size_t>(member)].node;

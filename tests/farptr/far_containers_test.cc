@@ -2,6 +2,7 @@
 // in-memory models.
 #include <gtest/gtest.h>
 
+#include <optional>
 #include <random>
 #include <unordered_map>
 #include <vector>
@@ -106,6 +107,82 @@ TEST_F(FarptrTest, FarHashMapAtOneEighthBudget) {
   RuntimeStats st = rt_->stats();
   EXPECT_GT(st.swap_ins, 0u);
   EXPECT_LE(st.local_bytes, st.local_budget + (1u << 20));
+}
+
+// get_many reads the buckets that are not local together, and a gathering miss reads only the
+// object's bytes, not its span: swap-ins happen, every value is right, absent keys are absent,
+// and the bytes read are far below a span per swap-in (they were a whole span each before).
+TEST_F(FarptrTest, FarHashMapGetManyReadsObjectsNotSpans) {
+  ASSERT_NO_FATAL_FAILURE(StartDaemons(1));
+  ASSERT_NO_FATAL_FAILURE(Open(Options("none", 1 << 20)));
+  constexpr uint64_t kKeys = 60000;  // ~16,000 buckets of 100-200 B: ~200 spans of 16 KiB
+  far_hash_map<uint64_t, Value> m(*rt_, kKeys);
+  for (uint64_t k = 0; k < kKeys; ++k) m.insert_or_assign(k * 2, Value{k, 1, 2});
+  ASSERT_TRUE(rt_->EvictUntil(0).ok());
+  std::mt19937_64 rng(5);
+  uint64_t ins = 0, bytes = 0;
+  for (int round = 0; round < 20; ++round) {
+    std::vector<uint64_t> keys(16);
+    for (auto& k : keys) k = rng() % (2 * kKeys);  // odd keys are absent
+    std::vector<std::optional<Value>> got(keys.size());
+    const RuntimeStats before = rt_->stats();
+    m.get_many(keys, got);
+    const RuntimeStats after = rt_->stats();
+    for (size_t i = 0; i < keys.size(); ++i) {
+      ASSERT_EQ(got[i].has_value(), keys[i] % 2 == 0) << "key " << keys[i];
+      if (got[i]) ASSERT_EQ(got[i]->a, keys[i] / 2) << "key " << keys[i];
+    }
+    ins += after.swap_ins - before.swap_ins;
+    bytes += after.bytes_read - before.bytes_read;
+  }
+  ASSERT_GT(ins, 100u);  // most buckets were remote
+  // A span is read whole only when a batch wants two of its objects or it was missed just before.
+  EXPECT_LE(bytes, ins * 2048) << ins << " swap-ins";
+  // Another batch of the same keys finds its buckets local: no read at all.
+  std::vector<uint64_t> keys = {0, 2, 4, 6, 8, 10, 12, 14};
+  std::vector<std::optional<Value>> got(keys.size());
+  m.get_many(keys, got);
+  const uint64_t reads = rt_->stats().swap_ins;
+  m.get_many(keys, got);
+  EXPECT_EQ(rt_->stats().swap_ins, reads);
+  for (size_t i = 0; i < keys.size(); ++i) ASSERT_EQ(got[i]->a, keys[i] / 2);
+  // prefetch: the same reads, for the updates that follow to hit.
+  ASSERT_TRUE(rt_->EvictUntil(0).ok());
+  const uint64_t before = rt_->stats().swap_ins;
+  m.prefetch(keys);
+  const uint64_t fetched = rt_->stats().swap_ins;
+  EXPECT_GT(fetched, before);
+  for (uint64_t k : keys) m.update(k, [](Value& v) { v.b = 9; });
+  EXPECT_EQ(rt_->stats().swap_ins, fetched);
+  for (uint64_t k : keys) ASSERT_EQ(m.find(k)->b, 9u);
+}
+
+// budget_includes_metadata: entries and span tables count against the budget, so frames get what
+// is left and frames + metadata stay within the budget (plus one span of slack).
+TEST_F(FarptrTest, BudgetIncludesMetadata) {
+  ASSERT_NO_FATAL_FAILURE(StartDaemons(1));
+  RuntimeOptions o = Options("none", 2 << 20);
+  o.budget_includes_metadata = true;
+  ASSERT_NO_FATAL_FAILURE(Open(o));
+  std::vector<far_bytes> objs;
+  for (uint64_t i = 0; i < 6000; ++i) {  // 6 MiB of objects, 0.4 MiB of entries
+    objs.push_back(make_far_bytes_in(*rt_, 1000));
+    DerefScope sc;
+    Fill(objs.back().deref_mut(sc), i, 1);
+  }
+  const RuntimeStats s = rt_->stats();
+  const uint64_t meta = s.entry_bytes + s.span_meta_bytes + s.frame_cache_bytes;
+  EXPECT_GT(s.entry_bytes, 6000u * 40);
+  EXPECT_LT(s.frame_budget_bytes, s.local_budget - s.entry_bytes);
+  EXPECT_GT(s.frame_budget_bytes, s.local_budget / 2);
+  EXPECT_LE(s.local_bytes + meta, s.local_budget + 16384)
+      << "frames " << s.local_bytes << " of " << s.frame_budget_bytes << " allowed, entries "
+      << s.entry_bytes << ", spans " << s.span_meta_bytes << ", frame cache "
+      << s.frame_cache_bytes;
+  for (uint64_t i = 0; i < objs.size(); ++i) {
+    DerefScope sc;
+    ASSERT_TRUE(Matches(objs[i].deref(sc), i, 1)) << "object " << i;
+  }
 }
 
 }  // namespace

@@ -29,6 +29,7 @@
 // erased meanwhile may or may not be.
 #pragma once
 
+#include <algorithm>
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
@@ -38,6 +39,7 @@
 #include <iterator>
 #include <memory>
 #include <optional>
+#include <span>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -208,6 +210,43 @@ class far_hash_map {
     }
     return std::nullopt;
   }
+  // Batched lookup: out[i] = find(keys[i]) for every i (out.size() == keys.size()), with the
+  // misses overlapped: the buckets that are not local are read together, one round trip for up
+  // to 16 of them (farmem::farptr_internal::FetchObjects), where that many finds would wait for
+  // one read after another. For a program that has several independent lookups at hand (a batch
+  // of requests). The buckets' locks are all held (shared) for the batch, so a writer to one of
+  // them waits for the whole batch.
+  void get_many(std::span<const K> keys, std::span<std::optional<V>> out) const {
+    ReaderLock r(&resize_mu_);
+    const size_t mask = buckets_.size() - 1;
+    StripeSet stripes(this, keys, mask);
+    DerefScope s;
+    FetchBuckets(keys, mask, s);
+    for (size_t i = 0; i < keys.size() && i < out.size(); ++i) {
+      out[i].reset();
+      const far_bytes& bucket = buckets_[Hash{}(keys[i]) & mask];
+      if (!bucket) continue;
+      std::span<const std::byte> bytes = bucket.deref(s);
+      const Header hd = ReadHeader(bytes);
+      for (uint32_t j = 0; j < hd.count; ++j) {
+        Item it = ReadItem(bytes, j);
+        if (Eq{}(it.key, keys[i])) {
+          out[i] = it.value;
+          break;
+        }
+      }
+    }
+  }
+  // Brings the buckets of `keys` local now, their misses overlapped as in get_many, for the
+  // operations on those keys that follow (update, find, insert...) to hit. Nothing is pinned:
+  // under memory pressure a bucket may leave again before it is used (it starts hot).
+  void prefetch(std::span<const K> keys) const {
+    ReaderLock r(&resize_mu_);
+    const size_t mask = buckets_.size() - 1;
+    StripeSet stripes(this, keys, mask);
+    DerefScope s;
+    FetchBuckets(keys, mask, s);
+  }
   bool contains(const K& key) const { return find(key).has_value(); }
   size_t count(const K& key) const { return contains(key) ? 1 : 0; }
 
@@ -374,6 +413,40 @@ class far_hash_map {
     std::memcpy(b.data() + sizeof(Header) + i * sizeof(Item), &it, sizeof(Item));
   }
   static size_t BytesFor(uint32_t capacity) { return sizeof(Header) + capacity * sizeof(Item); }
+
+  // The stripes of the buckets of `keys`, read-locked in index order (writers hold one stripe at
+  // a time, so taking several in order cannot deadlock), for a batch.
+  class StripeSet {
+   public:
+    StripeSet(const far_hash_map* m, std::span<const K> keys, size_t mask) NO_THREAD_SAFETY_ANALYSIS
+        : m_(m) {
+      held_.reserve(keys.size());
+      for (const K& k : keys) held_.push_back(static_cast<uint32_t>((Hash{}(k)&mask) % kStripes));
+      std::sort(held_.begin(), held_.end());
+      held_.erase(std::unique(held_.begin(), held_.end()), held_.end());
+      for (uint32_t i : held_) m_->stripes_[i].LockShared();
+    }
+    ~StripeSet() NO_THREAD_SAFETY_ANALYSIS {
+      for (uint32_t i : held_) m_->stripes_[i].UnlockShared();
+    }
+    StripeSet(const StripeSet&) = delete;
+    StripeSet& operator=(const StripeSet&) = delete;
+
+   private:
+    const far_hash_map* m_;
+    std::vector<uint32_t> held_;
+  };
+  // The buckets of `keys` that are not local, read together (their stripes held).
+  void FetchBuckets(std::span<const K> keys, size_t mask, const DerefScope&) const
+      REQUIRES_SHARED(resize_mu_) {
+    std::vector<farptr_internal::ObjectEntry*> entries;
+    entries.reserve(keys.size());
+    for (const K& k : keys) {
+      const far_bytes& bucket = buckets_[Hash{}(k)&mask];
+      if (bucket && !bucket.is_local()) entries.push_back(bucket.entry());
+    }
+    if (!entries.empty()) farptr_internal::FetchObjects(rt_, entries);
+  }
 
   size_t BucketCount() const {
     ReaderLock r(&resize_mu_);

@@ -20,6 +20,7 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <span>
 
 #include "farmem/common/status.h"
 
@@ -69,6 +70,10 @@ ObjectEntry* AllocateObject(Runtime* rt, size_t size, void** addr);
 void FreeObject(ObjectEntry* e);
 // Asks the runtime to make the object local in the background (far_vector's prefetcher).
 void PrefetchObject(ObjectEntry* e);
+// Makes the objects of `rt` that `entries` name local now, their misses overlapped (the reads
+// posted together): what a batch of derefs would do one miss at a time. Null, present or stale
+// entries are skipped. Nothing stays pinned: call it inside the scope that derefs them.
+void FetchObjects(Runtime* rt, std::span<ObjectEntry* const> entries);
 // The runtime an entry belongs to.
 Runtime* RuntimeOf(const ObjectEntry* e);
 

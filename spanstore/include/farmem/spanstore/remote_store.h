@@ -221,14 +221,24 @@ class RemoteStore {
                                     std::span<SpanOwner* const> spans,
                                     std::span<uint32_t> cell_crcs,
                                     std::vector<std::pair<SpanSet*, int>>* corrupt);
+  // A part of a cell: bytes [offset, offset + length). Length 0 (Piece{}): the whole cell.
+  struct Piece {
+    uint32_t offset;
+    uint32_t length;
+  };
   // Reads data member `member` of `set` into dst (span_size bytes); degraded if needed. Errors
-  // say where the span lived; the caller adds what it was.
-  Status ReadSpan(IoContext& io, SpanSet* set, int member, uint8_t* dst);
+  // say where the span lived; the caller adds what it was. With a `piece`, a plain read fetches
+  // only that part of the cell, into the same place of dst (an object, not its whole span:
+  // far_ptr's gathering miss); a degraded read still fills all of dst.
+  Status ReadSpan(IoContext& io, SpanSet* set, int member, uint8_t* dst, Piece piece = {});
   // Several ReadSpans at once (the prefetcher's batch): the plain reads are posted together, one
   // doorbell per daemon, so their round trips overlap; any that fails is retried alone through
   // ReadSpan (degraded if needed). results[i] is the status of read i.
+  // With `pieces` (one per read, or empty for whole cells) read i fetches only its piece, as
+  // ReadSpan does.
   void ReadSpans(IoContext& io, std::span<SpanSet* const> sets, std::span<const int> members,
-                 std::span<uint8_t* const> dsts, std::span<Status> results);
+                 std::span<uint8_t* const> dsts, std::span<Status> results,
+                 std::span<const Piece> pieces = {});
   // A cell read from data member `member` of `set` failed authentication or its checksum
   // (remote_store_integrity.cc). If the group can lose that member and still produce the span, the
   // member is marked failed — re-protected like a lost one — and true returned: ReadSpan then
