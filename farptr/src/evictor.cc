@@ -16,6 +16,7 @@
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstring>
 #include <thread>
 
@@ -117,15 +118,25 @@ Status Heap::EvictUntil(uint64_t target_bytes) {
   }
   const size_t target = static_cast<size_t>(target_bytes / span_size_);
   MutexLock round(&evict_round_mu_);
-  // A round can come back empty while another thread holds a span's lock for a moment (the sweep
-  // only try-locks): give up only after a few empty rounds in a row.
-  int empty_rounds = 0;
-  for (int i = 0; i < 1000 && empty_rounds < 3 && frames_in_use_.load() > target; ++i) {
-    if (EvictRound(target, target == 0) == 0) {
-      ++empty_rounds;
+  // A round can come back empty while another thread holds spans' locks (the sweep only
+  // try-locks: a compaction pass or a swap-in in flight, which on a loaded machine can take
+  // tens of milliseconds): give up only when no round has given memory back for kPatience.
+  // (Three empty rounds a yield apart gave up spuriously beside a compaction pass, ~1 run in 80
+  // of far_list_queue_test on a loaded machine.)
+  constexpr auto kPatience = std::chrono::milliseconds(500);
+  auto last_progress = std::chrono::steady_clock::now();
+  for (int i = 0, empty = 0; i < 1000 && frames_in_use_.load() > target;) {
+    if (EvictRound(target, target == 0) != 0) {
+      ++i;
+      empty = 0;
+      last_progress = std::chrono::steady_clock::now();
+      continue;
+    }
+    if (std::chrono::steady_clock::now() - last_progress >= kPatience) break;
+    if (++empty < 3) {
       std::this_thread::yield();
     } else {
-      empty_rounds = 0;
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));  // waits for a holder: no spin
     }
   }
   if (frames_in_use_.load() > target) {
