@@ -256,22 +256,26 @@ void Heap::FetchMany(std::span<ObjectEntry* const> entries) NO_THREAD_SAFETY_ANA
     IoContext* io = CheckoutIo();
     store_->ReadSpans(*io, {sets, n}, {members, n}, {frames, n}, {results, n}, {pieces, n});
     ReturnIo(io);
+    bool partial[kMaxSetWidth] = {};
     for (size_t i = 0; i < n; ++i) {
       Span* s = spans[i];
-      bool partial = false;
       if (!results[i].ok()) {
         PutFrame(frames[i]);
         (void)SwapInFailedLocked(s, results[i]);  // its deref reads again and reports it
       } else if (gather[i] != nullptr) {
         // An error here marked s lost or left it remote: the deref reports it.
         Result<bool> g = GatherLocked(s, gather[i], frames[i]);
-        partial = g && !*g && !s->free_slots.empty();
+        partial[i] = g && !*g && !s->free_slots.empty();
       } else {
         FinishSwapInLocked(s, frames[i], false);
-        partial = !s->free_slots.empty();
+        partial[i] = !s->free_slots.empty();
       }
-      locks[i].unlock();
-      if (partial) AddPartial(s);
+    }
+    // Every span lock of the batch goes before any class lock is taken: Allocate takes a class
+    // lock and then span locks, so taking one while holding the batch's could deadlock.
+    for (size_t i = 0; i < n; ++i) locks[i].unlock();
+    for (size_t i = 0; i < n; ++i) {
+      if (partial[i]) AddPartial(spans[i]);
     }
   }
 }
@@ -545,9 +549,9 @@ void Heap::PrefetchLoop() NO_THREAD_SAFETY_ANALYSIS {
       }
       IoContext* io = CheckoutIo();
       store_->ReadSpans(*io, {sets, n}, {members, n}, {frames, n}, {results, n});
+      bool partial[kMaxSetWidth] = {};
       for (size_t i = 0; i < n; ++i) {
         Span* s = spans[i];
-        bool partial = false;
         Status st = results[i];
         if (st.ok()) {
           FinishSwapInLocked(s, frames[i], true);
@@ -555,13 +559,16 @@ void Heap::PrefetchLoop() NO_THREAD_SAFETY_ANALYSIS {
           // each first deref). A re-read that fails for now leaves those objects sealed: their
           // derefs try again.
           if (s->sealed_left > 0) (void)OpenAllSealedLocked(s);
-          partial = !s->free_slots.empty();
+          partial[i] = !s->free_slots.empty();
         } else {
           PutFrame(frames[i]);
           (void)SwapInFailedLocked(s, st);  // a deref reports it
         }
-        locks[i].unlock();
-        if (partial) AddPartial(s);
+      }
+      // As in FetchMany: the batch's span locks all go before AddPartial takes a class lock.
+      for (size_t i = 0; i < n; ++i) locks[i].unlock();
+      for (size_t i = 0; i < n; ++i) {
+        if (partial[i]) AddPartial(spans[i]);
       }
       ReturnIo(io);
     }
