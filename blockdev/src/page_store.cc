@@ -88,17 +88,22 @@ Status Resilience::Check(const client::Resilience& res) {
 PageStore::PageStore(client::Cluster* cluster, PageStoreOptions options)
     : cluster_(cluster), options_(std::move(options)) {}
 
+Status CheckBusyPoll(std::chrono::microseconds busy_poll) {
+  if (busy_poll.count() < 0 || busy_poll > client::ChannelSet::kMaxBusyPoll) {
+    return InvalidArgument(fmt::format("busy poll of {} µs: give 0 (off) to {} µs",
+                                       busy_poll.count(),
+                                       client::ChannelSet::kMaxBusyPoll.count()));
+  }
+  return Status::Ok();
+}
+
 Result<std::unique_ptr<PageStore>> PageStore::Create(client::Cluster* cluster,
                                                      PageStoreOptions options) {
   if (options.size == 0 || options.size % kPage != 0) {
     return Err(InvalidArgument(
         fmt::format("export size {} must be a non-zero multiple of 4096", options.size)));
   }
-  if (options.busy_poll.count() < 0 || options.busy_poll > client::ChannelSet::kMaxBusyPoll) {
-    return Err(InvalidArgument(fmt::format("busy poll of {} µs: give 0 (off) to {} µs",
-                                           options.busy_poll.count(),
-                                           client::ChannelSet::kMaxBusyPoll.count())));
-  }
+  FARMEM_RETURN_IF_ERROR(CheckBusyPoll(options.busy_poll));
   std::unique_ptr<PageStore> ps(new PageStore(cluster, std::move(options)));
   FARMEM_RETURN_IF_ERROR(ps->Init());
   return ps;

@@ -108,7 +108,7 @@ struct PageStoreOptions {
   std::chrono::milliseconds op_timeout{5000};
   // How long a request waiting for one daemon spins before it sleeps (client::ChannelSet::
   // SetBusyPoll; at most ChannelSet::kMaxBusyPoll). Not for the rebuild thread.
-  std::chrono::microseconds busy_poll{0};
+  std::chrono::microseconds busy_poll{0};  // checked by CheckBusyPoll
   // How often the rebuild thread looks for degraded extents that events did not bring up (a
   // daemon freed memory, a rebuild failed for lack of room) and checks the cluster's capacity.
   std::chrono::milliseconds reconcile_interval{3000};
@@ -122,6 +122,10 @@ struct PageStoreOptions {
   std::optional<aead::Key> data_key;
   PageCrypto::SealObserver seal_observer;  // tests: every (domain, counter, page) sealed
 };
+
+// A store's busy-poll option (PageStoreOptions, StripeStoreOptions): 0 (off) to
+// client::ChannelSet::kMaxBusyPoll.
+Status CheckBusyPoll(std::chrono::microseconds busy_poll);
 
 struct PageStoreStats {
   uint64_t extents_mapped = 0;

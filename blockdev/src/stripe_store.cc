@@ -55,11 +55,7 @@ Result<std::unique_ptr<StripeStore>> StripeStore::Create(client::Cluster* cluste
                                     "daemons (k + r)",
                                     res.ToString(), spanstore::kMaxSetWidth)));
   }
-  if (options.busy_poll.count() < 0 || options.busy_poll > client::ChannelSet::kMaxBusyPoll) {
-    return Err(InvalidArgument(fmt::format("busy poll of {} µs: give 0 (off) to {} µs",
-                                           options.busy_poll.count(),
-                                           client::ChannelSet::kMaxBusyPoll.count())));
-  }
+  FARMEM_RETURN_IF_ERROR(CheckBusyPoll(options.busy_poll));
   std::unique_ptr<StripeStore> s(new StripeStore(cluster, std::move(options)));
   FARMEM_RETURN_IF_ERROR(s->Init());
   return s;

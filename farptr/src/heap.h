@@ -205,9 +205,9 @@ class Heap {
   void AddPartial(Span* s);
   // Swaps `s` in (state kRemote). On success the span is kLocal.
   Status SwapInLocked(Span* s, bool prefetch) REQUIRES(s->mu);
-  // Reads s's cell into a fresh frame. On failure the frame goes back and SwapInFailedLocked
-  // handles it; its status is the error.
-  Result<uint8_t*> ReadSpanLocked(Span* s) REQUIRES(s->mu);
+  // Reads s's whole cell into `frame` (null: a fresh one) and returns the frame. On failure the
+  // frame goes back and SwapInFailedLocked handles it; its status is the error.
+  Result<uint8_t*> ReadSpanLocked(Span* s, uint8_t* frame = nullptr) REQUIRES(s->mu);
   // The second half of a swap-in, once `frame` holds the span's bytes.
   void FinishSwapInLocked(Span* s, uint8_t* frame, bool prefetch) REQUIRES(s->mu);
   // A demand miss on e in remote span s (docs/farptr.md, "Hot objects"). Reads s's cell and, when

@@ -90,8 +90,8 @@ Result<void*> Heap::Deref(ObjectEntry* e, bool mut) {
   }
 }
 
-Result<uint8_t*> Heap::ReadSpanLocked(Span* s) {
-  uint8_t* frame = GetFrame();
+Result<uint8_t*> Heap::ReadSpanLocked(Span* s, uint8_t* frame) {
+  if (frame == nullptr) frame = GetFrame();
   IoContext* io = CheckoutIo();
   Status st = store_->ReadSpan(*io, s->set, s->member, frame);
   ReturnIo(io);
@@ -140,13 +140,7 @@ Result<bool> Heap::MissLocked(Span* s, ObjectEntry* e) {
 }
 
 Result<bool> Heap::SwapInWholeLocked(Span* s, uint8_t* frame) {
-  IoContext* io = CheckoutIo();
-  Status st = store_->ReadSpan(*io, s->set, s->member, frame);
-  ReturnIo(io);
-  if (!st.ok()) {
-    PutFrame(frame);
-    return Err(SwapInFailedLocked(s, st));
-  }
+  FARMEM_ASSIGN_OR_RETURN(frame, ReadSpanLocked(s, frame));
   FinishSwapInLocked(s, frame, false);
   return false;
 }
