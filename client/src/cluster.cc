@@ -101,6 +101,7 @@ NodeInfo Cluster::node(NodeId id) const {
   info.leases_held = n.leases.size();
   info.lease_ttl_ms = n.lease_ttl_ms;
   info.accesses_reported = n.accesses->reported();
+  info.noticed_not_held = n.noticed_not_held;
   info.last_error = n.last_error;
   info.last_contact = n.last_contact;
   return info;

@@ -6,6 +6,7 @@
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
+#include <map>
 
 #include "farmem/client/cluster.h"
 #include "node.h"
@@ -160,21 +161,39 @@ void Cluster::CollectPushes(Node& node) {
                    notice.error().ToString());
       continue;
     }
-    const Clock::time_point deadline = Clock::now() + std::chrono::milliseconds(notice->grace_ms);
+    std::vector<wire::NoticedLease> noticed;
+    noticed.reserve(notice->lease_ids.size());
+    for (uint64_t id : notice->lease_ids) noticed.push_back({id, notice->grace_ms});
     MutexLock lock(&mu_);
-    std::vector<uint64_t> held;  // a lease freed meanwhile needs no move
-    for (uint64_t id : notice->lease_ids) {
-      if (node.leases.contains(id)) {
-        held.push_back(id);
-        node.noticed.emplace(id, deadline);
+    NoteNoticed(node, noticed, /*all=*/true);
+  }
+}
+
+void Cluster::NoteNoticed(Node& node, std::span<const wire::NoticedLease> noticed, bool all) {
+  const Clock::time_point now = Clock::now();
+  // One event per grace (a drain notices every lease with one deadline: one event).
+  std::map<uint32_t, std::vector<uint64_t>> by_grace;
+  if (!all) node.noticed_not_held.clear();
+  for (const wire::NoticedLease& n : noticed) {
+    if (!node.leases.contains(n.lease_id)) {  // freed meanwhile: needs no move
+      if (!all && !node.lost.contains(n.lease_id) &&
+          std::ranges::find(node.to_free, n.lease_id) == node.to_free.end()) {
+        node.noticed_not_held.push_back(n.lease_id);
       }
+      continue;
     }
-    if (held.empty()) continue;
-    spdlog::info("farmem client: {} will evict leases [{}] in {} ms", node.name(),
-                 internal::FormatLeaseIds(held), notice->grace_ms);
-    Event ev{EventType::kEvictNotice, node.id,          node.endpoint,
-             std::move(held),         notice->grace_ms, Status::Ok()};
-    ev.deadline = deadline;
+    const bool known = node.noticed.contains(n.lease_id);
+    if (known && !all) continue;
+    node.noticed.insert_or_assign(n.lease_id, now + std::chrono::milliseconds(n.grace_left_ms));
+    by_grace[n.grace_left_ms].push_back(n.lease_id);
+  }
+  for (auto& [grace_ms, held] : by_grace) {
+    spdlog::info("farmem client: {} will evict leases [{}] in {} ms{}", node.name(),
+                 internal::FormatLeaseIds(held), grace_ms,
+                 all ? "" : " (under notice by its HEARTBEAT reply: the notice went elsewhere)");
+    Event ev{EventType::kEvictNotice, node.id,  node.endpoint,
+             std::move(held),         grace_ms, Status::Ok()};
+    ev.deadline = now + std::chrono::milliseconds(grace_ms);
     Emit(std::move(ev));
   }
 }

@@ -210,6 +210,7 @@ Result<std::vector<uint64_t>> Cluster::AdoptLeases(NodeId id, std::span<const ui
   for (uint64_t lease_id : held) {
     node->leases.insert(lease_id);
     node->accesses->Track(lease_id);
+    std::erase(node->noticed_not_held, lease_id);
   }
   return gone;
 }

@@ -191,6 +191,8 @@ void Cluster::Heartbeat(Node& node) {
       if (hb) {
         node.lease_ttl_ms = hb->lease_ttl_ms;
         node.remote_leases_held = hb->leases_held;
+        // Notices pushed on an earlier connection, or before these leases were adopted here.
+        NoteNoticed(node, hb->noticed, /*all=*/false);
         if (hb->leases_held < node.leases.size()) daemon_count = hb->leases_held;
         if (hb->lease_ttl_ms != 0 &&
             static_cast<uint64_t>(options_.failure_timeout.count()) >= hb->lease_ttl_ms &&

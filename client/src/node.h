@@ -56,6 +56,8 @@ struct Cluster::Node {
   Clock::time_point retained_until{};
   // Under an EVICT_NOTICE: lease id -> when the daemon ends it (if still held then).
   std::map<uint64_t, Clock::time_point> noticed;
+  // Under notice by the daemon's last HEARTBEAT reply, but not held by this Cluster (NodeInfo).
+  std::vector<uint64_t> noticed_not_held;
   // The daemon may still hold these although nobody wants them (a FREE that could not be sent,
   // leases dropped while the node was unreachable): FREE them once it answers.
   std::vector<uint64_t> to_free;

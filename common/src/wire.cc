@@ -403,6 +403,14 @@ void EncodeHeartbeatReply(const HeartbeatReply& m, std::vector<uint8_t>* out) {
   w.U32(m.leases_held);
   w.U32(0);
   w.U64(m.lease_ttl_ms);
+  if (m.noticed.empty()) return;
+  w.U32(static_cast<uint32_t>(m.noticed.size()));
+  w.U32(0);
+  for (const NoticedLease& n : m.noticed) {
+    w.U64(n.lease_id);
+    w.U32(n.grace_left_ms);
+    w.U32(0);
+  }
 }
 
 Result<HeartbeatReply> DecodeHeartbeatReply(std::span<const uint8_t> body) {
@@ -412,6 +420,18 @@ Result<HeartbeatReply> DecodeHeartbeatReply(std::span<const uint8_t> body) {
   r.U32();
   m.lease_ttl_ms = r.U64();
   if (!r.ok()) return Err(Malformed("HEARTBEAT reply", body));
+  if (r.remaining() == 0) return m;  // no lease under notice (or a daemon that predates it)
+  const uint32_t count = r.U32();
+  r.U32();
+  if (!r.ok() || count == 0 || count > kMaxLeasesPerCall || r.remaining() < size_t{count} * 16) {
+    return Err(Malformed("HEARTBEAT reply's noticed leases", body));
+  }
+  m.noticed.resize(count);
+  for (NoticedLease& n : m.noticed) {
+    n.lease_id = r.U64();
+    n.grace_left_ms = r.U32();
+    r.U32();
+  }
   return m;
 }
 

@@ -280,7 +280,9 @@ Connection::Next Connection::HandleControl(const wire::FrameHeader& h,
       control_.store(true, std::memory_order_relaxed);
       if (!req->reports.empty()) (void)pool.CreditAccesses(owner_, req->reports);
       wire::HeartbeatReply r;
-      r.leases_held = pool.Renew(owner_);
+      // With the leases under notice: a notice pushed on a connection that has closed since (a
+      // restarted client re-adopting its leases, a reconnect) reaches the client this way.
+      r.leases_held = pool.Renew(owner_, &r.noticed);
       r.lease_ttl_ms = static_cast<uint64_t>(pool.lease_ttl().count());
       wire::EncodeHeartbeatReply(r, &body_);
       break;

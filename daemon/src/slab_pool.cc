@@ -280,16 +280,28 @@ Status SlabPool::Release(std::span<const uint64_t> lease_ids, const wire::Client
   return Status::Ok();
 }
 
-uint32_t SlabPool::Renew(const wire::ClientId& owner) {
+uint32_t SlabPool::Renew(const wire::ClientId& owner, std::vector<wire::NoticedLease>* noticed) {
   MutexLock lock(&mu_);
-  const auto expiry = std::chrono::steady_clock::now() + options_.lease_ttl;
+  const auto now = std::chrono::steady_clock::now();
+  const auto expiry = now + options_.lease_ttl;
   uint32_t held = 0;
   for (uint32_t i = 0; i < total_; ++i) {
     Slab& s = slabs_[i];
-    if (s.lease_id.load(std::memory_order_relaxed) != 0 && s.owner == owner) {
-      s.expiry = expiry;
-      ++held;
+    const uint64_t id = s.lease_id.load(std::memory_order_relaxed);
+    if (id == 0 || s.owner != owner) continue;
+    s.expiry = expiry;
+    ++held;
+    if (noticed != nullptr && s.evict_at != std::chrono::steady_clock::time_point{}) {
+      // Rounded up: a lease still held is never reported with 0 ms left before its deadline.
+      const auto left = std::chrono::ceil<std::chrono::milliseconds>(
+          std::max(s.evict_at - now, std::chrono::steady_clock::duration::zero()));
+      noticed->push_back({id, static_cast<uint32_t>(std::min<int64_t>(left.count(), UINT32_MAX))});
     }
+  }
+  if (noticed != nullptr && noticed->size() > wire::kMaxLeasesPerCall) {
+    std::ranges::nth_element(*noticed, noticed->begin() + wire::kMaxLeasesPerCall, {},
+                             &wire::NoticedLease::grace_left_ms);
+    noticed->resize(wire::kMaxLeasesPerCall);
   }
   return held;
 }

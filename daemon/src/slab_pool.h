@@ -149,8 +149,10 @@ class SlabPool {
   Result<std::vector<wire::LeaseGrant>> Grant(uint32_t count, const wire::ClientId& owner);
   // Ends leases held by `owner`. Every id is checked before any is released.
   Status Release(std::span<const uint64_t> lease_ids, const wire::ClientId& owner);
-  // Extends every lease of `owner`; returns how many it holds.
-  uint32_t Renew(const wire::ClientId& owner);
+  // Extends every lease of `owner`; returns how many it holds. With `noticed`: also those of
+  // them under an eviction notice, with the grace left (HEARTBEAT reports them, so that a notice
+  // outlives the connection it was pushed on), at most kMaxLeasesPerCall, soonest first.
+  uint32_t Renew(const wire::ClientId& owner, std::vector<wire::NoticedLease>* noticed = nullptr);
   // Ends leases whose owner has not renewed within the TTL; returns how many.
   uint32_t ReclaimExpired();
 

@@ -4,11 +4,16 @@
 // nothing, and the daemon exits as soon as it holds no lease, well within the timeout.
 #include <gtest/gtest.h>
 
+#include <map>
 #include <mutex>
+#include <set>
 
 #include "client_options.h"
 #include "farmem/client/cluster.h"
+#include "farmem/transport/tcp_connection.h"
+#include "farmem/transport/transport.h"
 #include "support/daemon_fixture.h"
+#include "support/raw_client.h"
 
 namespace farmem::client {
 namespace {
@@ -119,6 +124,136 @@ TEST(DrainTest, AdoptedLeasesGetEvictNoticesAndCanBeFreed) {
   EXPECT_TRUE((*second)->Free(*held).ok()) << "adopted leases can be freed";
   EXPECT_EQ((*second)->node(0).leases_held, 0u);
   (void)(*first)->Close();  // its leases are freed already
+}
+
+// A keeper SIGKILLed during a drain (docs/kmod.md, "the keeper killed during a drain"): the
+// daemon pushed EVICT_NOTICE on the dead process's connection only, and the restarted process
+// that adopts the leases (same client id) never learned that they were noticed: nothing moved
+// them, and at the deadline the lender ended them with their bytes. Now the daemon lists the
+// client's noticed leases in every HEARTBEAT reply: the adopting Cluster gets kEvictNotice for
+// them and moves them, and sees the noticed lease it does not hold (the old lease of a move the
+// first process finished) in noticed_not_held, to adopt and free. The drain then ends well
+// within its grace.
+TEST(DrainTest, NoticeSentBeforeARestartReachesTheAdoptingCluster) {
+  DaemonSet daemons({.extra_args = {"--no-mlock", "--memory-source", "off"}});
+  ASSERT_TRUE(daemons.Start(2).ok()) << daemons.Logs();
+  const wire::ClientId id = testing::RandomClientId();
+  transport::ChannelOptions co;
+  co.endpoint = daemons[0].endpoint();
+  co.credentials.secret = daemons.secret();
+  co.credentials.client_id = id;
+  co.credentials.client_name = "drain-test-first";
+  co.connect_timeout = milliseconds(5000);
+  co.op_timeout = milliseconds(5000);
+
+  // The first process: three leases on daemon 0 (two its slab table names, one the old lease
+  // of a move it finished), data in the two, a control connection that heartbeats.
+  std::vector<wire::LeaseGrant> grants;
+  {
+    auto first = transport::TcpConnection::Connect(co);
+    ASSERT_TRUE(first.has_value()) << first.error().ToString();
+    std::vector<uint8_t> req;
+    wire::EncodeAlloc({3}, &req);
+    auto body = first->Call(wire::Opcode::kAlloc, req, milliseconds(5000));
+    ASSERT_TRUE(body.has_value()) << body.error().ToString();
+    auto alloc = wire::DecodeAllocReply(*body);
+    ASSERT_TRUE(alloc.has_value() && alloc->leases.size() == 3);
+    grants = alloc->leases;
+    auto ch = transport::MakeTcpTransport()->OpenChannel(co);
+    ASSERT_TRUE(ch.has_value()) << ch.error().ToString();
+    for (uint8_t i = 0; i < 2; ++i) {
+      ASSERT_TRUE((*ch)->Write(transport::RemoteSlab::From(grants[i]), 0, Pattern(i)).ok());
+    }
+    testing::CommandResult r =
+        Farmemctl(daemons, {"drain", daemons[0].endpoint().ToString(), "--grace-ms", "60000"});
+    ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+    // The notice reached the first process's connection (it comes ahead of a reply)...
+    std::vector<std::vector<uint8_t>> pushes;
+    ASSERT_TRUE(WaitUntil(
+        [&] {
+          if (!first->Call(wire::Opcode::kHeartbeat, {}, milliseconds(5000))) return false;
+          pushes = first->TakePushes();
+          return !pushes.empty();
+        },
+        milliseconds(5000)))
+        << daemons.Logs();
+    auto notice = wire::DecodeEvictNotice(pushes.front());
+    ASSERT_TRUE(notice.has_value());
+    EXPECT_EQ(notice->lease_ids.size(), 3u);
+  }  // ... which dies here (SIGKILL closes its sockets), before moving anything.
+
+  // The restarted process: same client id, adopts the two leases its slab table names.
+  ClusterOptions o = Options(daemons);
+  o.client_id = id;
+  auto cluster = Cluster::Connect(o);
+  ASSERT_TRUE(cluster.has_value()) << cluster.error().ToString();
+  Cluster* cl = cluster->get();
+  std::mutex mu;
+  std::map<uint64_t, Lease> where;  // data id -> the lease holding it now
+  std::map<uint64_t, uint64_t> data_of = {{grants[0].lease_id, 0}, {grants[1].lease_id, 1}};
+  for (uint8_t i = 0; i < 2; ++i) where[i] = Lease{0, grants[i]};
+  Status move_status;
+  std::set<uint64_t> noticed;
+  cl->Subscribe([&](const Event& e) {  // the keeper's reaction: move, then free the old lease
+    if (e.type != EventType::kEvictNotice) return;
+    auto from = cl->OpenChannel(e.node);
+    std::vector<uint8_t> buf(kSlab);
+    std::lock_guard lock(mu);
+    for (uint64_t lease : e.lease_ids) {
+      noticed.insert(lease);
+      const uint64_t d = data_of.at(lease);
+      auto to = cl->AllocateExcluding(std::vector<NodeId>{e.node});
+      Status s = from.has_value() ? (*from)->Read(where[d].slab(), 0, buf) : from.error();
+      if (s.ok() && to.has_value()) {
+        auto ch = cl->OpenChannel(to->node);
+        s = ch.has_value() ? (*ch)->Write(to->slab(), 0, buf) : ch.error();
+      }
+      if (s.ok() && !to.has_value()) s = to.error();
+      if (s.ok()) s = cl->Free(std::vector<Lease>{where[d]});
+      if (!s.ok()) {
+        move_status = s;
+        continue;
+      }
+      where[d] = *to;
+    }
+  });
+  std::vector<uint64_t> table = {grants[0].lease_id, grants[1].lease_id};
+  auto adopted = cl->AdoptLeases(0, table);
+  ASSERT_TRUE(adopted.has_value()) << adopted.error().ToString();
+  ASSERT_TRUE(adopted->empty());
+  ASSERT_TRUE(WaitUntil(
+      [&] {
+        std::lock_guard lock(mu);
+        return noticed.size() == 2;
+      },
+      milliseconds(5000)))
+      << "the adopting Cluster never learned that its adopted leases are under notice\n"
+      << daemons.Logs();
+  // The orphan: under notice there, held by this client id, not adopted.
+  ASSERT_TRUE(WaitUntil(
+      [&] { return cl->node(0).noticed_not_held == std::vector<uint64_t>{grants[2].lease_id}; },
+      milliseconds(5000)))
+      << "the orphan lease was not reported under notice";
+  auto gone = cl->AdoptLeases(0, cl->node(0).noticed_not_held);
+  ASSERT_TRUE(gone.has_value() && gone->empty());
+  EXPECT_TRUE(cl->Free(std::vector<Lease>{Lease{0, grants[2]}}).ok());
+
+  // Every lease is off the drained daemon: `drain --wait` returns long before the 60 s grace.
+  const auto t0 = std::chrono::steady_clock::now();
+  testing::CommandResult r = Farmemctl(
+      daemons, {"drain", daemons[0].endpoint().ToString(), "--grace-ms", "60000", "--wait"});
+  EXPECT_EQ(r.exit_code, 0) << r.out << r.err;
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, milliseconds(10000)) << r.out;
+  std::lock_guard lock(mu);
+  EXPECT_TRUE(move_status.ok()) << move_status.ToString();
+  auto ch = cl->OpenChannel(1);
+  ASSERT_TRUE(ch.has_value());
+  std::vector<uint8_t> back(kSlab);
+  for (uint8_t i = 0; i < 2; ++i) {
+    ASSERT_EQ(where[i].node, 1u);
+    ASSERT_TRUE((*ch)->Read(where[i].slab(), 0, back).ok());
+    EXPECT_EQ(back, Pattern(i)) << "data " << int(i) << " was lost in the move";
+  }
 }
 
 TEST(DrainTest, SigtermDrainsAMovingBorrowerLosesNothingDaemonExitsEarly) {

@@ -777,6 +777,33 @@ TEST(WireHeartbeat, RoundTripsAndRejectsTruncation) {
   }
 }
 
+// The leases under notice ride after the 16 bytes older readers know (they stop there), and
+// only when there are some.
+TEST(WireHeartbeat, NoticedLeasesRoundTripAndAreBoundsChecked) {
+  HeartbeatReply m{3, 10000, {{0x1'00000002, 59000}, {0x1'00000005, 1}}};
+  std::vector<uint8_t> body;
+  EncodeHeartbeatReply(m, &body);
+  ASSERT_EQ(body.size(), 16u + 8u + 2u * 16u);
+  auto d = DecodeHeartbeatReply(body);
+  ASSERT_TRUE(d.has_value()) << d.error().ToString();
+  EXPECT_EQ(d->noticed, m.noticed);
+  for (size_t n = 17; n < body.size(); ++n) {
+    EXPECT_EQ(CodeOf(DecodeHeartbeatReply(std::span(body).first(n))), StatusCode::kProtocolError)
+        << n;
+  }
+  std::vector<uint8_t> longer = body;  // a later version's bytes after the list are ignored
+  longer.insert(longer.end(), 5, 0xee);
+  d = DecodeHeartbeatReply(longer);
+  ASSERT_TRUE(d.has_value());
+  EXPECT_EQ(d->noticed, m.noticed);
+  std::vector<uint8_t> zero(body.begin(), body.begin() + 16);  // a count of 0 is malformed
+  zero.resize(24, 0);
+  EXPECT_EQ(CodeOf(DecodeHeartbeatReply(zero)), StatusCode::kProtocolError);
+  std::vector<uint8_t> huge = body;
+  PutU32(huge, 16, kMaxLeasesPerCall + 1);
+  EXPECT_EQ(CodeOf(DecodeHeartbeatReply(huge)), StatusCode::kProtocolError);
+}
+
 TEST(WireEvictNotice, RoundTrips) {
   for (size_t n : {size_t{0}, size_t{2}, size_t{kMaxLeasesPerCall}}) {
     EvictNotice m;

@@ -161,7 +161,8 @@ void Heartbeat(Bytes body) {
   EncodeHeartbeatReply(*d, &out);
   auto e = DecodeHeartbeatReply(out);
   FUZZ_CHECK(e.has_value() && e->leases_held == d->leases_held &&
-             e->lease_ttl_ms == d->lease_ttl_ms);
+             e->lease_ttl_ms == d->lease_ttl_ms && e->noticed == d->noticed);
+  FUZZ_CHECK(d->noticed.size() <= kMaxLeasesPerCall);
 }
 
 void Evict(Bytes body) {

@@ -142,6 +142,11 @@ struct NodeInfo {
   // Data operations on its leases this client reported to it on HEARTBEAT (the daemon does not
   // see one-sided RDMA operations; ClusterOptions::report_tcp_accesses), since the client started.
   uint64_t accesses_reported = 0;
+  // Leases of this client id that the daemon said (last HEARTBEAT) are under an eviction notice
+  // but that this Cluster does not hold: granted to an earlier process with the same client id
+  // (a restarted keeper, docs/kmod.md) and not adopted. Nobody renews them but this Cluster's
+  // heartbeats; the process that knows they are unused may AdoptLeases and Free them.
+  std::vector<uint64_t> noticed_not_held;
   Status last_error;                 // why it is down (or the last failure seen)
   Clock::time_point last_contact{};  // last successful exchange
 };
@@ -389,6 +394,10 @@ class Cluster {
   // `why`: what ended the wait (empty: its lease TTL passed since its last answer).
   void ExpireRetained(Node& node, std::string_view why = {}) REQUIRES(mu_);
   void CollectPushes(Node& node);  // EVICT_NOTICE pushes read during a call become events
+  // Leases the daemon says are under notice (EVICT_NOTICE pushes, with `all`; HEARTBEAT's list):
+  // those held and not yet known to be noticed become a kEvictNotice event (with `all`, every
+  // held one does); the rest are kept as noticed_not_held (HEARTBEAT's list only).
+  void NoteNoticed(Node& node, std::span<const wire::NoticedLease> noticed, bool all) REQUIRES(mu_);
   // Noticed leases still held after their deadline: the daemon ended them (kLeasesLost).
   void ExpireNoticed(Node& node);
   void Emit(Event event) REQUIRES(mu_);

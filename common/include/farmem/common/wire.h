@@ -265,9 +265,20 @@ struct AccessReport {
 struct HeartbeatRequest {
   std::vector<AccessReport> reports;
 };
+// A lease of the heartbeating client that is under an eviction notice, with the grace left.
+struct NoticedLease {
+  uint64_t lease_id = 0;
+  uint32_t grace_left_ms = 0;
+  bool operator==(const NoticedLease&) const = default;
+};
+// HEARTBEAT reply. `noticed`: the client's leases here under an EVICT_NOTICE (at most
+// kMaxLeasesPerCall, the soonest deadlines first), so that a notice pushed on a connection that
+// has since closed (a restarted process re-adopting its leases, a reconnect) still reaches the
+// client. Sent as a trailer only when not empty; older readers ignore it.
 struct HeartbeatReply {
   uint32_t leases_held = 0;
   uint64_t lease_ttl_ms = 0;
+  std::vector<NoticedLease> noticed;
 };
 struct EvictNotice {
   std::vector<uint64_t> lease_ids;
