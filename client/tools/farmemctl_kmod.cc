@@ -478,6 +478,7 @@ class Rebuilder {
       Note(fmt::format("{} slab(s) have no live copy left{}: their bytes are lost (first: slab {})",
                        dead.size(), copies_ == 1 ? " (resilience none)" : "", dead.front()));
     }
+    FreeOrphans(*held);
     if (bad == 0 && degraded_) {
       fmt::print("rebuild done: every slab has its {} cop{} ({} rebuilt, {} moved so far)\n",
                  copies_, copies_ == 1 ? "y" : "ies", rebuilt_, moved_);
@@ -549,6 +550,44 @@ class Rebuilder {
     MutexLock lock(&mu_);
     doomed_.erase(sl.lease_id);
     return Status::Ok();
+  }
+
+  // Leases of this device's owner that a daemon has under notice but the slab table does not
+  // name: the old lease of a move that a keeper killed meanwhile had finished (the module
+  // switched the slab to the new lease; the old one was never freed). This Cluster's heartbeats
+  // renew them and nothing else frees them, so the lender would wait for its deadline: adopt
+  // them (checked there) and free them. Only leases outside `held` (read this round; every lease
+  // the module serves from is in it, and a lease this keeper leased since is the Cluster's, never
+  // listed here), so a lease in use is never freed.
+  void FreeOrphans(const Held& held) {
+    std::set<uint64_t> in_use;
+    for (const Held::Slab& sl : held.slabs) in_use.insert(sl.lease_id);
+    std::set<client::NodeId> nodes;
+    for (const auto& [peer, node] : peers_.node_of) nodes.insert(node);
+    for (client::NodeId node : nodes) {
+      std::vector<uint64_t> orphans = cl_.node(node).noticed_not_held;
+      std::erase_if(orphans, [&](uint64_t id) { return in_use.contains(id); });
+      if (orphans.empty()) continue;
+      const std::string name = cl_.node(node).endpoint.ToString();
+      auto gone = cl_.AdoptLeases(node, orphans);
+      if (!gone) {
+        Note(fmt::format("adopting {} orphan lease(s) on {}: {}", orphans.size(), name,
+                         gone.error().ToString()));
+        continue;
+      }
+      std::vector<client::Lease> free;
+      for (uint64_t id : orphans) {
+        if (std::ranges::find(*gone, id) == gone->end()) {
+          free.push_back({node, wire::LeaseGrant{.lease_id = id}});
+        }
+      }
+      if (free.empty()) continue;
+      const Status s = cl_.Free(free);
+      spdlog::warn(
+          "freed {} orphan lease(s) on {} (under notice there, in no slab of /dev/farmem0: left "
+          "by a move an earlier keeper finished){}",
+          free.size(), name, s.ok() ? "" : ": " + s.ToString());
+    }
   }
 
   bool PeerConnected(int index) {

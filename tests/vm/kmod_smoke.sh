@@ -37,8 +37,8 @@
 # Environment (optional): KMOD_SWAP_MIB (32), KMOD_SWAP_LIMIT (8M), KMOD_DRAIN_RESILIENCE (drain:
 # none, or replicate:2: twice the moves), KMOD_DRAIN_GRACE_MS
 # (drain: 60000), KMOD_DRAIN_FAIL (drain, none: 1, the failed move; 0 skips it), KMOD_LEAK_CYCLES,
-# KMOD_DRAIN_KEEPER_KILL (drain: 1 kills the keeper during a move and restarts it; by hand only:
-# it fails today, the re-adopting keeper never learns of the notices, docs/kmod.md).
+# KMOD_DRAIN_KEEPER_KILL (drain: 1 kills the keeper during a move and restarts it; by hand only,
+# docs/kmod.md: the new keeper learns of the notices from HEARTBEAT replies and frees the orphan).
 set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 source "$here/guest_daemons.sh"
@@ -390,6 +390,11 @@ if [[ $mode == drain ]]; then
     rc=0
     wait "$drainer" || rc=$?
     ((rc == 0)) || fail "farmemctl drain --wait: $(cat "$work/drain.log")"
+    # The old lease of the move the first keeper had started (the module finished it): in no
+    # slab, under notice, freed by the new keeper (else the drain waits for its deadline).
+    grep -q 'freed 1 orphan lease(s) on' "$keeper_log" ||
+      fail "the new keeper freed no orphan lease: $(grep -i orphan "$keeper_log")"
+    say "restarted keeper: $(grep -o 'freed 1 orphan lease(s) on [^ ]*' "$keeper_log"); $(grep -c 'under notice by its HEARTBEAT reply' "$keeper_log") notice(s) learned from HEARTBEAT replies"
   else
     "$bin/farmemctl" drain "$target" --secret-file "$work/secret" --grace-ms "$grace_ms" --wait \
       >"$work/drain.log" 2>&1 || fail "farmemctl drain --wait: $(cat "$work/drain.log")"
