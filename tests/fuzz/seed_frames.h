@@ -130,6 +130,9 @@ inline SeedFrames MakeSeedFrames() {
   b.clear();
   wire::EncodeHeartbeatReply({2, 10000}, &b);
   seeds.emplace_back("heartbeat_reply", Frame(Opcode::kHeartbeat, kReply, 6, b));
+  b.clear();
+  wire::EncodeHeartbeatReply({3, 10000, {{lease, 59000}, {wire::MakeLeaseId(9, 1), 1}}}, &b);
+  seeds.emplace_back("heartbeat_reply_noticed", Frame(Opcode::kHeartbeat, kReply, 6, b));
 
   seeds.emplace_back("read_request", Frame(Opcode::kRead, 0, 7, DataOpBytes(lease, 4096, 16)));
   seeds.emplace_back("read_reply", Frame(Opcode::kRead, kReply, 7, std::vector<uint8_t>(16, 0xab)));
