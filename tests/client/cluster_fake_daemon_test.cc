@@ -50,6 +50,8 @@ class FakeDaemon {
 
   std::mutex mu;
   std::vector<std::vector<uint8_t>> pushes_before_next_heartbeat;  // bodies of EVICT_NOTICE
+  std::vector<wire::NoticedLease> noticed;  // listed in every HEARTBEAT reply
+  size_t heartbeats = 0;
   std::function<std::vector<wire::LeaseGrant>()> alloc_reply = [this] {
     return std::vector<wire::LeaseGrant>{Grant(next_slab_++)};
   };
@@ -139,8 +141,11 @@ class FakeDaemon {
             pushes.swap(pushes_before_next_heartbeat);
             // What it granted and was not freed: fewer would tell the client that the daemon
             // ended leases (it then checks each with a READ, which this fake does not serve).
-            wire::EncodeHeartbeatReply(
-                {.leases_held = static_cast<uint32_t>(held), .lease_ttl_ms = 10000}, &reply);
+            ++heartbeats;
+            wire::EncodeHeartbeatReply({.leases_held = static_cast<uint32_t>(held),
+                                        .lease_ttl_ms = 10000,
+                                        .noticed = noticed},
+                                       &reply);
             break;
           default:
             return;
@@ -200,6 +205,47 @@ TEST(ClusterWithFakeDaemon, EvictNoticeBecomesAnEventAndBadPushesAreIgnored) {
   EXPECT_EQ(events[0].node, 0u);
   EXPECT_EQ(events[0].lease_ids, std::vector<uint64_t>{(*leases)[1].id()});
   EXPECT_EQ(events[0].grace_ms, 750u);
+  EXPECT_TRUE((*c)->node(0).alive);
+}
+
+// A notice the client learns only from HEARTBEAT's list (it was pushed on a connection that has
+// closed since: a reconnect, or a restarted process that adopted the leases): one kEvictNotice
+// for the held lease, with the grace the list gives, not repeated while every later heartbeat
+// lists it again; a listed lease the client does not hold is shown as noticed_not_held.
+TEST(ClusterWithFakeDaemon, NoticedLeasesInHeartbeatRepliesBecomeOneEvent) {
+  FakeDaemon daemon;
+  auto c = Cluster::Connect(FakeOptions(daemon));
+  ASSERT_TRUE(c.has_value()) << c.error().ToString();
+  auto leases = (*c)->Allocate(2);
+  ASSERT_TRUE(leases.has_value()) << leases.error().ToString();
+  std::mutex mu;
+  std::vector<Event> events;
+  (*c)->Subscribe([&](const Event& e) {
+    std::lock_guard lock(mu);
+    events.push_back(e);
+  });
+  const uint64_t stranger = FakeDaemon::Grant(99).lease_id;
+  size_t listed_from = 0;
+  {
+    std::lock_guard lock(daemon.mu);
+    daemon.noticed = {{(*leases)[0].id(), 40000}, {stranger, 40000}};
+    listed_from = daemon.heartbeats;
+  }
+  ASSERT_TRUE(testing::WaitUntil(
+      [&] { return (*c)->node(0).noticed_not_held == std::vector<uint64_t>{stranger}; },
+      milliseconds(3000)));
+  // Five more heartbeats list the same leases: still one event.
+  ASSERT_TRUE(testing::WaitUntil(
+      [&] {
+        std::lock_guard lock(daemon.mu);
+        return daemon.heartbeats >= listed_from + 6;
+      },
+      milliseconds(3000)));
+  std::lock_guard lock(mu);
+  ASSERT_EQ(events.size(), 1u);
+  EXPECT_EQ(events[0].type, EventType::kEvictNotice);
+  EXPECT_EQ(events[0].lease_ids, std::vector<uint64_t>{(*leases)[0].id()});
+  EXPECT_EQ(events[0].grace_ms, 40000u);
   EXPECT_TRUE((*c)->node(0).alive);
 }
 
