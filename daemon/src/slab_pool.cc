@@ -292,7 +292,7 @@ uint32_t SlabPool::Renew(const wire::ClientId& owner, std::vector<wire::NoticedL
     s.expiry = expiry;
     ++held;
     if (noticed != nullptr && s.evict_at != std::chrono::steady_clock::time_point{}) {
-      // Rounded up: a lease still held is never reported with 0 ms left before its deadline.
+      // Rounded up: 0 ms only once the deadline has passed (it ends at the reclaimer's next round).
       const auto left = std::chrono::ceil<std::chrono::milliseconds>(
           std::max(s.evict_at - now, std::chrono::steady_clock::duration::zero()));
       noticed->push_back({id, static_cast<uint32_t>(std::min<int64_t>(left.count(), UINT32_MAX))});
