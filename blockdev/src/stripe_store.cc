@@ -89,6 +89,9 @@ Status StripeStore::Init() {
                                               options_.op_timeout, options_.reconcile_interval));
   table_ = std::make_unique<PageEntry[]>(pages_);
   locks_ = std::make_unique<SharedMutex[]>(kLockStripes);
+  remote_->SetLostObserver([this](uint32_t group, std::span<spanstore::SpanOwner* const> spans) {
+    LogLostPages(group, spans);
+  });
   std::vector<std::unique_ptr<Worker>> workers;
   for (size_t i = 0; i < options_.workers + 1; ++i) {  // +1: the compactor's
     auto w = std::make_unique<Worker>();
@@ -350,6 +353,42 @@ Status StripeStore::RecoverCell(Worker& w, uint64_t page, SpanSet* set, int memb
       fmt::format("export page {} (bytes {}..{}) failed authentication and cannot be "
                   "rebuilt from the other members",
                   page, page * kPage, (page + 1) * kPage));
+}
+
+void StripeStore::LogLostPages(uint32_t group, std::span<spanstore::SpanOwner* const> spans) {
+  // The owner is the page's table entry: its page is where it sits in the table (no lock needed,
+  // nothing of the entry is read).
+  std::vector<uint64_t> pages;
+  pages.reserve(spans.size());
+  for (spanstore::SpanOwner* o : spans) {
+    pages.push_back(static_cast<uint64_t>(static_cast<PageEntry*>(o) - table_.get()));
+  }
+  std::ranges::sort(pages);
+  // Contiguous pages as export byte ranges, a bounded number per line (a group of a 64 GiB
+  // export can hold hundreds of thousands of scattered pages).
+  constexpr size_t kRangesPerLine = 64;
+  std::vector<std::pair<uint64_t, uint64_t>> ranges;  // [first, last] pages
+  for (uint64_t p : pages) {
+    if (!ranges.empty() && ranges.back().second + 1 >= p) {
+      ranges.back().second = std::max(ranges.back().second, p);
+    } else {
+      ranges.emplace_back(p, p);
+    }
+  }
+  for (size_t i = 0; i < ranges.size(); i += kRangesPerLine) {
+    const size_t end = std::min(ranges.size(), i + kRangesPerLine);
+    std::string list;
+    uint64_t n = 0;
+    for (size_t j = i; j < end; ++j) {
+      if (!list.empty()) list += ", ";
+      list += fmt::format("{}..{}", ranges[j].first * kPage, (ranges[j].second + 1) * kPage);
+      n += ranges[j].second - ranges[j].first + 1;
+    }
+    spdlog::error(
+        "stripe store: {} pages of slab group {} are LOST (export bytes {}): more of its members "
+        "were given up than {} survives; reads of them fail (EIO) until they are written again",
+        n, group, list, options_.resilience.ToString());
+  }
 }
 
 void StripeStore::WritePages(Worker& w, std::span<PageIo> pages, std::span<Status> op_status) {

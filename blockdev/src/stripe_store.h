@@ -190,6 +190,10 @@ class StripeStore final : public BatchBackend {
   // cells and releases the old ones. Page locks held exclusively.
   void WritePages(Worker& w, std::span<PageIo> pages, std::span<Status> op_status);
   void ReleaseCell(uint64_t page);  // page lock held exclusively
+  // RemoteStore gave up members of `group`: logs the export pages whose cells were there, as
+  // byte ranges ("... are LOST (export bytes A..B, C..D)": tests/support/lost_ranges.h parses
+  // them). The recovery thread, no lock held.
+  void LogLostPages(uint32_t group, std::span<spanstore::SpanOwner* const> spans);
   void CompactLoop();
   bool CompactionWanted() const;
 
