@@ -116,8 +116,12 @@ void RemoteStore::Reprotect(IoContext& io, Group* g) {
       }
       spdlog::error(
           "far memory: slab group {} lost members {:#x}: {} span sets cannot be rebuilt with "
-          "resilience {}; objects that were only there are LOST (deref says which)",
-          g->id, failed, g->used_rows, res_.ToString());
+          "resilience {}; {}",
+          g->id, failed, g->used_rows, res_.ToString(),
+          // farmem-nbd's stripe layout names the pages (and says whether its backup file has
+          // them); far_ptr's deref names each object.
+          lost_observer_ ? "the borrower names what lived only there"
+                         : "objects that were only there are LOST (deref says which)");
       observer = lost_observer_;
       group_id = g->id;
     }
