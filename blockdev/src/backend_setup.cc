@@ -168,12 +168,6 @@ Status CheckLayoutFlags(const BackendConfig& cfg) {
         " (none and replicate keep whole pages already): give --resilience ec:k+r, or leave out "
         "--ec-layout");
   }
-  if (!cfg.backup.empty()) {
-    return farmem::InvalidArgument(
-        "--backup is not supported with --ec-layout stripe yet (the backup file is written and "
-        "read by the split layout's page store only): leave out --backup, or use --ec-layout "
-        "split");
-  }
   return Status::Ok();
 }
 
@@ -320,6 +314,7 @@ Result<std::unique_ptr<BlockBackend>> OpenBackend(BackendConfig& cfg) {
       so.encrypt = po.encrypt;
       so.data_key = po.data_key;
       so.busy_poll = po.busy_poll;
+      so.backup_path = cfg.backup;
       FARMEM_ASSIGN_OR_RETURN(
           store, farmem::blockdev::StripeStore::Create(cfg.cluster.get(), std::move(so)));
     } else {

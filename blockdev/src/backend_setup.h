@@ -45,8 +45,8 @@ void AddBackendFlags(CLI::App& app, BackendConfig* cfg);
 Status CheckFlagsApply(const CLI::App& app, const BackendConfig& cfg);
 // Encryption flags that contradict each other fail closed.
 Status CheckEncryptionFlags(const BackendConfig& cfg);
-// --ec-layout stripe with what it does not support (a resilience other than ec:k+r, --backup)
-// fails closed.
+// --ec-layout stripe with what it does not support (a resilience other than ec:k+r) fails
+// closed.
 Status CheckLayoutFlags(const BackendConfig& cfg);
 // Opens the backend cfg names (for farmem: connects cfg.cluster, then the page store).
 Result<std::unique_ptr<BlockBackend>> OpenBackend(BackendConfig& cfg);

@@ -73,6 +73,9 @@ Status StripeStore::Init() {
     }
     FARMEM_ASSIGN_OR_RETURN(crypto_, PageCrypto::Create(key, pages_, options_.seal_observer));
   }
+  if (!options_.backup_path.empty()) {
+    FARMEM_ASSIGN_OR_RETURN(backup_, BackupFile::Open(options_.backup_path, options_.size));
+  }
   // Daemons may still be starting: wait a bounded time for the k a stripe needs at least.
   const Deadline wait_until = DeadlineIn(options_.startup_wait);
   while (cluster_->alive_count() < static_cast<size_t>(res.k)) {
@@ -89,6 +92,9 @@ Status StripeStore::Init() {
                                               options_.op_timeout, options_.reconcile_interval));
   table_ = std::make_unique<PageEntry[]>(pages_);
   locks_ = std::make_unique<SharedMutex[]>(kLockStripes);
+  remote_->SetLostObserver([this](uint32_t group, std::span<spanstore::SpanOwner* const> spans) {
+    LogLostPages(group, spans);
+  });
   std::vector<std::unique_ptr<Worker>> workers;
   for (size_t i = 0; i < options_.workers + 1; ++i) {  // +1: the compactor's
     auto w = std::make_unique<Worker>();
@@ -102,9 +108,10 @@ Status StripeStore::Init() {
   }
   workers_.Init(std::move(workers));
   compact_thread_ = std::thread([this] { CompactLoop(); });
-  spdlog::info("stripe store: {} export, {} in stripes of {} pages + {} parity, {}",
+  spdlog::info("stripe store: {} export, {} in stripes of {} pages + {} parity, {}{}",
                FormatSize(options_.size), res.ToString(), res.k, res.r,
-               crypto_ ? "pages encrypted (AES-256-GCM)" : "pages NOT encrypted");
+               crypto_ ? "pages encrypted (AES-256-GCM)" : "pages NOT encrypted",
+               backup_ ? ", backup " + backup_->path() : "");
   return Status::Ok();
 }
 
@@ -246,8 +253,25 @@ void StripeStore::ExecuteBatch(std::span<BlockOp> ops, BatchListener* /*listener
     }
   }
   WritePages(*w, pages, w->op_status);
-  for (const PageIo& p : pages) {
-    if (p.release && w->op_status[p.op].ok()) ReleaseCell(p.page);
+  for (size_t i = 0; i < pages.size(); ++i) {
+    const PageIo& p = pages[i];
+    if (p.release && w->op_status[p.op].ok()) {
+      ReleaseCell(p.page);
+      // The backup file reads as zeroes there too: one Zero per run of consecutive pages.
+      const bool run_ends = i + 1 == pages.size() || !pages[i + 1].release ||
+                            pages[i + 1].op != p.op || pages[i + 1].page != p.page + 1;
+      if (backup_ && run_ends) {
+        size_t first = i;
+        while (first > 0 && pages[first - 1].release && pages[first - 1].op == p.op &&
+               pages[first - 1].page + 1 == pages[first].page) {
+          --first;
+        }
+        const uint64_t from = pages[first].page * kPage;
+        if (Status z = backup_->Zero(from, (p.page + 1) * kPage - from); !z.ok()) {
+          w->op_status[p.op] = z.WithContext("zeroing the backup file");
+        }
+      }
+    }
     // A patch merged into another op's page landed only if that page was written.
     if (p.primary != kNoPrimary && w->op_status[p.op].ok() &&
         !w->op_status[pages[p.primary].op].ok()) {
@@ -255,6 +279,20 @@ void StripeStore::ExecuteBatch(std::span<BlockOp> ops, BatchListener* /*listener
     }
   }
   UnlockPages(*w);
+  if (backup_) {
+    // FLUSH, and FUA writes / trims / write-zeroes: durable in the backup file before the reply.
+    bool flush = false;
+    for (const BlockOp& op : ops) flush = flush || op.kind == BlockOp::Kind::kFlush || op.fua;
+    if (flush) {
+      if (Status f = backup_->Flush(); !f.ok()) {
+        for (size_t i = 0; i < ops.size(); ++i) {
+          if ((ops[i].kind == BlockOp::Kind::kFlush || ops[i].fua) && w->op_status[i].ok()) {
+            w->op_status[i] = f.WithContext("flushing the backup file " + backup_->path());
+          }
+        }
+      }
+    }
+  }
   for (size_t i = 0; i < ops.size(); ++i) ops[i].status = std::move(w->op_status[i]);
   workers_.Return(w);
 }
@@ -320,6 +358,10 @@ void StripeStore::ReadPages(Worker& w, std::span<PageIo> pages, std::span<Status
       // Lost cells (members given up) are counted by RemoteStore when it gives them up.
       st = st.WithContext(fmt::format("reading export page {} (bytes {}..{})", p.page,
                                       p.page * kPage, (p.page + 1) * kPage));
+      if (backup_) {
+        Status b = ReadBackup(w, p.page, p.buf);
+        st = b.ok() ? b : st.WithContext("and from the backup file: " + b.ToString());
+      }
     }
     if (!st.ok() && op_status[p.op].ok()) op_status[p.op] = std::move(st);
   }
@@ -339,6 +381,13 @@ Status StripeStore::RecoverCell(Worker& w, uint64_t page, SpanSet* set, int memb
       return Status::Ok();
     }
   }
+  if (backup_ && ReadBackup(w, page, buf).ok()) {
+    spdlog::warn(
+        "stripe store: export page {} failed authentication on its daemon and no other member "
+        "could produce a copy that opens: served from the backup file {}",
+        page, backup_->path());
+    return Status::Ok();
+  }
   if (!table_[page].lost_counted.exchange(true, std::memory_order_relaxed)) {
     lost_pages_.fetch_add(1, std::memory_order_relaxed);
   }
@@ -350,6 +399,58 @@ Status StripeStore::RecoverCell(Worker& w, uint64_t page, SpanSet* set, int memb
       fmt::format("export page {} (bytes {}..{}) failed authentication and cannot be "
                   "rebuilt from the other members",
                   page, page * kPage, (page + 1) * kPage));
+}
+
+Status StripeStore::ReadBackup(Worker& w, uint64_t page, uint8_t* buf) {
+  FARMEM_RETURN_IF_ERROR(backup_->Read(page * kPage, {buf, static_cast<size_t>(kPage)}));
+  if (crypto_) FARMEM_RETURN_IF_ERROR(crypto_->Open(*w.cipher, page, buf));
+  backup_reads_.fetch_add(1, std::memory_order_relaxed);
+  return Status::Ok();
+}
+
+void StripeStore::LogLostPages(uint32_t group, std::span<spanstore::SpanOwner* const> spans) {
+  // The owner is the page's table entry: its page is where it sits in the table (no lock needed,
+  // nothing of the entry is read).
+  std::vector<uint64_t> pages;
+  pages.reserve(spans.size());
+  for (spanstore::SpanOwner* o : spans) {
+    pages.push_back(static_cast<uint64_t>(static_cast<PageEntry*>(o) - table_.get()));
+  }
+  std::ranges::sort(pages);
+  // Contiguous pages as export byte ranges, a bounded number per line (a group of a 64 GiB
+  // export can hold hundreds of thousands of scattered pages).
+  constexpr size_t kRangesPerLine = 64;
+  std::vector<std::pair<uint64_t, uint64_t>> ranges;  // [first, last] pages
+  for (uint64_t p : pages) {
+    if (!ranges.empty() && ranges.back().second + 1 >= p) {
+      ranges.back().second = std::max(ranges.back().second, p);
+    } else {
+      ranges.emplace_back(p, p);
+    }
+  }
+  for (size_t i = 0; i < ranges.size(); i += kRangesPerLine) {
+    const size_t end = std::min(ranges.size(), i + kRangesPerLine);
+    std::string list;
+    uint64_t n = 0;
+    for (size_t j = i; j < end; ++j) {
+      if (!list.empty()) list += ", ";
+      list += fmt::format("{}..{}", ranges[j].first * kPage, (ranges[j].second + 1) * kPage);
+      n += ranges[j].second - ranges[j].first + 1;
+    }
+    if (backup_) {
+      spdlog::warn(
+          "stripe store: {} pages of slab group {} lost their cells (export bytes {}): more of "
+          "its members were given up than {} survives; they are read from the backup file {} "
+          "until written again",
+          n, group, list, options_.resilience.ToString(), backup_->path());
+    } else {
+      spdlog::error(
+          "stripe store: {} pages of slab group {} are LOST (export bytes {}): more of its "
+          "members were given up than {} survives; reads of them fail (EIO) until they are "
+          "written again",
+          n, group, list, options_.resilience.ToString());
+    }
+  }
 }
 
 void StripeStore::WritePages(Worker& w, std::span<PageIo> pages, std::span<Status> op_status) {
@@ -421,6 +522,13 @@ void StripeStore::WritePages(Worker& w, std::span<PageIo> pages, std::span<Statu
       e.member = static_cast<int32_t>(j);
       e.lost_counted.store(false, std::memory_order_relaxed);
       if (crypto_) crypto_->EndWrite(p.page, /*ok=*/true);
+      // The same bytes as the cell (ciphertext when encrypted), at the page's export offset.
+      if (backup_) {
+        if (Status b = backup_->Write(p.page * kPage, {p.src, static_cast<size_t>(kPage)});
+            !b.ok() && op_status[p.op].ok()) {
+          op_status[p.op] = b.WithContext("writing the backup file " + backup_->path());
+        }
+      }
     }
   }
 }
@@ -546,7 +654,10 @@ PageStoreStats StripeStore::stats() const {
   s.integrity_failures = integrity_failures_.load(std::memory_order_relaxed);
   // Once per page, not per read: cells on members given up (RemoteStore), and cells that failed
   // authentication with no redundancy left to rebuild them.
-  s.lost_bytes = rs.lost_bytes + lost_pages_.load(std::memory_order_relaxed) * kPage;
+  // With a backup file the cells given up are read from it: not lost.
+  s.lost_bytes =
+      (backup_ ? 0 : rs.lost_bytes) + lost_pages_.load(std::memory_order_relaxed) * kPage;
+  s.backup_reads = backup_reads_.load(std::memory_order_relaxed);
   s.rebuilt_bytes = rs.rebuilt_bytes;
   s.reprotected_extents = rs.sets_reprotected;
   s.rebuild_running = rs.degraded_sets > 0 || rs.moves_pending > 0;

@@ -33,13 +33,14 @@
 // Each call checks out a Worker (its own IoContext, cipher, buffers) for its duration.
 //
 // Writes: a write is acknowledged when its set is on the k + r members (or as many as RemoteStore
-// could place, degraded, at least k). Nothing is buffered here: Flush has nothing to do, FUA is
-// free. Sub-page writes read, patch and write their page under its exclusive lock (several of one
-// page in one batch: one read, all patches, one write — MergePartialWrites); the write cache in
-// front, on by default, turns most of them into whole pages, and holds small whole-page writes
-// so that they arrive k pages at a time (TuneWriteCache). Trim and write-zeroes release the
-// whole pages they cover (they read as zeroes); write-zeroes patches partial pages with zeroes;
-// trim leaves partial pages alone (their content is unspecified after a trim anyway).
+// could place, degraded, at least k). Nothing is buffered here: Flush and FUA have nothing to do
+// but flush the backup file, if any. Sub-page writes read, patch and write their page under its
+// exclusive lock (several of one page in one batch: one read, all patches, one write —
+// MergePartialWrites); the write cache in front, on by default, turns most of them into whole
+// pages, and holds small whole-page writes so that they arrive k pages at a time (TuneWriteCache).
+// Trim and write-zeroes release the whole pages they cover (they read as zeroes); write-zeroes
+// patches partial pages with zeroes; trim leaves partial pages alone (their content is unspecified
+// after a trim anyway).
 //
 // Encryption (on by default): PageCrypto exactly as PageStore uses it — each page sealed before
 // its cell leaves the process, AAD binding the export page number; a cell that fails to open is
@@ -47,8 +48,15 @@
 // from the other members; with no redundancy left, an error for exactly that page. Compaction
 // moves ciphertext unchanged (its recorded seal stays valid) after checking that it opens.
 //
-// Not supported (yet): the backup file (farmem-nbd refuses --backup with the stripe layout),
-// compaction offload to the daemons (the client moves the bytes), none / replicate modes.
+// Backup file (--backup, Infiniswap's, BackupFile as the split layout uses it): every page a
+// write puts in a set also goes to the file at its export offset (the same bytes as its cell:
+// ciphertext when encrypted, so the page's recorded seal opens either), trim and write-zeroes
+// zero it there, Flush and FUA flush it. A page whose cell cannot be read (its members given up,
+// beyond tolerance) or does not open with no redundancy left is read from the file instead, and
+// is then not lost: nothing is logged LOST, it is logged as served from the backup file.
+//
+// Not supported (yet): compaction offload to the daemons (the client moves the bytes), none /
+// replicate modes.
 #pragma once
 
 #include <atomic>
@@ -59,6 +67,7 @@
 #include <thread>
 #include <vector>
 
+#include "backup_file.h"
 #include "farmem/blockdev/block_backend.h"
 #include "farmem/blockdev/write_cache.h"
 #include "farmem/client/cluster.h"
@@ -86,6 +95,7 @@ struct StripeStoreOptions {
   // Compaction runs while the rows in use exceed compact_trigger * (k + r) / k * live bytes (the
   // space a fully packed store would use). 0: never by itself (CompactOnce still works).
   double compact_trigger = 1.5;
+  std::string backup_path;  // empty: no backup file (see the header comment)
 };
 
 // What only the stripe layout has (PageStoreStats has the rest).
@@ -107,7 +117,8 @@ class StripeStore final : public BatchBackend {
   ~StripeStore() override;
 
   uint64_t size() const override { return options_.size; }
-  Status Flush() override { return Status::Ok(); }  // nothing is buffered: see above
+  // Nothing is buffered here (see above); a backup file is flushed.
+  Status Flush() override { return backup_ ? backup_->Flush() : Status::Ok(); }
   void ExecuteBatch(std::span<BlockOp> ops, BatchListener* listener = nullptr) override;
 
   bool can_flush() const override { return true; }
@@ -190,6 +201,13 @@ class StripeStore final : public BatchBackend {
   // cells and releases the old ones. Page locks held exclusively.
   void WritePages(Worker& w, std::span<PageIo> pages, std::span<Status> op_status);
   void ReleaseCell(uint64_t page);  // page lock held exclusively
+  // Reads page `page` from the backup file into buf and opens it: the copy of a page whose cell
+  // cannot be produced. Page lock held.
+  Status ReadBackup(Worker& w, uint64_t page, uint8_t* buf);
+  // RemoteStore gave up members of `group`: logs the export pages whose cells were there, as
+  // byte ranges ("... are LOST (export bytes A..B, C..D)": tests/support/lost_ranges.h parses
+  // them). The recovery thread, no lock held.
+  void LogLostPages(uint32_t group, std::span<spanstore::SpanOwner* const> spans);
   void CompactLoop();
   bool CompactionWanted() const;
 
@@ -198,6 +216,7 @@ class StripeStore final : public BatchBackend {
   uint64_t pages_ = 0;
   std::unique_ptr<spanstore::RemoteStore> remote_;
   std::unique_ptr<PageCrypto> crypto_;  // null: --no-encrypt
+  std::unique_ptr<BackupFile> backup_;  // null: no --backup
   // The page table: entries guarded by locks_[page % kLockStripes] (see the header comment).
   std::unique_ptr<PageEntry[]> table_;
   std::unique_ptr<SharedMutex[]> locks_;
@@ -212,6 +231,7 @@ class StripeStore final : public BatchBackend {
   std::thread compact_thread_;
 
   std::atomic<uint64_t> integrity_failures_{0};
+  std::atomic<uint64_t> backup_reads_{0};
   std::atomic<uint64_t> lost_pages_{0};  // pages whose cell failed to open, unrecoverable
   std::atomic<uint64_t> write_retries_{0};
   std::atomic<uint64_t> sets_written_{0};

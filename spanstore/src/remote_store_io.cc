@@ -87,6 +87,28 @@ bool RemoteStore::FinishSetWrite(IoContext& io, SpanSet* set,
     }
   }
   MutexLock lock(&mu_);
+  if (!ok) {
+    // Members whose write failed and that are failed now (their daemon is gone: marked above,
+    // or by another thread meanwhile) cost the set nothing while MinMembers() others hold their
+    // cells: it is committed degraded, as if written to a degraded group (those members are
+    // rebuilt with the group's other rows, never used again as they are). Otherwise a write in
+    // the moments before a dead daemon is declared down gives its row up and tries a row of
+    // another healthy group on the same daemon, and with every group there (k + r daemons)
+    // fails after its four tries. A member that failed otherwise (a stale channel, an error
+    // that says nothing of the slab) leaves its cell unknown: the row is given up.
+    const uint32_t failed_now = set->group->failed_mask;
+    uint32_t missing = absent;
+    bool known = true;
+    for (int m = 0; m < n; ++m) {
+      if (results[m].ok() || ((absent >> m) & 1) != 0) continue;
+      if (((failed_now >> m) & 1) == 0) known = false;
+      missing |= 1u << m;
+    }
+    if (known && n - std::popcount(missing) >= MinMembers()) {
+      ok = true;
+      absent = missing;
+    }
+  }
   if (ok) {
     Group* g = set->group;
     if (g->rebuilding || g->epoch != epoch || g->lost_mask != 0) {

@@ -49,6 +49,11 @@ void RemoteStore::ReconcileMembers() {
   for (const Hit& h : hits) MarkFailed(h.group, h.member, h.lease, h.why);
 }
 
+void RemoteStore::SetLostObserver(LostObserver observer) {
+  MutexLock lock(&mu_);
+  lost_observer_ = std::move(observer);
+}
+
 // Rebuilds every failed member of `g` on a live daemon that holds none of the group's surviving
 // members (the failed member's own daemon qualifies once it is back, e.g. restarted empty). Runs
 // on the recovery thread with g->in_recovery set (g is not freed). While a member's cells are
@@ -92,16 +97,35 @@ void RemoteStore::Reprotect(IoContext& io, Group* g) {
         return;
       }
     }
-    MutexLock lock(&mu_);
-    g->lost_mask |= failed;
-    g->failed_mask = 0;
-    for (const SpanSet* set : g->rows) {  // the live data cells on the members given up
-      if (set != nullptr) lost_bytes_ += std::popcount(set->live_mask & failed) * uint64_t{span};
+    std::vector<SpanOwner*> lost_spans;
+    LostObserver observer;
+    uint32_t group_id = 0;
+    {
+      MutexLock lock(&mu_);
+      g->lost_mask |= failed;
+      g->failed_mask = 0;
+      for (const SpanSet* set : g->rows) {  // the live data cells on the members given up
+        if (set == nullptr) continue;
+        const uint32_t gone = set->live_mask & failed;
+        lost_bytes_ += std::popcount(gone) * uint64_t{span};
+        for (int m = 0; m < res_.k; ++m) {
+          if (((gone >> m) & 1) != 0 && set->spans[static_cast<size_t>(m)] != nullptr) {
+            lost_spans.push_back(set->spans[static_cast<size_t>(m)]);
+          }
+        }
+      }
+      spdlog::error(
+          "far memory: slab group {} lost members {:#x}: {} span sets cannot be rebuilt with "
+          "resilience {}; {}",
+          g->id, failed, g->used_rows, res_.ToString(),
+          // farmem-nbd's stripe layout names the pages (and says whether its backup file has
+          // them); far_ptr's deref names each object.
+          lost_observer_ ? "the borrower names what lived only there"
+                         : "objects that were only there are LOST (deref says which)");
+      observer = lost_observer_;
+      group_id = g->id;
     }
-    spdlog::error(
-        "far memory: slab group {} lost members {:#x}: {} span sets cannot be rebuilt with "
-        "resilience {}; objects that were only there are LOST (deref says which)",
-        g->id, failed, g->used_rows, res_.ToString());
+    if (observer && !lost_spans.empty()) observer(group_id, lost_spans);
     return;
   }
   // Survivors to read: the first k live members (ec) or one live copy (replicate).

@@ -57,6 +57,10 @@ const std::regex kIntegrityPatterns[] = {
     std::regex(
         R"(page store: export page \d+ \(offset \d+, extent \d+\):? (failed|no copy passes) authentication)"),
     std::regex(R"(far memory: .*failed (authentication|its checksum))"),
+    // The stripe layout (blockdev/src/stripe_store.cc, RecoverCell): "stripe store: export page
+    // 9 failed authentication on its daemon ...", "... (bytes A..B) failed authentication and no
+    // other member ...".
+    std::regex(R"(stripe store: export page \d+ (\(bytes \d+\.\.\d+\) )?failed authentication)"),
 };
 
 const std::regex kNotable(

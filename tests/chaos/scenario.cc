@@ -264,6 +264,7 @@ class NbdWorkload : public Workload {
         testing::BinPath("farmem-nbd"),       "--backend", "farmem", "--size",
         std::to_string(config_.device_bytes), "--unix",    socket_,  "--no-swap-safe"};
     std::ranges::copy(ClusterArgs(), std::back_inserter(argv));
+    if (!scenario_.ec_layout.empty()) argv.insert(argv.end(), {"--ec-layout", scenario_.ec_layout});
     if (scenario_.backup) argv.insert(argv.end(), {"--backup", dir_ + "/backup.img"});
     // Reads that failed authentication are counted in farmem-nbd's metrics (Finish reads them).
     if (Flips(scenario_)) {
@@ -493,6 +494,16 @@ Result<std::vector<Scenario>> LoadScenarios(const std::string& path) {
       s.backup = true;
       s.resilience.resize(s.resilience.size() - 7);
     }
+    if (const size_t slash = s.resilience.find('/'); slash != std::string::npos) {
+      // farmem-nbd checks the pair (--ec-layout stripe only with ec:k+r); this only keeps the
+      // column to what the driver passes on.
+      s.ec_layout = s.resilience.substr(slash + 1);
+      s.resilience.resize(slash);
+      if (s.ec_layout != "split" && s.ec_layout != "stripe") {
+        return bad("the layout after '/' is split or stripe (farmem-nbd's --ec-layout)");
+      }
+      if (s.workload != "nbd") return bad("a layout ('/" + s.ec_layout + "') needs workload nbd");
+    }
     std::string word;
     while (ss >> word) {
       if (word.starts_with("known-fail:")) {
@@ -512,7 +523,8 @@ ScenarioResult RunScenario(const Scenario& sc, const RunConfig& cfg) {
   const auto t_start = SteadyClock::now();
   ScenarioResult res;
   res.name = sc.name;
-  res.mode = sc.resilience + (sc.backup ? " + backup" : "");
+  res.mode = sc.resilience + (sc.ec_layout.empty() ? "" : " " + sc.ec_layout) +
+             (sc.backup ? " + backup" : "");
   auto fail = [&](std::string why) { res.failures.push_back(std::move(why)); };
   auto note = [&](std::string what) {
     if (cfg.verbose) std::fprintf(stderr, "[%s] %s\n", sc.name.c_str(), what.c_str());

@@ -23,7 +23,8 @@ struct Scenario {
   std::string name;
   std::string workload;    // nbd | farptr
   bool compact = true;     // farptr: background compaction (off: "farptr+nocompact")
-  std::string resilience;  // as the programs take it (without "+backup")
+  std::string resilience;  // as the programs take it (without "/layout" and "+backup")
+  std::string ec_layout;   // farmem-nbd's --ec-layout ("ec:2+1/stripe"); empty: its default
   bool backup = false;
   int daemons = 0;
   bool tolerate = true;  // false: beyond what the mode tolerates

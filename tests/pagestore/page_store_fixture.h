@@ -36,6 +36,7 @@ class PageStoreTest : public ::testing::Test {
     cfg.capacity = capacity;
     cfg.slab_size = "1M";
     cfg.log_level = "warn";
+    cfg.lease_ttl_ms = lease_ttl_ms_;
     daemons_ = std::make_unique<DaemonSet>(cfg);
     Status started = daemons_->Start(n);
     ASSERT_TRUE(started.ok()) << started.ToString();
@@ -221,6 +222,9 @@ class PageStoreTest : public ::testing::Test {
   // The data ops' timeout, in the client core (its channels) and in the store; set before
   // StartDaemons.
   std::chrono::milliseconds op_timeout_{2000};
+  // The daemons' --lease-ttl-ms (unset: farmemd's 10 s): how long a dead daemon's leases are
+  // kept before the client may give them up (beyond-tolerance tests).
+  std::optional<uint32_t> lease_ttl_ms_;
   std::shared_ptr<transport::FaultInjector> faults_ = std::make_shared<transport::FaultInjector>();
   std::unique_ptr<DaemonSet> daemons_;
   std::unique_ptr<client::Cluster> cluster_;

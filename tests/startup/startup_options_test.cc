@@ -170,10 +170,6 @@ TEST_F(StartupOptionsTest, FarmemNbdRefusesTheStripeLayoutWhereItDoesNotApply) {
   EXPECT_NE(rep.exit_code, 0) << Describe(rep);
   EXPECT_THAT(rep.err, HasSubstr("--ec-layout stripe applies only to an ec:k+r --resilience"))
       << Describe(rep);
-  const CommandResult backup = with({"--ec-layout", "stripe", "--backup", dir_.File("backup")});
-  EXPECT_NE(backup.exit_code, 0) << Describe(backup);
-  EXPECT_THAT(backup.err, HasSubstr("--backup is not supported with --ec-layout stripe"))
-      << Describe(backup);
   const CommandResult bad = with({"--ec-layout", "raid"});
   EXPECT_NE(bad.exit_code, 0) << Describe(bad);
   EXPECT_THAT(bad.err, HasSubstr("'raid' is not one of split, stripe")) << Describe(bad);

@@ -3,7 +3,10 @@
 // (blockdev/src/page_store_rebuild.cc), and a single page of which no copy passes authentication
 // (`none`: one flipped bit on the lender loses that page),
 //   "page store: export page P (offset O, extent E): no copy passes authentication ..."
-// (blockdev/src/page_store_integrity.cc). When a line changes, adapt its pattern here. Used by
+// (blockdev/src/page_store_integrity.cc); and the stripe layout's (blockdev/src/stripe_store.cc)
+//   "stripe store: N pages of slab group G are LOST (export bytes A..B, C..D, ...)" and
+//   "stripe store: export page P (bytes A..B) failed authentication and no other member ...".
+// When a line changes, adapt its pattern here. Used by
 // the integration tests and the chaos driver (which adds each line's timestamp).
 #pragma once
 
@@ -26,6 +29,11 @@ inline std::vector<LostRange> LostRanges(const std::string& log) {
       R"(page store: \d+ pages of extent \d+ \(export bytes (\d+)\.\.(\d+)\) are LOST)");
   static const std::regex kUnauthenticPage(
       R"(page store: export page \d+ \(offset (\d+), extent \d+\): no copy passes authentication)");
+  static const std::regex kStripeLost(
+      R"(stripe store: \d+ pages of slab group \d+ are LOST \(export bytes ([0-9., ]+)\))");
+  static const std::regex kStripeUnauthenticPage(
+      R"(stripe store: export page \d+ \(bytes (\d+)\.\.(\d+)\) failed authentication and no)");
+  static const std::regex kRange(R"((\d+)\.\.(\d+))");
   constexpr uint64_t kPage = 4096;  // an export page
   std::vector<LostRange> out;
   size_t begin = 0;
@@ -40,6 +48,13 @@ inline std::vector<LostRange> LostRanges(const std::string& log) {
     } else if (std::regex_search(line, m, kUnauthenticPage)) {
       const uint64_t at = std::stoull(m[1].str());
       out.push_back({at, at + kPage});
+    } else if (std::regex_search(line, m, kStripeUnauthenticPage)) {
+      out.push_back({std::stoull(m[1].str()), std::stoull(m[2].str())});
+    } else if (std::regex_search(line, m, kStripeLost)) {
+      const std::string list = m[1].str();
+      for (std::sregex_iterator it(list.begin(), list.end(), kRange), e; it != e; ++it) {
+        out.push_back({std::stoull((*it)[1].str()), std::stoull((*it)[2].str())});
+      }
     }
   }
   return out;

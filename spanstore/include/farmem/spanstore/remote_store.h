@@ -246,6 +246,15 @@ class RemoteStore {
   // cell was read before that, e.g. a span swapped in whose objects are opened lazily): ReadSpan
   // rebuilds it all the same. False (none, or no redundancy left): the caller loses what failed.
   bool ReportCorrupt(SpanSet* set, int member, const Status& why);
+  // Told the spans that were lost when a group's members are given up for good (more failed
+  // than the resilience survives, their leases gone): every live data cell on those members,
+  // by its owner, once. far_ptr learns it on deref; farmem-nbd's stripe layout has no deref to
+  // wait for and names the export pages at once (a user must learn which bytes are gone before
+  // reading them). Called from the recovery thread with no lock held; the owners are the ones
+  // the cells had when they were given up (a borrower that rewrote a span meanwhile sees it
+  // here all the same). Set it before the first WriteSet.
+  using LostObserver = std::function<void(uint32_t group, std::span<SpanOwner* const> spans)>;
+  void SetLostObserver(LostObserver observer);
   // Where data member `member` of `set` lies: (lease, byte offset of the cell) for the member
   // and, with replicate, for every copy. For tests (LocateObjectForTest).
   std::vector<std::pair<client::Lease, uint64_t>> CellPlaces(const SpanSet* set, int member) const;
@@ -407,6 +416,7 @@ class RemoteStore {
 
   mutable Mutex mu_;
   CondVar recovery_cv_;
+  LostObserver lost_observer_ GUARDED_BY(mu_);
   std::vector<std::unique_ptr<Group>> groups_ GUARDED_BY(mu_);
   std::unordered_map<uint64_t, std::pair<Group*, int>> by_lease_ GUARDED_BY(mu_);
   std::deque<Group*> recovery_queue_ GUARDED_BY(mu_);
