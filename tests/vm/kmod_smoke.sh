@@ -37,7 +37,7 @@
 # Environment (optional): KMOD_SWAP_MIB (32), KMOD_SWAP_LIMIT (8M), KMOD_DRAIN_RESILIENCE (drain:
 # none, or replicate:2: twice the moves), KMOD_DRAIN_GRACE_MS
 # (drain: 60000), KMOD_DRAIN_FAIL (drain, none: 1, the failed move; 0 skips it), KMOD_LEAK_CYCLES,
-# KMOD_DRAIN_KEEPER_KILL (drain: 1 kills the keeper during a move and restarts it; by hand only,
+# KMOD_DRAIN_KEEPER_KILL (drain: 1 kills the keeper during a move and restarts it; ctest kmod_smoke_drain_keeper_kill,
 # docs/kmod.md: the new keeper learns of the notices from HEARTBEAT replies and frees the orphan).
 set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
