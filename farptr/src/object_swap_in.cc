@@ -199,14 +199,52 @@ void Heap::FetchMany(std::span<ObjectEntry* const> entries) NO_THREAD_SAFETY_ANA
     if (Span* s = e->span.load(std::memory_order_acquire); s != nullptr) wants.push_back({s, e});
   }
   // Span locks in address order (heap.h); the first of a batch is waited for, the others only
-  // tried (a busy one is left to its deref), so holding several can never deadlock.
-  std::sort(wants.begin(), wants.end(),
-            [](const Want& a, const Want& b) { return std::less<Span*>{}(a.span, b.span); });
+  // tried (a busy one is left to its deref), so holding several can never deadlock. The same
+  // object twice is wanted once.
+  std::sort(wants.begin(), wants.end(), [](const Want& a, const Want& b) {
+    if (a.span != b.span) return std::less<Span*>{}(a.span, b.span);
+    return std::less<ObjectEntry*>{}(a.entry, b.entry);
+  });
+  wants.erase(std::unique(wants.begin(), wants.end(),
+                          [](const Want& a, const Want& b) { return a.entry == b.entry; }),
+              wants.end());
+  // Whether e is, now, the object in its slot of s (s->mu held). The entries may be stale: the
+  // caller need not hold anything that keeps its objects alive across this call
+  // (far_hash_map::get_many holds no lock across its reads), and a freed entry, or one reused
+  // since, can still point at s. Such an entry must not be gathered (that would move a slot it
+  // does not own) nor count as wanted.
+  auto owns = [](Span* s, ObjectEntry* e) {
+    s->mu.AssertHeld();
+    if (e->span.load(std::memory_order_acquire) != s) return false;
+    const uint32_t slot = e->slot.load(std::memory_order_relaxed);
+    return slot < s->owner.size() && s->owner[slot] == e;
+  };
+  // The wanted objects of a local span, as their derefs would leave them: opened (a swap-in
+  // leaves every object sealed until its first deref) and hot, so that the evictor's next sweep
+  // leaves them for the caller, which may deref them in a later scope. A tag that fails is left
+  // to the deref to report.
+  auto ready = [&](Span* s, const Want* first, const Want* last) {
+    s->mu.AssertHeld();
+    if (s->state != SpanState::kLocal) return;
+    if (s->sealed_left > 0) {
+      std::vector<uint32_t> slots;
+      for (const Want* w = first; w != last; ++w) {
+        const uint32_t slot = w->entry->slot.load(std::memory_order_relaxed);
+        if (owns(s, w->entry) && s->sealed[slot]) slots.push_back(slot);
+      }
+      if (!slots.empty()) (void)OpenSealedLocked(s, slots);
+    }
+    for (const Want* w = first; w != last; ++w) {
+      if (owns(s, w->entry)) w->entry->word.fetch_or(kHot, std::memory_order_seq_cst);
+    }
+  };
   size_t next = 0;
   while (next < wants.size()) {
     Span* spans[kMaxSetWidth];
     SpanLock locks[kMaxSetWidth];
     ObjectEntry* gather[kMaxSetWidth];  // the one object to gather, or null: swap in whole
+    const Want* first[kMaxSetWidth];    // the span's wants: [first, last)
+    const Want* last[kMaxSetWidth];
     uint8_t* frames[kMaxSetWidth];
     SpanSet* sets[kMaxSetWidth];
     int members[kMaxSetWidth];
@@ -217,29 +255,39 @@ void Heap::FetchMany(std::span<ObjectEntry* const> entries) NO_THREAD_SAFETY_ANA
       Span* s = wants[next].span;
       size_t end = next;
       while (end < wants.size() && wants[end].span == s) ++end;
+      const Want* from = wants.data() + next;
+      const Want* to = wants.data() + end;
+      next = end;
       SpanLock lock = n == 0 ? SpanLock(&s->mu) : SpanLock(&s->mu, std::try_to_lock);
+      if (!lock.owns_lock()) continue;
+      if (n == 0) {
+        // The span waited for is also waited for through its write-out, as its deref would be
+        // (the writer does not wait for scopes, so this cannot deadlock); no other span lock is
+        // held here.
+        s->cv.Wait(&s->mu, [&] {
+          s->mu.AssertHeld();
+          return s->state != SpanState::kWriting;
+        });
+      }
       ObjectEntry* only = nullptr;
       size_t missing = 0;
-      if (lock.owns_lock() && s->state == SpanState::kRemote) {
-        for (size_t j = next; j < end; ++j) {
-          ObjectEntry* e = wants[j].entry;
-          if (e->span.load(std::memory_order_acquire) != s) continue;  // moved meanwhile
-          if (std::find_if(wants.begin() + static_cast<long>(next),
-                           wants.begin() + static_cast<long>(j), [&](const Want& w) {
-                             return w.entry == e;
-                           }) != wants.begin() + static_cast<long>(j)) {
-            continue;  // the same object twice
-          }
-          only = e;
-          ++missing;
-        }
+      for (const Want* w = from; w != to; ++w) {
+        if (!owns(s, w->entry)) continue;  // moved or freed meanwhile
+        only = w->entry;
+        ++missing;
       }
-      next = end;
       if (missing == 0) continue;
+      if (s->state == SpanState::kLocal) {
+        ready(s, from, to);  // no read: only what the derefs would open
+        continue;
+      }
+      if (s->state != SpanState::kRemote) continue;  // evicting, lost...: left to the deref
       // Several objects of one span wanted together: that is locality, read it whole.
       const bool gathers = GatherOnMissLocked(s) && missing == 1;
       spans[n] = s;
       gather[n] = gathers ? only : nullptr;
+      first[n] = from;
+      last[n] = to;
       sets[n] = s->set;
       members[n] = s->member;
       pieces[n] = gathers ? PieceOf(s, only) : RemoteStore::Piece{0, span_size_};
@@ -257,11 +305,14 @@ void Heap::FetchMany(std::span<ObjectEntry* const> entries) NO_THREAD_SAFETY_ANA
         PutFrame(frames[i]);
         (void)SwapInFailedLocked(s, results[i]);  // its deref reads again and reports it
       } else if (gather[i] != nullptr) {
-        // An error here marked s lost or left it remote: the deref reports it.
+        // An error here marked s lost or left it remote: the deref reports it. False: the read
+        // became a whole swap-in (the hot span was busy, or a tag failed).
         Result<bool> g = GatherLocked(s, gather[i], frames[i]);
+        if (g && !*g) ready(s, first[i], last[i]);
         partial[i] = g && !*g && !s->free_slots.empty();
       } else {
         FinishSwapInLocked(s, frames[i], false);
+        ready(s, first[i], last[i]);
         partial[i] = !s->free_slots.empty();
       }
     }
