@@ -195,7 +195,8 @@ void Heap::FetchMany(std::span<ObjectEntry* const> entries) NO_THREAD_SAFETY_ANA
   std::vector<Want> wants;
   wants.reserve(entries.size());
   for (ObjectEntry* e : entries) {
-    if (e == nullptr || (LoadWord(e) & kPresent) != 0) continue;
+    // Present and not being moved: its deref is a few instructions.
+    if (e == nullptr || (LoadWord(e) & (kPresent | kEvacuating)) == kPresent) continue;
     if (Span* s = e->span.load(std::memory_order_acquire); s != nullptr) wants.push_back({s, e});
   }
   // Span locks in address order (heap.h); the first of a batch is waited for, the others only
@@ -220,9 +221,9 @@ void Heap::FetchMany(std::span<ObjectEntry* const> entries) NO_THREAD_SAFETY_ANA
     return slot < s->owner.size() && s->owner[slot] == e;
   };
   // The wanted objects of a local span, as their derefs would leave them: opened (a swap-in
-  // leaves every object sealed until its first deref) and hot, so that the evictor's next sweep
-  // leaves them for the caller, which may deref them in a later scope. A tag that fails is left
-  // to the deref to report.
+  // leaves every object sealed until its first deref), a relocation pending for one called off,
+  // and hot, so that the evictor's next sweep leaves them for the caller, which may deref them
+  // in a later scope. A tag that fails is left to the deref to report.
   auto ready = [&](Span* s, const Want* first, const Want* last) {
     s->mu.AssertHeld();
     if (s->state != SpanState::kLocal) return;
@@ -235,7 +236,9 @@ void Heap::FetchMany(std::span<ObjectEntry* const> entries) NO_THREAD_SAFETY_ANA
       if (!slots.empty()) (void)OpenSealedLocked(s, slots);
     }
     for (const Want* w = first; w != last; ++w) {
-      if (owns(s, w->entry)) w->entry->word.fetch_or(kHot, std::memory_order_seq_cst);
+      if (!owns(s, w->entry)) continue;
+      w->entry->word.fetch_and(~kEvacuating, std::memory_order_seq_cst);
+      w->entry->word.fetch_or(kHot, std::memory_order_seq_cst);
     }
   };
   size_t next = 0;
@@ -277,11 +280,19 @@ void Heap::FetchMany(std::span<ObjectEntry* const> entries) NO_THREAD_SAFETY_ANA
         ++missing;
       }
       if (missing == 0) continue;
+      if (s->state == SpanState::kEvicting) {
+        // The bytes are still here: take the span back, as a deref would.
+        for (ObjectEntry* o : s->owner) {
+          if (o != nullptr) o->word.fetch_and(~kEvacuating, std::memory_order_seq_cst);
+        }
+        s->state = SpanState::kLocal;
+        eviction_cancels_.fetch_add(1, std::memory_order_relaxed);
+      }
       if (s->state == SpanState::kLocal) {
-        ready(s, from, to);  // no read: only what the derefs would open
+        ready(s, from, to);  // no read: what the derefs would do here
         continue;
       }
-      if (s->state != SpanState::kRemote) continue;  // evicting, lost...: left to the deref
+      if (s->state != SpanState::kRemote) continue;  // written out (busy), lost: left to the deref
       // Several objects of one span wanted together: that is locality, read it whole.
       const bool gathers = GatherOnMissLocked(s) && missing == 1;
       spans[n] = s;

@@ -213,32 +213,13 @@ class far_hash_map {
   // simply looked at again (what it holds then is the answer), and one still not local after
   // kFetchRounds reads is read under its lock as find does. So a writer to one of the batch's
   // buckets waits for a lookup, never for a round trip, and each out[i] is what find(keys[i])
-  // returned at some moment during the call (the batch is not one snapshot of the map).
+  // returned at some moment during the call (the batch is not one snapshot of the map). A batch
+  // of more than kBatchKeys (32) keys is taken 32 at a time.
   void get_many(std::span<const K> keys, std::span<std::optional<V>> out) const {
-    std::vector<size_t> todo(std::min(keys.size(), out.size()));
-    for (size_t i = 0; i < todo.size(); ++i) todo[i] = i;
-    std::vector<farptr_internal::ObjectEntry*> misses;
-    for (int round = 0; !todo.empty(); ++round) {
-      const bool read_under_lock = round == kFetchRounds;
-      misses.clear();
-      {
-        ReaderLock r(&resize_mu_);
-        const size_t mask = buckets_.size() - 1;
-        StripeSet stripes(this, keys, todo, mask);
-        DerefScope s;
-        size_t left = 0;
-        for (size_t i : todo) {
-          const far_bytes& bucket = buckets_[Hash{}(keys[i]) & mask];
-          if (bucket && !bucket.is_local() && !read_under_lock) {
-            misses.push_back(bucket.entry());
-            todo[left++] = i;
-          } else {
-            out[i] = Lookup(bucket, keys[i], s);  // local (or the last round): no lock waits long
-          }
-        }
-        todo.resize(left);
-      }
-      Fetch(misses);
+    const size_t n = std::min(keys.size(), out.size());
+    for (size_t at = 0; at < n; at += kBatchKeys) {
+      const size_t len = std::min(kBatchKeys, n - at);
+      GetBatch(keys.subspan(at, len), out.subspan(at, len));
     }
   }
   // Brings the buckets of `keys` local now, their misses overlapped as in get_many (no lock held
@@ -246,16 +227,16 @@ class far_hash_map {
   // to hit. Nothing is pinned: under memory pressure a bucket may leave again before it is used
   // (it starts hot).
   void prefetch(std::span<const K> keys) const {
-    std::vector<size_t> all(keys.size());
-    for (size_t i = 0; i < all.size(); ++i) all[i] = i;
     std::vector<farptr_internal::ObjectEntry*> misses;
-    {
+    for (size_t at = 0; at < keys.size(); at += kBatchKeys) {
+      std::vector<size_t> some(std::min(kBatchKeys, keys.size() - at));
+      for (size_t i = 0; i < some.size(); ++i) some[i] = at + i;
       ReaderLock r(&resize_mu_);
       const size_t mask = buckets_.size() - 1;
-      StripeSet stripes(this, keys, all, mask);
-      for (const K& k : keys) {
-        const far_bytes& bucket = buckets_[Hash{}(k)&mask];
-        if (bucket && !bucket.is_local()) misses.push_back(bucket.entry());
+      StripeSet stripes(this, keys, some, mask);
+      for (size_t i : some) {
+        const far_bytes& bucket = buckets_[Hash{}(keys[i]) & mask];
+        if (bucket && !Ready(bucket)) misses.push_back(bucket.entry());
       }
     }
     Fetch(misses);
@@ -406,6 +387,10 @@ class far_hash_map {
   // get_many: rounds of batched reads, each followed by a look under the locks, before a bucket
   // still not local is read under its lock (a bucket changed, evicted again, or busy each time).
   static constexpr int kFetchRounds = 3;
+  // get_many and prefetch take the stripes of at most this many keys at once (a larger batch is
+  // looked at in slices): a short hold each time, and few enough locks for ThreadSanitizer's
+  // deadlock detector (64 held at once by one thread).
+  static constexpr size_t kBatchKeys = 32;
 
   static size_t BucketsFor(size_t entries) {
     size_t n = 64;
@@ -454,6 +439,35 @@ class far_hash_map {
     const far_hash_map* m_;
     std::vector<uint32_t> held_;
   };
+  // get_many for at most kBatchKeys keys (so at most that many stripes are held at once).
+  void GetBatch(std::span<const K> keys, std::span<std::optional<V>> out) const {
+    std::vector<size_t> todo(keys.size());
+    for (size_t i = 0; i < todo.size(); ++i) todo[i] = i;
+    std::vector<farptr_internal::ObjectEntry*> misses;
+    for (int round = 0; !todo.empty(); ++round) {
+      const bool read_under_lock = round == kFetchRounds;
+      misses.clear();
+      {
+        ReaderLock r(&resize_mu_);
+        const size_t mask = buckets_.size() - 1;
+        StripeSet stripes(this, keys, todo, mask);
+        DerefScope s;
+        size_t left = 0;
+        for (size_t i : todo) {
+          const far_bytes& bucket = buckets_[Hash{}(keys[i]) & mask];
+          if (bucket && !Ready(bucket) && !read_under_lock) {
+            misses.push_back(bucket.entry());
+            todo[left++] = i;
+          } else {
+            out[i] = Lookup(bucket, keys[i], s);  // local (or the last round): no lock waits long
+          }
+        }
+        todo.resize(left);
+      }
+      Fetch(misses);
+    }
+  }
+
   // Reads the bucket objects `misses` names together (get_many, prefetch), holding no lock of
   // the map: the buckets may change meanwhile (FetchObjects skips entries freed or reused since),
   // so the caller looks again, under the stripes, at what it found.
@@ -461,6 +475,13 @@ class far_hash_map {
     if (misses.empty()) return;
     DerefScope s;  // entered holding no lock (the budget gate may wait here)
     farptr_internal::FetchObjects(rt_, misses);
+  }
+  // Whether `bucket`'s deref, in a scope entered before this, needs no I/O and waits for no one:
+  // present and not being moved (one being moved may be in a write-out, which a deref waits for).
+  static bool Ready(const far_bytes& bucket) {
+    const uint64_t w = farptr_internal::LoadWord(bucket.entry());
+    return (w & (farptr_internal::kPresent | farptr_internal::kEvacuating)) ==
+           farptr_internal::kPresent;
   }
   // The value under `key` in `bucket` (null: none). Its stripe is held.
   static std::optional<V> Lookup(const far_bytes& bucket, const K& key, const DerefScope& s) {
