@@ -199,8 +199,8 @@ void Heap::FetchMany(std::span<ObjectEntry* const> entries) NO_THREAD_SAFETY_ANA
     if (e == nullptr || (LoadWord(e) & (kPresent | kEvacuating)) == kPresent) continue;
     if (Span* s = e->span.load(std::memory_order_acquire); s != nullptr) wants.push_back({s, e});
   }
-  // Span locks in address order (heap.h); the first of a batch is waited for, the others only
-  // tried (a busy one is left to its deref), so holding several can never deadlock. The same
+  // Span locks in address order (heap.h); the first of a round is waited for, the others only
+  // tried (a busy one waits for a later round), so holding several can never deadlock. The same
   // object twice is wanted once.
   std::sort(wants.begin(), wants.end(), [](const Want& a, const Want& b) {
     if (a.span != b.span) return std::less<Span*>{}(a.span, b.span);
@@ -241,8 +241,18 @@ void Heap::FetchMany(std::span<ObjectEntry* const> entries) NO_THREAD_SAFETY_ANA
       w->entry->word.fetch_or(kHot, std::memory_order_seq_cst);
     }
   };
-  size_t next = 0;
-  while (next < wants.size()) {
+  // The wants of each span: [first, second) in `wants`. A round locks the first span pending
+  // (waiting for it, and for its write-out) and tries the next ones, up to kMaxSetWidth; a span
+  // busy or being written out waits for a later round, where it may come first. So every round
+  // settles at least one span, and none is left to its deref merely for being busy.
+  std::vector<std::pair<size_t, size_t>> pending, later;
+  for (size_t i = 0; i < wants.size();) {
+    size_t end = i;
+    while (end < wants.size() && wants[end].span == wants[i].span) ++end;
+    pending.emplace_back(i, end);
+    i = end;
+  }
+  while (!pending.empty()) {
     Span* spans[kMaxSetWidth];
     SpanLock locks[kMaxSetWidth];
     ObjectEntry* gather[kMaxSetWidth];  // the one object to gather, or null: swap in whole
@@ -254,23 +264,30 @@ void Heap::FetchMany(std::span<ObjectEntry* const> entries) NO_THREAD_SAFETY_ANA
     RemoteStore::Piece pieces[kMaxSetWidth];
     Status results[kMaxSetWidth];
     size_t n = 0;
-    while (next < wants.size() && n < static_cast<size_t>(kMaxSetWidth)) {
-      Span* s = wants[next].span;
-      size_t end = next;
-      while (end < wants.size() && wants[end].span == s) ++end;
-      const Want* from = wants.data() + next;
+    later.clear();
+    for (const auto& [begin, end] : pending) {
+      Span* s = wants[begin].span;
+      const Want* from = wants.data() + begin;
       const Want* to = wants.data() + end;
-      next = end;
+      if (n == static_cast<size_t>(kMaxSetWidth)) {
+        later.emplace_back(begin, end);
+        continue;
+      }
       SpanLock lock = n == 0 ? SpanLock(&s->mu) : SpanLock(&s->mu, std::try_to_lock);
-      if (!lock.owns_lock()) continue;
+      if (!lock.owns_lock()) {
+        later.emplace_back(begin, end);
+        continue;
+      }
       if (n == 0) {
-        // The span waited for is also waited for through its write-out, as its deref would be
-        // (the writer does not wait for scopes, so this cannot deadlock); no other span lock is
-        // held here.
+        // Waited for through its write-out too, as its deref would be (the writer does not wait
+        // for scopes, so this cannot deadlock); no other span lock is held here.
         s->cv.Wait(&s->mu, [&] {
           s->mu.AssertHeld();
           return s->state != SpanState::kWriting;
         });
+      } else if (s->state == SpanState::kWriting) {
+        later.emplace_back(begin, end);
+        continue;
       }
       ObjectEntry* only = nullptr;
       size_t missing = 0;
@@ -305,6 +322,7 @@ void Heap::FetchMany(std::span<ObjectEntry* const> entries) NO_THREAD_SAFETY_ANA
       frames[n] = GetFrame();
       locks[n++] = std::move(lock);
     }
+    pending.swap(later);
     if (n == 0) continue;
     IoContext* io = CheckoutIo();
     store_->ReadSpans(*io, {sets, n}, {members, n}, {frames, n}, {results, n}, {pieces, n});
