@@ -17,6 +17,10 @@
 // together, overlapping their round trips; std: one find after another, since a page fault
 // stops the thread), then their updates one by one.
 //
+// --threads T runs the operations from T threads at once, each on its own part of the keys (so
+// each knows its keys' versions), over one shared map: with --batch, T threads' get_many
+// batches and updates contend for the same buckets.
+//
 // Every value read is checked: word 0 is the key, word 1 its version (the number of updates made
 // to it, mod 256, kept locally in one byte per key), every other word a hash of both. A wrong
 // value prints MISMATCH and exits 3.
@@ -42,6 +46,7 @@
 #include <random>
 #include <span>
 #include <string>
+#include <thread>
 #include <unordered_map>
 #include <vector>
 
@@ -67,6 +72,7 @@ struct Args {
   double seconds = 120;  // per phase at most
   int update_pct = 5;    // YCSB-B's mix
   size_t batch = 1;      // ops handed over together (far: get_many; 1: one op at a time)
+  size_t threads = 1;    // threads running the operations, each on its own part of the keys
   uint64_t seed = 1;
   // far
   std::string peers;
@@ -245,29 +251,43 @@ std::vector<uint32_t> DrawKeys(const std::string& dist, uint64_t keys, uint64_t 
 
 template <typename V, typename Backend>
 void Workload(Backend& b, const Args& a) {
+  // --threads T: thread t owns the keys [t * part, (t + 1) * part) (its updates and the versions
+  // it checks are its own), drawn as one thread's stream of `part` keys; the keys' buckets are
+  // shared (a far_hash_map bucket holds keys from every part), so the threads contend as the
+  // requests of one server would. Operations are split among the threads.
+  const size_t nt = a.threads;
+  const uint64_t part = a.keys / nt;
   std::vector<uint8_t> version(a.keys, 0);
-  struct Phase {
-    std::string dist;
+  struct Stream {
     std::vector<uint32_t> warm, timed;
     std::vector<uint8_t> kind;  // per warm-up and timed op: 1 = update
+  };
+  struct Phase {
+    std::string dist;
+    std::vector<Stream> threads;
   };
   std::vector<Phase> phases;
   for (size_t i = 0; i < a.dists.size(); ++i) {
     const std::string& d = a.dists[i];
-    std::vector<uint32_t> all = DrawKeys(d, a.keys, a.warmup_ops + a.ops, a.seed + 10 * i);
-    Phase p{d,
-            {all.begin(), all.begin() + static_cast<long>(a.warmup_ops)},
-            {all.begin() + static_cast<long>(a.warmup_ops), all.end()},
-            {}};
-    std::mt19937_64 rng(a.seed + 10 * i + 1);
-    p.kind.resize(a.warmup_ops + a.ops);
-    for (auto& k : p.kind) k = rng() % 100 < static_cast<uint64_t>(a.update_pct) ? 1 : 0;
+    Phase p{d, {}};
+    for (size_t t = 0; t < nt; ++t) {
+      const uint64_t warm = a.warmup_ops / nt, ops = a.ops / nt;
+      std::vector<uint32_t> all = DrawKeys(d, part, warm + ops, a.seed + 10 * i + 1000 * t);
+      for (uint32_t& k : all) k += static_cast<uint32_t>(t * part);
+      Stream st{{all.begin(), all.begin() + static_cast<long>(warm)},
+                {all.begin() + static_cast<long>(warm), all.end()},
+                {}};
+      std::mt19937_64 rng(a.seed + 10 * i + 1 + 1000 * t);
+      st.kind.resize(warm + ops);
+      for (auto& k : st.kind) k = rng() % 100 < static_cast<uint64_t>(a.update_pct) ? 1 : 0;
+      p.threads.push_back(std::move(st));
+    }
     phases.push_back(std::move(p));
   }
   std::printf(
-      "kv %s: %lu keys, %zu B values, %d%% updates, %zu op(s) a batch; RSS before the load "
-      "(fixed overhead) %.1f MiB\n",
-      a.backend.c_str(), static_cast<unsigned long>(a.keys), sizeof(V), a.update_pct, a.batch,
+      "kv %s: %lu keys, %zu B values, %d%% updates, %zu op(s) a batch, %zu thread(s); RSS before "
+      "the load (fixed overhead) %.1f MiB\n",
+      a.backend.c_str(), static_cast<unsigned long>(a.keys), sizeof(V), a.update_pct, a.batch, nt,
       StatusMiB("VmRSS"));
   std::fflush(stdout);
 
@@ -278,37 +298,14 @@ void Workload(Backend& b, const Args& a) {
   b.PrintStats("load");
   std::fflush(stdout);
 
-  uint64_t checked = 0;
-  auto one = [&](uint32_t k, bool update) {
-    V v;
-    uint8_t want = version[k];
-    bool found;
-    if (update) {
-      found = b.Update(k, &v, V::Make(k, static_cast<uint8_t>(want + 1)));
-      version[k] = static_cast<uint8_t>(want + 1);
-    } else {
-      found = b.Get(k, &v);
-    }
-    if (!found) {
-      std::printf("kv %s: MISMATCH key %u is missing\n", a.backend.c_str(), k);
-      std::fflush(stdout);
-      std::exit(3);
-    }
-    if (const size_t i = v.FirstWrong(k, want); i != V::kWords) {
-      std::printf("kv %s: MISMATCH key %u version %u word %zu: got %016lx want %016lx\n",
-                  a.backend.c_str(), k, want, i, static_cast<unsigned long>(v.w[i]),
-                  static_cast<unsigned long>(V::Make(k, want).w[i]));
-      std::fflush(stdout);
-      std::exit(3);
-    }
-    ++checked;
+  // What one thread keeps.
+  struct Worker {
+    uint64_t checked = 0;
+    std::vector<uint64_t> batch_keys;
+    std::vector<std::optional<V>> batch_vals;
   };
-  // A batch of ops (--batch): the gets' values come from one GetMany taken first (the values
-  // at the batch's start); updates run one by one after it (their buckets now local), and a
-  // get of a key updated earlier in the same batch reads again.
-  std::vector<uint64_t> batch_keys;
-  std::vector<std::optional<V>> batch_vals;
-  auto check = [&](uint32_t k, uint8_t want, const std::optional<V>& got) {
+  std::vector<Worker> workers(nt);
+  auto check = [&](Worker& w, uint32_t k, uint8_t want, const std::optional<V>& got) {
     if (!got) {
       std::printf("kv %s: MISMATCH key %u is missing\n", a.backend.c_str(), k);
       std::fflush(stdout);
@@ -321,25 +318,40 @@ void Workload(Backend& b, const Args& a) {
       std::fflush(stdout);
       std::exit(3);
     }
-    ++checked;
+    ++w.checked;
   };
-  auto batch = [&](const uint32_t* keys, const uint8_t* kind, size_t n) {
-    batch_keys.assign(keys, keys + n);
-    batch_vals.resize(n);
-    b.GetMany(batch_keys, batch_vals);
+  auto one = [&](Worker& w, uint32_t k, bool update) {
+    V v;
+    const uint8_t want = version[k];
+    bool found;
+    if (update) {
+      found = b.Update(k, &v, V::Make(k, static_cast<uint8_t>(want + 1)));
+      version[k] = static_cast<uint8_t>(want + 1);
+    } else {
+      found = b.Get(k, &v);
+    }
+    check(w, k, want, found ? std::optional<V>(v) : std::nullopt);
+  };
+  // A batch of ops (--batch): the gets' values come from one GetMany taken first (the values
+  // at the batch's start); updates run one by one after it (their buckets now local), and a
+  // get of a key updated earlier in the same batch reads again.
+  auto batch = [&](Worker& w, const uint32_t* keys, const uint8_t* kind, size_t n) {
+    w.batch_keys.assign(keys, keys + n);
+    w.batch_vals.resize(n);
+    b.GetMany(w.batch_keys, w.batch_vals);
     for (size_t j = 0; j < n; ++j) {
       const uint32_t k = keys[j];
       bool again = kind[j] != 0;
       for (size_t p = 0; p < j && !again; ++p) again = kind[p] != 0 && keys[p] == k;
       if (again) {
-        one(k, kind[j] != 0);
+        one(w, k, kind[j] != 0);
       } else {
-        check(k, version[k], batch_vals[j]);
+        check(w, k, version[k], w.batch_vals[j]);
       }
     }
   };
   // Runs keys[i] (op kinds from kind[offset + i]) until done or `seconds`; how many ran.
-  auto run = [&](const std::vector<uint32_t>& keys, const std::vector<uint8_t>& kind,
+  auto run = [&](Worker& w, const std::vector<uint32_t>& keys, const std::vector<uint8_t>& kind,
                  size_t offset) {
     const auto deadline = Clock::now() + std::chrono::duration<double>(a.seconds);
     size_t i = 0;
@@ -351,7 +363,7 @@ void Workload(Backend& b, const Args& a) {
           if (Clock::now() > deadline) break;
         }
         const size_t n = std::min(a.batch, keys.size() - i);
-        batch(&keys[i], &kind[offset + i], n);
+        batch(w, &keys[i], &kind[offset + i], n);
         i += n;
         since_check += n;
       }
@@ -359,19 +371,36 @@ void Workload(Backend& b, const Args& a) {
     }
     for (; i < keys.size(); ++i) {
       if ((i & 255) == 0 && Clock::now() > deadline) break;
-      one(keys[i], kind[offset + i] != 0);
+      one(w, keys[i], kind[offset + i] != 0);
     }
     return i;
   };
+  // Every thread's part of a phase at once; the operations done.
+  auto run_all = [&](const Phase& p, bool timed) {
+    std::vector<size_t> done(nt, 0);
+    std::vector<std::thread> th;
+    for (size_t t = 1; t < nt; ++t) {
+      th.emplace_back([&, t] {
+        const Stream& st = p.threads[t];
+        done[t] = run(workers[t], timed ? st.timed : st.warm, st.kind, timed ? st.warm.size() : 0);
+      });
+    }
+    const Stream& st = p.threads[0];
+    done[0] = run(workers[0], timed ? st.timed : st.warm, st.kind, timed ? st.warm.size() : 0);
+    for (std::thread& x : th) x.join();
+    size_t sum = 0;
+    for (size_t d : done) sum += d;
+    return sum;
+  };
   for (const Phase& p : phases) {
     t0 = Clock::now();
-    const size_t warm = run(p.warm, p.kind, 0);
+    const size_t warm = run_all(p, false);
     std::printf("kv %s %s: warm-up %zu ops in %.1f s\n", a.backend.c_str(), p.dist.c_str(), warm,
                 Seconds(Clock::now() - t0));
     b.PrintStats("warm-up");
     const Faults f0 = FaultsNow();
     t0 = Clock::now();
-    const size_t done = run(p.timed, p.kind, a.warmup_ops);
+    const size_t done = run_all(p, true);
     const double s = Seconds(Clock::now() - t0);
     const Faults f1 = FaultsNow();
     std::printf(
@@ -384,6 +413,8 @@ void Workload(Backend& b, const Args& a) {
     b.PrintStats("timed");
     std::fflush(stdout);
   }
+  uint64_t checked = 0;
+  for (const Worker& w : workers) checked += w.checked;
   std::printf("kv %s: %lu values checked, all correct\n", a.backend.c_str(),
               static_cast<unsigned long>(checked));
 }
@@ -454,6 +485,12 @@ int main(int argc, char** argv) {
                  "misses overlapped; std: one after another), then the updates; 1: one at a time")
       ->capture_default_str()
       ->check(CLI::Range(size_t{1}, size_t{256}));
+  app.add_option("--threads", a.threads,
+                 "threads running the operations at once, each updating and checking its own "
+                 "part of the keys (their buckets shared); --ops and --warmup-ops are split "
+                 "among them")
+      ->capture_default_str()
+      ->check(CLI::Range(size_t{1}, size_t{64}));
   app.add_option("--peers", a.peers, "far: the farmemd daemons, HOST:PORT,...");
   app.add_option("--secret-file", a.secret_file, "far: the cluster secret");
   app.add_option("--budget", a.budget, "far: local_budget (e.g. 24M)")->capture_default_str();

@@ -175,9 +175,13 @@ class Heap {
   // Makes the objects of `entries` local as their demand misses would (each gathered into its
   // hot span, or its span swapped in whole when several of them share it or it was missed just
   // before), with the reads posted together, up to kMaxSetWidth spans a round (one doorbell per
-  // daemon, the round trips overlapping). Entries present, stale, null or whose span is busy are
-  // left to their deref, which also reports any error. Nothing is pinned: call it inside the
-  // scope that will deref them.
+  // daemon, the round trips overlapping); each is left open (not sealed) and hot, as its deref
+  // would leave it. The first span of a round is waited for (its write-out too), the others
+  // only tried: a busy one goes to a later round. Entries present or null are skipped, objects
+  // that cannot be read are left to their deref, which reports the error. The entries may be stale
+  // (freed, even reused, since the caller read them: every one is checked against its span's owner
+  // table under the span's lock), so a caller need hold no lock across this call. Nothing is
+  // pinned: deref them in the same scope, or check that they are still local.
   void FetchMany(std::span<ObjectEntry* const> entries);
   // Where a remote object's bytes lie (LocateObjectForTest).
   Result<std::vector<ObjectPlace>> Locate(ObjectEntry* e);

@@ -195,57 +195,134 @@ void Heap::FetchMany(std::span<ObjectEntry* const> entries) NO_THREAD_SAFETY_ANA
   std::vector<Want> wants;
   wants.reserve(entries.size());
   for (ObjectEntry* e : entries) {
-    if (e == nullptr || (LoadWord(e) & kPresent) != 0) continue;
+    // Present and not being moved: its deref is a few instructions.
+    if (e == nullptr || (LoadWord(e) & (kPresent | kEvacuating)) == kPresent) continue;
     if (Span* s = e->span.load(std::memory_order_acquire); s != nullptr) wants.push_back({s, e});
   }
-  // Span locks in address order (heap.h); the first of a batch is waited for, the others only
-  // tried (a busy one is left to its deref), so holding several can never deadlock.
-  std::sort(wants.begin(), wants.end(),
-            [](const Want& a, const Want& b) { return std::less<Span*>{}(a.span, b.span); });
-  size_t next = 0;
-  while (next < wants.size()) {
+  // Span locks in address order (heap.h); the first of a round is waited for, the others only
+  // tried (a busy one waits for a later round), so holding several can never deadlock. The same
+  // object twice is wanted once.
+  std::sort(wants.begin(), wants.end(), [](const Want& a, const Want& b) {
+    if (a.span != b.span) return std::less<Span*>{}(a.span, b.span);
+    return std::less<ObjectEntry*>{}(a.entry, b.entry);
+  });
+  wants.erase(std::unique(wants.begin(), wants.end(),
+                          [](const Want& a, const Want& b) { return a.entry == b.entry; }),
+              wants.end());
+  // Whether e is, now, the object in its slot of s (s->mu held). The entries may be stale: the
+  // caller need not hold anything that keeps its objects alive across this call
+  // (far_hash_map::get_many holds no lock across its reads), and a freed entry, or one reused
+  // since, can still point at s. Such an entry must not be gathered (that would move a slot it
+  // does not own) nor count as wanted.
+  auto owns = [](Span* s, ObjectEntry* e) {
+    s->mu.AssertHeld();
+    if (e->span.load(std::memory_order_acquire) != s) return false;
+    const uint32_t slot = e->slot.load(std::memory_order_relaxed);
+    return slot < s->owner.size() && s->owner[slot] == e;
+  };
+  // The wanted objects of a local span, as their derefs would leave them: opened (a swap-in
+  // leaves every object sealed until its first deref), a relocation pending for one called off,
+  // and hot, so that the evictor's next sweep leaves them for the caller, which may deref them
+  // in a later scope. A tag that fails is left to the deref to report.
+  auto ready = [&](Span* s, const Want* first, const Want* last) {
+    s->mu.AssertHeld();
+    if (s->state != SpanState::kLocal) return;
+    if (s->sealed_left > 0) {
+      std::vector<uint32_t> slots;
+      for (const Want* w = first; w != last; ++w) {
+        const uint32_t slot = w->entry->slot.load(std::memory_order_relaxed);
+        if (owns(s, w->entry) && s->sealed[slot]) slots.push_back(slot);
+      }
+      if (!slots.empty()) (void)OpenSealedLocked(s, slots);
+    }
+    for (const Want* w = first; w != last; ++w) {
+      if (!owns(s, w->entry)) continue;
+      w->entry->word.fetch_and(~kEvacuating, std::memory_order_seq_cst);
+      w->entry->word.fetch_or(kHot, std::memory_order_seq_cst);
+    }
+  };
+  // The wants of each span: [first, second) in `wants`. A round locks the first span pending
+  // (waiting for it, and for its write-out) and tries the next ones, up to kMaxSetWidth; a span
+  // busy or being written out waits for a later round, where it may come first. So every round
+  // settles at least one span, and none is left to its deref merely for being busy.
+  std::vector<std::pair<size_t, size_t>> pending, later;
+  for (size_t i = 0; i < wants.size();) {
+    size_t end = i;
+    while (end < wants.size() && wants[end].span == wants[i].span) ++end;
+    pending.emplace_back(i, end);
+    i = end;
+  }
+  while (!pending.empty()) {
     Span* spans[kMaxSetWidth];
     SpanLock locks[kMaxSetWidth];
     ObjectEntry* gather[kMaxSetWidth];  // the one object to gather, or null: swap in whole
+    const Want* first[kMaxSetWidth];    // the span's wants: [first, last)
+    const Want* last[kMaxSetWidth];
     uint8_t* frames[kMaxSetWidth];
     SpanSet* sets[kMaxSetWidth];
     int members[kMaxSetWidth];
     RemoteStore::Piece pieces[kMaxSetWidth];
     Status results[kMaxSetWidth];
     size_t n = 0;
-    while (next < wants.size() && n < static_cast<size_t>(kMaxSetWidth)) {
-      Span* s = wants[next].span;
-      size_t end = next;
-      while (end < wants.size() && wants[end].span == s) ++end;
+    later.clear();
+    for (const auto& [begin, end] : pending) {
+      Span* s = wants[begin].span;
+      const Want* from = wants.data() + begin;
+      const Want* to = wants.data() + end;
+      if (n == static_cast<size_t>(kMaxSetWidth)) {
+        later.emplace_back(begin, end);
+        continue;
+      }
       SpanLock lock = n == 0 ? SpanLock(&s->mu) : SpanLock(&s->mu, std::try_to_lock);
+      if (!lock.owns_lock()) {
+        later.emplace_back(begin, end);
+        continue;
+      }
+      if (n == 0) {
+        // Waited for through its write-out too, as its deref would be (the writer does not wait
+        // for scopes, so this cannot deadlock); no other span lock is held here.
+        s->cv.Wait(&s->mu, [&] {
+          s->mu.AssertHeld();
+          return s->state != SpanState::kWriting;
+        });
+      } else if (s->state == SpanState::kWriting) {
+        later.emplace_back(begin, end);
+        continue;
+      }
       ObjectEntry* only = nullptr;
       size_t missing = 0;
-      if (lock.owns_lock() && s->state == SpanState::kRemote) {
-        for (size_t j = next; j < end; ++j) {
-          ObjectEntry* e = wants[j].entry;
-          if (e->span.load(std::memory_order_acquire) != s) continue;  // moved meanwhile
-          if (std::find_if(wants.begin() + static_cast<long>(next),
-                           wants.begin() + static_cast<long>(j), [&](const Want& w) {
-                             return w.entry == e;
-                           }) != wants.begin() + static_cast<long>(j)) {
-            continue;  // the same object twice
-          }
-          only = e;
-          ++missing;
-        }
+      for (const Want* w = from; w != to; ++w) {
+        if (!owns(s, w->entry)) continue;  // moved or freed meanwhile
+        only = w->entry;
+        ++missing;
       }
-      next = end;
       if (missing == 0) continue;
+      if (s->state == SpanState::kEvicting) {
+        // The bytes are still here: take the span back, as a deref would.
+        for (ObjectEntry* o : s->owner) {
+          if (o != nullptr) o->word.fetch_and(~kEvacuating, std::memory_order_seq_cst);
+        }
+        s->state = SpanState::kLocal;
+        eviction_cancels_.fetch_add(1, std::memory_order_relaxed);
+      }
+      if (s->state == SpanState::kLocal) {
+        ready(s, from, to);  // no read: what the derefs would do here
+        continue;
+      }
+      if (s->state != SpanState::kRemote) continue;  // written out (busy), lost: left to the deref
       // Several objects of one span wanted together: that is locality, read it whole.
       const bool gathers = GatherOnMissLocked(s) && missing == 1;
       spans[n] = s;
       gather[n] = gathers ? only : nullptr;
+      first[n] = from;
+      last[n] = to;
       sets[n] = s->set;
       members[n] = s->member;
       pieces[n] = gathers ? PieceOf(s, only) : RemoteStore::Piece{0, span_size_};
       frames[n] = GetFrame();
       locks[n++] = std::move(lock);
     }
+    pending.swap(later);
     if (n == 0) continue;
     IoContext* io = CheckoutIo();
     store_->ReadSpans(*io, {sets, n}, {members, n}, {frames, n}, {results, n}, {pieces, n});
@@ -257,11 +334,14 @@ void Heap::FetchMany(std::span<ObjectEntry* const> entries) NO_THREAD_SAFETY_ANA
         PutFrame(frames[i]);
         (void)SwapInFailedLocked(s, results[i]);  // its deref reads again and reports it
       } else if (gather[i] != nullptr) {
-        // An error here marked s lost or left it remote: the deref reports it.
+        // An error here marked s lost or left it remote: the deref reports it. False: the read
+        // became a whole swap-in (the hot span was busy, or a tag failed).
         Result<bool> g = GatherLocked(s, gather[i], frames[i]);
+        if (g && !*g) ready(s, first[i], last[i]);
         partial[i] = g && !*g && !s->free_slots.empty();
       } else {
         FinishSwapInLocked(s, frames[i], false);
+        ready(s, first[i], last[i]);
         partial[i] = !s->free_slots.empty();
       }
     }

@@ -2,8 +2,10 @@
 // in-memory models.
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <optional>
 #include <random>
+#include <thread>
 #include <unordered_map>
 #include <vector>
 
@@ -155,6 +157,70 @@ TEST_F(FarptrTest, FarHashMapGetManyReadsObjectsNotSpans) {
   for (uint64_t k : keys) m.update(k, [](Value& v) { v.b = 9; });
   EXPECT_EQ(rt_->stats().swap_ins, fetched);
   for (uint64_t k : keys) ASSERT_EQ(m.find(k)->b, 9u);
+}
+
+// get_many holds no lock across its reads, so the buckets it noted may change before it looks
+// at them again: grown (a new object, the old one freed), emptied (freed), rehashed into a
+// doubled directory. Two writer threads churn a map larger than the budget while a third thread's
+// batches check every value they get: it is its key's (no value from a freed or reused bucket),
+// and a key's version never goes back (no stale one): each writer's versions only grow.
+TEST_F(FarptrTest, FarHashMapGetManyWhileWritersChangeBuckets) {
+  ASSERT_NO_FATAL_FAILURE(StartDaemons(1));
+  // A fraction of the entries the writers leave (under TSan they do an eighth of the work).
+  ASSERT_NO_FATAL_FAILURE(Open(Options("none", (192 << 10) / kTsanScale, 4096)));
+  constexpr uint64_t kKeys = 16384;
+  const int kOps = 12000 / kTsanScale;       // per writer
+  far_hash_map<uint64_t, uint64_t> m(*rt_);  // 64 buckets: the inserts double the directory
+  std::atomic<int> writing{2};
+  std::vector<std::thread> writers;
+  for (uint64_t w = 0; w < 2; ++w) {
+    writers.emplace_back([&, w] {
+      std::mt19937_64 rng(w + 1);
+      uint64_t version = 1;
+      for (int i = 0; i < kOps; ++i) {
+        const uint64_t k = (rng() % (kKeys / 2)) * 2 + w;  // writer w's keys: k % 2 == w
+        if (rng() % 8 == 0) {
+          m.erase(k);
+        } else {
+          m.insert_or_assign(k, (version++ << 32) | k);
+        }
+      }
+      writing.fetch_sub(1);
+    });
+  }
+  std::vector<uint64_t> last(kKeys, 0);  // the highest version seen per key
+  uint64_t batches = 0, found = 0, wrong = 0, went_back = 0;
+  std::mt19937_64 rng(7);
+  std::vector<uint64_t> keys(16);
+  std::vector<std::optional<uint64_t>> got(keys.size());
+  while (writing.load() > 0 || batches < 50) {
+    for (uint64_t& k : keys) k = rng() % kKeys;
+    m.get_many(keys, got);
+    ++batches;
+    for (size_t i = 0; i < keys.size(); ++i) {
+      if (!got[i]) continue;
+      ++found;
+      const uint64_t v = *got[i];
+      if ((v & 0xffffffffu) != keys[i]) {
+        ++wrong;
+        continue;
+      }
+      if ((v >> 32) < last[keys[i]]) ++went_back;
+      last[keys[i]] = std::max(last[keys[i]], v >> 32);
+    }
+  }
+  for (std::thread& t : writers) t.join();
+  EXPECT_EQ(wrong, 0u) << "values of other keys, in " << found << " found";
+  EXPECT_EQ(went_back, 0u) << "values older than one seen before, in " << found << " found";
+  EXPECT_GT(found, 0u);
+  EXPECT_GT(m.bucket_count(), 64u);
+  EXPECT_GT(rt_->stats().swap_ins, 0u);
+  // Nothing was lost: every key reads as find says.
+  std::vector<uint64_t> all(kKeys);
+  for (uint64_t k = 0; k < kKeys; ++k) all[k] = k;
+  std::vector<std::optional<uint64_t>> every(kKeys);
+  m.get_many(all, every);
+  for (uint64_t k = 0; k < kKeys; ++k) ASSERT_EQ(every[k], m.find(k)) << "key " << k;
 }
 
 // budget_includes_metadata: entries and span tables count against the budget, so frames get what

@@ -4,10 +4,14 @@
 // runtime's state (degraded reads, re-protected members, nothing lost), not on timing.
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <memory>
+#include <optional>
+#include <thread>
 #include <vector>
 
 #include "farmem/client/cluster.h"
+#include "farmem/far_hash_map.h"
 #include "farmem/transport/fault_injection.h"
 #include "farptr_fixture.h"
 #include "support/wait.h"
@@ -85,6 +89,53 @@ TEST_F(FarFaultInjectionTest, HeldMemberTimesOutOnceThenIsReadDegraded) {
   }
   faults_->Release(victim);
   ASSERT_TRUE(rt_->WaitForRecovery().ok());
+}
+
+// far_hash_map::get_many holds no bucket lock across its reads (issue 13, item 5: threads that
+// share a map must not wait for each other's round trips). While the batch's reads are held at
+// the daemon, a writer to a key in one of the batch's buckets completes — it waited for the whole
+// round trip while get_many kept the batch's stripes read-locked over its reads — and the batch
+// then returns the right values.
+TEST_F(FarFaultInjectionTest, GetManyHoldsNoBucketLockAcrossItsReads) {
+  ASSERT_NO_FATAL_FAILURE(StartDaemons(1));
+  RuntimeOptions o = Options("none", 1 << 20);
+  o.fault_injector = faults_;
+  o.op_timeout = std::chrono::seconds(60);  // the held reads wait for Release, not for a timeout
+  ASSERT_NO_FATAL_FAILURE(Open(o));
+  constexpr uint64_t kKeys = 4096;  // 1024 buckets of 4 entries: a few spans
+  far_hash_map<uint64_t, uint64_t> m(*rt_, kKeys);
+  for (uint64_t k = 0; k < kKeys; ++k) m.insert_or_assign(k, k * 10);
+  ASSERT_TRUE(rt_->EvictUntil(0).ok());
+  // Key 0's bucket is local and already written to (dirty): the writer below needs no I/O.
+  constexpr uint64_t kLocalKey = 0;
+  m.insert_or_assign(kLocalKey, 1);
+  // The batch: key 0 and keys whose buckets are remote (each in a bucket of its own).
+  const std::vector<uint64_t> keys = {kLocalKey, 101, 202, 303, 404, 505, 606, 707, 808};
+  const Endpoint daemon = (*daemons_)[0].endpoint();
+  faults_->Hold(daemon);
+  std::vector<std::optional<uint64_t>> got(keys.size());
+  std::thread batch([&] { m.get_many(keys, got); });
+  const bool reading = farmem::testing::WaitUntil([&] { return faults_->ops_held(daemon) > 0; },
+                                                  std::chrono::seconds(30));
+  std::atomic<bool> wrote{false};
+  std::thread writer([&] {
+    m.insert_or_assign(kLocalKey, 2);
+    wrote = true;
+  });
+  const bool written =
+      farmem::testing::WaitUntil([&] { return wrote.load(); }, std::chrono::seconds(10));
+  faults_->Release(daemon);
+  batch.join();
+  writer.join();
+  ASSERT_TRUE(reading) << "the batch's reads never reached the daemon";
+  EXPECT_TRUE(written) << "a write to a bucket of the batch waited for the batch's reads";
+  ASSERT_TRUE(got[0].has_value());
+  EXPECT_TRUE(*got[0] == 1 || *got[0] == 2) << *got[0];
+  for (size_t i = 1; i < keys.size(); ++i) {
+    ASSERT_TRUE(got[i].has_value()) << "key " << keys[i];
+    EXPECT_EQ(*got[i], keys[i] * 10) << "key " << keys[i];
+  }
+  EXPECT_EQ(m.find(kLocalKey), std::optional<uint64_t>(2));
 }
 
 }  // namespace

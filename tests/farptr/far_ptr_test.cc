@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "farmem/client/cluster.h"
+#include "farmem/internal/object.h"
 #include "farptr_fixture.h"
 #include "support/wait.h"
 
@@ -209,6 +210,38 @@ TEST_F(FarptrTest, ASpanMissedTwiceInARowComesInWhole) {
   const RuntimeStats after = rt_->stats();
   EXPECT_EQ(after.swap_ins - before.swap_ins, 2u) << "one gathering miss, then the whole span";
   EXPECT_EQ(after.objects_gathered - before.objects_gathered, 1u);
+}
+
+// A batched fetch (FetchObjects, what far_hash_map::get_many reads with) may be handed the entry
+// of an object freed since its caller looked it up: get_many holds no lock across its reads. The
+// entry still points at its old span, a remote one here that keeps other objects; fetching it
+// must not gather it (that freed its slot again and counted the span's last object gone: the
+// span was retired with its other objects, whose derefs then failed as a use after free).
+TEST_F(FarptrTest, FetchingAFreedObjectLeavesItsSpanAlone) {
+  ASSERT_NO_FATAL_FAILURE(StartDaemons(1));
+  RuntimeOptions o = Options("none", 4 << 20);
+  o.auto_compact = false;
+  ASSERT_NO_FATAL_FAILURE(Open(o));
+  constexpr size_t kSize = 256;
+  std::vector<far_bytes> objs;
+  for (size_t i = 0; i < 2; ++i) {  // two objects of one span
+    objs.push_back(make_far_bytes_in(*rt_, kSize));
+    DerefScope s;
+    std::memset(objs.back().deref_mut(s).data(), static_cast<int>(i + 1), kSize);
+  }
+  ASSERT_TRUE(rt_->EvictUntil(0).ok());
+  farptr_internal::ObjectEntry* stale = objs[0].entry();
+  objs[0].reset();  // freed; its span stays remote with objs[1]
+  {
+    DerefScope s;
+    farptr_internal::FetchObjects(rt_.get(), {&stale, 1});
+  }
+  EXPECT_EQ(rt_->stats().objects_gathered, 0u) << "the freed object was gathered";
+  DerefScope s;
+  auto b = objs[1].try_deref(s);
+  ASSERT_TRUE(b.has_value()) << b.error().ToString();
+  EXPECT_EQ((*b)[0], std::byte{2});
+  EXPECT_EQ((*b)[kSize - 1], std::byte{2});
 }
 
 // A pointer obtained inside a scope stays valid (same address, same bytes) while another thread

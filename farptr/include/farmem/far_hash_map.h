@@ -200,52 +200,46 @@ class far_hash_map {
     ReaderLock r(&resize_mu_);
     const size_t b = h & (buckets_.size() - 1);
     ReaderLock l(&stripes_[b % kStripes]);
-    if (!buckets_[b]) return std::nullopt;
     DerefScope s;
-    std::span<const std::byte> bytes = buckets_[b].deref(s);
-    const Header hd = ReadHeader(bytes);
-    for (uint32_t i = 0; i < hd.count; ++i) {
-      Item it = ReadItem(bytes, i);
-      if (Eq{}(it.key, key)) return it.value;
-    }
-    return std::nullopt;
+    return Lookup(buckets_[b], key, s);
   }
-  // Batched lookup: out[i] = find(keys[i]) for every i (out.size() == keys.size()), with the
+  // Batched lookup: out[i] = find(keys[i]) for every i < min(keys.size(), out.size()), with the
   // misses overlapped: the buckets that are not local are read together, one round trip for up
   // to 16 of them (farmem::farptr_internal::FetchObjects), where that many finds would wait for
   // one read after another. For a program that has several independent lookups at hand (a batch
-  // of requests). The buckets' locks are all held (shared) for the batch, so a writer to one of
-  // them waits for the whole batch.
+  // of requests). No lock is held across the reads: the buckets' stripes are read-locked (in
+  // index order) to answer the keys whose buckets are local and to note the others, released for
+  // the reads, and taken again to answer those, now local; a bucket that changed meanwhile is
+  // simply looked at again (what it holds then is the answer), and one still not local after
+  // kFetchRounds reads is read under its lock as find does. So a writer to one of the batch's
+  // buckets waits for a lookup, never for a round trip, and each out[i] is what find(keys[i])
+  // returned at some moment during the call (the batch is not one snapshot of the map). A batch
+  // of more than kBatchKeys (32) keys is taken 32 at a time.
   void get_many(std::span<const K> keys, std::span<std::optional<V>> out) const {
-    ReaderLock r(&resize_mu_);
-    const size_t mask = buckets_.size() - 1;
-    StripeSet stripes(this, keys, mask);
-    DerefScope s;
-    FetchBuckets(keys, mask, s);
-    for (size_t i = 0; i < keys.size() && i < out.size(); ++i) {
-      out[i].reset();
-      const far_bytes& bucket = buckets_[Hash{}(keys[i]) & mask];
-      if (!bucket) continue;
-      std::span<const std::byte> bytes = bucket.deref(s);
-      const Header hd = ReadHeader(bytes);
-      for (uint32_t j = 0; j < hd.count; ++j) {
-        Item it = ReadItem(bytes, j);
-        if (Eq{}(it.key, keys[i])) {
-          out[i] = it.value;
-          break;
-        }
-      }
+    const size_t n = std::min(keys.size(), out.size());
+    for (size_t at = 0; at < n; at += kBatchKeys) {
+      const size_t len = std::min(kBatchKeys, n - at);
+      GetBatch(keys.subspan(at, len), out.subspan(at, len));
     }
   }
-  // Brings the buckets of `keys` local now, their misses overlapped as in get_many, for the
-  // operations on those keys that follow (update, find, insert...) to hit. Nothing is pinned:
-  // under memory pressure a bucket may leave again before it is used (it starts hot).
+  // Brings the buckets of `keys` local now, their misses overlapped as in get_many (no lock held
+  // across the reads), for the operations on those keys that follow (update, find, insert...)
+  // to hit. Nothing is pinned: under memory pressure a bucket may leave again before it is used
+  // (it starts hot).
   void prefetch(std::span<const K> keys) const {
-    ReaderLock r(&resize_mu_);
-    const size_t mask = buckets_.size() - 1;
-    StripeSet stripes(this, keys, mask);
-    DerefScope s;
-    FetchBuckets(keys, mask, s);
+    std::vector<farptr_internal::ObjectEntry*> misses;
+    for (size_t at = 0; at < keys.size(); at += kBatchKeys) {
+      std::vector<size_t> some(std::min(kBatchKeys, keys.size() - at));
+      for (size_t i = 0; i < some.size(); ++i) some[i] = at + i;
+      ReaderLock r(&resize_mu_);
+      const size_t mask = buckets_.size() - 1;
+      StripeSet stripes(this, keys, some, mask);
+      for (size_t i : some) {
+        const far_bytes& bucket = buckets_[Hash{}(keys[i]) & mask];
+        if (bucket && !Ready(bucket)) misses.push_back(bucket.entry());
+      }
+    }
+    Fetch(misses);
   }
   bool contains(const K& key) const { return find(key).has_value(); }
   size_t count(const K& key) const { return contains(key) ? 1 : 0; }
@@ -390,6 +384,13 @@ class far_hash_map {
     V value;
   };
   static constexpr uint32_t kInitialCapacity = 4;
+  // get_many: rounds of batched reads, each followed by a look under the locks, before a bucket
+  // still not local is read under its lock (a bucket changed, evicted again, or busy each time).
+  static constexpr int kFetchRounds = 3;
+  // get_many and prefetch take the stripes of at most this many keys at once (a larger batch is
+  // looked at in slices): a short hold each time, and few enough locks for ThreadSanitizer's
+  // deadlock detector (64 held at once by one thread).
+  static constexpr size_t kBatchKeys = 32;
 
   static size_t BucketsFor(size_t entries) {
     size_t n = 64;
@@ -414,14 +415,16 @@ class far_hash_map {
   }
   static size_t BytesFor(uint32_t capacity) { return sizeof(Header) + capacity * sizeof(Item); }
 
-  // The stripes of the buckets of `keys`, read-locked in index order (writers hold one stripe at
-  // a time, so taking several in order cannot deadlock), for a batch.
+  // The stripes of the buckets of keys[i] for i in `which`, read-locked in index order (writers
+  // hold one stripe at a time, so taking several in order cannot deadlock), for a batch.
   class StripeSet {
    public:
-    StripeSet(const far_hash_map* m, std::span<const K> keys, size_t mask) NO_THREAD_SAFETY_ANALYSIS
-        : m_(m) {
-      held_.reserve(keys.size());
-      for (const K& k : keys) held_.push_back(static_cast<uint32_t>((Hash{}(k)&mask) % kStripes));
+    StripeSet(const far_hash_map* m, std::span<const K> keys, std::span<const size_t> which,
+              size_t mask) NO_THREAD_SAFETY_ANALYSIS : m_(m) {
+      held_.reserve(which.size());
+      for (size_t i : which) {
+        held_.push_back(static_cast<uint32_t>((Hash{}(keys[i]) & mask) % kStripes));
+      }
       std::sort(held_.begin(), held_.end());
       held_.erase(std::unique(held_.begin(), held_.end()), held_.end());
       for (uint32_t i : held_) m_->stripes_[i].LockShared();
@@ -436,16 +439,60 @@ class far_hash_map {
     const far_hash_map* m_;
     std::vector<uint32_t> held_;
   };
-  // The buckets of `keys` that are not local, read together (their stripes held).
-  void FetchBuckets(std::span<const K> keys, size_t mask, const DerefScope&) const
-      REQUIRES_SHARED(resize_mu_) {
-    std::vector<farptr_internal::ObjectEntry*> entries;
-    entries.reserve(keys.size());
-    for (const K& k : keys) {
-      const far_bytes& bucket = buckets_[Hash{}(k)&mask];
-      if (bucket && !bucket.is_local()) entries.push_back(bucket.entry());
+  // get_many for at most kBatchKeys keys (so at most that many stripes are held at once).
+  void GetBatch(std::span<const K> keys, std::span<std::optional<V>> out) const {
+    std::vector<size_t> todo(keys.size());
+    for (size_t i = 0; i < todo.size(); ++i) todo[i] = i;
+    std::vector<farptr_internal::ObjectEntry*> misses;
+    for (int round = 0; !todo.empty(); ++round) {
+      const bool read_under_lock = round == kFetchRounds;
+      misses.clear();
+      {
+        ReaderLock r(&resize_mu_);
+        const size_t mask = buckets_.size() - 1;
+        StripeSet stripes(this, keys, todo, mask);
+        DerefScope s;
+        size_t left = 0;
+        for (size_t i : todo) {
+          const far_bytes& bucket = buckets_[Hash{}(keys[i]) & mask];
+          if (bucket && !Ready(bucket) && !read_under_lock) {
+            misses.push_back(bucket.entry());
+            todo[left++] = i;
+          } else {
+            out[i] = Lookup(bucket, keys[i], s);  // local (or the last round): no lock waits long
+          }
+        }
+        todo.resize(left);
+      }
+      Fetch(misses);
     }
-    if (!entries.empty()) farptr_internal::FetchObjects(rt_, entries);
+  }
+
+  // Reads the bucket objects `misses` names together (get_many, prefetch), holding no lock of
+  // the map: the buckets may change meanwhile (FetchObjects skips entries freed or reused since),
+  // so the caller looks again, under the stripes, at what it found.
+  void Fetch(std::span<farptr_internal::ObjectEntry* const> misses) const {
+    if (misses.empty()) return;
+    DerefScope s;  // entered holding no lock (the budget gate may wait here)
+    farptr_internal::FetchObjects(rt_, misses);
+  }
+  // Whether `bucket`'s deref, in a scope entered before this, needs no I/O and waits for no one:
+  // present and not being moved (one being moved may be in a write-out, which a deref waits for).
+  static bool Ready(const far_bytes& bucket) {
+    const uint64_t w = farptr_internal::LoadWord(bucket.entry());
+    return (w & (farptr_internal::kPresent | farptr_internal::kEvacuating)) ==
+           farptr_internal::kPresent;
+  }
+  // The value under `key` in `bucket` (null: none). Its stripe is held.
+  static std::optional<V> Lookup(const far_bytes& bucket, const K& key, const DerefScope& s) {
+    if (!bucket) return std::nullopt;
+    std::span<const std::byte> bytes = bucket.deref(s);
+    const Header hd = ReadHeader(bytes);
+    for (uint32_t i = 0; i < hd.count; ++i) {
+      Item it = ReadItem(bytes, i);
+      if (Eq{}(it.key, key)) return it.value;
+    }
+    return std::nullopt;
   }
 
   size_t BucketCount() const {

@@ -72,7 +72,9 @@ void FreeObject(ObjectEntry* e);
 void PrefetchObject(ObjectEntry* e);
 // Makes the objects of `rt` that `entries` name local now, their misses overlapped (the reads
 // posted together): what a batch of derefs would do one miss at a time. Null, present or stale
-// entries are skipped. Nothing stays pinned: call it inside the scope that derefs them.
+// entries (freed or reused since the caller read them) are skipped, so the caller need hold no
+// lock across the reads. Nothing stays pinned: deref them in the same scope, or check that they
+// are still local (the objects fetched are left hot, so they outlive one evictor sweep).
 void FetchObjects(Runtime* rt, std::span<ObjectEntry* const> entries);
 // The runtime an entry belongs to.
 Runtime* RuntimeOf(const ObjectEntry* e);
