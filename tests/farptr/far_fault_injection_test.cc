@@ -22,10 +22,14 @@ namespace {
 class FarFaultInjectionTest : public FarptrTest {
  protected:
   // ec:2+1 over four daemons (one spare), every data channel through `faults_`; `n` objects
-  // {i, i % 7}, all evicted, so every read below is a remote one.
+  // {i, i % 7}, all evicted, so every read below is a remote one. The budget (8 MiB) holds them
+  // all once read back: reading them evicts nothing, so no span is written out meanwhile and the
+  // first op to reach a faulty daemon is a read. (With 1 MiB, a gathered span written out during
+  // the reads could meet the refusal first: its set is then committed degraded and the member
+  // re-protected from the others within milliseconds, before any read needed it degraded.)
   void StartRemote(uint64_t n) {
     ASSERT_NO_FATAL_FAILURE(StartDaemons(4));
-    RuntimeOptions o = Options("ec:2+1", 1 << 20);
+    RuntimeOptions o = Options("ec:2+1", 8 << 20);
     o.fault_injector = faults_;
     ASSERT_NO_FATAL_FAILURE(Open(o));
     objs_ = MakePoints(n);
