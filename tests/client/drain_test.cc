@@ -39,6 +39,24 @@ testing::CommandResult Farmemctl(const DaemonSet& d, const std::vector<std::stri
   return testing::RunCommand(argv, std::chrono::seconds(30));
 }
 
+// A borrower's reaction to an EVICT_NOTICE for `*at` on `node` (`from`: a data channel there, or
+// why none could be opened): copy the slab to another daemon, free the noticed lease, and point
+// `*at` at the copy. `*at` is left as it was when any step fails.
+Status MoveOff(Cluster& cl, NodeId node, const Result<std::unique_ptr<transport::Channel>>& from,
+               Lease* at) {
+  std::vector<uint8_t> buf(kSlab);
+  auto to = cl.AllocateExcluding(std::vector<NodeId>{node});
+  Status s = from.has_value() ? (*from)->Read(at->slab(), 0, buf) : from.error();
+  if (s.ok() && to.has_value()) {
+    auto ch = cl.OpenChannel(to->node);
+    s = ch.has_value() ? (*ch)->Write(to->slab(), 0, buf) : ch.error();
+  }
+  if (s.ok() && !to.has_value()) s = to.error();
+  if (s.ok()) s = cl.Free(std::vector<Lease>{*at});
+  if (s.ok()) *at = *to;
+  return s;
+}
+
 TEST(DrainTest, FarmemctlDrainShowsInStatAndUndrainGrantsAgain) {
   DaemonSet daemons({.extra_args = {"--no-mlock", "--memory-source", "off"}});
   ASSERT_TRUE(daemons.Start(1).ok()) << daemons.Logs();
@@ -197,24 +215,12 @@ TEST(DrainTest, NoticeSentBeforeARestartReachesTheAdoptingCluster) {
   cl->Subscribe([&](const Event& e) {  // the keeper's reaction: move, then free the old lease
     if (e.type != EventType::kEvictNotice) return;
     auto from = cl->OpenChannel(e.node);
-    std::vector<uint8_t> buf(kSlab);
     std::lock_guard lock(mu);
     for (uint64_t lease : e.lease_ids) {
       noticed.insert(lease);
-      const uint64_t d = data_of.at(lease);
-      auto to = cl->AllocateExcluding(std::vector<NodeId>{e.node});
-      Status s = from.has_value() ? (*from)->Read(where[d].slab(), 0, buf) : from.error();
-      if (s.ok() && to.has_value()) {
-        auto ch = cl->OpenChannel(to->node);
-        s = ch.has_value() ? (*ch)->Write(to->slab(), 0, buf) : ch.error();
-      }
-      if (s.ok() && !to.has_value()) s = to.error();
-      if (s.ok()) s = cl->Free(std::vector<Lease>{where[d]});
-      if (!s.ok()) {
+      if (Status s = MoveOff(*cl, e.node, from, &where[data_of.at(lease)]); !s.ok()) {
         move_status = s;
-        continue;
       }
-      where[d] = *to;
     }
   });
   std::vector<uint64_t> table = {grants[0].lease_id, grants[1].lease_id};
@@ -285,23 +291,9 @@ TEST(DrainTest, SigtermDrainsAMovingBorrowerLosesNothingDaemonExitsEarly) {
   cl->Subscribe([&](const Event& e) {
     if (e.type != EventType::kEvictNotice) return;
     auto from = cl->OpenChannel(e.node);
-    std::vector<uint8_t> buf(kSlab);
     std::lock_guard lock(mu);
     for (uint64_t id : e.lease_ids) {
-      const uint64_t d = data_of.at(id);
-      auto to = cl->AllocateExcluding(std::vector<NodeId>{e.node});
-      Status s = from.has_value() ? (*from)->Read(where[d].slab(), 0, buf) : from.error();
-      if (s.ok() && to.has_value()) {
-        auto ch = cl->OpenChannel(to->node);
-        s = ch.has_value() ? (*ch)->Write(to->slab(), 0, buf) : ch.error();
-      }
-      if (s.ok() && !to.has_value()) s = to.error();
-      if (s.ok()) s = cl->Free(std::vector<Lease>{where[d]});
-      if (!s.ok()) {
-        move_status = s;
-        continue;
-      }
-      where[d] = *to;
+      if (Status s = MoveOff(*cl, e.node, from, &where[data_of.at(id)]); !s.ok()) move_status = s;
     }
   });
 
