@@ -57,6 +57,19 @@ Status MoveOff(Cluster& cl, NodeId node, const Result<std::unique_ptr<transport:
   return s;
 }
 
+// After the moves: data 0..n-1 (Pattern(i)) all sit on `node`, byte for byte.
+void ExpectMovedIntact(Cluster& cl, const std::map<uint64_t, Lease>& where, NodeId node,
+                       uint8_t n) {
+  auto ch = cl.OpenChannel(node);
+  ASSERT_TRUE(ch.has_value());
+  std::vector<uint8_t> back(kSlab);
+  for (uint8_t i = 0; i < n; ++i) {
+    ASSERT_EQ(where.at(i).node, node);
+    ASSERT_TRUE((*ch)->Read(where.at(i).slab(), 0, back).ok());
+    EXPECT_EQ(back, Pattern(i)) << "data " << int(i) << " was lost in the move";
+  }
+}
+
 TEST(DrainTest, FarmemctlDrainShowsInStatAndUndrainGrantsAgain) {
   DaemonSet daemons({.extra_args = {"--no-mlock", "--memory-source", "off"}});
   ASSERT_TRUE(daemons.Start(1).ok()) << daemons.Logs();
@@ -252,14 +265,7 @@ TEST(DrainTest, NoticeSentBeforeARestartReachesTheAdoptingCluster) {
   EXPECT_LT(std::chrono::steady_clock::now() - t0, milliseconds(10000)) << r.out;
   std::lock_guard lock(mu);
   EXPECT_TRUE(move_status.ok()) << move_status.ToString();
-  auto ch = cl->OpenChannel(1);
-  ASSERT_TRUE(ch.has_value());
-  std::vector<uint8_t> back(kSlab);
-  for (uint8_t i = 0; i < 2; ++i) {
-    ASSERT_EQ(where[i].node, 1u);
-    ASSERT_TRUE((*ch)->Read(where[i].slab(), 0, back).ok());
-    EXPECT_EQ(back, Pattern(i)) << "data " << int(i) << " was lost in the move";
-  }
+  ASSERT_NO_FATAL_FAILURE(ExpectMovedIntact(*cl, where, 1, 2));
 }
 
 TEST(DrainTest, SigtermDrainsAMovingBorrowerLosesNothingDaemonExitsEarly) {
@@ -305,14 +311,7 @@ TEST(DrainTest, SigtermDrainsAMovingBorrowerLosesNothingDaemonExitsEarly) {
                                           "every lease was moved and freed";
   std::lock_guard lock(mu);
   EXPECT_TRUE(move_status.ok()) << move_status.ToString();
-  auto ch = cl->OpenChannel(1);
-  ASSERT_TRUE(ch.has_value());
-  std::vector<uint8_t> back(kSlab);
-  for (uint8_t i = 0; i < 3; ++i) {
-    ASSERT_EQ(where[i].node, 1u);
-    ASSERT_TRUE((*ch)->Read(where[i].slab(), 0, back).ok());
-    EXPECT_EQ(back, Pattern(i)) << "data " << int(i) << " was lost in the move";
-  }
+  ASSERT_NO_FATAL_FAILURE(ExpectMovedIntact(*cl, where, 1, 3));
 }
 
 }  // namespace
