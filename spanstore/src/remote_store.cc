@@ -397,21 +397,27 @@ std::vector<uint32_t> RemoteStore::StartRebuildLocked(Group* g) {
 }
 
 void RemoteStore::MarkFailed(Group* g, int m, uint64_t lease_id, const Status& why) {
+  bool marked = false;
   {
     MutexLock lock(&mu_);
-    auto it = by_lease_.find(lease_id);
-    if (it == by_lease_.end() || it->second.first != g || it->second.second != m) return;
-    const uint32_t bit = 1u << m;
-    if ((g->failed_mask & bit) != 0 || (g->lost_mask & bit) != 0) return;
-    g->failed_mask |= bit;
-    g->leaving_mask &= ~bit;  // a pending move of it gives up: re-protection takes over
-    ++members_failed_;
-    g->failed_since[static_cast<size_t>(m)] = Clock::now();
-    QueueLocked(g);
-    spdlog::warn("far memory: slab group {} member {} ({}, lease {}) failed: {}", g->id, m,
-                 MemberName(g->members[static_cast<size_t>(m)]), lease_id, why.ToString());
+    marked = MarkFailedLocked(g, m, lease_id, why);
   }
-  recovery_cv_.SignalAll();
+  if (marked) recovery_cv_.SignalAll();
+}
+
+bool RemoteStore::MarkFailedLocked(Group* g, int m, uint64_t lease_id, const Status& why) {
+  auto it = by_lease_.find(lease_id);
+  if (it == by_lease_.end() || it->second.first != g || it->second.second != m) return false;
+  const uint32_t bit = 1u << m;
+  if ((g->failed_mask & bit) != 0 || (g->lost_mask & bit) != 0) return false;
+  g->failed_mask |= bit;
+  g->leaving_mask &= ~bit;  // a pending move of it gives up: re-protection takes over
+  ++members_failed_;
+  g->failed_since[static_cast<size_t>(m)] = Clock::now();
+  QueueLocked(g);
+  spdlog::warn("far memory: slab group {} member {} ({}, lease {}) failed: {}", g->id, m,
+               MemberName(g->members[static_cast<size_t>(m)]), lease_id, why.ToString());
+  return true;
 }
 
 bool RemoteStore::RevalidateLocked(Group* g, int m) {

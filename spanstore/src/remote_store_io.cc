@@ -76,20 +76,35 @@ bool RemoteStore::FinishSetWrite(IoContext& io, SpanSet* set,
                                  std::span<SpanOwner* const> spans, Status* last) {
   const int n = res_.group_size();
   bool ok = true;
+  uint32_t gone = 0;  // members whose write failed because their slab or daemon is gone
   for (int m = 0; m < n; ++m) {
     if (results[m].ok() || ((absent >> m) & 1) != 0) continue;
     ok = false;
     *last = results[m];
     if (StaleChannel(io, members[static_cast<size_t>(m)].node)) continue;  // not the member's
     cluster_->ReportFailure(members[static_cast<size_t>(m)].node, results[m]);
-    if (NodeGone(results[m])) {
-      MarkFailed(set->group, m, members[static_cast<size_t>(m)].id(), results[m]);
-    }
+    if (NodeGone(results[m])) gone |= 1u << m;
   }
+  // Marking those members failed and deciding the commit is one hold of mu_: otherwise the
+  // recovery thread could revalidate a member in between (its daemon answers heartbeats with
+  // the lease: a gray failure, or a kill not noticed yet), and the set would see it healthy
+  // but without its cell, and give its row up; four such tries fail the write.
+  bool marked = false;
+  struct SignalAfterUnlock {  // destroyed after `lock`
+    CondVar& cv;
+    const bool& on;
+    ~SignalAfterUnlock() {
+      if (on) cv.SignalAll();
+    }
+  } signal{recovery_cv_, marked};
   MutexLock lock(&mu_);
+  for (int m = 0; m < n; ++m) {
+    if (((gone >> m) & 1) == 0) continue;
+    marked |= MarkFailedLocked(set->group, m, members[static_cast<size_t>(m)].id(), results[m]);
+  }
   if (!ok) {
     // Members whose write failed and that are failed now (their daemon is gone: marked above,
-    // or by another thread meanwhile) cost the set nothing while MinMembers() others hold their
+    // or by another thread before) cost the set nothing while MinMembers() others hold their
     // cells: it is committed degraded, as if written to a degraded group (those members are
     // rebuilt with the group's other rows, never used again as they are). Otherwise a write in
     // the moments before a dead daemon is declared down gives its row up and tries a row of

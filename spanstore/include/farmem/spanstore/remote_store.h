@@ -338,6 +338,9 @@ class RemoteStore {
               std::span<Status> results);
   // Notes that member `m` of `g` failed (if it still holds `lease_id`), queues re-protection.
   void MarkFailed(Group* g, int m, uint64_t lease_id, const Status& why);
+  // MarkFailed with mu_ held; true if it marked the member (then signal recovery_cv_ after
+  // releasing mu_).
+  bool MarkFailedLocked(Group* g, int m, uint64_t lease_id, const Status& why) REQUIRES(mu_);
   // Uses failed member m of g again as it is (mu_ held) if it missed no span set, is not being
   // rebuilt, and (with `lease_state`, else the cluster is asked) its lease is held on a daemon
   // that is up and not suspect. Bumps the epoch: a set being written degraded past it now is
