@@ -1,10 +1,12 @@
 #include "export_capacity.h"
 
 #include <fmt/format.h>
+#include <spdlog/spdlog.h>
 
 #include <algorithm>
 
 #include "farmem/common/mutex.h"
+#include "page_store_internal.h"  // LogEvery, Suppressed
 
 namespace farmem::blockdev {
 namespace {
@@ -22,7 +24,17 @@ uint64_t MaxGroups(std::span<const uint64_t> free_slabs, uint64_t g) {
   return 0;
 }
 
+pagestore::LogEvery& CapacityLog() {
+  static pagestore::LogEvery log(std::chrono::seconds(60));
+  return log;
+}
+
 }  // namespace
+
+uint64_t ExportSlabs(uint64_t size, const Resilience& resilience, uint64_t slab_size) {
+  const uint64_t extent = slab_size * static_cast<uint64_t>(resilience.k);
+  return (size + extent - 1) / extent * static_cast<uint64_t>(resilience.group_size());
+}
 
 ExportCapacity CheckExportCapacity(uint64_t size, const Resilience& resilience, uint64_t slab_size,
                                    std::span<const DaemonSpace> daemons) {
@@ -34,7 +46,7 @@ ExportCapacity CheckExportCapacity(uint64_t size, const Resilience& resilience, 
   const uint64_t k = static_cast<uint64_t>(resilience.k);
   const uint64_t g = static_cast<uint64_t>(resilience.group_size());
   const uint64_t extent = slab_size * k;
-  const uint64_t groups = (size + extent - 1) / extent;
+  const uint64_t groups = ExportSlabs(size, resilience, slab_size) / g;
   c.needed_bytes = groups * g * slab_size;
 
   std::vector<uint64_t> up_free;
@@ -131,6 +143,30 @@ Result<ExportCapacity> SurveyExportCapacity(client::Cluster& cluster, uint64_t s
                                 wait.count())));
   }
   return CheckExportCapacity(size, resilience, slab_size, daemons);
+}
+
+uint64_t CheckRunningCapacity(client::Cluster& cluster, std::string_view store, uint64_t needed,
+                              uint64_t slab_size, const std::function<std::string()>& breakdown) {
+  if (needed == 0) return 0;
+  uint64_t free_slabs = 0;
+  size_t live = 0;
+  for (const client::NodeInfo& n : cluster.nodes()) {
+    if (!n.alive) continue;
+    if (auto st = cluster.Stat(n.id)) {
+      free_slabs += wire::FreeForClient(*st);  // what this client may take (its share)
+      ++live;
+    }
+  }
+  if (free_slabs >= needed) return free_slabs;
+  if (uint64_t left_out = 0; CapacityLog().Allow(&left_out)) {
+    spdlog::warn(
+        "{}: the cluster is short of room for this export: {} live daemons have {} free slabs "
+        "({}), but it still needs {} ({}): {}. Writes to space not held yet fail with ENOSPC once "
+        "the room is gone: add daemons, free memory on them, or trim/discard unused space{}",
+        store, live, free_slabs, FormatSize(free_slabs * slab_size), needed,
+        FormatSize(needed * slab_size), breakdown(), pagestore::Suppressed(left_out));
+  }
+  return free_slabs;
 }
 
 }  // namespace farmem::blockdev

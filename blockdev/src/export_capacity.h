@@ -14,6 +14,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <span>
 #include <string>
 #include <vector>
@@ -56,6 +57,9 @@ struct ExportCapacity {
   std::string Describe() const;
 };
 
+// The slabs a fully written export of `size` bytes holds at `resilience`: G * g (above).
+uint64_t ExportSlabs(uint64_t size, const Resilience& resilience, uint64_t slab_size);
+
 // The verdict for an export of `size` bytes at `resilience` on `daemons`, whose slabs are
 // `slab_size` bytes (the page store's slab size: the first daemon's). A down daemon is assumed
 // to come back with as much room as the average daemon that answered has in all.
@@ -68,5 +72,14 @@ ExportCapacity CheckExportCapacity(uint64_t size, const Resilience& resilience, 
 Result<ExportCapacity> SurveyExportCapacity(client::Cluster& cluster, uint64_t size,
                                             const Resilience& resilience,
                                             std::chrono::milliseconds wait);
+
+// The running capacity check both layouts make every reconcile interval (PageStore, StripeStore):
+// while the export still needs `needed` slabs (what it does not hold yet plus members to
+// re-protect), asks the daemons that are up for the slabs this client may take there (STAT,
+// --max-client-share included) and warns, once a minute, when they are fewer. `store` names the
+// layout in the log ("page store"); `breakdown()` says how `needed` adds up. Returns the free
+// slabs: 0 when nothing is needed (no STAT is sent then).
+uint64_t CheckRunningCapacity(client::Cluster& cluster, std::string_view store, uint64_t needed,
+                              uint64_t slab_size, const std::function<std::string()>& breakdown);
 
 }  // namespace farmem::blockdev

@@ -54,10 +54,6 @@ LogEvery& StillDegradedLog() {
   static LogEvery log(std::chrono::seconds(30));
   return log;
 }
-LogEvery& CapacityLog() {
-  static LogEvery log(std::chrono::seconds(60));
-  return log;
-}
 
 }  // namespace pagestore
 

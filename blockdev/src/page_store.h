@@ -142,7 +142,9 @@ struct PageStoreStats {
   // Eviction notices (see "Eviction notices" above).
   uint64_t moved_members = 0;  // leaving members copied to another daemon and freed in time
   uint64_t moved_bytes = 0;
-  uint64_t moves_missed = 0;  // leaving members whose deadline passed before they could be moved
+  // Leaving members not moved: their deadline passed, or they failed first. Handled as lost
+  // members (re-protected from the others, or lost).
+  uint64_t moves_missed = 0;
   // From the first notice of a burst until its last leaving member was moved, and how much.
   uint64_t last_move_ms = 0;
   uint64_t last_move_bytes = 0;

@@ -69,7 +69,6 @@ std::string Suppressed(uint64_t n);
 LogEvery& DegradedMapLog();
 LogEvery& RebuildFailLog();
 LogEvery& StillDegradedLog();
-LogEvery& CapacityLog();
 
 struct Extent {
   // One member copy (rebuild of a lost member, or move of a leaving one) at a time; taken before

@@ -8,6 +8,7 @@
 #include <bit>
 #include <cstring>
 
+#include "export_capacity.h"
 #include "page_store.h"
 #include "page_store_round.h"
 
@@ -416,33 +417,14 @@ void PageStore::CheckCapacity() {
     }
   }
   const uint64_t needed = unmapped * group + missing;
-  uint64_t free_slabs = 0;
-  size_t live = 0;
-  if (needed > 0) {
-    for (const client::NodeInfo& n : cluster_->nodes()) {
-      if (!n.alive) continue;
-      if (auto st = cluster_->Stat(n.id)) {
-        free_slabs += wire::FreeForClient(*st);  // what this client may take (its share)
-        ++live;
-      }
-    }
-  }
-  {
-    MutexLock lock(&stats_mu_);
-    stats_.cluster_free_slabs = free_slabs;
-    stats_.slabs_needed = needed;
-  }
-  if (needed == 0 || free_slabs >= needed) return;
-  if (uint64_t left_out = 0; CapacityLog().Allow(&left_out)) {
-    spdlog::warn(
-        "page store: the cluster is short of room for this export: {} live daemons have {} free "
-        "slabs ({}), but it still needs {} ({}): {} unmapped extents x {} slabs at {} plus {} "
-        "members to re-protect. Writes to unmapped space fail with ENOSPC once the room is gone: "
-        "add daemons, free memory on them, or trim/discard unused space{}",
-        live, free_slabs, FormatSize(free_slabs * slab_size_), needed,
-        FormatSize(needed * slab_size_), unmapped, group, options_.resilience.ToString(), missing,
-        Suppressed(left_out));
-  }
+  const uint64_t free_slabs =
+      CheckRunningCapacity(*cluster_, "page store", needed, slab_size_, [&] {
+        return fmt::format("{} unmapped extents x {} slabs at {} plus {} members to re-protect",
+                           unmapped, group, options_.resilience.ToString(), missing);
+      });
+  MutexLock lock(&stats_mu_);
+  stats_.cluster_free_slabs = free_slabs;
+  stats_.slabs_needed = needed;
 }
 
 Status PageStore::RebuildExtent(Worker& w, uint64_t index, bool wait) {

@@ -7,6 +7,8 @@
 #include <algorithm>
 #include <cstring>
 
+#include "export_capacity.h"
+
 namespace farmem::blockdev {
 
 using spanstore::SpanOwner;
@@ -612,8 +614,34 @@ bool StripeStore::CompactionWanted() const {
          options_.compact_trigger * packed + static_cast<double>(res.group_size()) * kPage * 64;
 }
 
+void StripeStore::CheckCapacity() {
+  const client::Resilience& res = options_.resilience;
+  const spanstore::RemoteStoreStats rs = remote_->stats();
+  const uint64_t group = static_cast<uint64_t>(res.group_size());
+  const uint64_t slab_size = remote_->slab_size();
+  // Held groups count whole: their missing members are in members_missing. A store with holes
+  // holds more groups than a packed one (up to compact_trigger x): then 0 new groups.
+  const uint64_t export_slabs = ExportSlabs(options_.size, res, slab_size);
+  const uint64_t held_slabs = rs.groups * group;
+  const uint64_t unleased = export_slabs > held_slabs ? (export_slabs - held_slabs) / group : 0;
+  const uint64_t needed = unleased * group + rs.members_missing;
+  const uint64_t free_slabs =
+      CheckRunningCapacity(*cluster_, "stripe store", needed, slab_size, [&] {
+        return fmt::format(
+            "{} slab groups not leased yet x {} slabs at {} plus {} members to re-protect",
+            unleased, group, res.ToString(), rs.members_missing);
+      });
+  cluster_free_slabs_.store(free_slabs, std::memory_order_relaxed);
+  slabs_needed_.store(needed, std::memory_order_relaxed);
+}
+
 void StripeStore::CompactLoop() {
+  Clock::time_point next_capacity_check = Clock::now();
   for (;;) {
+    if (Clock::now() >= next_capacity_check) {
+      CheckCapacity();
+      next_capacity_check = Clock::now() + options_.reconcile_interval;
+    }
     {
       MutexLock lock(&compact_mu_);
       // Compaction polls the store's fill (a cheap look at the set counts), every 50 ms.
@@ -662,6 +690,10 @@ PageStoreStats StripeStore::stats() const {
   s.reprotected_extents = rs.sets_reprotected;
   s.rebuild_running = rs.degraded_sets > 0 || rs.moves_pending > 0;
   s.rebuild_queued = rs.moves_pending;
+  s.moves_missed = rs.moves_missed;
+  s.copies_abandoned = rs.copies_abandoned;
+  s.cluster_free_slabs = cluster_free_slabs_.load(std::memory_order_relaxed);
+  s.slabs_needed = slabs_needed_.load(std::memory_order_relaxed);
   return s;
 }
 

@@ -208,8 +208,12 @@ class StripeStore final : public BatchBackend {
   // byte ranges ("... are LOST (export bytes A..B, C..D)": tests/support/lost_ranges.h parses
   // them). The recovery thread, no lock held.
   void LogLostPages(uint32_t group, std::span<spanstore::SpanOwner* const> spans);
+  // The compaction thread also runs the capacity check, every reconcile_interval.
   void CompactLoop();
   bool CompactionWanted() const;
+  // The capacity check (CheckRunningCapacity) with the slabs this export still needs: the slab
+  // groups a fully packed export holds that it does not lease yet, plus members to re-protect.
+  void CheckCapacity();
 
   client::Cluster* cluster_;
   StripeStoreOptions options_;
@@ -238,6 +242,8 @@ class StripeStore final : public BatchBackend {
   std::atomic<uint64_t> short_sets_{0};
   std::atomic<uint64_t> compactions_{0};
   std::atomic<uint64_t> pages_compacted_{0};
+  std::atomic<uint64_t> cluster_free_slabs_{0};  // the last capacity check's
+  std::atomic<uint64_t> slabs_needed_{0};
 };
 
 }  // namespace farmem::blockdev

@@ -361,6 +361,7 @@ RemoteStoreStats RemoteStore::stats() const {
     } else if (g->failed_mask != 0) {
       s.degraded_sets += g->used_rows;
     }
+    s.members_missing += static_cast<uint64_t>(std::popcount(g->failed_mask));
   }
   s.degraded_sets_written = degraded_sets_written_;
   s.reprotect_last_ms = reprotect_last_ms_;
@@ -372,6 +373,8 @@ RemoteStoreStats RemoteStore::stats() const {
   s.move_max_ms = move_max_ms_;
   s.move_min_slack_ms = move_min_slack_ms_;
   s.moves_pending = moves_.size();
+  s.moves_missed = moves_missed_;
+  s.copies_abandoned = copies_abandoned_;
   return s;
 }
 
@@ -411,6 +414,7 @@ bool RemoteStore::MarkFailedLocked(Group* g, int m, uint64_t lease_id, const Sta
   const uint32_t bit = 1u << m;
   if ((g->failed_mask & bit) != 0 || (g->lost_mask & bit) != 0) return false;
   g->failed_mask |= bit;
+  if ((g->leaving_mask & bit) != 0) ++moves_missed_;  // noticed, not moved: failed instead
   g->leaving_mask &= ~bit;  // a pending move of it gives up: re-protection takes over
   ++members_failed_;
   g->failed_since[static_cast<size_t>(m)] = Clock::now();

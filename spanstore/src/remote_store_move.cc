@@ -248,6 +248,7 @@ void RemoteStore::Move(IoContext& io, PendingMove mv) {
     {
       MutexLock lock(&mu_);
       g->rebuilding = false;
+      ++copies_abandoned_;
     }
     (void)cluster_->Free({&*fresh, 1});
     if (!write_error.ok()) {
@@ -298,6 +299,8 @@ void RemoteStore::Move(IoContext& io, PendingMove mv) {
       const uint64_t slack = static_cast<uint64_t>(std::max<int64_t>(0, slack_ms));
       move_min_slack_ms_ = moved_ == 1 ? slack : std::min(move_min_slack_ms_, slack);
       swapped = true;
+    } else {
+      ++copies_abandoned_;  // the member changed under the copy (given up or lost meanwhile)
     }
   }
   if (!swapped) {

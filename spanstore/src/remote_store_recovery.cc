@@ -233,6 +233,7 @@ void RemoteStore::Reprotect(IoContext& io, Group* g) {
       {
         MutexLock lock(&mu_);
         g->rebuilding = false;
+        ++copies_abandoned_;
         if (stale) QueueLocked(g);  // try again at once rather than at the next tick
       }
       spdlog::warn("far memory: re-protecting slab group {} member {} failed: {}", g->id, j,

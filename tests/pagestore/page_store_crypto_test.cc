@@ -13,7 +13,6 @@
 #include <set>
 #include <sstream>
 
-#include "farmem/common/wire.h"
 #include "page_store_fixture.h"
 #include "support/memory_scan.h"
 
@@ -312,11 +311,7 @@ TEST_F(CryptoTest, NoncesNeverRepeatAcrossOverwritesRebuildsMovesAndReattach) {
     if (n.alive && n.leases_held > 0) drained = n.id;
   }
   {
-    auto conn = cluster_->ControlConnection(drained);
-    ASSERT_TRUE(conn.has_value()) << conn.error().ToString();
-    std::vector<uint8_t> body;
-    wire::EncodeDrain({.drain = true, .grace_ms = 20000}, &body);
-    auto reply = conn->Call(wire::Opcode::kDrain, body, milliseconds(5000));
+    auto reply = Drain(drained, 20000);
     ASSERT_TRUE(reply.has_value()) << reply.error().ToString();
   }
   ASSERT_TRUE(

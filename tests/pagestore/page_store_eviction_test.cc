@@ -5,7 +5,6 @@
 // whole copy and is abandoned as soon as its target is declared down.
 #include <thread>
 
-#include "farmem/common/wire.h"
 #include "page_store_fixture.h"
 
 namespace farmem::blockdev {
@@ -16,17 +15,6 @@ using std::chrono::milliseconds;
 
 class EvictionTest : public PageStoreTest {
  protected:
-  // Sends DRAIN (what `farmemctl drain` sends) to daemon `id`: it grants nothing more and sends
-  // EVICT_NOTICE with `grace_ms` for every lease it holds.
-  Result<wire::DrainReply> Drain(client::NodeId id, uint32_t grace_ms) {
-    FARMEM_ASSIGN_OR_RETURN(transport::TcpConnection conn, cluster_->ControlConnection(id));
-    std::vector<uint8_t> body;
-    wire::EncodeDrain({.drain = true, .grace_ms = grace_ms}, &body);
-    FARMEM_ASSIGN_OR_RETURN(std::vector<uint8_t> reply,
-                            conn.Call(wire::Opcode::kDrain, body, milliseconds(5000)));
-    return wire::DecodeDrainReply(reply);
-  }
-
   // Writes every page of the export (random bytes), then random writes over it.
   void FillExport(uint64_t seed) {
     std::mt19937_64 rng(seed);

@@ -12,6 +12,7 @@
 #include <functional>
 #include <random>
 
+#include "farmem/common/wire.h"
 #include "farmem/transport/fault_injection.h"
 #include "page_store.h"
 #include "support/daemon_fixture.h"
@@ -192,6 +193,17 @@ class PageStoreTest : public ::testing::Test {
   void WaitUntilNoticedDown(client::NodeId i) {
     Status s = cluster_->WaitForNode(i, client::NodeState::kDown, std::chrono::seconds(10));
     ASSERT_TRUE(s.ok()) << s.ToString();
+  }
+
+  // Sends DRAIN (what `farmemctl drain` sends) to daemon `id`: it grants nothing more and sends
+  // EVICT_NOTICE with `grace_ms` for every lease it holds.
+  Result<wire::DrainReply> Drain(client::NodeId id, uint32_t grace_ms) {
+    FARMEM_ASSIGN_OR_RETURN(transport::TcpConnection conn, cluster_->ControlConnection(id));
+    std::vector<uint8_t> body;
+    wire::EncodeDrain({.drain = true, .grace_ms = grace_ms}, &body);
+    FARMEM_ASSIGN_OR_RETURN(std::vector<uint8_t> reply,
+                            conn.Call(wire::Opcode::kDrain, body, std::chrono::seconds(5)));
+    return wire::DecodeDrainReply(reply);
   }
 
   std::string Describe() {

@@ -152,6 +152,16 @@ struct RemoteStoreStats {
   uint64_t move_max_ms = 0;
   uint64_t move_min_slack_ms = 0;  // the least time left before a deadline when a move finished
   uint64_t moves_pending = 0;      // now: noticed members not moved yet
+  // Noticed members that were not moved but marked failed (re-protected from the others, or
+  // lost): the deadline passed, their daemon failed first, or no daemon had room and the group
+  // could spare them (given up at once).
+  uint64_t moves_missed = 0;
+  // Member copies (re-protections and moves) given up on: a survivor, the source or the target
+  // failed, or the group changed under them. Retried.
+  uint64_t copies_abandoned = 0;
+  // Now: failed members that re-protection still has to place (vacant ones included; members
+  // given up for good are not placed again).
+  uint64_t members_missing = 0;
   // Failed members used again as they were: their daemon was declared down (or failed an op)
   // but the same process answered again with the lease, and no set was written past them.
   uint64_t members_revalidated = 0;
@@ -170,6 +180,7 @@ class RemoteStore {
   const client::Resilience& resilience() const { return res_; }
   uint32_t span_size() const { return span_size_; }
   int k() const { return res_.k; }
+  uint64_t slab_size() const { return slab_size_; }  // the daemons' (the first to answer STAT)
 
   // Writes data[0..n) (n <= k; null entries are zero spans that start as holes) as one span
   // set holding spans[i] at member i. `data` must stay unchanged until it returns. Retries on
@@ -444,6 +455,8 @@ class RemoteStore {
   uint64_t members_failed_ GUARDED_BY(mu_) = 0;
   uint64_t members_revalidated_ GUARDED_BY(mu_) = 0;
   uint64_t moved_ GUARDED_BY(mu_) = 0;
+  uint64_t moves_missed_ GUARDED_BY(mu_) = 0;
+  uint64_t copies_abandoned_ GUARDED_BY(mu_) = 0;
   uint64_t move_last_ms_ GUARDED_BY(mu_) = 0;
   uint64_t move_max_ms_ GUARDED_BY(mu_) = 0;
   uint64_t move_min_slack_ms_ GUARDED_BY(mu_) = 0;
