@@ -162,12 +162,22 @@ SizeClass* Heap::ClassFor(size_t size) {
 
 // NO_THREAD_SAFETY_ANALYSIS: the new span's lock is a SpanLock (try first, see below).
 Span* Heap::NewSpan(SizeClass* cls, SpanState state) NO_THREAD_SAFETY_ANALYSIS {
+  // Only a free span whose lock is free is reused: a retired span can still be locked by the
+  // thread that retired it, which may be this one (FetchMany holds every span of a round until
+  // the round is done, and gathering one span's last object retires it; a later gather of the
+  // round that starts a hot span would then wait for itself), or briefly by another thread that
+  // checks a stale entry against it. Trying under free_mu cannot deadlock (it never waits).
   Span* s = nullptr;
+  SpanLock sl;
   {
     MutexLock lock(&cls->free_mu);
-    if (!cls->free_spans.empty()) {
-      s = cls->free_spans.back();
-      cls->free_spans.pop_back();
+    for (size_t i = cls->free_spans.size(); i-- > 0;) {
+      SpanLock tried(&cls->free_spans[i]->mu, std::try_to_lock);
+      if (!tried.owns_lock()) continue;
+      s = cls->free_spans[i];
+      cls->free_spans.erase(cls->free_spans.begin() + static_cast<long>(i));
+      sl = std::move(tried);
+      break;
     }
   }
   if (s == nullptr) {
@@ -179,9 +189,9 @@ Span* Heap::NewSpan(SizeClass* cls, SpanState state) NO_THREAD_SAFETY_ANALYSIS {
     s = spans_.back().get();
     span_structs_.fetch_add(1, std::memory_order_relaxed);
   }
-  // Try first: a span new or from the free list is in nobody's hands (a miss that gathers an
-  // object makes its hot span while holding another span's lock: HotSpanLocked).
-  SpanLock sl(&s->mu, std::try_to_lock);
+  // A fresh span is in nobody's hands (a miss that gathers an object makes its hot span while
+  // holding another span's lock: HotSpanLocked), so this never waits.
+  if (!sl.owns_lock()) sl = SpanLock(&s->mu, std::try_to_lock);
   if (!sl.owns_lock()) sl = SpanLock(&s->mu);
   s->id = next_span_id_.fetch_add(1, std::memory_order_relaxed);
   s->state = state;
