@@ -203,6 +203,13 @@ std::vector<FaultTimes> Analyze(const std::vector<Fault>& faults, const std::vec
     auto whole = std::ranges::find_if(wholes, [&](const WholeEvent& w) {
       return w.ms >= faults[f].ms + *t.detect - kSlack && w.ms < until;
     });
+    // A burst whose re-protection was not done when the next burst began (no `reprotect` step
+    // between them: its last member's rebuild was cut short by the next fault and finished
+    // after it) is whole at the first "whole" line after it, which speaks for every extent.
+    if (whole == wholes.end() && !(t.needed > 0 && lines.size() >= before + t.needed)) {
+      whole = std::ranges::find_if(
+          wholes, [&](const WholeEvent& w) { return w.ms >= faults[f].ms + *t.detect - kSlack; });
+    }
     if (whole != wholes.end()) {
       const int64_t at = std::max<int64_t>(whole->ms - faults[f].ms, *t.detect);
       t.done = t.needed;
