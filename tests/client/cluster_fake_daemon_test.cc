@@ -1,7 +1,6 @@
 // Cluster against a scripted in-process daemon: the daemon behaviours a real farmemd rarely shows
 // on demand (eviction notices, malformed pushes, replies that grant the wrong thing).
 #include <gtest/gtest.h>
-#include <spdlog/sinks/ringbuffer_sink.h>
 #include <spdlog/spdlog.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -17,6 +16,7 @@
 #include "farmem/common/socket.h"
 #include "farmem/common/version.h"
 #include "farmem/common/wire.h"
+#include "support/log_capture.h"
 #include "support/wait.h"
 
 namespace farmem::client {
@@ -252,16 +252,8 @@ TEST(ClusterWithFakeDaemon, NoticedLeasesInHeartbeatRepliesBecomeOneEvent) {
 // The client learns the daemon's version from HELLO and warns when the major versions differ
 // (issue 14); a daemon of the same major version, or one that does not say, is not warned about.
 TEST(ClusterWithFakeDaemon, WarnsWhenTheDaemonsMajorVersionDiffers) {
-  // Added before any Cluster runs and removed after the last is gone: no thread logs meanwhile.
-  auto sink = std::make_shared<spdlog::sinks::ringbuffer_sink_mt>(1024);
-  spdlog::default_logger()->sinks().push_back(sink);
-  auto warnings = [&] {
-    std::vector<std::string> out;
-    for (const std::string& line : sink->last_formatted()) {
-      if (line.find("major versions") != std::string::npos) out.push_back(line);
-    }
-    return out;
-  };
+  testing::LogCapture log;
+  auto warnings = [&] { return log.Matching("major versions"); };
   const uint32_t ours = *wire::VersionMajor(kVersion);
   const std::string other = std::to_string(ours + 1) + ".0.0 (fake)";
   for (const std::string& version : {other, std::string(kVersionString), std::string()}) {
@@ -286,7 +278,6 @@ TEST(ClusterWithFakeDaemon, WarnsWhenTheDaemonsMajorVersionDiffers) {
       EXPECT_EQ(w.size(), before) << "warned about version '" << version << "'";
     }
   }
-  spdlog::default_logger()->sinks().pop_back();
 }
 
 TEST(ClusterWithFakeDaemon, AllocReplyWithExtraLeasesKeepsOneAndFreesTheExtras) {

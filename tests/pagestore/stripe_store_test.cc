@@ -5,12 +5,12 @@
 // the space amplification of uniform random 4 KiB overwrites is printed).
 #include "stripe_store.h"
 
-#include <spdlog/sinks/ringbuffer_sink.h>
 #include <spdlog/spdlog.h>
 
 #include <cstdio>
 
 #include "page_store_fixture.h"
+#include "support/log_capture.h"
 #include "support/lost_ranges.h"
 
 namespace farmem::blockdev::pstest {
@@ -233,26 +233,17 @@ TEST_F(StripeStoreTest, BeyondToleranceNamesTheLostPagesAsExportRanges) {
   lease_ttl_ms_ = 1000;  // a dead daemon's leases are given up after 1 s, not 10
   StartDaemons(3);
   OpenStripe("ec:2+1");
-  auto sink = std::make_shared<spdlog::sinks::ringbuffer_sink_mt>(4096);
-  spdlog::default_logger()->sinks().push_back(sink);
-  struct Unhook {
-    ~Unhook() { spdlog::default_logger()->sinks().pop_back(); }
-  } unhook;
+  testing::LogCapture log;
   RandomWrites(200, 7);
   (*daemons_)[0].Kill();
   (*daemons_)[1].Kill();
-  auto log = [&] {
-    std::string all;
-    for (const std::string& l : sink->last_formatted()) all += l;
-    return all;
-  };
   // Every page reads back right, or fails and lies in a range reported LOST; some fail. Polled:
   // the members are given up (and named) once the leases' TTL has passed.
   std::string why;
   bool wrong = false;  // never allowed, not even while the members are still being given up
   const bool settled = WaitUntil(
       [&] {
-        const std::vector<testing::LostRange> lost = testing::LostRanges(log());
+        const std::vector<testing::LostRange> lost = testing::LostRanges(log.Joined());
         uint64_t failed = 0;
         std::vector<uint8_t> page(4096);
         for (uint64_t off = 0; off < kExport; off += 4096) {
@@ -327,31 +318,20 @@ TEST_F(StripeStoreTest, BackupFileServesEveryPageBeyondTolerance) {
     lease_ttl_ms_ = 1000;
     StartDaemons(3);
     OpenStripe("ec:2+1", encrypt, 1.5, daemons_->work_dir() + "/backup.img");
-    auto sink = std::make_shared<spdlog::sinks::ringbuffer_sink_mt>(4096);
-    spdlog::default_logger()->sinks().push_back(sink);
-    struct Unhook {
-      ~Unhook() { spdlog::default_logger()->sinks().pop_back(); }
-    } unhook;
+    testing::LogCapture log;
     RandomWrites(200, 21);
     ASSERT_TRUE(Target().Trim(4 << 20, 1 << 20, false).ok());
     std::memset(shadow_.data() + (4 << 20), 0, 1 << 20);
     ASSERT_TRUE(Target().Flush().ok());
     (*daemons_)[0].Kill();
     (*daemons_)[2].Kill();
-    auto logged = [&](const std::string& what) {
-      for (const std::string& l : sink->last_formatted()) {
-        if (l.find(what) != std::string::npos) return true;
-      }
-      return false;
-    };
-    ASSERT_TRUE(WaitUntil([&] { return logged("lost their cells"); }, std::chrono::seconds(20)))
+    ASSERT_TRUE(
+        WaitUntil([&] { return log.Contains("lost their cells"); }, std::chrono::seconds(20)))
         << "no member was given up: " << Stats();
     VerifyAll();
     EXPECT_GT(stripe_->stats().backup_reads, 0u);
     EXPECT_EQ(stripe_->stats().lost_bytes, 0u);
-    std::string log;
-    for (const std::string& l : sink->last_formatted()) log += l + "\n";
-    EXPECT_TRUE(testing::LostRanges(log).empty()) << "export ranges logged LOST";
+    EXPECT_TRUE(testing::LostRanges(log.Joined()).empty()) << "export ranges logged LOST";
     TearDown();
     cluster_.reset();
     daemons_.reset();

@@ -9,8 +9,6 @@
 // operations reach the daemon's victim choice through the client's HEARTBEAT access reports.
 // Outside a guest with an RDMA device every test skips.
 #include <gtest/gtest.h>
-#include <spdlog/sinks/ringbuffer_sink.h>
-#include <spdlog/sinks/stdout_sinks.h>
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
@@ -28,6 +26,7 @@
 #include "guest_addrs.h"
 #include "support/daemon_fixture.h"
 #include "support/fake_cgroup.h"
+#include "support/log_capture.h"
 
 namespace farmem {
 namespace {
@@ -56,16 +55,10 @@ class ClientTransportTest : public ::testing::Test {
     work_dir_ = std::make_unique<testing::TempDir>("farmem-client-transport");
     ASSERT_TRUE(work_dir_->ok()) << work_dir_->status().ToString();
     // The client logs which transport each channel took; keep those lines to check them.
-    log_ = std::make_shared<spdlog::sinks::ringbuffer_sink_mt>(256);
-    auto logger = std::make_shared<spdlog::logger>(
-        "client_transport_test",
-        spdlog::sinks_init_list{log_, std::make_shared<spdlog::sinks::stderr_sink_mt>()});
-    previous_logger_ = spdlog::default_logger();
-    spdlog::set_default_logger(logger);
+    log_ = std::make_unique<testing::LogCapture>();
   }
 
   void TearDown() override {
-    if (previous_logger_) spdlog::set_default_logger(previous_logger_);
     for (auto& d : daemons_) (void)d->Stop();
     daemons_.clear();
     work_dir_.reset();  // after the daemons that log into it
@@ -109,11 +102,8 @@ class ClientTransportTest : public ::testing::Test {
   // The client's log line for `ep` saying which transport a channel to it uses, or "".
   std::string ChoiceLogged(const Endpoint& ep) {
     std::string found;
-    for (const std::string& line : log_->last_formatted()) {
-      if (line.find("data channel to") != std::string::npos &&
-          line.find("(" + ep.ToString() + ")") != std::string::npos) {
-        found = line;
-      }
+    for (const std::string& line : log_->Matching("data channel to")) {
+      if (line.find("(" + ep.ToString() + ")") != std::string::npos) found = line;
     }
     return found;
   }
@@ -127,8 +117,7 @@ class ClientTransportTest : public ::testing::Test {
   std::vector<std::string> addrs_;
   std::unique_ptr<testing::TempDir> work_dir_;
   std::vector<std::unique_ptr<testing::DaemonProcess>> daemons_;
-  std::shared_ptr<spdlog::sinks::ringbuffer_sink_mt> log_;
-  std::shared_ptr<spdlog::logger> previous_logger_;
+  std::unique_ptr<testing::LogCapture> log_;
 };
 
 constexpr size_t kRounds = 32, kBatch = 16;  // per channel: 512 verified operations
