@@ -199,17 +199,16 @@ std::vector<FaultTimes> Analyze(const std::vector<Fault>& faults, const std::vec
           lines.empty() ? *t.detect : std::max<int64_t>(lines.back() - faults[f].ms, *t.detect);
     }
     // The page store says when every extent is whole again: that ends the burst's re-protection,
-    // however many leases the fault cost (a lease of an unmapped extent needs no rebuild).
-    auto whole = std::ranges::find_if(wholes, [&](const WholeEvent& w) {
-      return w.ms >= faults[f].ms + *t.detect - kSlack && w.ms < until;
-    });
-    // A burst whose re-protection was not done when the next burst began (no `reprotect` step
-    // between them: its last member's rebuild was cut short by the next fault and finished
-    // after it) is whole at the first "whole" line after it, which speaks for every extent.
-    if (whole == wholes.end() && !(t.needed > 0 && lines.size() >= before + t.needed)) {
-      whole = std::ranges::find_if(
-          wholes, [&](const WholeEvent& w) { return w.ms >= faults[f].ms + *t.detect - kSlack; });
-    }
+    // however many leases the fault cost (a lease of an unmapped extent needs no rebuild). The
+    // first such line after the detection counts if it comes within the burst; a later one only
+    // for a burst whose re-protection was not done when the next burst began (no `reprotect`
+    // step between them: its last member's rebuild was cut short by the next fault and finished
+    // after it), since the line speaks for every extent. The lines come from one process's log,
+    // in time order.
+    auto whole = std::ranges::find_if(
+        wholes, [&](const WholeEvent& w) { return w.ms >= faults[f].ms + *t.detect - kSlack; });
+    const bool reprotected_in_burst = t.needed > 0 && lines.size() >= before + t.needed;
+    if (whole != wholes.end() && whole->ms >= until && reprotected_in_burst) whole = wholes.end();
     if (whole != wholes.end()) {
       const int64_t at = std::max<int64_t>(whole->ms - faults[f].ms, *t.detect);
       t.done = t.needed;
