@@ -440,6 +440,19 @@ void RegisterExportMetrics(farmem::metrics::Registry* r, BackendConfig* cfg, Blo
        Type::kCounter, [d](const Stats& s) { return d(s.reprotected_extents); });
   stat("farmem_export_rebuilt_bytes_total", "Bytes written to replacement members.", Type::kCounter,
        [d](const Stats& s) { return d(s.rebuilt_bytes); });
+  stat("farmem_export_moved_members_total",
+       "Members on a lender that gave notice (drain, memory pressure) copied to another daemon in "
+       "time.",
+       Type::kCounter, [d](const Stats& s) { return d(s.moved_members); });
+  stat("farmem_export_moved_bytes_total", "Bytes copied by those moves.", Type::kCounter,
+       [d](const Stats& s) { return d(s.moved_bytes); });
+  stat("farmem_export_moves_missed_total",
+       "Noticed members not moved before their deadline or failure: re-protected like lost ones.",
+       Type::kCounter, [d](const Stats& s) { return d(s.moves_missed); });
+  stat("farmem_export_copies_abandoned_total",
+       "Re-protection or move copies that gave their target up (it failed or was noticed) and "
+       "were done again elsewhere.",
+       Type::kCounter, [d](const Stats& s) { return d(s.copies_abandoned); });
   stat("farmem_export_degraded_reads_total",
        "Reads that needed decoding, another replica or the backup file.", Type::kCounter,
        [d](const Stats& s) { return d(s.degraded_reads); });

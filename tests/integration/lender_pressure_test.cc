@@ -299,6 +299,15 @@ TEST(LenderPressure, HogInTheLendersCgroupMovesEveryBorrowerOffAndNothingIsLost)
     EXPECT_EQ(Count(log, "not moved before"), 0u) << log;
     EXPECT_EQ(Metric(export_ports[e], "farmem_export_lost_bytes_total"), 0)
         << exports[e]->resilience();
+    // The moves are counted where an operator sees them: one per member the log says it moved,
+    // none missed.
+    EXPECT_EQ(Metric(export_ports[e], "farmem_export_moved_members_total"),
+              static_cast<double>(moved))
+        << exports[e]->resilience();
+    EXPECT_GT(Metric(export_ports[e], "farmem_export_moved_bytes_total"), 0)
+        << exports[e]->resilience();
+    EXPECT_EQ(Metric(export_ports[e], "farmem_export_moves_missed_total"), 0)
+        << exports[e]->resilience();
     EXPECT_TRUE(exports[e]->alive());
   }
   EXPECT_EQ(Metric(export_ports[0], "farmem_export_degraded_reads_total"), 0)
