@@ -212,7 +212,20 @@ int main(int argc, char** argv) {
   if (memory_source != "off") {
     auto src = daemon::OpenMemorySource(memory_source);
     if (!src) return fail(src.error());
+    // A reading that fails here is the reclaimer's to report (it retries); one that succeeds
+    // must leave room to lend.
+    if (auto m = (*src)->Read(); m.has_value()) {
+      Status room =
+          daemon::CheckReserveLeavesRoom(*reserve_parsed, m->limit, *slab, (*src)->name());
+      if (!room.ok()) return fail(room);
+    }
     server_opts.reclaim.source = std::move(*src);
+  } else {
+    Status s = cli::RejectGiven(
+        app, {"--reserve", "--psi-threshold", "--evict-grace-ms", "--evict-sample-extra"},
+        "only while free memory is watched, and --memory-source off lends regardless of it: "
+        "give --memory-source auto, host or cgroup, or leave the option out");
+    if (!s.ok()) return fail(s);
   }
   auto rdma_mode = daemon::ParseRdmaMode(rdma);
   if (!rdma_mode) return fail(rdma_mode.error());

@@ -34,6 +34,17 @@ Result<Reserve> ParseReserve(std::string_view text) {
   return r;
 }
 
+Status CheckReserveLeavesRoom(const Reserve& reserve, uint64_t limit, uint64_t slab_size,
+                              std::string_view source) {
+  const uint64_t kept = reserve.Of(limit);
+  if (kept < limit && limit - kept >= slab_size) return Status::Ok();
+  return InvalidArgument(fmt::format(
+      "--reserve {} keeps {} of the {} of memory of {}, which leaves less than one slab ({}) to "
+      "lend: this daemon would never lend anything. Give a smaller --reserve, smaller slabs "
+      "(--slab-size), or --memory-source off to lend regardless of free memory",
+      reserve.text, FormatSize(kept), FormatSize(limit), source, FormatSize(slab_size)));
+}
+
 PressureDecision PressurePolicy::Update(const MemorySnapshot& m, uint64_t slab_size,
                                         uint32_t noticed) {
   PressureDecision d;

@@ -45,6 +45,11 @@ struct Reserve {
 };
 Result<Reserve> ParseReserve(std::string_view text);
 
+// Refuses a reserve that leaves less than one slab of `limit` (all the memory of the watched
+// host or cgroup, named `source`): such a daemon would never lend anything.
+Status CheckReserveLeavesRoom(const Reserve& reserve, uint64_t limit, uint64_t slab_size,
+                              std::string_view source);
+
 struct PressureConfig {
   Reserve reserve;
   double psi_full_threshold = 0;  // 0: PSI is not a signal

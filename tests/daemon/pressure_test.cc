@@ -50,6 +50,19 @@ TEST(ReserveTest, ParsesSizesAndPercentages) {
   EXPECT_FALSE(ParseReserve("lots").has_value());
 }
 
+TEST(ReserveTest, MustLeaveRoomForOneSlab) {
+  EXPECT_TRUE(CheckReserveLeavesRoom(*ParseReserve("10%"), 1024 * kMiB, 64 * kMiB, "host").ok());
+  EXPECT_TRUE(CheckReserveLeavesRoom(*ParseReserve("0"), kSlab, kSlab, "host").ok());
+  EXPECT_TRUE(CheckReserveLeavesRoom(*ParseReserve("960M"), 1024 * kMiB, 64 * kMiB, "host").ok());
+  // All of it, more than all of it, or all but less than one slab.
+  const Status all = CheckReserveLeavesRoom(*ParseReserve("1G"), 1024 * kMiB, kSlab, "host");
+  EXPECT_FALSE(all.ok());
+  EXPECT_NE(all.ToString().find("would never lend"), std::string::npos) << all.ToString();
+  EXPECT_FALSE(CheckReserveLeavesRoom(*ParseReserve("2G"), 1024 * kMiB, kSlab, "host").ok());
+  EXPECT_FALSE(CheckReserveLeavesRoom(*ParseReserve("961M"), 1024 * kMiB, 64 * kMiB, "x").ok());
+  EXPECT_FALSE(CheckReserveLeavesRoom(*ParseReserve("10%"), 64 * kMiB, 64 * kMiB, "x").ok());
+}
+
 TEST(PressurePolicyTest, GrantsOnlyWhatLeavesTheReserveFree) {
   PressurePolicy p({.reserve = *ParseReserve("1G")});
   PressureDecision d = p.Update(Snap(8192, 1024 + 3 * 64 + 10), kSlab, 0);

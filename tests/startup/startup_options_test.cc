@@ -213,6 +213,27 @@ TEST_F(StartupOptionsTest, FarmemdRefusesRdmaListenWithRdmaOff) {
   EXPECT_THAT(r.err, HasSubstr("--rdma-listen applies only when RDMA is served")) << Describe(r);
 }
 
+// Options of the memory watch mean nothing when memory is not watched; they were taken silently.
+TEST_F(StartupOptionsTest, FarmemdRefusesPressureOptionsWithMemorySourceOff) {
+  const CommandResult r =
+      Farmemd({"--listen", "127.0.0.1:0", "--capacity", "4M", "--slab-size", "1M",
+               "--memory-source", "off", "--reserve", "1G", "--evict-grace-ms", "100"});
+  EXPECT_NE(r.exit_code, 0) << Describe(r);
+  EXPECT_FALSE(Listened()) << Describe(r);
+  EXPECT_THAT(r.err, HasSubstr("--reserve, --evict-grace-ms apply only while free memory is "
+                               "watched"))
+      << Describe(r);
+}
+
+// A reserve of all the host's memory (or all but less than a slab) served and never lent.
+TEST_F(StartupOptionsTest, FarmemdRefusesAReserveThatLeavesNothingToLend) {
+  const CommandResult r = Farmemd({"--listen", "127.0.0.1:0", "--capacity", "4M", "--slab-size",
+                                   "1M", "--memory-source", "host", "--reserve", "1000000G"});
+  EXPECT_NE(r.exit_code, 0) << Describe(r);
+  EXPECT_FALSE(Listened()) << Describe(r);
+  EXPECT_THAT(r.err, HasSubstr("this daemon would never lend anything")) << Describe(r);
+}
+
 // What the checks must not break: a correct config file with a correct secret serves.
 TEST_F(StartupOptionsTest, FarmemdStartsFromAGoodConfigFile) {
   const std::string conf = Config("secret-file = \"" + secret_ +
