@@ -134,7 +134,13 @@ void AddBackendFlags(CLI::App& app, BackendConfig* cfg) {
 // The flags of --backend farmem: given with another backend they would be ignored (a --peers
 // that silently serves from local RAM), so they are an error there.
 Status CheckFlagsApply(const CLI::App& app, const BackendConfig& cfg) {
-  if (cfg.kind == "farmem") return Status::Ok();
+  if (cfg.kind == "farmem") {
+    if (cfg.write_cache_pages != 0) return Status::Ok();
+    return farmem::cli::RejectGiven(
+        app, {"--write-cache-max-age-ms"},
+        "only to the write cache, and --write-cache-pages 0 turns it off: give the cache pages, "
+        "or leave it out");
+  }
   return farmem::cli::RejectGiven(
       app,
       {"--peers", "--peers-dns", "--secret-file", "--key-file", "--resilience", "--ec-layout",

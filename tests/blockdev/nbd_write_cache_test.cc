@@ -73,31 +73,32 @@ TEST_P(NbdWriteCacheTest, MixedSizeWritesFlushedSurviveADaemonKilled) {
   }
   testing::TempDir tmp;
   const std::string port_file = tmp.File("metrics-port");
-  // A long dirty age: only eviction and FLUSH write back here, not the flusher.
-  auto nbd = FarmemNbd::Launch({"--backend",
-                                "farmem",
-                                "--peers",
-                                peers,
-                                "--secret-file",
-                                daemons.work_dir() + "/secret",
-                                "--resilience",
-                                GetParam().resilience,
-                                "--ec-layout",
-                                GetParam().layout,
-                                "--size",
-                                std::to_string(kExportMiB) + "M",
-                                "--heartbeat-ms",
-                                "100",
-                                "--failure-timeout-ms",
-                                "1000",
-                                "--write-cache-pages",
-                                cache_pages,
-                                "--write-cache-max-age-ms",
-                                "60000",
-                                "--metrics-listen",
-                                "127.0.0.1:0",
-                                "--metrics-port-file",
-                                port_file});
+  // A long dirty age: only eviction and FLUSH write back here, not the flusher (the age is
+  // refused with the cache off).
+  std::vector<std::string> args = {"--backend",
+                                   "farmem",
+                                   "--peers",
+                                   peers,
+                                   "--secret-file",
+                                   daemons.work_dir() + "/secret",
+                                   "--resilience",
+                                   GetParam().resilience,
+                                   "--ec-layout",
+                                   GetParam().layout,
+                                   "--size",
+                                   std::to_string(kExportMiB) + "M",
+                                   "--heartbeat-ms",
+                                   "100",
+                                   "--failure-timeout-ms",
+                                   "1000",
+                                   "--write-cache-pages",
+                                   cache_pages,
+                                   "--metrics-listen",
+                                   "127.0.0.1:0",
+                                   "--metrics-port-file",
+                                   port_file};
+  if (cache_pages != "0") args.insert(args.end(), {"--write-cache-max-age-ms", "60000"});
+  auto nbd = FarmemNbd::Launch(args);
   ASSERT_TRUE(nbd.has_value()) << nbd.error().ToString();
   ASSERT_TRUE(farmem::testing::WaitUntil([&] { return ReadPortFile(port_file) != 0; },
                                          std::chrono::seconds(10)));

@@ -179,6 +179,16 @@ TEST_F(StartupOptionsTest, FarmemNbdRefusesTheStripeLayoutWhereItDoesNotApply) {
       << Describe(memory);
 }
 
+// The write cache's age limit means nothing with the cache off; it was taken silently.
+TEST_F(StartupOptionsTest, FarmemNbdRefusesTheCacheAgeWithTheCacheOff) {
+  const CommandResult r = FarmemNbd({"--backend", "farmem", "--peers", "127.0.0.1:1",
+                                     "--write-cache-pages", "0", "--write-cache-max-age-ms", "50"});
+  EXPECT_NE(r.exit_code, 0) << Describe(r);
+  EXPECT_THAT(r.err, HasSubstr("--write-cache-max-age-ms applies only to the write cache, and "
+                               "--write-cache-pages 0 turns it off"))
+      << Describe(r);
+}
+
 // Regression: a 1-byte secret was accepted.
 TEST_F(StartupOptionsTest, ShortSecretIsRefusedByDaemonAndClients) {
   const std::string shorty = WriteFile("short-secret", "s\n");
