@@ -504,8 +504,14 @@ class far_hash_map {
         const size_t b = pick(mask);
         Lock l(&m->stripes_[b % kStripes]);
         auto& bucket = m->buckets_[b];
-        DerefScope s;
-        if (round == kFetchRounds || !bucket || Ready(bucket)) return use(bucket, b, mask, s);
+        const bool last = round == kFetchRounds;
+        // A miss is noted before any scope is entered: entering one may wait at the budget gate
+        // (a reclaim), and the miss enters two more (its read, its second look). The bucket is
+        // checked again in the scope, whose entry may have evicted it.
+        if (last || !bucket || Ready(bucket)) {
+          DerefScope s;
+          if (last || !bucket || Ready(bucket)) return use(bucket, b, mask, s);
+        }
         miss = bucket.entry();
       }
       m->Fetch({&miss, 1});
