@@ -23,10 +23,14 @@
 // Threads: every method may be called from any thread concurrently (except moves, swap and
 // destruction, as with any object). Buckets are guarded by striped reader/writer locks (find and
 // iteration share, writes exclude); a directory resize excludes everyone. Locks are taken before
-// the internal DerefScope is entered. Iteration concurrent with writers is weakly consistent:
-// each entry present for the whole iteration is seen exactly once (also across directory
-// growth: buckets are visited in reverse-binary order, Redis SCAN's cursor), entries inserted or
-// erased meanwhile may or may not be.
+// the internal DerefScope is entered, and a bucket's stripe is not held across a read of that
+// bucket from far memory (it is read holding no lock, then looked at again: AtBucket, get_many),
+// so a thread waits for another's lookup or write, not for its round trip (except for a bucket
+// that left again after 3 reads, then read under its lock, and a directory resize, which reads
+// every bucket under the exclusive lock). Iteration concurrent with
+// writers is weakly consistent: each entry present for the whole iteration is seen exactly once
+// (also across directory growth: buckets are visited in reverse-binary order, Redis SCAN's cursor),
+// entries inserted or erased meanwhile may or may not be.
 #pragma once
 
 #include <algorithm>
