@@ -223,6 +223,115 @@ TEST_F(FarptrTest, FarHashMapGetManyWhileWritersChangeBuckets) {
   for (uint64_t k = 0; k < kKeys; ++k) ASSERT_EQ(every[k], m.find(k)) << "key " << k;
 }
 
+// The single-key operations read a bucket that is not local holding no lock, then look again
+// under its stripe (far_hash_map's AtBucket): meanwhile other threads change buckets of the same
+// stripes and the same buckets (grown, emptied and freed, rehashed into a doubled directory) and
+// the evictor takes them away again. Three threads each own the keys k % 3 == t of a map larger
+// than the budget and check every find, insert, insert_or_assign, update and erase against their
+// own model (one writer per key: each answer is exact), and all three add to shared counters with
+// update (an increment lost or applied twice shows in the sums). The main thread iterates
+// meanwhile: every counter (present throughout) is seen exactly once per pass, and every entry
+// seen is its key's. At the end iteration and find agree with the models.
+TEST_F(FarptrTest, FarHashMapSingleKeyOpsOnSharedStripesUnderEviction) {
+  ASSERT_NO_FATAL_FAILURE(StartDaemons(1));
+  ASSERT_NO_FATAL_FAILURE(Open(Options("none", (192 << 10) / kTsanScale, 4096)));
+  constexpr uint64_t kThreads = 3;
+  constexpr uint64_t kKeys = 24576;    // owned keys: 0 .. kKeys - 1, thread k % kThreads
+  constexpr uint64_t kCounters = 256;  // shared: kKeys .. kKeys + kCounters - 1, one per stripe
+  const int kOps = 8000 / kTsanScale;  // per thread
+  far_hash_map<uint64_t, uint64_t> m(*rt_);  // 64 buckets: the directory doubles under the ops
+  // An owned key's value is (version << 32) | key: an entry seen with other low bits is another
+  // key's.
+  auto value = [](uint64_t k, uint64_t version) { return (version << 32) | k; };
+  for (uint64_t k = 0; k < kKeys; k += 2) m.insert(k, value(k, 1));
+  for (uint64_t c = 0; c < kCounters; ++c) m.insert(kKeys + c, 0);
+  std::vector<std::optional<uint64_t>> model(kKeys);  // entry k written by thread k % kThreads only
+  for (uint64_t k = 0; k < kKeys; k += 2) model[k] = value(k, 1);
+  std::atomic<uint64_t> wrong{0}, added{0};
+  std::atomic<int> running{static_cast<int>(kThreads)};
+  std::vector<std::thread> threads;
+  for (uint64_t t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      std::mt19937_64 rng(t + 11);
+      uint64_t version = 2, adds = 0, bad = 0;
+      for (int i = 0; i < kOps; ++i) {
+        const uint64_t k = (rng() % (kKeys / kThreads)) * kThreads + t;
+        std::optional<uint64_t>& want = model[k];
+        switch (rng() % 6) {
+          case 0:
+            bad += m.find(k) != want;
+            break;
+          case 1: {
+            const uint64_t v = value(k, version++);
+            auto [it, inserted] = m.insert(k, v);
+            bad += inserted == want.has_value();
+            if (inserted) want = v;
+            bad += it->first != k || it->second != *want;
+            break;
+          }
+          case 2: {
+            const uint64_t v = value(k, version++);
+            bad += m.insert_or_assign(k, v).second == want.has_value();
+            want = v;
+            break;
+          }
+          case 3:
+            bad += m.erase(k) != (want.has_value() ? 1u : 0u);
+            want.reset();
+            break;
+          case 4: {
+            const bool inserted = m.update(k, [&](uint64_t& v) { v = value(k, (v >> 32) + 1); });
+            bad += inserted == want.has_value();
+            want = value(k, want ? (*want >> 32) + 1 : 1);
+            break;
+          }
+          default:
+            m.update(kKeys + rng() % kCounters, [](uint64_t& v) { ++v; });
+            ++adds;
+        }
+      }
+      wrong += bad;
+      added += adds;
+      running.fetch_sub(1);
+    });
+  }
+  uint64_t passes = 0, iteration_wrong = 0;
+  while (running.load() > 0 || passes == 0) {
+    std::vector<int> seen(kCounters, 0);
+    for (auto [k, v] : m) {
+      if (k >= kKeys) {
+        ++seen[k - kKeys];
+      } else if ((v & 0xffffffffu) != k) {
+        ++iteration_wrong;
+      }
+    }
+    for (int n : seen) iteration_wrong += n != 1;
+    ++passes;
+  }
+  for (std::thread& t : threads) t.join();
+  EXPECT_EQ(wrong.load(), 0u) << "answers that differ from the owner's model";
+  EXPECT_EQ(iteration_wrong, 0u) << "in " << passes << " passes of iteration";
+  uint64_t sum = 0;
+  for (uint64_t c = 0; c < kCounters; ++c) sum += m.find(kKeys + c).value_or(0);
+  EXPECT_EQ(sum, added.load()) << "increments lost or applied twice";
+  const RuntimeStats st = rt_->stats();
+  EXPECT_GT(st.spans_evicted, 0u);
+  EXPECT_GT(st.swap_ins, 0u);
+  EXPECT_GT(m.bucket_count(), 64u);
+  // Iteration and find agree with the models.
+  std::vector<std::optional<uint64_t>> got(kKeys);
+  size_t entries = 0;
+  for (auto [k, v] : m) {
+    ++entries;
+    if (k < kKeys) got[k] = v;
+  }
+  EXPECT_EQ(entries, m.size());
+  for (uint64_t k = 0; k < kKeys; ++k) {
+    ASSERT_EQ(got[k], model[k]) << "key " << k << " (iteration)";
+    ASSERT_EQ(m.find(k), model[k]) << "key " << k << " (find)";
+  }
+}
+
 // budget_includes_metadata: entries and span tables count against the budget, so frames get what
 // is left and frames + metadata stay within the budget (plus one span of slack).
 TEST_F(FarptrTest, BudgetIncludesMetadata) {

@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <thread>
@@ -95,51 +96,95 @@ TEST_F(FarFaultInjectionTest, HeldMemberTimesOutOnceThenIsReadDegraded) {
   ASSERT_TRUE(rt_->WaitForRecovery().ok());
 }
 
+// A far_hash_map whose every read can be held at its one daemon: 4096 keys {k, k * 10} in 1024
+// buckets of 4 entries (a few spans), every bucket evicted but key 0's, local and already written
+// to (dirty): a writer to key 0 needs no I/O. Bucket b is guarded by stripe b % 256, so keys 0,
+// 256, 512 and 768 share stripe 0 in different buckets.
+class FarHashMapHeldReadTest : public FarFaultInjectionTest {
+ protected:
+  static constexpr uint64_t kKeys = 4096;
+  static constexpr uint64_t kLocalKey = 0;
+
+  void SetUp() override {
+    ASSERT_NO_FATAL_FAILURE(StartDaemons(1));
+    RuntimeOptions o = Options("none", 1 << 20);
+    o.fault_injector = faults_;
+    o.op_timeout = std::chrono::seconds(60);  // the held reads wait for Release, not for a timeout
+    ASSERT_NO_FATAL_FAILURE(Open(o));
+    m_ = std::make_unique<far_hash_map<uint64_t, uint64_t>>(*rt_, kKeys);
+    for (uint64_t k = 0; k < kKeys; ++k) m_->insert_or_assign(k, k * 10);
+    ASSERT_TRUE(rt_->EvictUntil(0).ok());
+    m_->insert_or_assign(kLocalKey, 1);
+  }
+  void TearDown() override {
+    m_.reset();
+    FarFaultInjectionTest::TearDown();
+  }
+
+  // Runs `op` on a thread of its own with the daemon's data ops held; once one of its reads is
+  // held, another thread writes 2 to key 0. Asserts that `op` reached the daemon and that the
+  // write completed while its read was held (the bound is generous: the write is a few
+  // microseconds of local work), then lets the reads go and waits for `op`.
+  void ExpectWriteToKey0WhileHeld(const std::function<void()>& op, const char* what) {
+    const Endpoint daemon = (*daemons_)[0].endpoint();
+    faults_->Hold(daemon);
+    std::thread reader(op);
+    const bool reading = farmem::testing::WaitUntil([&] { return faults_->ops_held(daemon) > 0; },
+                                                    std::chrono::seconds(30));
+    std::atomic<bool> wrote{false};
+    std::thread writer([&] {
+      m_->insert_or_assign(kLocalKey, 2);
+      wrote = true;
+    });
+    const bool written =
+        farmem::testing::WaitUntil([&] { return wrote.load(); }, std::chrono::seconds(10));
+    faults_->Release(daemon);
+    reader.join();
+    writer.join();
+    ASSERT_TRUE(reading) << what << ": its reads never reached the daemon";
+    EXPECT_TRUE(written) << "a write to another key of the stripe that " << what
+                         << " reads waited for its round trip";
+    EXPECT_EQ(m_->find(kLocalKey), std::optional<uint64_t>(2));
+  }
+
+  std::unique_ptr<far_hash_map<uint64_t, uint64_t>> m_;
+};
+
 // far_hash_map::get_many holds no bucket lock across its reads (issue 13, item 5: threads that
 // share a map must not wait for each other's round trips). While the batch's reads are held at
 // the daemon, a writer to a key in one of the batch's buckets completes — it waited for the whole
 // round trip while get_many kept the batch's stripes read-locked over its reads — and the batch
 // then returns the right values.
-TEST_F(FarFaultInjectionTest, GetManyHoldsNoBucketLockAcrossItsReads) {
-  ASSERT_NO_FATAL_FAILURE(StartDaemons(1));
-  RuntimeOptions o = Options("none", 1 << 20);
-  o.fault_injector = faults_;
-  o.op_timeout = std::chrono::seconds(60);  // the held reads wait for Release, not for a timeout
-  ASSERT_NO_FATAL_FAILURE(Open(o));
-  constexpr uint64_t kKeys = 4096;  // 1024 buckets of 4 entries: a few spans
-  far_hash_map<uint64_t, uint64_t> m(*rt_, kKeys);
-  for (uint64_t k = 0; k < kKeys; ++k) m.insert_or_assign(k, k * 10);
-  ASSERT_TRUE(rt_->EvictUntil(0).ok());
-  // Key 0's bucket is local and already written to (dirty): the writer below needs no I/O.
-  constexpr uint64_t kLocalKey = 0;
-  m.insert_or_assign(kLocalKey, 1);
+TEST_F(FarHashMapHeldReadTest, GetManyHoldsNoBucketLockAcrossItsReads) {
   // The batch: key 0 and keys whose buckets are remote (each in a bucket of its own).
   const std::vector<uint64_t> keys = {kLocalKey, 101, 202, 303, 404, 505, 606, 707, 808};
-  const Endpoint daemon = (*daemons_)[0].endpoint();
-  faults_->Hold(daemon);
   std::vector<std::optional<uint64_t>> got(keys.size());
-  std::thread batch([&] { m.get_many(keys, got); });
-  const bool reading = farmem::testing::WaitUntil([&] { return faults_->ops_held(daemon) > 0; },
-                                                  std::chrono::seconds(30));
-  std::atomic<bool> wrote{false};
-  std::thread writer([&] {
-    m.insert_or_assign(kLocalKey, 2);
-    wrote = true;
-  });
-  const bool written =
-      farmem::testing::WaitUntil([&] { return wrote.load(); }, std::chrono::seconds(10));
-  faults_->Release(daemon);
-  batch.join();
-  writer.join();
-  ASSERT_TRUE(reading) << "the batch's reads never reached the daemon";
-  EXPECT_TRUE(written) << "a write to a bucket of the batch waited for the batch's reads";
+  ASSERT_NO_FATAL_FAILURE(ExpectWriteToKey0WhileHeld([&] { m_->get_many(keys, got); }, "get_many"));
   ASSERT_TRUE(got[0].has_value());
   EXPECT_TRUE(*got[0] == 1 || *got[0] == 2) << *got[0];
   for (size_t i = 1; i < keys.size(); ++i) {
     ASSERT_TRUE(got[i].has_value()) << "key " << keys[i];
     EXPECT_EQ(*got[i], keys[i] * 10) << "key " << keys[i];
   }
-  EXPECT_EQ(m.find(kLocalKey), std::optional<uint64_t>(2));
+}
+
+// The same for a single find: a miss on bucket 256 (stripe 0, as key 0's bucket) read-locked
+// stripe 0 for its round trip, so a writer to key 0 waited for it; the miss is now read holding no
+// lock, then looked up under the stripe.
+TEST_F(FarHashMapHeldReadTest, FindHoldsNoBucketLockAcrossItsMiss) {
+  std::optional<uint64_t> got;
+  ASSERT_NO_FATAL_FAILURE(ExpectWriteToKey0WhileHeld([&] { got = m_->find(256); }, "find"));
+  EXPECT_EQ(got, std::optional<uint64_t>(2560));
+}
+
+// And for a write: update on key 512 (stripe 0) write-locked the stripe across its bucket's
+// miss; now the bucket is read first, holding no lock, and changed under the write lock.
+TEST_F(FarHashMapHeldReadTest, UpdateHoldsNoBucketLockAcrossItsMiss) {
+  bool inserted = true;
+  ASSERT_NO_FATAL_FAILURE(ExpectWriteToKey0WhileHeld(
+      [&] { inserted = m_->update(512, [](uint64_t& v) { v += 1; }); }, "update"));
+  EXPECT_FALSE(inserted);
+  EXPECT_EQ(m_->find(512), std::optional<uint64_t>(5121));
 }
 
 }  // namespace

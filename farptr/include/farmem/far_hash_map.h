@@ -23,10 +23,14 @@
 // Threads: every method may be called from any thread concurrently (except moves, swap and
 // destruction, as with any object). Buckets are guarded by striped reader/writer locks (find and
 // iteration share, writes exclude); a directory resize excludes everyone. Locks are taken before
-// the internal DerefScope is entered. Iteration concurrent with writers is weakly consistent:
-// each entry present for the whole iteration is seen exactly once (also across directory
-// growth: buckets are visited in reverse-binary order, Redis SCAN's cursor), entries inserted or
-// erased meanwhile may or may not be.
+// the internal DerefScope is entered, and a bucket's stripe is not held across a read of that
+// bucket from far memory (it is read holding no lock, then looked at again: AtBucket, get_many),
+// so a thread waits for another's lookup or write, not for its round trip (except for a bucket
+// that left again after 3 reads, then read under its lock, and a directory resize, which reads
+// every bucket under the exclusive lock). Iteration concurrent with
+// writers is weakly consistent: each entry present for the whole iteration is seen exactly once
+// (also across directory growth: buckets are visited in reverse-binary order, Redis SCAN's cursor),
+// entries inserted or erased meanwhile may or may not be.
 #pragma once
 
 #include <algorithm>
@@ -194,14 +198,16 @@ class far_hash_map {
   bool empty() const { return size() == 0; }
   size_t bucket_count() const { return BucketCount(); }
 
-  // --- Lookup: by copy. ---
+  // --- Lookup. ---
+  // Lookup: by copy. A bucket that is not local is read holding no lock of the map, as
+  // get_many reads (AtBucket): another thread wanting its stripe does not wait for the round trip.
   std::optional<V> find(const K& key) const {
     const size_t h = Hash{}(key);
-    ReaderLock r(&resize_mu_);
-    const size_t b = h & (buckets_.size() - 1);
-    ReaderLock l(&stripes_[b % kStripes]);
-    DerefScope s;
-    return Lookup(buckets_[b], key, s);
+    return AtBucket<ReaderLock>(
+        this, [h](size_t mask) { return h & mask; },
+        [&](const far_bytes& bucket, size_t, size_t, const DerefScope& s) {
+          return Lookup(bucket, key, s);
+        });
   }
   // Batched lookup: out[i] = find(keys[i]) for every i < min(keys.size(), out.size()), with the
   // misses overlapped: the buckets that are not local are read together, one round trip for up
@@ -211,7 +217,8 @@ class far_hash_map {
   // index order) to answer the keys whose buckets are local and to note the others, released for
   // the reads, and taken again to answer those, now local; a bucket that changed meanwhile is
   // simply looked at again (what it holds then is the answer), and one still not local after
-  // kFetchRounds reads is read under its lock as find does. So a writer to one of the batch's
+  // kFetchRounds reads is read under its lock (as every single-key operation does: AtBucket). So
+  // a writer to one of the batch's
   // buckets waits for a lookup, never for a round trip, and each out[i] is what find(keys[i])
   // returned at some moment during the call (the batch is not one snapshot of the map). A batch
   // of more than kBatchKeys (32) keys is taken 32 at a time.
@@ -297,30 +304,26 @@ class far_hash_map {
   mapped_reference operator[](const K& key) { return mapped_reference(this, key); }
 
   // --- Removal. ---
-  // Removes the key; the number of entries removed (0 or 1).
+  // Removes the key; the number of entries removed (0 or 1). Its bucket is brought local first
+  // holding no lock (AtBucket), then changed under its stripe's write lock.
   size_t erase(const K& key) {
     const size_t h = Hash{}(key);
-    ReaderLock r(&resize_mu_);
-    const size_t b = h & (buckets_.size() - 1);
-    WriterLock l(&stripes_[b % kStripes]);
-    if (!buckets_[b]) return 0;
-    bool removed = false;
-    bool now_empty = false;
-    {
-      DerefScope s;
-      std::span<std::byte> bytes = buckets_[b].deref_mut(s);
-      Header hd = ReadHeader(bytes);
-      for (uint32_t i = 0; i < hd.count; ++i) {
-        if (!Eq{}(ReadItem(bytes, i).key, key)) continue;
-        if (i + 1 != hd.count) WriteItem(bytes, i, ReadItem(bytes, hd.count - 1));
-        --hd.count;
-        WriteHeader(bytes, hd);
-        removed = true;
-        now_empty = hd.count == 0;
-        break;
-      }
-    }
-    if (now_empty) buckets_[b].reset();  // give the object back
+    const bool removed = AtBucket<WriterLock>(
+        this, [h](size_t mask) { return h & mask; },
+        [&](far_bytes& bucket, size_t, size_t, const DerefScope& s) {
+          if (!bucket) return false;
+          std::span<std::byte> bytes = bucket.deref_mut(s);
+          Header hd = ReadHeader(bytes);
+          for (uint32_t i = 0; i < hd.count; ++i) {
+            if (!Eq{}(ReadItem(bytes, i).key, key)) continue;
+            if (i + 1 != hd.count) WriteItem(bytes, i, ReadItem(bytes, hd.count - 1));
+            --hd.count;
+            WriteHeader(bytes, hd);
+            if (hd.count == 0) bucket.reset();  // give the object back (as Append's growth does)
+            return true;
+          }
+          return false;
+        });
     if (removed) size_.fetch_sub(1, std::memory_order_relaxed);
     return removed ? 1 : 0;
   }
@@ -384,8 +387,9 @@ class far_hash_map {
     V value;
   };
   static constexpr uint32_t kInitialCapacity = 4;
-  // get_many: rounds of batched reads, each followed by a look under the locks, before a bucket
-  // still not local is read under its lock (a bucket changed, evicted again, or busy each time).
+  // get_many and AtBucket: rounds of reads holding no lock, each followed by a look under the
+  // locks, before a bucket still not local is read under its lock (a bucket changed, evicted
+  // again, or busy each time).
   static constexpr int kFetchRounds = 3;
   // get_many and prefetch take the stripes of at most this many keys at once (a larger batch is
   // looked at in slices): a short hold each time, and few enough locks for ThreadSanitizer's
@@ -468,9 +472,9 @@ class far_hash_map {
     }
   }
 
-  // Reads the bucket objects `misses` names together (get_many, prefetch), holding no lock of
-  // the map: the buckets may change meanwhile (FetchObjects skips entries freed or reused since),
-  // so the caller looks again, under the stripes, at what it found.
+  // Reads the bucket objects `misses` names together (get_many, prefetch, AtBucket), holding no
+  // lock of the map: the buckets may change meanwhile (FetchObjects skips entries freed or reused
+  // since), so the caller looks again, under the stripes, at what it found.
   void Fetch(std::span<farptr_internal::ObjectEntry* const> misses) const {
     if (misses.empty()) return;
     DerefScope s;  // entered holding no lock (the budget gate may wait here)
@@ -483,6 +487,41 @@ class far_hash_map {
     return (w & (farptr_internal::kPresent | farptr_internal::kEvacuating)) ==
            farptr_internal::kPresent;
   }
+  // Where the single-key operations (find, insert*, try_emplace, update, erase) and iteration
+  // meet their bucket: calls use(bucket, b, mask, s) on bucket b = pick(mask) of the directory
+  // (mask: its size - 1), with the resize lock shared, b's stripe locked (Lock: ReaderLock or
+  // WriterLock) and a DerefScope s entered after them, once the bucket is local (or empty). A
+  // bucket that is not local is noted, every lock released, the bucket read as get_many reads
+  // (Fetch), and the whole looked at again: b is picked anew (the directory may have doubled) and
+  // what it holds then is what `use` sees; after kFetchRounds such reads (the bucket changed or
+  // left again each time) it is read under the locks. So a thread wanting the stripe waits for a
+  // lookup or a write, not for this one's round trip, and every decision on the bucket is still
+  // taken under its stripe lock (writers stay linearizable per key). `m` is this map (const for
+  // find and iteration); what `use` returns.
+  template <typename Lock, typename Map, typename Pick, typename Use>
+  static auto AtBucket(Map* m, Pick&& pick, Use&& use) {
+    for (int round = 0;; ++round) {
+      farptr_internal::ObjectEntry* miss = nullptr;
+      {
+        ReaderLock r(&m->resize_mu_);
+        const size_t mask = m->buckets_.size() - 1;
+        const size_t b = pick(mask);
+        Lock l(&m->stripes_[b % kStripes]);
+        auto& bucket = m->buckets_[b];
+        const bool last = round == kFetchRounds;
+        // A miss is noted before any scope is entered: entering one may wait at the budget gate
+        // (a reclaim), and the miss enters two more (its read, its second look). The bucket is
+        // checked again in the scope, whose entry may have evicted it.
+        if (last || !bucket || Ready(bucket)) {
+          DerefScope s;
+          if (last || !bucket || Ready(bucket)) return use(bucket, b, mask, s);
+        }
+        miss = bucket.entry();
+      }
+      m->Fetch({&miss, 1});
+    }
+  }
+
   // The value under `key` in `bucket` (null: none). Its stripe is held.
   static std::optional<V> Lookup(const far_bytes& bucket, const K& key, const DerefScope& s) {
     if (!bucket) return std::nullopt;
@@ -520,14 +559,6 @@ class far_hash_map {
     return (v >> 32) | (v << 32);
   }
 
-  // Copies bucket b's entries (null if it has none).
-  std::shared_ptr<const std::vector<value_type>> CopyBucket(size_t b) const
-      REQUIRES_SHARED(resize_mu_) {
-    ReaderLock l(&stripes_[b % kStripes]);
-    if (!buckets_[b]) return nullptr;
-    DerefScope s;
-    return CopyEntries(buckets_[b].deref(s));
-  }
   static std::shared_ptr<const std::vector<value_type>> CopyEntries(
       std::span<const std::byte> bytes) {
     const Header hd = ReadHeader(bytes);
@@ -542,18 +573,29 @@ class far_hash_map {
   }
 
   // Points `it` at the first entry of the first non-empty bucket from cursor `v` on (v == 0
-  // after the first bucket means the scan wrapped: end()).
+  // after the first bucket means the scan wrapped: end()). Each bucket is copied under its own
+  // look (AtBucket: a remote one is read holding no lock), so the directory may double between
+  // two of them, as between two increments: the cursor order is made for that.
   void Seek(const_iterator& it, size_t v) const {
     const bool from_start = it.items_ == nullptr && v == 0;
-    ReaderLock r(&resize_mu_);
-    const size_t mask = buckets_.size() - 1;
-    if (!from_start && v == 0) {
-      it.items_.reset();
-      it.cursor_ = it.pos_ = 0;
-      return;
-    }
-    for (;;) {
-      if (auto items = CopyBucket(v & mask)) {
+    for (bool first = true;; first = false) {
+      if (v == 0 && !(first && from_start)) {
+        it.items_.reset();
+        it.cursor_ = it.pos_ = 0;
+        return;
+      }
+      size_t mask = 0;
+      std::shared_ptr<const std::vector<value_type>> items = AtBucket<ReaderLock>(
+          this,
+          [&](size_t m) {
+            mask = m;
+            return v & m;
+          },
+          [](const far_bytes& bucket, size_t, size_t,
+             const DerefScope& s) -> std::shared_ptr<const std::vector<value_type>> {
+            return bucket ? CopyEntries(bucket.deref(s)) : nullptr;
+          });
+      if (items) {
         it.items_ = std::move(items);
         it.cursor_ = v & mask;
         it.mask_ = mask;
@@ -561,52 +603,46 @@ class far_hash_map {
         return;
       }
       v = NextCursor(v, mask);
-      if (v == 0) {
-        it.items_.reset();
-        it.cursor_ = it.pos_ = 0;
-        return;
-      }
     }
   }
 
   // The one write path. Looks `key` up in its bucket; if absent, appends {key, make()}; if
   // present, calls change(V&) on a copy of its value and writes it back if that returns true.
-  // Returns whether the key was inserted and, if asked for, an iterator at its entry.
+  // Returns whether the key was inserted and, if asked for, an iterator at its entry. The bucket
+  // is brought local holding no lock (AtBucket); all of this runs under its stripe's write lock.
   template <typename Make, typename Change>
   std::pair<iterator, bool> Upsert(const K& key, Make&& make, Change&& change, bool want_iterator) {
-    iterator it;
-    bool added = false;
-    {
-      const size_t h = Hash{}(key);
-      ReaderLock r(&resize_mu_);
-      const size_t b = h & (buckets_.size() - 1);
-      WriterLock l(&stripes_[b % kStripes]);
-      far_bytes& bucket = buckets_[b];
-      DerefScope s;
-      uint32_t at = UINT32_MAX;
-      if (bucket) {
-        std::span<const std::byte> bytes = std::as_const(bucket).deref(s);  // no dirtying yet
-        const Header hd = ReadHeader(bytes);
-        for (uint32_t i = 0; i < hd.count && at == UINT32_MAX; ++i) {
-          if (Eq{}(ReadItem(bytes, i).key, key)) at = i;
-        }
-        if (at != UINT32_MAX) {
-          Item item = ReadItem(bytes, at);
-          if (change(item.value)) WriteItem(bucket.deref_mut(s), at, item);
-        }
-      }
-      if (at == UINT32_MAX) {
-        at = Append(bucket, Item{key, make()}, s);
-        added = true;
-      }
-      if (want_iterator) {
-        it.m_ = this;
-        it.cursor_ = b;
-        it.mask_ = buckets_.size() - 1;
-        it.items_ = CopyEntries(std::as_const(bucket).deref(s));
-        it.pos_ = at;
-      }
-    }
+    const size_t h = Hash{}(key);
+    auto [it, added] = AtBucket<WriterLock>(
+        this, [h](size_t mask) { return h & mask; },
+        [&](far_bytes& bucket, size_t b, size_t mask, const DerefScope& s) {
+          iterator pos;
+          bool inserted = false;
+          uint32_t at = UINT32_MAX;
+          if (bucket) {
+            std::span<const std::byte> bytes = std::as_const(bucket).deref(s);  // no dirtying yet
+            const Header hd = ReadHeader(bytes);
+            for (uint32_t i = 0; i < hd.count && at == UINT32_MAX; ++i) {
+              if (Eq{}(ReadItem(bytes, i).key, key)) at = i;
+            }
+            if (at != UINT32_MAX) {
+              Item item = ReadItem(bytes, at);
+              if (change(item.value)) WriteItem(bucket.deref_mut(s), at, item);
+            }
+          }
+          if (at == UINT32_MAX) {
+            at = Append(bucket, Item{key, make()}, s);
+            inserted = true;
+          }
+          if (want_iterator) {
+            pos.m_ = this;
+            pos.cursor_ = b;
+            pos.mask_ = mask;
+            pos.items_ = CopyEntries(std::as_const(bucket).deref(s));
+            pos.pos_ = at;
+          }
+          return std::pair<iterator, bool>(std::move(pos), inserted);
+        });
     if (added && size_.fetch_add(1, std::memory_order_relaxed) + 1 > kMaxLoad * BucketCount()) {
       Rehash(0);
     }
