@@ -3,16 +3,26 @@
 
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>
+#include <time.h>
 
 #include <algorithm>
 #include <cstring>
 
 #include "export_capacity.h"
+#include "farmem/ec/crc32c.h"
 
 namespace farmem::blockdev {
 
 using spanstore::SpanOwner;
 using spanstore::SpanSet;
+
+namespace {
+uint64_t ThreadCpuNs() {
+  timespec ts{};
+  ::clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+  return static_cast<uint64_t>(ts.tv_sec) * 1000000000ull + static_cast<uint64_t>(ts.tv_nsec);
+}
+}  // namespace
 
 struct StripeStore::Worker {
   std::unique_ptr<spanstore::IoContext> io;
@@ -34,6 +44,7 @@ struct StripeStore::Worker {
   std::vector<std::span<const uint8_t* const>> set_data;
   std::vector<std::span<SpanOwner* const>> set_owners;
   std::vector<Result<SpanSet*>> written;
+  std::vector<uint32_t> crcs;  // each written page's cell CRC-32C (compaction offload)
 };
 
 StripeStore::StripeStore(client::Cluster* cluster, StripeStoreOptions options)
@@ -64,6 +75,7 @@ Result<std::unique_ptr<StripeStore>> StripeStore::Create(client::Cluster* cluste
 }
 
 Status StripeStore::Init() {
+  static_assert(sizeof(PageEntry) == 16, "the page table's 16 bytes per page (header comment)");
   const client::Resilience& res = options_.resilience;
   pages_ = options_.size / kPage;
   if (options_.encrypt) {
@@ -482,6 +494,8 @@ void StripeStore::WritePages(Worker& w, std::span<PageIo> pages, std::span<Statu
   const size_t nsets = (w.which.size() + k - 1) / k;
   w.data.resize(w.which.size());
   w.owners.resize(w.which.size());
+  const bool keep_crc = options_.compaction_offload;
+  if (keep_crc) w.crcs.resize(w.which.size());
   w.set_data.resize(nsets);
   w.set_owners.resize(nsets);
   w.written.resize(nsets);
@@ -489,6 +503,7 @@ void StripeStore::WritePages(Worker& w, std::span<PageIo> pages, std::span<Statu
     const PageIo& p = pages[w.which[j]];
     w.data[j] = p.src;
     w.owners[j] = &table_[p.page];
+    if (keep_crc) w.crcs[j] = ec::Crc32c({p.src, static_cast<size_t>(kPage)});
   }
   for (size_t i = 0; i < nsets; ++i) {
     const size_t n = std::min(k, w.which.size() - i * k);
@@ -521,7 +536,8 @@ void StripeStore::WritePages(Worker& w, std::span<PageIo> pages, std::span<Statu
         live_pages_.fetch_add(1, std::memory_order_relaxed);
       }
       e.set = *set;
-      e.member = static_cast<int32_t>(j);
+      e.member = static_cast<int16_t>(j);
+      e.cell_crc = keep_crc ? w.crcs[i * k + j] : 0;
       e.lost_counted.store(false, std::memory_order_relaxed);
       if (crypto_) crypto_->EndWrite(p.page, /*ok=*/true);
       // The same bytes as the cell (ciphertext when encrypted), at the page's export offset.
@@ -554,10 +570,11 @@ std::vector<std::pair<client::Lease, uint64_t>> StripeStore::PagePlaces(uint64_t
 }
 
 // ---------------------------------------------------------------------------------------------
-// Compaction: the live cells of the emptiest sets, read (and opened: a corrupted cell is caught
-// here, not moved) and written again as full sets through the batch path's own ReadPages and
-// WritePages, under the pages' exclusive locks; their old cells become holes and the emptied rows
-// and groups go back to the daemons.
+// Compaction: the live cells of the emptiest sets become full sets, under the pages' exclusive
+// locks; their old cells become holes and the emptied rows and groups go back to the daemons.
+// With offload the daemons copy the cells (CompactOffloaded); without it, or when that fails,
+// they are read (and opened: a corrupted cell is caught here, not moved) and written again
+// through the batch path's own ReadPages and WritePages.
 
 Status StripeStore::CompactOnce(uint64_t* moved) {
   *moved = 0;
@@ -565,7 +582,16 @@ Status StripeStore::CompactOnce(uint64_t* moved) {
   const size_t k = static_cast<size_t>(options_.resilience.k);
   std::vector<SpanOwner*> cands = remote_->CompactionCandidates(8 * k);
   if (cands.empty()) return Status::Ok();
+  // What compaction costs the client: this thread's CPU, and the bytes of its I/O context.
+  struct CpuMeter {
+    std::atomic<uint64_t>& total;
+    const uint64_t start = ThreadCpuNs();
+    ~CpuMeter() { total.fetch_add(ThreadCpuNs() - start, std::memory_order_relaxed); }
+  } cpu{compaction_cpu_ns_};
   Worker* w = &workers_.background();  // the compactor's own (one pass at a time)
+  const spanstore::IoContext& io = *w->io;
+  const uint64_t received0 = io.bytes_read + io.offload_bytes_received;
+  const uint64_t sent0 = io.bytes_written + io.offload_bytes_sent;
   std::vector<PageIo>& pages = w->pages;
   pages.clear();
   if (w->scratch.size() < cands.size() * kPage) w->scratch.resize(cands.size() * kPage);
@@ -584,9 +610,17 @@ Status StripeStore::CompactOnce(uint64_t* moved) {
     if (table_[p.page].set == nullptr) p.read = p.write = false;
   }
   w->op_status.assign(pages.size(), Status::Ok());
-  ReadPages(*w, pages, w->op_status);
-  WritePages(*w, pages, w->op_status);
+  const bool offloaded =
+      options_.compaction_offload && options_.resilience.r > 0 && CompactOffloaded(*w, pages);
+  if (!offloaded) {
+    ReadPages(*w, pages, w->op_status);
+    WritePages(*w, pages, w->op_status);
+  }
   UnlockPages(*w);
+  compaction_bytes_received_.fetch_add(io.bytes_read + io.offload_bytes_received - received0,
+                                       std::memory_order_relaxed);
+  compaction_bytes_sent_.fetch_add(io.bytes_written + io.offload_bytes_sent - sent0,
+                                   std::memory_order_relaxed);
   Status first;
   for (size_t i = 0; i < pages.size(); ++i) {
     if (!pages[i].write) continue;
@@ -601,6 +635,87 @@ Status StripeStore::CompactOnce(uint64_t* moved) {
     pages_compacted_.fetch_add(*moved, std::memory_order_relaxed);
   }
   return first;
+}
+
+bool StripeStore::CompactOffloaded(Worker& w, std::span<PageIo> pages) {
+  const size_t k = static_cast<size_t>(options_.resilience.k);
+  w.which.clear();
+  for (size_t i = 0; i < pages.size(); ++i) {
+    if (pages[i].write) w.which.push_back(i);
+  }
+  const size_t n = w.which.size();
+  if (n == 0) return true;
+  // The plan: moved page j becomes data member j % k of new set j / k, copied whole from where
+  // it is (one piece per cell: a page is a cell).
+  using GatherPiece = spanstore::RemoteStore::GatherPiece;
+  std::vector<std::vector<GatherPiece>> cells(n);
+  w.owners.resize(n);
+  w.crcs.assign(n, 0);
+  for (size_t j = 0; j < n; ++j) {
+    PageEntry& e = table_[pages[w.which[j]].page];
+    cells[j].push_back({e.set, e.member, e.cell_crc, 0, 0, static_cast<uint32_t>(kPage)});
+    w.owners[j] = &e;
+  }
+  std::vector<SpanSet*> written;
+  std::vector<std::pair<SpanSet*, int>> corrupt;
+  Status error;
+  for (size_t i = 0; i < n; i += k) {
+    const size_t m = std::min(k, n - i);
+    Result<SpanSet*> set = remote_->WriteSetGathered(
+        *w.io, {cells.data() + i, m}, {w.owners.data() + i, m}, {w.crcs.data() + i, m}, &corrupt);
+    if (!set) {
+      error = set.error();
+      break;
+    }
+    written.push_back(*set);
+  }
+  // Sources the gathering daemons read with another checksum than they were written with: their
+  // members are re-protected, and the fallback below reads them rebuilt.
+  for (const auto& [set, member] : corrupt) {
+    integrity_failures_.fetch_add(1, std::memory_order_relaxed);
+    uint64_t page = ~uint64_t{0};
+    for (size_t j = 0; j < n; ++j) {
+      const PageEntry& e = table_[pages[w.which[j]].page];
+      if (e.set == set && e.member == member) page = pages[w.which[j]].page;
+    }
+    const Status why = DataLoss(fmt::format(
+        "the cell of export page {} failed its checksum (CRC-32C) on the daemon gathering it "
+        "for compaction: its bytes on the daemon were corrupted",
+        page));
+    const bool repair = remote_->ReportCorrupt(set, member, why);
+    spdlog::warn("stripe store: {}; {}", why.message(),
+                 repair ? "its member is re-protected and the page is read rebuilt"
+                        : "nothing else holds it");
+  }
+  if (!error.ok()) {
+    // Nothing changes: the sets written so far are undone, and the pass moves the bytes itself.
+    for (size_t s = 0; s < written.size(); ++s) {
+      for (size_t j = 0; j < k && s * k + j < n; ++j) {
+        remote_->Release(written[s], static_cast<int>(j));
+      }
+    }
+    compaction_offload_fallbacks_.fetch_add(1, std::memory_order_relaxed);
+    const Clock::time_point now = Clock::now();
+    if (now - last_offload_log_ >= std::chrono::seconds(5)) {
+      last_offload_log_ = now;
+      spdlog::warn(
+          "stripe store: compaction offload failed, the client moves the pages ({} such passes "
+          "so far; logged at most every 5 s): {}",
+          compaction_offload_fallbacks_.load(std::memory_order_relaxed), error.ToString());
+    }
+    return false;
+  }
+  // Committed: the old cells become holes, the entries point at the new ones. The ciphertext is
+  // the same bytes (its recorded seal opens it; the backup file already holds it).
+  for (size_t j = 0; j < n; ++j) {
+    PageEntry& e = table_[pages[w.which[j]].page];
+    remote_->Release(e.set, e.member);
+    e.set = written[j / k];
+    e.member = static_cast<int16_t>(j % k);
+    e.cell_crc = w.crcs[j];
+  }
+  compaction_offloaded_sets_.fetch_add(written.size(), std::memory_order_relaxed);
+  return true;
 }
 
 bool StripeStore::CompactionWanted() const {
@@ -708,6 +823,11 @@ StripeStoreStats StripeStore::stripe_stats() const {
   s.short_sets = short_sets_.load(std::memory_order_relaxed);
   s.compactions = compactions_.load(std::memory_order_relaxed);
   s.pages_compacted = pages_compacted_.load(std::memory_order_relaxed);
+  s.compaction_offloaded_sets = compaction_offloaded_sets_.load(std::memory_order_relaxed);
+  s.compaction_offload_fallbacks = compaction_offload_fallbacks_.load(std::memory_order_relaxed);
+  s.compaction_bytes_sent = compaction_bytes_sent_.load(std::memory_order_relaxed);
+  s.compaction_bytes_received = compaction_bytes_received_.load(std::memory_order_relaxed);
+  s.compaction_cpu_ns = compaction_cpu_ns_.load(std::memory_order_relaxed);
   return s;
 }
 

@@ -8,14 +8,15 @@
 // cells on k daemons plus r parity cells, written whole (no read-modify-write of parity) — and a
 // page table maps each export page to its cell (set, member). An overwrite writes a new set and
 // makes the old cell a hole; compaction rewrites the live cells of the emptiest sets as full sets
-// so that their rows go back to the daemons. A read is ReadSpans: one op to the one daemon of the
+// so that their rows go back to the daemons — by the daemons themselves (compaction offload,
+// below). A read is ReadSpans: one op to the one daemon of the
 // cell while it is up; a degraded read (that daemon gone) decodes from k members. Re-protection
 // of failed members, revalidation, eviction-notice moves, degraded writes: RemoteStore's.
 //
-// Page table: export page -> PageEntry {set, member}, 16 bytes per 4 KiB page (4 MiB per GiB of
-// export, allocated at start). A page whose entry has no set was never written (or was trimmed)
-// and reads as zeroes. The entry is the cell's SpanOwner, so compaction maps a candidate cell back
-// to its page without another table.
+// Page table: export page -> PageEntry {set, member, cell CRC-32C}, 16 bytes per 4 KiB page
+// (4 MiB per GiB of export, allocated at start). A page whose entry has no set was never written
+// (or was trimmed) and reads as zeroes. The entry is the cell's SpanOwner, so compaction maps a
+// candidate cell back to its page without another table.
 //
 // Concurrency (every BlockBackend method from any thread, plus the compaction thread): the page
 // table is guarded by kLockStripes striped reader/writer locks (farmem::SharedMutex; page p ->
@@ -45,8 +46,26 @@
 // Encryption (on by default): PageCrypto exactly as PageStore uses it — each page sealed before
 // its cell leaves the process, AAD binding the export page number; a cell that fails to open is
 // reported (RemoteStore::ReportCorrupt: its member is failed and rebuilt) and read again, rebuilt
-// from the other members; with no redundancy left, an error for exactly that page. Compaction
-// moves ciphertext unchanged (its recorded seal stays valid) after checking that it opens.
+// from the other members; with no redundancy left, an error for exactly that page. Nothing of a
+// page's seal depends on where its cell lives (nonce: domain || write counter; AAD: domain ||
+// export page number), so a cell moved unchanged still opens with the page's recorded seal.
+//
+// Compaction offload (StripeStoreOptions::compaction_offload, on by default; the far_ptr
+// compactor's, RemoteStore::WriteSetGathered): the plan — which live cell becomes which data
+// member of which new set — needs only the page table. The daemons of the new set's data members
+// copy the cells from their daemons themselves (GATHER_CELL) and its parity daemons compute parity
+// (PARITY_ENCODE); the client sends a few hundred bytes of requests per set and then swaps the
+// moved pages' entries, under their exclusive locks held for the whole pass (a write of a page
+// being moved waits, then writes a new set as usual: its new value wins). The ciphertext moves
+// unchanged: no key on a daemon, no new seal, no nonce used. Corruption must not ride along
+// (moved unopened under new parity, with the old set freed, a flipped bit would become
+// unrecoverable): each entry keeps the CRC-32C of its cell as written, the gathering daemons
+// report the CRC-32C of what they read, and a mismatch is reported (ReportCorrupt: re-protected)
+// and the pass falls back. Fallback, on any offload error (a degraded source, a daemon without
+// these opcodes, a corrupted source): the pass undoes what it wrote and moves the bytes through
+// the client as without offload — read, open (a corrupted cell is caught and rebuilt there),
+// seal anew, write. Counted: compaction_offloaded_sets, compaction_offload_fallbacks, and the
+// client bytes / CPU of compaction.
 //
 // Backup file (--backup, Infiniswap's, BackupFile as the split layout uses it): every page a
 // write puts in a set also goes to the file at its export offset (the same bytes as its cell:
@@ -55,8 +74,7 @@
 // beyond tolerance) or does not open with no redundancy left is read from the file instead, and
 // is then not lost: nothing is logged LOST, it is logged as served from the backup file.
 //
-// Not supported (yet): compaction offload to the daemons (the client moves the bytes), none /
-// replicate modes.
+// Not supported (yet): none / replicate modes.
 #pragma once
 
 #include <atomic>
@@ -96,6 +114,9 @@ struct StripeStoreOptions {
   // space a fully packed store would use). 0: never by itself (CompactOnce still works).
   double compact_trigger = 1.5;
   std::string backup_path;  // empty: no backup file (see the header comment)
+  // The daemons move the cells that compaction moves (see the header comment); they must reach
+  // each other at the addresses the cluster knows them by. Off: the client moves them.
+  bool compaction_offload = true;
 };
 
 // What only the stripe layout has (PageStoreStats has the rest).
@@ -108,6 +129,14 @@ struct StripeStoreStats {
   uint64_t short_sets = 0;    // of those, with fewer than k pages
   uint64_t compactions = 0;   // compaction passes that moved something
   uint64_t pages_compacted = 0;
+  // Compaction offload: sets the daemons assembled, passes that fell back to moving the bytes
+  // through the client, and what compaction cost the client (every byte of its data-path and
+  // offload requests and replies; CPU time of the compacting thread).
+  uint64_t compaction_offloaded_sets = 0;
+  uint64_t compaction_offload_fallbacks = 0;
+  uint64_t compaction_bytes_sent = 0;
+  uint64_t compaction_bytes_received = 0;
+  uint64_t compaction_cpu_ns = 0;
 };
 
 class StripeStore final : public BatchBackend {
@@ -158,10 +187,13 @@ class StripeStore final : public BatchBackend {
  private:
   struct PageEntry : spanstore::SpanOwner {
     spanstore::SpanSet* set = nullptr;  // null: never written or trimmed (reads as zeroes)
-    int32_t member = 0;
+    int16_t member = 0;
     // Its cell failed authentication and nothing could rebuild it: counted in lost_bytes once
     // (readers hold the page shared, hence atomic); cleared when the page gets a new cell.
     std::atomic<bool> lost_counted{false};
+    // CRC-32C of the cell as written (ciphertext when encrypted), for the offload's check of the
+    // cells it moves; kept only with compaction_offload.
+    uint32_t cell_crc = 0;
   };
   struct Worker;
   static constexpr size_t kNoPrimary = ~size_t{0};
@@ -201,6 +233,10 @@ class StripeStore final : public BatchBackend {
   // cells and releases the old ones. Page locks held exclusively.
   void WritePages(Worker& w, std::span<PageIo> pages, std::span<Status> op_status);
   void ReleaseCell(uint64_t page);  // page lock held exclusively
+  // Compaction offload of the pages marked `write` (locked exclusively, each with a cell): new
+  // sets assembled by the daemons, the entries swapped. False (nothing changed) if the offload
+  // failed and the caller must move the bytes itself.
+  bool CompactOffloaded(Worker& w, std::span<PageIo> pages) REQUIRES(compact_pass_mu_);
   // Reads page `page` from the backup file into buf and opens it: the copy of a page whose cell
   // cannot be produced. Page lock held.
   Status ReadBackup(Worker& w, uint64_t page, uint8_t* buf);
@@ -229,7 +265,8 @@ class StripeStore final : public BatchBackend {
   WorkerPool<Worker> workers_;  // its background worker is the compactor's
 
   Mutex compact_pass_mu_;  // one compaction pass at a time (held across its I/O)
-  Mutex compact_mu_;       // the compaction thread's wake-up
+  Clock::time_point last_offload_log_ GUARDED_BY(compact_pass_mu_){};
+  Mutex compact_mu_;  // the compaction thread's wake-up
   CondVar compact_cv_;
   bool stopping_ GUARDED_BY(compact_mu_) = false;
   std::thread compact_thread_;
@@ -242,6 +279,11 @@ class StripeStore final : public BatchBackend {
   std::atomic<uint64_t> short_sets_{0};
   std::atomic<uint64_t> compactions_{0};
   std::atomic<uint64_t> pages_compacted_{0};
+  std::atomic<uint64_t> compaction_offloaded_sets_{0};
+  std::atomic<uint64_t> compaction_offload_fallbacks_{0};
+  std::atomic<uint64_t> compaction_bytes_sent_{0};
+  std::atomic<uint64_t> compaction_bytes_received_{0};
+  std::atomic<uint64_t> compaction_cpu_ns_{0};
   std::atomic<uint64_t> cluster_free_slabs_{0};  // the last capacity check's
   std::atomic<uint64_t> slabs_needed_{0};
 };
