@@ -27,6 +27,8 @@ struct BackendConfig {
   // ec:k+r only: "split" (each page cut into k fragments, PageStore) or "stripe" (whole pages in
   // stripes of k pages + r parity, StripeStore; docs/nbd.md "Stripe layout").
   std::string ec_layout = "split";
+  // Stripe layout only: the daemons move the cells compaction moves (StripeStoreOptions).
+  bool compaction_offload = false;
   uint32_t heartbeat_ms = 500, failure_timeout_ms = 2000, peer_wait_ms = 5000;
   // The write-back page cache in front of the page store (write_cache.h, docs/nbd.md).
   uint32_t write_cache_pages = 1024, write_cache_max_age_ms = 100;

@@ -50,7 +50,8 @@
 // page's seal depends on where its cell lives (nonce: domain || write counter; AAD: domain ||
 // export page number), so a cell moved unchanged still opens with the page's recorded seal.
 //
-// Compaction offload (StripeStoreOptions::compaction_offload, on by default; the far_ptr
+// Compaction offload (StripeStoreOptions::compaction_offload, off by default: at 4 KiB cells it
+// costs the client more CPU per page than moving the bytes itself, docs/nbd.md; the far_ptr
 // compactor's, RemoteStore::WriteSetGathered): the plan — which live cell becomes which data
 // member of which new set — needs only the page table. The daemons of the new set's data members
 // copy the cells from their daemons themselves (GATHER_CELL) and its parity daemons compute parity
@@ -115,8 +116,9 @@ struct StripeStoreOptions {
   double compact_trigger = 1.5;
   std::string backup_path;  // empty: no backup file (see the header comment)
   // The daemons move the cells that compaction moves (see the header comment); they must reach
-  // each other at the addresses the cluster knows them by. Off: the client moves them.
-  bool compaction_offload = true;
+  // each other at the addresses the cluster knows them by. Off (the default): the client moves
+  // them. farmem-nbd --compaction-offload.
+  bool compaction_offload = false;
 };
 
 // What only the stripe layout has (PageStoreStats has the rest).

@@ -615,7 +615,8 @@ TEST_F(StripeStoreTest, CompactionOffloadMovesNoPageThroughTheClient) {
 // no longer authenticate, its good copy freed).
 TEST_F(StripeStoreTest, CompactionOffloadFallsBackOnACorruptedSource) {
   StartDaemons(7);
-  OpenStripe("ec:4+2", true, /*compact_trigger=*/0);
+  OpenStripe("ec:4+2", true, /*compact_trigger=*/0, "",
+             [](StripeStoreOptions& o) { o.compaction_offload = true; });
   ASSERT_NO_FATAL_FAILURE(WriteLoneCells(this, stripe_.get(), shadow_, 64, 3));
   const auto places = stripe_->PagePlaces(8);
   ASSERT_EQ(places.size(), 1u);
@@ -648,7 +649,8 @@ TEST_F(StripeStoreTest, CompactionOffloadFallsBackOnACorruptedSource) {
 // after the write would bring back the old value).
 TEST_F(StripeStoreTest, OverwritesRacingOffloadedCompactionKeepTheNewValue) {
   StartDaemons(6, "48M");
-  OpenStripe("ec:4+2", true, /*compact_trigger=*/0);
+  OpenStripe("ec:4+2", true, /*compact_trigger=*/0, "",
+             [](StripeStoreOptions& o) { o.compaction_offload = true; });
   ASSERT_NO_FATAL_FAILURE(WriteLoneCells(this, stripe_.get(), shadow_, 256, 5));
   std::atomic<bool> done{false};
   std::atomic<uint64_t> writes{0};

@@ -173,6 +173,11 @@ TEST_F(StartupOptionsTest, FarmemNbdRefusesTheStripeLayoutWhereItDoesNotApply) {
   const CommandResult bad = with({"--ec-layout", "raid"});
   EXPECT_NE(bad.exit_code, 0) << Describe(bad);
   EXPECT_THAT(bad.err, HasSubstr("'raid' is not one of split, stripe")) << Describe(bad);
+  const CommandResult split =
+      with({"--resilience", "ec:2+1", "--ec-layout", "split", "--compaction-offload"});
+  EXPECT_NE(split.exit_code, 0) << Describe(split);
+  EXPECT_THAT(split.err, HasSubstr("--compaction-offload applies only to --ec-layout stripe"))
+      << Describe(split);
   const CommandResult memory = FarmemNbd({"--ec-layout", "stripe"});
   EXPECT_NE(memory.exit_code, 0) << Describe(memory);
   EXPECT_THAT(memory.err, HasSubstr("--ec-layout applies only to --backend farmem"))
