@@ -357,9 +357,15 @@ TEST_F(StripeStoreTest, FlippedBitIsServedFromTheOtherMembersAndReprotected) {
   ASSERT_EQ(places.size(), 1u);
   std::vector<uint8_t> cell(4096);
   const auto& [lease, at] = places[0];
-  ASSERT_TRUE(RawOp(*cluster_, lease, transport::OpType::kRead, at, cell.data(), 4096).ok());
+  {
+    Status raw = RawOp(*cluster_, lease, transport::OpType::kRead, at, cell.data(), 4096);
+    ASSERT_TRUE(raw.ok()) << raw.ToString();
+  }
   cell[100] ^= 0x10;
-  ASSERT_TRUE(RawOp(*cluster_, lease, transport::OpType::kWrite, at, cell.data(), 4096).ok());
+  {
+    Status raw = RawOp(*cluster_, lease, transport::OpType::kWrite, at, cell.data(), 4096);
+    ASSERT_TRUE(raw.ok()) << raw.ToString();
+  }
 
   std::vector<uint8_t> back(4096);
   Status s = stripe_->Read(17 * 4096, back);
@@ -380,9 +386,15 @@ TEST_F(StripeStoreTest, FlippedBitWithoutRedundancyFailsExactlyThatPage) {
   ASSERT_EQ(places.size(), 1u);
   std::vector<uint8_t> cell(4096);
   const auto& [lease, at] = places[0];
-  ASSERT_TRUE(RawOp(*cluster_, lease, transport::OpType::kRead, at, cell.data(), 4096).ok());
+  {
+    Status raw = RawOp(*cluster_, lease, transport::OpType::kRead, at, cell.data(), 4096);
+    ASSERT_TRUE(raw.ok()) << raw.ToString();
+  }
   cell[9] ^= 0x01;
-  ASSERT_TRUE(RawOp(*cluster_, lease, transport::OpType::kWrite, at, cell.data(), 4096).ok());
+  {
+    Status raw = RawOp(*cluster_, lease, transport::OpType::kWrite, at, cell.data(), 4096);
+    ASSERT_TRUE(raw.ok()) << raw.ToString();
+  }
   std::vector<uint8_t> back(3 * 4096);
   Status s = stripe_->Read(16 * 4096, back);
   EXPECT_EQ(s.code(), StatusCode::kDataLoss) << s.ToString();
