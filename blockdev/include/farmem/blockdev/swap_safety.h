@@ -28,9 +28,12 @@
 
 namespace farmem::blockdev {
 
-// The stack of every thread of a swap-safe process. The deepest measured was 28 KiB (a connection
-// thread running the page store, 4 KiB random I/O at depth 16): this leaves 9x headroom.
-inline constexpr size_t kThreadStackSize = 256u << 10;
+// The stack of every thread of a swap-safe process (locked whole, ~11 threads at idle + one per
+// connection). The deepest measured was 28 KiB (a connection thread running the page store, 4 KiB
+// random I/O at depth 16; 24 KiB for ec:4+2 reads degraded by a killed daemon): 128 KiB leaves
+// 4.5x headroom, and a stack that overflowed would hit glibc's guard page (a crash, not a silent
+// corruption).
+inline constexpr size_t kThreadStackSize = 128u << 10;
 
 struct SwapSafetyReport {
   Status memory_locked;
