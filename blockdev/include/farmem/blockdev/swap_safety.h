@@ -10,7 +10,7 @@
 //    (heap, thread stacks, every buffer) is populated and locked whole as it is mapped
 //    (MCL_FUTURE), and so is the program's own file; the shared libraries mapped at start are
 //    locked page by page as they are used (MCL_CURRENT | MCL_ONFAULT), so their pages farmem-nbd
-//    never runs (most of libcrypto, libstdc++, libsystemd's dependencies) take nothing from the
+//    never runs (most of libcrypto and libstdc++) take nothing from the
 //    host. A library page used for the first time later may be read from its file: that is safe
 //    only under PR_SET_IO_FLUSHER, so when that step failed everything is locked whole instead
 //    (mlockall(MCL_CURRENT | MCL_FUTURE));
