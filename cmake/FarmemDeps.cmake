@@ -25,8 +25,6 @@ farmem_require_pkg(CRYPTO libcrypto libssl-dev)
 farmem_require_cmake(fmt libfmt-dev)
 farmem_require_cmake(spdlog libspdlog-dev)
 farmem_require_cmake(CLI11 libcli11-dev)
-# sd_notify for farmemd and farmem-nbd under systemd (Type=notify, watchdog).
-farmem_require_pkg(SYSTEMD libsystemd libsystemd-dev)
 if(FARMEM_WITH_VERBS)
   farmem_require_pkg(IBVERBS libibverbs libibverbs-dev)
   farmem_require_pkg(RDMACM librdmacm librdmacm-dev)

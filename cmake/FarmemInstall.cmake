@@ -28,7 +28,7 @@ install(TARGETS ${farmem_installed_libs} farmem_version EXPORT farmemTargets
   LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR}
   INCLUDES DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})
 foreach(dir common ec transport client spanstore farptr)
-  # command_line.h (CLI11) and service_notify.h (libsystemd) serve the programs, not library users.
+  # command_line.h (CLI11) and service_notify.h (sd_notify) serve the programs, not library users.
   install(DIRECTORY ${CMAKE_SOURCE_DIR}/${dir}/include/ DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}
     PATTERN command_line.h EXCLUDE PATTERN service_notify.h EXCLUDE)
 endforeach()

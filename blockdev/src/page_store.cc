@@ -157,6 +157,8 @@ Status PageStore::Init() {
   }
   if (slab_size_ == 0) return Unavailable("no daemon answered STAT: cannot learn the slab size");
   extent_bytes_ = slab_size_ / frag_size_ * kPage;  // pages per slab * page size
+  // ec: a piece must fit one round's staging (kRoundBytes); the other modes stage nothing.
+  max_piece_ = res.mode == Resilience::Mode::kErasure ? kRoundBytes : kMaxPiece;
   round_params_ = std::make_unique<RoundParams>(RoundParams{
       res, codec_.get(), frag_size_, options_.op_timeout, crypto_.get(), extent_bytes_ / kPage});
   const uint64_t n = (options_.size + extent_bytes_ - 1) / extent_bytes_;
@@ -263,7 +265,7 @@ void PageStore::SplitPieces(uint64_t offset, uint64_t len, uint8_t* buf, bool wr
     const uint64_t at = offset + done;
     const uint64_t index = at / extent_bytes_;
     const uint64_t in_extent = at % extent_bytes_;
-    const uint64_t n = std::min({len - done, extent_bytes_ - in_extent, kMaxPiece});
+    const uint64_t n = std::min({len - done, extent_bytes_ - in_extent, max_piece_});
     Piece p;
     p.extent = extents_[index].get();
     p.index = index;

@@ -395,6 +395,7 @@ class PageStore final : public BatchBackend {
   std::unique_ptr<PageCrypto> crypto_;  // null: --no-encrypt
   uint64_t slab_size_ = 0;
   uint64_t extent_bytes_ = 0;
+  uint64_t max_piece_ = 0;     // export data of one piece: kMaxPiece, or kRoundBytes with ec (Init)
   uint32_t frag_size_ = 4096;  // bytes of one page on one member
   std::vector<std::unique_ptr<Extent>> extents_;
   client::SubscriptionId subscription_ = 0;

@@ -25,11 +25,13 @@ inline constexpr uint64_t kPage = 4096;
 // large enough that one op of a batch is a handful of pieces, small enough that a round of
 // several pieces fits the staging memory below.
 inline constexpr uint64_t kMaxPiece = 1 << 20;
-// A round moves at most this much export data: each worker's ec staging memory is sized for it
-// (kRoundBytes / 4096 pages x (k + r) fragments), allocated once at start and locked in swap-safe
-// mode (1.5 MiB a worker for ec:4+2). One piece of the largest size fits; swap I/O is at most a
-// few hundred KiB a request.
-inline constexpr uint64_t kRoundBytes = kMaxPiece;
+// A round of ec:k+r moves at most this much export data: each worker's ec staging memory is sized
+// for it (kRoundBytes / 4096 pages x (k + r) fragments), allocated once at start and locked in
+// swap-safe mode (384 KiB a worker for ec:4+2; 9 workers by default). With ec:k+r a piece is at
+// most kRoundBytes, so larger requests go in several rounds. The kernel's swap I/O is mostly
+// single pages and page clusters of a few tens of KiB: one round each.
+inline constexpr uint64_t kRoundBytes = 256 << 10;
+static_assert(kRoundBytes % kPage == 0 && kRoundBytes <= kMaxPiece);
 // Attempts of a piece whose members failed (each after a rebuild) before the op fails.
 inline constexpr int kMaxRetries = 3;
 // A round holds at most this many pieces (a fixed array, no allocation on the request path)...

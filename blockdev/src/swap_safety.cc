@@ -49,7 +49,7 @@ Status LockOwnProgram() {
 
 // `on_fault`: what is mapped now (the program, its shared libraries, the main thread's stack) is
 // locked page by page as it is used: a library's pages that farmem-nbd never touches (most of
-// libcrypto, libstdc++, and what libsystemd pulls in) are not taken from the host. A library page
+// libcrypto and libstdc++) are not taken from the host. A library page
 // used for the first time later is a page fault that may read the file: safe only if this
 // process's allocations cannot recurse into I/O (PR_SET_IO_FLUSHER), so without that everything
 // mapped now is locked whole, as before.

@@ -2,9 +2,16 @@
 
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>
-#include <systemd/sd-daemon.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
 
+#include <cerrno>
+#include <charconv>
+#include <cstddef>
 #include <cstdlib>
+#include <cstring>
+#include <optional>
 #include <string>
 
 namespace farmem::systemd {
@@ -19,10 +26,56 @@ std::string OneLine(std::string_view text) {
   return line;
 }
 
+// sd_notify(3)'s protocol, without libsystemd (which would map libgcrypt, libzstd, liblzma and
+// liblz4 into farmem-nbd, locked in swap-safe mode, for this one datagram): the state as one
+// datagram to the AF_UNIX socket named by $NOTIFY_SOCKET, a path or, with a leading '@', an
+// abstract name. The environment is left set: the threads that notify later (ServiceMonitor)
+// still need the socket. Returns an errno-style error, or 0.
+int SendDatagram(const std::string& state) {
+  const char* socket_name = std::getenv("NOTIFY_SOCKET");
+  if (socket_name == nullptr || *socket_name == '\0') return 0;
+  const size_t name_len = std::strlen(socket_name);
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  if ((socket_name[0] != '/' && socket_name[0] != '@') || name_len >= sizeof(addr.sun_path)) {
+    return EAFNOSUPPORT;  // systemd ≥ 253 may also pass vsock:CID:PORT; not supported here
+  }
+  std::memcpy(addr.sun_path, socket_name, name_len);
+  socklen_t addr_len = static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + name_len);
+  if (socket_name[0] == '@') {
+    addr.sun_path[0] = '\0';  // abstract: the name is the bytes after the NUL, no terminator
+  } else {
+    addr_len += 1;  // the path's terminating NUL
+  }
+  const int fd = ::socket(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return errno;
+  int rc = 0;
+  if (::sendto(fd, state.data(), state.size(), MSG_NOSIGNAL, reinterpret_cast<sockaddr*>(&addr),
+               addr_len) < 0) {
+    rc = errno;
+  }
+  ::close(fd);
+  return rc;
+}
+
 void Send(const std::string& state) {
-  // unset_environment = 0: the threads that notify later (ServiceMonitor) still need the socket.
-  const int rc = sd_notify(0, state.c_str());
-  if (rc < 0) spdlog::warn("sd_notify({}) failed: {}", state.substr(0, state.find('\n')), rc);
+  const int rc = SendDatagram(state);
+  if (rc != 0) {
+    spdlog::warn("telling systemd {} on NOTIFY_SOCKET={} failed: {}",
+                 state.substr(0, state.find('\n')), std::getenv("NOTIFY_SOCKET"),
+                 std::strerror(rc));
+  }
+}
+
+// A decimal number of the environment, or nullopt when unset or not a number.
+std::optional<uint64_t> EnvNumber(const char* name) {
+  const char* text = std::getenv(name);
+  if (text == nullptr || *text == '\0') return std::nullopt;
+  uint64_t value = 0;
+  const char* end = text + std::strlen(text);
+  const auto [ptr, ec] = std::from_chars(text, end, value);
+  if (ec != std::errc() || ptr != end) return std::nullopt;
+  return value;
 }
 
 }  // namespace
@@ -48,10 +101,17 @@ void NotifyStopping(std::string_view status) {
 }
 
 std::chrono::microseconds WatchdogInterval() {
-  uint64_t usec = 0;
-  // > 0 only when WATCHDOG_USEC is set and WATCHDOG_PID (if set) is this process.
-  if (sd_watchdog_enabled(0, &usec) <= 0) return std::chrono::microseconds(0);
-  return std::chrono::microseconds(usec);
+  // As sd_watchdog_enabled(3): only when WATCHDOG_USEC is a positive number and WATCHDOG_PID,
+  // if set, is this process (a child started by the service does not ping for it).
+  const auto usec = EnvNumber("WATCHDOG_USEC");
+  if (!usec.has_value() || *usec == 0) return std::chrono::microseconds(0);
+  if (std::getenv("WATCHDOG_PID") != nullptr) {
+    const auto pid = EnvNumber("WATCHDOG_PID");
+    if (!pid.has_value() || *pid != static_cast<uint64_t>(::getpid())) {
+      return std::chrono::microseconds(0);
+    }
+  }
+  return std::chrono::microseconds(*usec);
 }
 
 std::unique_ptr<ServiceMonitor> ServiceMonitor::Start(Probe probe,

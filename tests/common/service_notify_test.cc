@@ -5,10 +5,17 @@
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <sys/un.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <chrono>
+#include <cstddef>
+#include <cstring>
 #include <string>
 
 #include "support/notify_socket.h"
@@ -88,6 +95,26 @@ TEST_F(ServiceNotifyTest, WithoutWatchdogSecOnlyStatusIsSent) {
   EXPECT_EQ(notify_.Receive(seconds(5)), "STATUS=round 0");
   EXPECT_EQ(notify_.Receive(seconds(5)), "STATUS=round 1");  // round 0 again was not re-sent
   EXPECT_EQ(notify_.Receive(seconds(5)), "STATUS=round 2");
+}
+
+// systemd may name an abstract socket ("@name"); the datagram goes to that name, not to a file.
+TEST_F(ServiceNotifyTest, AbstractSocketNameIsReached) {
+  const std::string name = "farmem-notify-test-" + std::to_string(::getpid());
+  const int fd = ::socket(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+  ASSERT_GE(fd, 0);
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  std::memcpy(addr.sun_path + 1, name.data(), name.size());  // sun_path[0] = 0: abstract
+  const auto len = static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + 1 + name.size());
+  ASSERT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&addr), len), 0) << std::strerror(errno);
+  ScopedEnv env("NOTIFY_SOCKET", "@" + name);
+  systemd::NotifyStatus("abstract");
+  pollfd p{fd, POLLIN, 0};
+  ASSERT_EQ(::poll(&p, 1, 5000), 1) << "nothing arrived on @" << name;
+  char buf[256];
+  const ssize_t n = ::recv(fd, buf, sizeof(buf), 0);
+  ::close(fd);
+  EXPECT_EQ(std::string(buf, static_cast<size_t>(std::max<ssize_t>(n, 0))), "STATUS=abstract");
 }
 
 TEST_F(ServiceNotifyTest, WatchdogMeantForAnotherProcessIsIgnored) {

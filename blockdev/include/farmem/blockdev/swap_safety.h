@@ -10,7 +10,7 @@
 //    (heap, thread stacks, every buffer) is populated and locked whole as it is mapped
 //    (MCL_FUTURE), and so is the program's own file; the shared libraries mapped at start are
 //    locked page by page as they are used (MCL_CURRENT | MCL_ONFAULT), so their pages farmem-nbd
-//    never runs (most of libcrypto, libstdc++, libsystemd's dependencies) take nothing from the
+//    never runs (most of libcrypto and libstdc++) take nothing from the
 //    host. A library page used for the first time later may be read from its file: that is safe
 //    only under PR_SET_IO_FLUSHER, so when that step failed everything is locked whole instead
 //    (mlockall(MCL_CURRENT | MCL_FUTURE));
@@ -28,9 +28,12 @@
 
 namespace farmem::blockdev {
 
-// The stack of every thread of a swap-safe process. The deepest measured was 28 KiB (a connection
-// thread running the page store, 4 KiB random I/O at depth 16): this leaves 9x headroom.
-inline constexpr size_t kThreadStackSize = 256u << 10;
+// The stack of every thread of a swap-safe process (locked whole, ~11 threads at idle + one per
+// connection). The deepest measured was 28 KiB (a connection thread running the page store, 4 KiB
+// random I/O at depth 16; 24 KiB for ec:4+2 reads degraded by a killed daemon): 128 KiB leaves
+// 4.5x headroom, and a stack that overflowed would hit glibc's guard page (a crash, not a silent
+// corruption).
+inline constexpr size_t kThreadStackSize = 128u << 10;
 
 struct SwapSafetyReport {
   Status memory_locked;
