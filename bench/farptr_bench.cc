@@ -24,7 +24,6 @@
 //                [--pairs 16] [--ops 150000] [--local 0.25] [--gather on|off]
 //
 // Starts its own farmemd processes (next to this binary, or $FARMEM_BIN_DIR).
-#include <time.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -46,6 +45,7 @@
 #include "farmem/client/cluster.h"
 #include "farmem/common/aead.h"
 #include "farmem/common/command_line.h"
+#include "farmem/common/cpu_time.h"
 #include "farmem/far_hash_map.h"
 #include "farmem/far_ptr.h"
 #include "farmem/far_vector.h"
@@ -77,13 +77,9 @@ struct Args {
 
 double Ns(Clock::duration d) { return std::chrono::duration<double, std::nano>(d).count(); }
 
-// CPU time of the calling thread (user + system), in ns: what a miss costs this thread whatever
-// else the machine runs (wall time on a loaded machine is mostly waiting for a core).
-double ThreadCpuNs() {
-  timespec ts{};
-  ::clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
-  return static_cast<double>(ts.tv_sec) * 1e9 + static_cast<double>(ts.tv_nsec);
-}
+// CPU time of the calling thread, in ns (farmem/common/cpu_time.h): what a miss costs this thread
+// whatever else the machine runs.
+double ThreadCpuNs() { return static_cast<double>(farmem::ThreadCpuNs()); }
 
 // The two fast paths the doc disassembles.
 [[gnu::noinline]] uint64_t FarDerefOne(const far_ptr<uint64_t>& p, const DerefScope& s) {

@@ -26,7 +26,6 @@
 #include <openssl/core_names.h>
 #include <openssl/evp.h>
 #include <openssl/params.h>
-#include <time.h>
 
 #include <algorithm>
 #include <cstdlib>
@@ -35,17 +34,14 @@
 #include <random>
 #include <vector>
 
+#include "farmem/common/cpu_time.h"
 #include "page_crypto.h"
 
 namespace {
 
 // The thread's CPU time, not the wall clock: on a shared machine the thread is preempted, and
 // what is measured is what the work costs a core.
-double CpuNs() {
-  timespec ts{};
-  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
-  return static_cast<double>(ts.tv_sec) * 1e9 + static_cast<double>(ts.tv_nsec);
-}
+double CpuNs() { return static_cast<double>(farmem::ThreadCpuNs()); }
 constexpr uint64_t kExportPages = 65536;  // 256 MiB
 constexpr size_t kPage = 4096;
 

@@ -3,26 +3,18 @@
 
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>
-#include <time.h>
 
 #include <algorithm>
 #include <cstring>
 
 #include "export_capacity.h"
+#include "farmem/common/cpu_time.h"
 #include "farmem/ec/crc32c.h"
 
 namespace farmem::blockdev {
 
 using spanstore::SpanOwner;
 using spanstore::SpanSet;
-
-namespace {
-uint64_t ThreadCpuNs() {
-  timespec ts{};
-  ::clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
-  return static_cast<uint64_t>(ts.tv_sec) * 1000000000ull + static_cast<uint64_t>(ts.tv_nsec);
-}
-}  // namespace
 
 struct StripeStore::Worker {
   std::unique_ptr<spanstore::IoContext> io;
@@ -583,11 +575,7 @@ Status StripeStore::CompactOnce(uint64_t* moved) {
   std::vector<SpanOwner*> cands = remote_->CompactionCandidates(8 * k);
   if (cands.empty()) return Status::Ok();
   // What compaction costs the client: this thread's CPU, and the bytes of its I/O context.
-  struct CpuMeter {
-    std::atomic<uint64_t>& total;
-    const uint64_t start = ThreadCpuNs();
-    ~CpuMeter() { total.fetch_add(ThreadCpuNs() - start, std::memory_order_relaxed); }
-  } cpu{compaction_cpu_ns_};
+  ThreadCpuMeter cpu(compaction_cpu_ns_);
   Worker* w = &workers_.background();  // the compactor's own (one pass at a time)
   const spanstore::IoContext& io = *w->io;
   const uint64_t received0 = io.bytes_read + io.offload_bytes_received;

@@ -30,13 +30,13 @@
 // would have where they were.
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>
-#include <time.h>
 
 #include <algorithm>
 #include <cstring>
 #include <map>
 #include <set>
 
+#include "farmem/common/cpu_time.h"
 #include "farmem/ec/crc32c.h"
 #include "heap.h"
 
@@ -46,12 +46,6 @@ namespace {
 // Remote spans fuller than this are left alone unless their set has holes. 85% keeps span-set
 // bytes within ~1.25x of (k + r) / k x live bytes; lower values compact less often.
 constexpr double kSparseFill = 0.85;
-
-uint64_t ThreadCpuNs() {
-  timespec ts{};
-  ::clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
-  return static_cast<uint64_t>(ts.tv_sec) * 1000000000ull + static_cast<uint64_t>(ts.tv_nsec);
-}
 }  // namespace
 
 bool Heap::CompactionWanted() const {
@@ -83,11 +77,7 @@ Status Heap::Compact() {
 Status Heap::CompactOnce(size_t* moved) NO_THREAD_SAFETY_ANALYSIS {
   *moved = 0;
   // Client CPU for compaction, whichever thread runs it (Compact, or the evictor).
-  struct CpuMeter {
-    std::atomic<uint64_t>& total;
-    const uint64_t start = ThreadCpuNs();
-    ~CpuMeter() { total.fetch_add(ThreadCpuNs() - start, std::memory_order_relaxed); }
-  } cpu{compaction_cpu_ns_};
+  ThreadCpuMeter cpu(compaction_cpu_ns_);
   const size_t k = static_cast<size_t>(res_.k);
   // Every victim stays locked for the whole pass: keep the batch modest (ThreadSanitizer also
   // tracks at most 64 locks held by one thread).
