@@ -23,8 +23,13 @@ class VerifiedFarObjects {
       : rt_(rt), count_(count), size_(size), during_(std::move(during)) {}
   ~VerifiedFarObjects() { Stop(); }
 
-  Status Fill() {
-    for (size_t i = 0; i < count_; ++i) {
+  Status Fill() { return Add(count_); }
+
+  // `more` objects after those there are, written as Fill() writes them (and everything evicted);
+  // for a test that needs the runtime to hold a lease somewhere. Before StartWriter() only.
+  Status Add(size_t more) {
+    for (size_t n = 0; n < more; ++n) {
+      const size_t i = objs_.size();
       far_bytes b = make_far_bytes_in(rt_, size_);
       {
         DerefScope s;
@@ -35,6 +40,8 @@ class VerifiedFarObjects {
     }
     return rt_.EvictUntil(0);
   }
+
+  size_t size() const { return objs_.size(); }
 
   void StartWriter() {
     thread_ = std::thread([this] {
