@@ -250,18 +250,13 @@ class PageStoreTest : public ::testing::Test {
 
 // One synchronous raw operation on a lease, on a channel of our own (the test's identity owns the
 // lease): how a lender's root, or a bad NIC, would change the bytes behind the client's back.
+// Channel::Read/Write wait up to 10 s (a tcp channel breaks when a Poll's timeout passes before
+// the reply: a short poll loop here failed the raw read at load 17, transport.h).
 inline Status RawOp(client::Cluster& cluster, const client::Lease& lease, transport::OpType type,
                     uint64_t offset, uint8_t* buf, uint32_t len) {
   FARMEM_ASSIGN_OR_RETURN(auto ch, cluster.OpenChannel(lease.node));
-  transport::Op op{type, lease.slab(), offset, buf, len, nullptr, 7};
-  FARMEM_RETURN_IF_ERROR(ch->Post(op));
-  FARMEM_RETURN_IF_ERROR(ch->Flush());
-  transport::Completion c[1];
-  for (int i = 0; i < 100; ++i) {
-    FARMEM_ASSIGN_OR_RETURN(size_t n, ch->Poll(c, std::chrono::milliseconds(100)));
-    if (n == 1) return c[0].status;
-  }
-  return DeadlineExceeded("raw op did not complete");
+  return type == transport::OpType::kRead ? ch->Read(lease.slab(), offset, {buf, len})
+                                          : ch->Write(lease.slab(), offset, {buf, len});
 }
 
 }  // namespace farmem::blockdev::pstest

@@ -89,6 +89,10 @@ class Channel {
   // Reaps up to out.size() completions. Waits up to `timeout` for the first one when any are
   // outstanding; returns 0 when none are. A channel that breaks completes every outstanding
   // operation with an error (Unavailable, RemoteAccessError, ...): nothing is left hanging.
+  // A non-zero `timeout` is an operation timeout, not a slice to poll in: on tcp a reply that
+  // does not come within it breaks the channel (its ops fail with DeadlineExceeded). To wait in
+  // slices, poll(2) wait_fd() and call Poll with the operation timeout once it is readable
+  // (ChannelSet), or use Execute.
   virtual Result<size_t> Poll(std::span<Completion> out, std::chrono::milliseconds timeout) = 0;
 
   virtual size_t outstanding() const = 0;
