@@ -1,7 +1,9 @@
 // What --metrics-listen adds to farmem-nbd's request path, per NBD reply, next to its baseline:
 //   baseline  one relaxed add (what a request already costs in counters: requests_ etc.)
 //   on        steady_clock::now() + requests/bytes counter adds + a latency histogram observe
-//             (exactly NbdConnection::AppendReply's metrics block)
+//             (NbdConnection::CountReply's metrics block, with a clock read per reply: the
+//             connection reads it once per burst of replies since 2026-12-03, so this is an
+//             upper bound; nbd_bench.sh --instructions counts the real request path)
 // and what a scrape costs the metrics thread (Render of farmem-nbd's ~150 series). Single thread;
 // run it pinned (taskset -c 0) for stable figures. The per-reply figure divided by a request's
 // time (docs/benchmarks-nbd.md) is the IOPS cost. Usage: metrics_bench [iterations]

@@ -47,6 +47,8 @@
 #                               [--x-args "ARGS"]
 #   blockdev/bench/nbd_bench.sh --ab "A B" [--pairs N] [--baseline TARGET|none]
 #                               [--workloads "randread:1 randwrite:16 ..."] [other options]
+#   blockdev/bench/nbd_bench.sh --instructions [--ios N] [--pairs N] [--size SIZE]
+#                               [--workloads "..."] [--build-dir DIR]
 #
 # --bs SIZE: fio's block size for every job (default 4k), e.g. --bs 1m --workloads "read:8 write:8"
 # (rw may be any of fio's: read, write, randread, randwrite).
@@ -75,6 +77,24 @@
 # -plain) as met / NOT MET / not resolved by this run, both from IOPS and from CPU per request
 # (for a CPU-bound server, IOPS scale as 1 / CPU per request).
 #
+# --instructions: the cost of --metrics-listen (issue 14) in instructions, not seconds, so that the
+# machine's load cannot move it: farmem-nbd (--resilience none on six loopback farmemd, as
+# farmem-none) runs under valgrind's callgrind, once with --metrics-listen (scraped every second,
+# as farmem-none-metrics) and once without, --pairs times each (default 1; off first in odd
+# pairs). Each workload is one fio job of exactly --ios requests (default 20000; fio
+# --number_ios, fixed random offsets) on a fresh connection, callgrind's counters zeroed before
+# it and dumped after it (callgrind_control), so the count is every user-space instruction of
+# every farmem-nbd thread while that job ran. Prints per workload the instructions per request
+# with metrics off (the baseline) and on, their difference and ratio, for the request path (the
+# NBD connection's thread, which runs each request to completion: the figure the <= 2% target is
+# judged on), the background threads (heartbeats, timers: driven by time, so by how long the job
+# took under callgrind, not by requests) and the whole process; and the metrics HTTP thread's
+# cost per scrape, as how many requests' worth one scrape a second is. Also the clock_gettime calls per request: under valgrind they are system calls
+# (no vDSO), so their user-space cost on a real machine (a vDSO read, tens of instructions) is
+# missing from the count; the kernel's instructions (send/recv) are not counted either, so the
+# share printed is an upper bound of the share of all instructions. Needs valgrind; --size
+# defaults to 64M here (the export is written whole first, under callgrind too).
+#
 # Defaults: build dir ./build, 10 s per job (after 2 s ramp), 3 repetitions, 1G export/file, all
 # targets, the disk file in ./build (it must be a real disk, not tmpfs: O_DIRECT), swap-safe off
 # (nbdkit without --swap, farmem-nbd --no-swap-safe; --swap-safe turns it on for both). All servers
@@ -101,19 +121,25 @@ baseline=nbdkit-mem
 workloads="randread:1 randread:16 randwrite:1 randwrite:16"
 alt_nbd=
 bs=4k
+instructions=0
+ios=20000
+size_given=0
+pairs_given=0
 while [ $# -gt 0 ]; do
   case $1 in
     --build-dir) build=$2; shift 2 ;;
     --runtime) runtime=$2; shift 2 ;;
     --repeat) repeat=$2; shift 2 ;;
-    --size) size=$2; shift 2 ;;
+    --size) size=$2; size_given=1; shift 2 ;;
     --targets) targets=$2; shift 2 ;;
     --disk-dir) disk_dir=$2; shift 2 ;;
     --swap-safe) swap_safe=1; shift ;;
     --json-dir) json_dir=$2; shift 2 ;;
     --cpu) cpu=1; shift ;;
     --ab) ab=$2; shift 2 ;;
-    --pairs) pairs=$2; shift 2 ;;
+    --pairs) pairs=$2; pairs_given=1; shift 2 ;;
+    --instructions) instructions=1; shift ;;
+    --ios) ios=$2; shift 2 ;;
     --baseline) baseline=$2; shift 2 ;;
     --workloads) workloads=$2; shift 2 ;;
     --alt-nbd) alt_nbd=$2; shift 2 ;;
@@ -123,6 +149,11 @@ while [ $# -gt 0 ]; do
     *) echo "unknown argument $1 (try --help)" >&2; exit 2 ;;
   esac
 done
+if [ $instructions = 1 ]; then
+  [ -z "$ab" ] || { echo "--instructions and --ab are two modes: choose one" >&2; exit 2; }
+  [ $size_given = 1 ] || size=64M
+  [ $pairs_given = 1 ] || pairs=1
+fi
 if [ -n "$ab" ]; then
   read -r ab_a ab_b ab_rest <<<"$ab"
   if [ -z "${ab_b:-}" ] || [ -n "${ab_rest:-}" ] || [ "$ab_a" = "$ab_b" ] ||
@@ -189,6 +220,152 @@ start_farmem_nbd() {
   pids+=($!)
   server_pids[$t]="$! $dpids"
 }
+
+# ---- --instructions: metrics on vs off, counted by callgrind ------------------------------------
+if [ $instructions = 1 ]; then
+  bench_require valgrind callgrind_control curl
+  ipeers=''
+  # shellcheck disable=SC2034  # start_farmemds fills it (nameref)
+  ipids=()
+  start_farmemds ipeers ipids di 6 --capacity "$(capacity_for 2)" --slab-size 64M
+  scrapes() { if [ -f "$1" ]; then wc -l <"$1"; else echo 0; fi; }
+  echo "fio $(fio --version | sed 's/fio-//'), $(valgrind --version), $(nproc) CPUs, export $size," \
+    "--resilience none on six loopback farmemd (tcp), swap-safe=$swap_safe, $ios requests per job," \
+    "load average $(cut -d' ' -f1-3 /proc/loadavg), $(date -u +%H:%M) UTC"
+  for p in $(seq "$pairs"); do
+    order=(off on)
+    [ $((p % 2)) = 0 ] && order=(on off)
+    for v in "${order[@]}"; do
+      metrics=()
+      [ "$v" = on ] && metrics=(--metrics-listen 127.0.0.1:0 --metrics-port-file "$work/ins-$p.mport")
+      rm -f "$work/ins.sock"
+      valgrind --tool=callgrind --separate-threads=yes --callgrind-out-file="$work/cg-$v-$p" \
+        "$bin/farmem-nbd" --backend farmem --peers "$ipeers" --secret-file "$work/secret" \
+        --resilience none --transport tcp --size "$size" --unix "$work/ins.sock" --log-level warn \
+        "${farmem_extra[@]}" "${metrics[@]}" 2>"$work/ins-$v-$p.log" &
+      vpid=$!
+      pids+=("$vpid")
+      # Under callgrind the start takes seconds (wait_file allows 30 s).
+      for _ in $(seq 600); do [ -S "$work/ins.sock" ] && break; sleep 0.2; done
+      wait_file -S "$work/ins.sock"
+      nbd_prefill "$(nbd_uri ins)" "$size"
+      scraper=''
+      if [ "$v" = on ]; then
+        wait_file -s "$work/ins-$p.mport"
+        mport=$(cat "$work/ins-$p.mport")
+        # As a (busy) Prometheus would: every second; one line per scrape in .scrapes.
+        (while curl -sf "http://127.0.0.1:$mport/metrics" -o /dev/null; do
+          echo >>"$work/ins-$p.scrapes"
+          sleep 1
+        done) &
+        scraper=$!
+        pids+=("$scraper")
+      fi
+      for w in $workloads; do
+        rw=${w%%:*}
+        qd=${w##*:}
+        tag=$v-$rw-qd$qd-$p
+        callgrind_control -z $vpid >/dev/null
+        s0=$(scrapes "$work/ins-$p.scrapes")
+        fio --name="$tag" --ioengine=nbd --uri="$(nbd_uri ins)" --rw="$rw" --bs="$bs" \
+          --iodepth="$qd" --numjobs=1 --size="$size" --io_size=1T --number_ios="$ios" \
+          --norandommap --randrepeat=1 --output-format=json --output="$json_dir/$tag.json" >/dev/null
+        callgrind_control -d "$tag" $vpid >/dev/null
+        s1=$(scrapes "$work/ins-$p.scrapes")
+        echo $((s1 - s0)) >"$json_dir/$tag.scrapes"
+        # The dump just made: one file per thread, cg-V-P.N-TID; kept as the job's.
+        mkdir -p "$json_dir/$tag.cg"
+        mv "$work/cg-$v-$p".[0-9]*-* "$json_dir/$tag.cg/"
+      done
+      [ -n "$scraper" ] && { kill "$scraper" 2>/dev/null || true; wait "$scraper" 2>/dev/null || true; }
+      kill $vpid
+      wait $vpid 2>/dev/null || true
+    done
+  done
+  echo "load average at the end $(cut -d' ' -f1-3 /proc/loadavg), $(date -u +%H:%M) UTC"
+  python3 - "$json_dir" "$pairs" "$workloads" <<'PY'
+import glob, json, re, statistics, sys
+d, n, workloads = sys.argv[1], int(sys.argv[2]), sys.argv[3].split()
+def thread(path):
+    """Ir of one thread's dump, what the thread is (the NBD connection's, the metrics HTTP
+    thread, or another: heartbeats, timers, the write cache's flusher) and its calls to
+    clock_gettime (callgrind's compressed names: "(id) name" defines, "(id)" refers)."""
+    names, total, kind, clock, cfn = {}, 0, "other", 0, None
+    for line in open(path, errors="replace"):
+        m = re.match(r"(c?fn)=\((\d+)\)(?: (.*))?", line)
+        if m:
+            if m[3]:
+                names[m[2]] = m[3]
+            name = names.get(m[2], "")
+            if m[1] == "fn" and "MetricsServer::" in name:
+                kind = "metrics"
+            elif m[1] == "fn" and "NbdConnection::" in name and kind == "other":
+                kind = "conn"
+            cfn = name if m[1] == "cfn" else None
+            continue
+        if line.startswith("calls=") and cfn is not None and re.search(r"\bclock_gettime\b", cfn):
+            clock += int(line[6:].split()[0])
+        m = re.match(r"(?:summary|totals): (\d+)", line)
+        if m:
+            total = int(m[1])
+    return total, kind, clock
+def job(v, rw, qd, p):
+    tag = f"{v}-{rw}-qd{qd}-{p}"
+    j = json.load(open(f"{d}/{tag}.json"))["jobs"][0]
+    ios = j["read" if rw.endswith("read") else "write"]["total_ios"]
+    ir = {"all": 0, "conn": 0, "metrics": 0, "other": 0}
+    clock = {"conn": 0, "all": 0}
+    for f in glob.glob(f"{d}/{tag}.cg/*"):
+        t, kind, c = thread(f)
+        ir["all"] += t
+        ir[kind] += t
+        clock["all"] += c
+        if kind == "conn":
+            clock["conn"] += c
+    return {"ios": ios, "all": ir["all"] / ios, "conn": ir["conn"] / ios,
+            "other": ir["other"] / ios, "met": ir["metrics"], "clock": clock["conn"] / ios,
+            "secs": j["job_runtime"] / 1000, "scrapes": int(open(f"{d}/{tag}.scrapes").read())}
+print()
+print("instructions per request (user space; callgrind), metrics off (baseline) vs on; median"
+      " over pairs [min-max]. request path = the NBD connection's thread (it runs each request to"
+      " completion); background = every other thread but the metrics one (heartbeats, timers:"
+      " driven by time, so by how long callgrind took, not by requests)")
+print(f"{'workload':<16}{'what':<14}{'off (baseline)':>18}{'on':>18}{'on - off':>12}{'on/off':>9}"
+      f"{'clock reads/req off, on':>26}")
+share = {}
+for w in workloads:
+    rw, qd = w.split(":")
+    off = [job("off", rw, qd, p) for p in range(1, n + 1)]
+    on = [job("on", rw, qd, p) for p in range(1, n + 1)]
+    for what, key in (("request path", "conn"), ("background", "other"), ("whole process", "all")):
+        a = [x[key] for x in off]
+        b = [x[key] for x in on]
+        ma, mb = statistics.median(a), statistics.median(b)
+        rng = lambda xs: f" [{min(xs):.0f}-{max(xs):.0f}]" if len(xs) > 1 else ""
+        clk = (f"{statistics.median(x['clock'] for x in off):.2f}, "
+               f"{statistics.median(x['clock'] for x in on):.2f}") if key == "conn" else ""
+        print(f"{w.replace(':', ' qd'):<16}{what:<14}{ma:>10.0f}{rng(a):>8}{mb:>10.0f}{rng(b):>8}"
+              f"{mb - ma:>+12.0f}{mb / ma:>9.4f}{clk:>26}")
+        if key == "conn":
+            share[w] = (mb - ma) / ma
+    secs = (statistics.median(x["secs"] for x in off), statistics.median(x["secs"] for x in on))
+    print(f"{'':<16}job time under callgrind off / on: {secs[0]:.1f} / {secs[1]:.1f} s")
+    scr = sum(x["scrapes"] for x in on)
+    met = sum(x["met"] for x in on)
+    if scr > 0:
+        per = met / scr
+        worth = per / statistics.median(x["conn"] for x in off)
+        print(f"{'':<16}metrics thread: {per:.0f} instructions per scrape ({scr} scrapes): one"
+              f" scrape a second = {worth:.1f} requests' worth = {worth / 10000 * 100:.3f}% at"
+              f" 10,000 requests/s")
+print()
+for w in workloads:
+    s = share[w]
+    print(f"issue 14: metrics on costs <= 2% (request path, instructions)  {w.replace(':', ' qd'):<16}"
+          f"{s * 100:+.2f}%  {'met' if s <= 0.02 else 'NOT MET'}")
+PY
+  exit 0
+fi
 
 # ---- servers ----------------------------------------------------------------------------------------
 if has nbdkit-mem; then

@@ -372,6 +372,59 @@ Result<std::unique_ptr<BlockBackend>> OpenBackend(BackendConfig& cfg) {
   return farmem::Err(farmem::InvalidArgument("unknown backend '" + cfg.kind + "'"));
 }
 
+namespace {
+// What only the stripe layout has (StripeStoreStats: space, stripes written, compaction and its
+// offload), read at scrape time like the rest.
+void RegisterStripeMetrics(farmem::metrics::Registry* r, farmem::blockdev::StripeStore* ss) {
+  using farmem::metrics::Type;
+  using Emit = farmem::metrics::Registry::Emit;
+  using Stats = farmem::blockdev::StripeStoreStats;
+  auto stat = [&](const char* name, const char* help, Type type, auto value) {
+    r->AddCallback(name, help, type, [ss, value](const Emit& emit) {
+      emit({}, static_cast<double>(value(ss->stripe_stats())));
+    });
+  };
+  stat("farmem_export_stripe_live_pages", "Stripe layout: pages with a cell.", Type::kGauge,
+       [](const Stats& s) { return s.live_pages; });
+  stat("farmem_export_stripe_sets", "Stripe layout: stripes in use.", Type::kGauge,
+       [](const Stats& s) { return s.sets; });
+  stat("farmem_export_stripe_set_bytes",
+       "Stripe layout: bytes of the rows in use (stripes x (k + r) x 4 KiB); over (k + r) / k x "
+       "live pages x 4 KiB: the space amplification compaction holds under its trigger.",
+       Type::kGauge, [](const Stats& s) { return s.set_bytes; });
+  stat("farmem_export_stripe_leased_bytes",
+       "Stripe layout: memory leased from the daemons (whole slab groups).", Type::kGauge,
+       [](const Stats& s) { return s.leased_bytes; });
+  stat("farmem_export_stripe_sets_written_total", "Stripe layout: stripes written by writes.",
+       Type::kCounter, [](const Stats& s) { return s.sets_written; });
+  stat("farmem_export_stripe_short_sets_written_total",
+       "Stripe layout: of those, stripes with fewer than k pages (zero holes).", Type::kCounter,
+       [](const Stats& s) { return s.short_sets; });
+  stat("farmem_export_stripe_compactions_total",
+       "Stripe layout: compaction passes that moved pages.", Type::kCounter,
+       [](const Stats& s) { return s.compactions; });
+  stat("farmem_export_stripe_compacted_pages_total",
+       "Stripe layout: pages moved by compaction into full stripes.", Type::kCounter,
+       [](const Stats& s) { return s.pages_compacted; });
+  stat("farmem_export_stripe_compaction_offloaded_sets_total",
+       "Stripe layout, --compaction-offload: stripes the daemons assembled themselves.",
+       Type::kCounter, [](const Stats& s) { return s.compaction_offloaded_sets; });
+  stat("farmem_export_stripe_compaction_offload_fallbacks_total",
+       "Stripe layout, --compaction-offload: passes that fell back to moving the pages through "
+       "this client.",
+       Type::kCounter, [](const Stats& s) { return s.compaction_offload_fallbacks; });
+  stat("farmem_export_stripe_compaction_sent_bytes_total",
+       "Stripe layout: bytes this client sent for compaction (data-path and offload requests).",
+       Type::kCounter, [](const Stats& s) { return s.compaction_bytes_sent; });
+  stat("farmem_export_stripe_compaction_received_bytes_total",
+       "Stripe layout: bytes this client received for compaction.", Type::kCounter,
+       [](const Stats& s) { return s.compaction_bytes_received; });
+  stat("farmem_export_stripe_compaction_cpu_seconds_total",
+       "Stripe layout: CPU time of the compacting thread.", Type::kCounter,
+       [](const Stats& s) { return static_cast<double>(s.compaction_cpu_ns) / 1e9; });
+}
+}  // namespace
+
 // The export's health for --metrics-listen, read at scrape time from the page store's stats and
 // the cluster's view of each daemon (docs/operations.md "Metrics"); nothing on the data path.
 void RegisterExportMetrics(farmem::metrics::Registry* r, BackendConfig* cfg, BlockBackend* backend,
@@ -492,11 +545,30 @@ void RegisterExportMetrics(farmem::metrics::Registry* r, BackendConfig* cfg, Blo
   stat("farmem_export_last_reprotect_seconds",
        "The last degraded episode: how long re-protection took.", Type::kGauge,
        [d](const Stats& s) { return d(s.last_reprotect_ms) / 1000; });
+  stat("farmem_export_last_degraded_seconds",
+       "The last degraded episode: how long the export was degraded.", Type::kGauge,
+       [d](const Stats& s) { return d(s.last_degraded_ms) / 1000; });
+  stat("farmem_export_last_reprotect_bytes",
+       "The last degraded episode: bytes written to replacement members.", Type::kGauge,
+       [d](const Stats& s) { return d(s.last_reprotect_bytes); });
+  stat("farmem_export_degraded_episodes_total",
+       "Times the export went from whole to degraded (a member lost, or mapped with members "
+       "missing).",
+       Type::kCounter, [d](const Stats& s) { return d(s.degraded_episodes); });
+  stat("farmem_export_last_move_seconds",
+       "The last move (split layout: the last burst of eviction notices; stripe layout: the last "
+       "member moved): from the notice until the member was moved.",
+       Type::kGauge, [d](const Stats& s) { return d(s.last_move_ms) / 1000; });
+  stat("farmem_export_last_move_bytes", "The bytes that last move copied.", Type::kGauge,
+       [d](const Stats& s) { return d(s.last_move_bytes); });
   stat("farmem_export_cluster_free_slabs", "Free slabs on the live daemons (last capacity check).",
        Type::kGauge, [d](const Stats& s) { return d(s.cluster_free_slabs); });
   stat("farmem_export_slabs_needed",
        "Slabs this export still needs to map all of itself and re-protect what is degraded.",
        Type::kGauge, [d](const Stats& s) { return d(s.slabs_needed); });
+  if (auto* ss = dynamic_cast<farmem::blockdev::StripeStore*>(inner); ss != nullptr) {
+    RegisterStripeMetrics(r, ss);
+  }
   farmem::client::Cluster* cluster = cfg->cluster.get();
   // Per daemon: 1 for its state (up, suspect, down), and the slabs this export holds there.
   r->AddCallback("farmem_export_daemon_state",

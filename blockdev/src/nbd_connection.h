@@ -112,6 +112,12 @@ class NbdConnection final : private BatchListener {
   bool Drain();
   // Counts the reply to `r` in the metrics and the connection's totals.
   void CountReply(const nbd::Request& r, uint32_t error, const char* message);
+  // When metrics_: the time replies queued now are stamped with — one clock read for every reply
+  // queued until the queue is next offered to the socket (Drain, Progress), not one per reply.
+  std::chrono::steady_clock::time_point ReplyTime() {
+    if (!reply_time_) reply_time_ = std::chrono::steady_clock::now();
+    return *reply_time_;
+  }
   // Appends the reply of pending_[i] to the reply queue (at most two iovecs).
   void AppendReply(size_t i);
   // Appends an error reply to r in header buffer h (at most two iovecs): an error chunk with
@@ -157,6 +163,7 @@ class NbdConnection final : private BatchListener {
 
   NbdMetrics* const metrics_;                            // null: nothing counted
   std::chrono::steady_clock::time_point batch_start_{};  // when metrics_: the current batch's
+  std::optional<std::chrono::steady_clock::time_point> reply_time_;  // ReplyTime's; unset: read
   uint64_t requests_ = 0;
   uint64_t batches_ = 0;
   uint64_t early_replies_ = 0;

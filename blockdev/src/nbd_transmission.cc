@@ -267,6 +267,7 @@ void NbdConnection::OpDone(size_t op) {
 void NbdConnection::Progress() {
   // Offer, never wait: the batch holds extent locks and has remote operations in flight. A failed
   // send ends the connection after the batch (SendReplies sees send_failed_).
+  reply_time_.reset();  // replies queued after this are stamped anew
   if (!send_failed_) (void)TrySend();
 }
 
@@ -289,6 +290,7 @@ uint32_t NbdConnection::NbdError(const Status& s, const nbd::Request& r) {
 }
 
 bool NbdConnection::SendReplies(size_t count) {
+  reply_time_.reset();  // the batch is done: its remaining replies are stamped now
   for (size_t i = 0; i < count; ++i) {
     if (!(*pending_)[i].replied) AppendReply(i);
   }
@@ -296,6 +298,7 @@ bool NbdConnection::SendReplies(size_t count) {
 }
 
 bool NbdConnection::Drain() {
+  reply_time_.reset();  // replies queued after this are stamped anew
   // The common case: the socket takes every reply of the batch in one sendmsg().
   if (send_failed_ || !TrySend()) {
     send_failed_ = false;
@@ -422,10 +425,8 @@ void NbdConnection::CountReply(const nbd::Request& r, uint32_t error, const char
     } else {
       metrics_->bytes[c]->Add(r.length);
     }
-    metrics_->latency[c]->Observe(
-        static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
-                                  std::chrono::steady_clock::now() - batch_start_)
-                                  .count()));
+    metrics_->latency[c]->Observe(static_cast<uint64_t>(
+        std::chrono::duration_cast<std::chrono::nanoseconds>(ReplyTime() - batch_start_).count()));
   }
   if (error != 0) {
     ++failed_requests_;

@@ -776,10 +776,18 @@ PageStoreStats StripeStore::stats() const {
   s.rebuilds = rs.members_reprotected;
   s.degraded_extents = rs.degraded_sets + rs.unrecoverable_sets;
   s.degraded_maps = rs.degraded_sets_written;
-  s.degraded_episodes = rs.members_failed;
+  s.degraded_episodes = rs.degraded_episodes;
   s.moved_members = rs.members_moved;
+  s.moved_bytes = rs.moved_bytes;
+  // Per moved member (the split layout's are per burst of notices: docs/nbd.md "Stripe layout").
   s.last_move_ms = rs.move_last_ms;
-  s.last_reprotect_ms = rs.reprotect_last_ms;
+  s.last_move_bytes = rs.move_last_bytes;
+  s.last_degraded_ms = rs.last_episode_degraded_ms;
+  s.last_reprotect_ms = rs.last_episode_reprotect_ms;
+  s.last_reprotect_bytes = rs.last_episode_rebuilt_bytes;
+  s.episode_degraded_ms = rs.episode_degraded_ms;
+  s.episode_reprotect_ms = rs.episode_reprotect_ms;
+  s.episode_reprotected_extents = rs.episode_sets_reprotected;
   s.revalidated_members = rs.members_revalidated;
   s.write_retries = write_retries_.load(std::memory_order_relaxed);
   s.integrity_failures = integrity_failures_.load(std::memory_order_relaxed);

@@ -330,6 +330,23 @@ int ExportStatCmd(const std::string& target, bool json) {
   }
   fmt::print("rebuilds since start: {:.0f} members, {}\n", get("farmem_export_rebuilds_total"),
              FormatSize(static_cast<uint64_t>(get("farmem_export_rebuilt_bytes_total"))));
+  // The stripe layout's space and compaction (its series exist only with that layout).
+  if (metrics::Find(*samples, "farmem_export_stripe_live_pages")) {
+    auto size = [&](const char* name) { return FormatSize(static_cast<uint64_t>(get(name))); };
+    fmt::print(
+        "stripe layout: {:.0f} live pages in {:.0f} stripes ({} of rows, {} leased); compaction "
+        "moved {:.0f} pages in {:.0f} passes ({:.0f} stripes offloaded, {:.0f} fallbacks; {} "
+        "sent, {} received, {:.2f} s CPU)\n",
+        get("farmem_export_stripe_live_pages"), get("farmem_export_stripe_sets"),
+        size("farmem_export_stripe_set_bytes"), size("farmem_export_stripe_leased_bytes"),
+        get("farmem_export_stripe_compacted_pages_total"),
+        get("farmem_export_stripe_compactions_total"),
+        get("farmem_export_stripe_compaction_offloaded_sets_total"),
+        get("farmem_export_stripe_compaction_offload_fallbacks_total"),
+        size("farmem_export_stripe_compaction_sent_bytes_total"),
+        size("farmem_export_stripe_compaction_received_bytes_total"),
+        get("farmem_export_stripe_compaction_cpu_seconds_total"));
+  }
   if (!daemons.empty()) {
     std::vector<std::vector<std::string>> rows = {{"daemon", "state", "this export holds"}};
     for (const Daemon& d : daemons) {

@@ -111,7 +111,15 @@ std::string FormatBound(double b) {
 Histogram::Histogram(std::vector<uint64_t> upper_bounds, double scale)
     : bounds_(std::move(upper_bounds)),
       scale_(scale),
-      buckets_(std::make_unique<std::atomic<uint64_t>[]>(bounds_.size() + 1)) {}
+      buckets_(std::make_unique<std::atomic<uint64_t>[]>(bounds_.size() + 1)) {
+  if (bounds_.size() >= 0xffff) std::abort();  // a programming error: first_ holds uint16_t
+  for (size_t w = 0; w < first_.size(); ++w) {
+    const uint64_t least = w == 0 ? 0 : uint64_t{1} << (w - 1);  // smallest value of width w
+    size_t i = 0;
+    while (i < bounds_.size() && bounds_[i] < least) ++i;
+    first_[w] = static_cast<uint16_t>(i);
+  }
+}
 
 std::vector<uint64_t> Histogram::Buckets() const {
   std::vector<uint64_t> b(bounds_.size() + 1);

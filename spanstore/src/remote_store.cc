@@ -211,7 +211,10 @@ void RemoteStore::AddGroup(std::vector<client::Lease> leases) {
       by_lease_[g->members[m].id()] = {g.get(), static_cast<int>(m)};
     }
   }
-  if (g->failed_mask != 0) QueueLocked(g.get());
+  if (g->failed_mask != 0) {
+    NoteDegradedLocked();  // placed with members missing: a degraded mapping
+    QueueLocked(g.get());
+  }
   groups_.push_back(std::move(g));
   recovery_cv_.SignalAll();
 }
@@ -369,13 +372,53 @@ RemoteStoreStats RemoteStore::stats() const {
   s.members_failed = members_failed_;
   s.members_revalidated = members_revalidated_;
   s.members_moved = moved_;
+  s.moved_bytes = moved_bytes_;
   s.move_last_ms = move_last_ms_;
+  s.move_last_bytes = move_last_bytes_;
   s.move_max_ms = move_max_ms_;
   s.move_min_slack_ms = move_min_slack_ms_;
   s.moves_pending = moves_.size();
   s.moves_missed = moves_missed_;
   s.copies_abandoned = copies_abandoned_;
+  const Clock::time_point now = Clock::now();
+  auto ms = [&](Clock::time_point since) -> uint64_t {
+    if (since == Clock::time_point::max() || since > now) return 0;
+    return static_cast<uint64_t>(
+        std::chrono::duration_cast<std::chrono::milliseconds>(now - since).count());
+  };
+  s.degraded_episodes = degraded_episodes_;
+  s.episode_degraded_ms = ms(degraded_since_);
+  s.episode_reprotect_ms = ms(reprotect_since_);
+  s.episode_sets_reprotected = episode_sets_;
+  s.episode_rebuilt_bytes = episode_bytes_;
+  s.last_episode_degraded_ms = last_episode_degraded_ms_;
+  s.last_episode_reprotect_ms = last_episode_reprotect_ms_;
+  s.last_episode_rebuilt_bytes = last_episode_bytes_;
   return s;
+}
+
+void RemoteStore::NoteDegradedLocked() {
+  if (degraded_since_ != Clock::time_point::max()) return;
+  degraded_since_ = Clock::now();
+  ++degraded_episodes_;
+}
+
+void RemoteStore::EndEpisodeIfWholeLocked() {
+  if (degraded_since_ == Clock::time_point::max()) return;
+  for (const auto& g : groups_) {
+    if (g->failed_mask != 0) return;
+  }
+  const Clock::time_point now = Clock::now();
+  auto ms = [&](Clock::time_point since) {
+    return static_cast<uint64_t>(
+        std::chrono::duration_cast<std::chrono::milliseconds>(now - since).count());
+  };
+  last_episode_degraded_ms_ = ms(degraded_since_);
+  last_episode_reprotect_ms_ =
+      reprotect_since_ == Clock::time_point::max() ? 0 : ms(reprotect_since_);
+  last_episode_bytes_ = episode_bytes_;
+  degraded_since_ = reprotect_since_ = Clock::time_point::max();
+  episode_sets_ = episode_bytes_ = 0;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -417,6 +460,7 @@ bool RemoteStore::MarkFailedLocked(Group* g, int m, uint64_t lease_id, const Sta
   if ((g->leaving_mask & bit) != 0) ++moves_missed_;  // noticed, not moved: failed instead
   g->leaving_mask &= ~bit;  // a pending move of it gives up: re-protection takes over
   ++members_failed_;
+  NoteDegradedLocked();
   g->failed_since[static_cast<size_t>(m)] = Clock::now();
   QueueLocked(g);
   spdlog::warn("far memory: slab group {} member {} ({}, lease {}) failed: {}", g->id, m,
@@ -475,6 +519,7 @@ void RemoteStore::OnClusterEvent(const client::Event& ev) {
         auto member = MemberOfLocked(id, ev.node);
         if (member && RevalidateLocked(member->first, member->second)) ++back;
       }
+      if (back > 0) EndEpisodeIfWholeLocked();
       retry_all_ = true;  // stale ones: rebuild them now
     }
     spdlog::info("far memory: {} leases came back with their daemon; {} members in use again",
@@ -525,6 +570,9 @@ void RemoteStore::RecoveryLoop() {
   MutexLock lock(&mu_);
   Clock::time_point next_reconcile = Clock::now() + reconcile_interval_;
   for (;;) {
+    // After every pass (a re-protection, a move, members given up or revalidated, groups
+    // emptied): whole again?
+    EndEpisodeIfWholeLocked();
     recovery_cv_.WaitUntil(&mu_, std::min(next_reconcile, NextMoveTryLocked()), [&] {
       mu_.AssertHeld();
       return stopping_ || !recovery_queue_.empty() || retry_all_ ||

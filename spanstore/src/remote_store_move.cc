@@ -295,6 +295,8 @@ void RemoteStore::Move(IoContext& io, PendingMove mv) {
       ++moved_;
       moved_ms = static_cast<uint64_t>(std::max<int64_t>(0, MillisBetween(mv.noticed, now)));
       move_last_ms_ = moved_ms;
+      moved_bytes_ += rows.size() * uint64_t{span};
+      move_last_bytes_ = rows.size() * uint64_t{span};
       move_max_ms_ = std::max(move_max_ms_, moved_ms);
       const uint64_t slack = static_cast<uint64_t>(std::max<int64_t>(0, slack_ms));
       move_min_slack_ms_ = moved_ == 1 ? slack : std::min(move_min_slack_ms_, slack);

@@ -261,7 +261,12 @@ void RemoteStore::Reprotect(IoContext& io, Group* g) {
       ++g->epoch;
       ++reprotected_;
       rebuilt_bytes_ += rows.size() * uint64_t{span};
-      if (g->failed_mask == 0) sets_reprotected_ += g->used_rows;
+      episode_bytes_ += rows.size() * uint64_t{span};
+      reprotect_since_ = std::min(reprotect_since_, rebuild_start);
+      if (g->failed_mask == 0) {
+        sets_reprotected_ += g->used_rows;
+        episode_sets_ += g->used_rows;
+      }
       degraded_ms = static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::milliseconds>(
                                               now - g->failed_since[static_cast<size_t>(j)])
                                               .count());

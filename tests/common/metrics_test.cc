@@ -45,6 +45,32 @@ TEST(MetricsRender, CountersCallbacksAndHistogramsParseBack) {
             std::string::npos);
 }
 
+// Observe finds the bucket through a table by the value's bit width (no scan from the first
+// bound): every value lands in the first bucket whose bound is >= it, as a scan would put it, at
+// each bound, one off either side, 0, the largest value, and powers of two — for the latency
+// bounds and for bounds closer than 2x apart (several in one power of two).
+TEST(MetricsHistogram, ObserveFindsTheBucketAScanWould) {
+  for (const std::vector<uint64_t>& bounds :
+       {LatencyBoundsNs(), std::vector<uint64_t>{1, 2, 3, 5, 6, 7, 100, 101, 1ull << 40}}) {
+    Histogram h(bounds, 1);
+    std::vector<uint64_t> values = {0, 1, ~uint64_t{0}};
+    for (uint64_t b : bounds) values.insert(values.end(), {b - 1, b, b + 1});
+    for (int w = 0; w < 64; ++w) {
+      values.insert(values.end(), {(uint64_t{1} << w) - 1, uint64_t{1} << w});
+    }
+    for (uint64_t v : values) {
+      size_t want = 0;
+      while (want < bounds.size() && v > bounds[want]) ++want;
+      const std::vector<uint64_t> before = h.Buckets();
+      h.Observe(v);
+      const std::vector<uint64_t> after = h.Buckets();
+      for (size_t i = 0; i < after.size(); ++i) {
+        EXPECT_EQ(after[i] - before[i], i == want ? 1u : 0u) << "value " << v << " bucket " << i;
+      }
+    }
+  }
+}
+
 TEST(MetricsParse, RejectsWhatPrometheusRejects) {
   const char* bad[] = {
       "x 1\n",                                              // no TYPE

@@ -172,6 +172,7 @@ say "demo ($demo_size over verbs) in $(since "$t") s"
 
 # ---- an NBD export on the cluster: farmem-nbd (this build's) in the guest, the kernel's client ----
 say "farmem-nbd: ${nbd_mib} MiB export, replicate:2 over verbs"
+t=$(date +%s.%N)
 "$bin/farmem-nbd" --backend farmem --peers "$peers" --secret-file "$secret" --transport verbs \
   --resilience replicate:2 --size "${nbd_mib}M" --unix "$work/nbd.sock" >"$work/nbd.log" 2>&1 &
 nbd_pid=$!
@@ -181,13 +182,19 @@ for _ in $(seq 240); do
   sleep 0.5
 done
 [[ -S $work/nbd.sock ]] || fail "farmem-nbd did not listen"
+say "farmem-nbd listening in $(since "$t") s"
+t=$(date +%s.%N)
 nbd_dev=/dev/nbd0
 timeout 120 nbd-client -unix "$work/nbd.sock" "$nbd_dev" -b 4096 -N '' >"$work/nbd-client.log" 2>&1 ||
   { nbd_dev=""; fail "nbd-client"; }
-say "attached at $(now) s"
+say "nbd-client attached in $(since "$t") s (at $(now) s)"
 head -c "$((nbd_mib * 1048576))" /dev/urandom >"$work/data"
+t=$(date +%s.%N)
 timeout 120 dd if="$work/data" of="$nbd_dev" bs=1M oflag=direct status=none || fail "write to $nbd_dev"
+say "${nbd_mib} MiB written (O_DIRECT) in $(since "$t") s"
+t=$(date +%s.%N)
 timeout 120 dd if="$nbd_dev" of="$work/back" bs=1M iflag=direct count="$nbd_mib" status=none || fail "read $nbd_dev"
+say "${nbd_mib} MiB read back in $(since "$t") s"
 cmp "$work/data" "$work/back" || fail "the export read back other bytes than were written"
 "$bin/farmemctl" stat --json --peers "$peers" --secret-file "$secret" >"$work/stat.json" 2>&1 ||
   fail "farmemctl stat after the export"

@@ -145,6 +145,19 @@ TEST_F(StripeStoreTest, SurvivesOneThenASecondDaemonKilledAndReprotects) {
   EXPECT_GE(stripe_->stats().rebuilt_bytes, 2 * 4096u);
   EXPECT_EQ(stripe_->stats().rebuilt_bytes % 4096, 0u);
   EXPECT_GT(stripe_->stats().reprotected_extents, 0u);
+  // Degraded episodes, as the split layout reports them (they read 0 for this layout before):
+  // at least one per kill, the last one ended (whole again) with its duration and bytes.
+  ASSERT_TRUE(WaitUntil([&] { return stripe_->stats().episode_degraded_ms == 0; },
+                        std::chrono::seconds(10)))
+      << "the store is whole but its episode did not end: " << Stats();
+  const PageStoreStats s = stripe_->stats();
+  EXPECT_GE(s.degraded_episodes, 2u) << Stats();
+  EXPECT_GT(s.last_degraded_ms, 0u);
+  EXPECT_LE(s.last_reprotect_ms, s.last_degraded_ms);
+  EXPECT_GE(s.last_reprotect_bytes, 4096u);
+  EXPECT_EQ(s.last_reprotect_bytes % 4096, 0u);
+  EXPECT_LE(s.last_reprotect_bytes, s.rebuilt_bytes);
+  EXPECT_EQ(s.episode_reprotected_extents, 0u) << "no episode runs";
 }
 
 // The capacity check's figures for a stripe export, as PageStoreTest
@@ -209,6 +222,10 @@ TEST_F(StripeStoreTest, EvictionNoticesCountMissedMovesAndAbandonedCopies) {
       << Stats();
   EXPECT_GE(stripe_->stats().copies_abandoned, 1u) << Stats();
   EXPECT_EQ(stripe_->stats().moves_missed, 0u) << Stats();
+  // Each member moved copied its group's 256 stripes' cells (they read 0 before, issue 13).
+  EXPECT_EQ(stripe_->stats().moved_bytes, first_members * 256 * 4096) << Stats();
+  EXPECT_EQ(stripe_->stats().last_move_bytes, 256u * 4096) << Stats();
+  EXPECT_EQ(stripe_->stats().degraded_episodes, 0u) << "moved in time: never degraded";
   for (client::NodeId id = 0; id < cluster_->node_count(); ++id) {
     faults_->Clear((*daemons_)[id].endpoint());
   }
@@ -224,6 +241,10 @@ TEST_F(StripeStoreTest, EvictionNoticesCountMissedMovesAndAbandonedCopies) {
       << Stats();
   EXPECT_EQ(stripe_->stats().moved_members, first_members) << Stats();
   EXPECT_EQ(stripe_->stats().degraded_extents, 512u) << Stats();  // every stripe
+  // Given up: one episode, running (no daemon can take the members).
+  EXPECT_EQ(stripe_->stats().degraded_episodes, 1u) << Stats();
+  EXPECT_TRUE(
+      WaitUntil([&] { return stripe_->stats().episode_degraded_ms > 0; }, std::chrono::seconds(5)));
   VerifyAll();
 }
 

@@ -146,9 +146,11 @@ struct RemoteStoreStats {
   uint64_t degraded_sets_written = 0;
   uint64_t reprotect_last_ms = 0;
   uint64_t reprotect_max_ms = 0;
-  uint64_t members_failed = 0;  // members marked failed (each a degraded episode, or a loss)
-  uint64_t members_moved = 0;   // noticed members copied to another daemon before the deadline
-  uint64_t move_last_ms = 0;    // the last move: from the notice until the old lease was freed
+  uint64_t members_failed = 0;   // members marked failed (each a degraded episode, or a loss)
+  uint64_t members_moved = 0;    // noticed members copied to another daemon before the deadline
+  uint64_t moved_bytes = 0;      // cells those moves copied
+  uint64_t move_last_ms = 0;     // the last move: from the notice until the old lease was freed
+  uint64_t move_last_bytes = 0;  // and the cells it copied
   uint64_t move_max_ms = 0;
   uint64_t move_min_slack_ms = 0;  // the least time left before a deadline when a move finished
   uint64_t moves_pending = 0;      // now: noticed members not moved yet
@@ -165,6 +167,21 @@ struct RemoteStoreStats {
   // Failed members used again as they were: their daemon was declared down (or failed an op)
   // but the same process answered again with the lease, and no set was written past them.
   uint64_t members_revalidated = 0;
+  // Degraded episodes: from the store going from whole (no group missing a member that
+  // re-protection still has to place) to degraded — a member failed, or a group was placed with
+  // members missing — until it is whole again (re-protected, revalidated, given up for good, or
+  // the degraded groups emptied). `degraded_episodes` counts them; the current one (0 when
+  // whole): how long it has lasted, since when re-protection has been making progress (the start
+  // of the first copy that succeeded), the sets made whole and the cells written so far; the
+  // last one that ended: the same, final.
+  uint64_t degraded_episodes = 0;
+  uint64_t episode_degraded_ms = 0;
+  uint64_t episode_reprotect_ms = 0;
+  uint64_t episode_sets_reprotected = 0;
+  uint64_t episode_rebuilt_bytes = 0;
+  uint64_t last_episode_degraded_ms = 0;
+  uint64_t last_episode_reprotect_ms = 0;
+  uint64_t last_episode_rebuilt_bytes = 0;
 };
 
 class RemoteStore {
@@ -414,6 +431,10 @@ class RemoteStore {
   void RecoverGroupLocked(Group* g, const std::function<void()>& work) REQUIRES(mu_);
   // Takes g out of the store and returns its placed leases, to be freed (g has no rows).
   std::vector<client::Lease> RemoveGroupLocked(Group* g) REQUIRES(mu_);
+  // Degraded-episode bookkeeping (RemoteStoreStats::degraded_episodes): the store lost redundancy
+  // / may be whole again (ends the episode if no group misses a member to place).
+  void NoteDegradedLocked() REQUIRES(mu_);
+  void EndEpisodeIfWholeLocked() REQUIRES(mu_);
   // Endpoint of member m's daemon, or "(never placed)".
   std::string MemberName(const client::Lease& l) const;
 
@@ -458,6 +479,17 @@ class RemoteStore {
   uint64_t moves_missed_ GUARDED_BY(mu_) = 0;
   uint64_t copies_abandoned_ GUARDED_BY(mu_) = 0;
   uint64_t move_last_ms_ GUARDED_BY(mu_) = 0;
+  uint64_t moved_bytes_ GUARDED_BY(mu_) = 0;
+  uint64_t move_last_bytes_ GUARDED_BY(mu_) = 0;
+  // The current degraded episode (max(): none / no re-protection progress yet) and the last.
+  Clock::time_point degraded_since_ GUARDED_BY(mu_) = Clock::time_point::max();
+  Clock::time_point reprotect_since_ GUARDED_BY(mu_) = Clock::time_point::max();
+  uint64_t degraded_episodes_ GUARDED_BY(mu_) = 0;
+  uint64_t episode_sets_ GUARDED_BY(mu_) = 0;
+  uint64_t episode_bytes_ GUARDED_BY(mu_) = 0;
+  uint64_t last_episode_degraded_ms_ GUARDED_BY(mu_) = 0;
+  uint64_t last_episode_reprotect_ms_ GUARDED_BY(mu_) = 0;
+  uint64_t last_episode_bytes_ GUARDED_BY(mu_) = 0;
   uint64_t move_max_ms_ GUARDED_BY(mu_) = 0;
   uint64_t move_min_slack_ms_ GUARDED_BY(mu_) = 0;
   std::vector<PendingMove> moves_ GUARDED_BY(mu_);
