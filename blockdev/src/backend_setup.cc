@@ -52,8 +52,9 @@ void AddBackendFlags(CLI::App& app, BackendConfig* cfg) {
                  "farmem: the key file of this client's identity (farmemctl key issue); its "
                  "leases are bound to that name");
   app.add_option("--resilience", cfg->resilience,
-                 "farmem: none, replicate:N or ec:k+r (k data pages + r parity pages on k+r "
-                 "daemons; --ec-layout says how), ec-split:k+r is ec:k+r --ec-layout split")
+                 "farmem: none, replicate:N or ec:k+r (Reed-Solomon over k+r daemons, any k of "
+                 "which hold the data; --ec-layout says how pages are laid out); ec-split:k+r is "
+                 "ec:k+r --ec-layout split")
       ->capture_default_str()
       ->check(CLI::Validator(
           [](std::string& text) -> std::string {
