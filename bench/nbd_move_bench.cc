@@ -14,7 +14,8 @@
 //     baseline, same run), from onset to moved, and after.
 // To make the lender hold --lent-mib, a filler client takes the other daemons' room while the
 // export is written (they keep only what the other members of each group need), then frees it.
-//   nbd_move_bench [--resilience none,replicate:2,ec:4+2] [--lent-mib 1024] [--slab-mib 16]
+//   nbd_move_bench [--resilience none,replicate:2,ec-split:4+2] [--lent-mib 1024] [--slab-mib 16]
+// (ec-split: the split layout, whose moves it counts in farmem-nbd's log, "moved off").
 //                  [--grace-ms 30000] [--interval-ms 250] [--seconds 3]
 // Needs root (a memory cgroup); says so and exits 2 where none can be made.
 #include <fmt/format.h>
@@ -57,7 +58,7 @@ constexpr size_t kOthers = 7;  // enough for ec:4+2 to move a member to a node n
 }
 
 struct Args {
-  std::vector<std::string> modes = {"none", "replicate:2", "ec:4+2"};
+  std::vector<std::string> modes = {"none", "replicate:2", "ec-split:4+2"};
   uint64_t lent_mib = 1024;
   uint64_t slab_mib = 16;
   uint32_t grace_ms = 30000;
@@ -72,6 +73,7 @@ std::pair<uint64_t, uint64_t> Shape(const std::string& mode) {
   if (mode == "none") return {1, 1};
   if (std::sscanf(mode.c_str(), "replicate:%u", &a) == 1) return {a, 1};
   if (std::sscanf(mode.c_str(), "ec:%u+%u", &a, &b) == 2) return {a + b, a};
+  if (std::sscanf(mode.c_str(), "ec-split:%u+%u", &a, &b) == 2) return {a + b, a};
   Die("unknown resilience " + mode);
 }
 

@@ -8,7 +8,9 @@
 #                 memory` on another port (remote memory behind NBD today)
 #   farmem-mem    farmem-nbd --backend memory (the NBD server path alone)       nbd engine, Unix socket
 #   farmem-none   farmem-nbd --backend farmem --resilience none                 nbd engine, Unix socket
-#   farmem-ec     farmem-nbd --backend farmem --resilience ec:4+2               nbd engine, Unix socket
+#   farmem-ec     farmem-nbd --backend farmem --resilience ec:4+2 --ec-layout   nbd engine, Unix socket
+#                 split (Hydra's layout, pinned so that its figures stay comparable; the default
+#                 layout, stripe, is farmem-ec-stripe)
 #   disk          a file on the local disk, O_DIRECT, libaio (what swap on a    fio's own engine
 #                 local disk does: direct block I/O, no page cache)
 #   farmem-mem-metrics: farmem-mem with --metrics-listen on loopback, scraped every second while
@@ -28,8 +30,9 @@
 #                 farmem-none-plain; not in the default targets. With any of them the run also
 #                 prints `openssl speed` for AES-256-GCM on 4 KiB blocks, one core (the raw cost of
 #                 sealing a page) as the baseline.
-#   farmem-ec-stripe: farmem-ec with --ec-layout stripe (whole pages in stripes of 4 pages + 2
-#                 parity: a read is one message to one daemon; docs/nbd.md "Stripe layout"), on
+#   farmem-ec-stripe: ec:4+2 in the stripe layout, farmem-nbd's default (--ec-layout stripe:
+#                 whole pages in stripes of 4 pages + 2 parity: a read is one message to one
+#                 daemon; docs/nbd.md "Stripe layout"), on
 #                 the same daemons; not in the default targets. Stripe vs split vs none in one
 #                 run: --ab "farmem-ec-stripe farmem-ec" --baseline farmem-none
 #   farmem-none-x: farmem-none with the extra farmem-nbd arguments of --x-args (a knob under test,
@@ -421,6 +424,7 @@ if [ $halves -gt 0 ]; then
     case $t in *-plain) crypt=(--no-encrypt) ;; esac
     # shellcheck disable=SC2206  # --x-args is a list of words
     [ $t = farmem-none-x ] && crypt=($x_args)
+    case $t in farmem-ec | farmem-ec-plain) crypt+=(--ec-layout split) ;; esac
     [ $t = farmem-ec-stripe ] && crypt=(--ec-layout stripe)
     start_farmem_nbd $t "$peers" $res "${shared_pids[*]}" "${crypt[@]}"
   done

@@ -7,7 +7,9 @@
 #   writes at depth 16 (what nbd-tester-client's write-throughput test sends), one connection.
 #
 #   targets  nbdkit-mem        nbdkit memory
-#            farmem-ec         farmem-nbd --resilience ec:4+2 (write cache on, encryption on)
+#            farmem-ec         farmem-nbd --resilience ec:4+2 --ec-layout split (write cache on,
+#                              encryption on; the split layout, as its recorded figures)
+#            farmem-ec-stripe  ec:4+2 in the stripe layout (the default), write cache on
 #            farmem-ec-nocache the same with --write-cache-pages 0
 #            farmem-none, farmem-none-nocache: --resilience none, cache on / off
 #
@@ -58,12 +60,13 @@ peers=''
 # shellcheck disable=SC2034  # start_farmemds fills it (unused here)
 daemon_pids=()
 start_farmemds peers daemon_pids d 6 --capacity 512M --slab-size 64M
-for t in farmem-ec farmem-ec-nocache farmem-none farmem-none-nocache; do
+for t in farmem-ec farmem-ec-nocache farmem-ec-stripe farmem-none farmem-none-nocache; do
   has $t || continue
   res=ec:4+2
   case $t in farmem-none*) res=none ;; esac
   cache=()
   case $t in *-nocache) cache=(--write-cache-pages 0) ;; esac
+  case $t in farmem-ec | farmem-ec-nocache) cache+=(--ec-layout split) ;; esac
   "$bin/farmem-nbd" --backend farmem --peers "$peers" --secret-file "$work/secret" \
     --resilience "$res" --transport tcp --size "$size" --unix "$work/$t.sock" --log-level warn \
     --no-swap-safe "${cache[@]}" 2>"$work/$t.log" &

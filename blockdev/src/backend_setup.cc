@@ -52,24 +52,24 @@ void AddBackendFlags(CLI::App& app, BackendConfig* cfg) {
                  "farmem: the key file of this client's identity (farmemctl key issue); its "
                  "leases are bound to that name");
   app.add_option("--resilience", cfg->resilience,
-                 "farmem: none, replicate:N or ec:k+r (each 4 KiB page split into k fragments "
-                 "plus r parity, on k+r daemons)")
+                 "farmem: none, replicate:N or ec:k+r (Reed-Solomon over k+r daemons, any k of "
+                 "which hold the data; --ec-layout says how pages are laid out); ec-split:k+r is "
+                 "ec:k+r --ec-layout split")
       ->capture_default_str()
       ->check(CLI::Validator(
           [](std::string& text) -> std::string {
-            auto r = farmem::blockdev::Resilience::Parse(text);
+            auto r = farmem::blockdev::ParseExportResilience(text);
             return r ? std::string() : r.error().message();
           },
-          "none|replicate:N|ec:K+R"));
+          "none|replicate:N|ec:K+R|ec-split:K+R"));
   app.add_option("--ec-layout", cfg->ec_layout,
-                 "farmem, ec:k+r only: 'split' cuts each 4 KiB page into k fragments on k+r "
-                 "daemons (a read asks all of them); 'stripe' keeps each page whole on one daemon "
-                 "in stripes of k pages + r parity pages (a read is one message to one daemon; "
-                 "overwrites leave holes that compaction reclaims)")
-      ->capture_default_str()
+                 "farmem, ec:k+r only: 'stripe' (the default) keeps each 4 KiB page whole on one "
+                 "daemon in stripes of k pages + r parity pages (a read is one message to one "
+                 "daemon; overwrites leave holes that compaction reclaims); 'split' (Hydra's) "
+                 "cuts each page into k fragments on k+r daemons (a read asks all of them)")
       ->check(farmem::cli::OneOf({"split", "stripe"}));
   app.add_flag("--compaction-offload", cfg->compaction_offload,
-               "farmem, --ec-layout stripe only: the daemons copy the cells compaction moves and "
+               "farmem, stripe layout only: the daemons copy the cells compaction moves and "
                "compute the new stripes' parity themselves (~40x fewer client bytes; at 4 KiB "
                "cells more client CPU per page and slower passes: docs/nbd.md). The daemons must "
                "reach each other at the addresses the client knows them by");
@@ -169,23 +169,79 @@ Status CheckEncryptionFlags(const BackendConfig& cfg) {
   return Status::Ok();
 }
 
-Status CheckLayoutFlags(const BackendConfig& cfg) {
-  if (cfg.kind != "farmem") return Status::Ok();
-  if (cfg.ec_layout != "stripe") {
-    if (!cfg.compaction_offload) return Status::Ok();
-    return farmem::InvalidArgument(
-        "--compaction-offload applies only to --ec-layout stripe (the split layout does not "
-        "compact): add --ec-layout stripe, or leave out --compaction-offload");
+Result<ExportResilience> ParseExportResilience(std::string_view text) {
+  constexpr std::string_view kSplit = "ec-split:";
+  ExportResilience out;
+  if (text.starts_with(kSplit)) {
+    out.split_spelled = true;
+    const std::string ec = "ec:" + std::string(text.substr(kSplit.size()));
+    auto r = Resilience::Parse(ec);
+    if (!r) {
+      return farmem::Err(farmem::InvalidArgument(
+          fmt::format("'{}' (ec:k+r in the split layout): {}", text, r.error().message())));
+    }
+    out.resilience = *r;
+    return out;
   }
-  auto res = farmem::client::Resilience::Parse(cfg.resilience);
-  if (res && res->mode != farmem::client::Resilience::Mode::kErasure) {
-    return farmem::InvalidArgument(
-        "--ec-layout stripe applies only to an ec:k+r --resilience, and this is --resilience " +
-        cfg.resilience +
-        " (none and replicate keep whole pages already): give --resilience ec:k+r, or leave out "
-        "--ec-layout");
+  FARMEM_ASSIGN_OR_RETURN(out.resilience, Resilience::Parse(text));
+  return out;
+}
+
+Status ResolveLayout(BackendConfig* cfg) {
+  if (cfg->kind != "farmem") return Status::Ok();
+  auto parsed = ParseExportResilience(cfg->resilience);
+  if (!parsed) return parsed.error().WithContext("--resilience");
+  const Resilience& res = parsed->resilience;
+  const std::string& given = cfg->ec_layout;
+  if (res.mode != Resilience::Mode::kErasure) {
+    if (!given.empty()) {
+      return farmem::InvalidArgument(
+          "--ec-layout " + given +
+          " applies only to an ec:k+r --resilience, and this is --resilience " + cfg->resilience +
+          " (none and replicate keep whole pages: there is no layout to choose): give "
+          "--resilience ec:k+r, or leave out --ec-layout");
+    }
+    if (cfg->compaction_offload) {
+      return farmem::InvalidArgument(
+          "--compaction-offload applies only to the stripe layout of an ec:k+r --resilience, "
+          "and this is --resilience " +
+          cfg->resilience + ": give --resilience ec:k+r, or leave out --compaction-offload");
+    }
+    return Status::Ok();
   }
+  const std::string ec = res.ToString();
+  if (parsed->split_spelled && given == "stripe") {
+    return farmem::InvalidArgument(fmt::format(
+        "--resilience {} asks for the split layout and --ec-layout stripe for the stripe layout: "
+        "give --resilience {} (the stripe layout is its default), or leave out --ec-layout",
+        cfg->resilience, ec));
+  }
+  const std::string layout = parsed->split_spelled ? "split" : given.empty() ? "stripe" : given;
+  // How the user chose it, for the messages below.
+  const std::string chosen = parsed->split_spelled ? "--resilience " + cfg->resilience
+                             : given.empty()       ? "the default for ec:k+r"
+                                                   : "--ec-layout " + given;
+  if (layout == "split") {
+    if (cfg->compaction_offload) {
+      return farmem::InvalidArgument(
+          "--compaction-offload applies only to the stripe layout (the split layout does not "
+          "compact), and " +
+          chosen +
+          " chose the split layout: leave out --compaction-offload, or give --resilience " + ec +
+          " without --ec-layout split (the stripe layout)");
+    }
+  } else if (Status s = StripeStore::CheckResilience(res); !s.ok()) {
+    return s.WithContext("--resilience " + ec + " in the stripe layout (" + chosen + ")");
+  }
+  cfg->resilience = ec;
+  cfg->ec_layout = layout;
   return Status::Ok();
+}
+
+std::string DescribeProtection(const BackendConfig& cfg) {
+  if (cfg.kind != "farmem") return std::string();
+  if (cfg.ec_layout.empty()) return cfg.resilience;
+  return cfg.resilience + ", " + cfg.ec_layout + " layout";
 }
 
 namespace {
@@ -279,6 +335,7 @@ Result<std::unique_ptr<farmem::client::Cluster>> ConnectCluster(
 
 Result<std::unique_ptr<BlockBackend>> OpenBackend(BackendConfig& cfg) {
   if (cfg.kind == "farmem") {
+    FARMEM_RETURN_IF_ERROR(ResolveLayout(&cfg));
     farmem::client::ClusterOptions co;
     FARMEM_ASSIGN_OR_RETURN(co.peers, farmem::ParseEndpointList(cfg.peers, farmem::kDefaultPort));
     co.peers_dns = cfg.peers_dns;
@@ -324,7 +381,6 @@ Result<std::unique_ptr<BlockBackend>> OpenBackend(BackendConfig& cfg) {
     }
     std::unique_ptr<BlockBackend> store;
     if (cfg.ec_layout == "stripe") {
-      FARMEM_RETURN_IF_ERROR(CheckLayoutFlags(cfg));
       farmem::blockdev::StripeStoreOptions so;
       so.size = po.size;
       so.resilience = po.resilience;
@@ -468,12 +524,15 @@ void RegisterExportMetrics(farmem::metrics::Registry* r, BackendConfig* cfg, Blo
           "fails).",
           Type::kCounter, [](const CacheStats& s) { return s.writeback_failures; });
   }
-  r->AddCallback("farmem_export_info", "This export: program version, backend and resilience.",
+  r->AddCallback("farmem_export_info",
+                 "This export: program version, backend, resilience and ec layout (stripe or "
+                 "split; empty unless ec:k+r).",
                  Type::kGauge, [cfg, export_name](const Emit& emit) {
                    emit({{"version", std::string(farmem::kVersionString)},
                          {"export", export_name},
                          {"backend", cfg->kind},
                          {"resilience", cfg->kind == "farmem" ? cfg->resilience : ""},
+                         {"ec_layout", cfg->kind == "farmem" ? cfg->ec_layout : ""},
                          {"transport", cfg->kind == "farmem" ? cfg->transport : ""}},
                         1);
                  });

@@ -10,11 +10,13 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <string_view>
 
 #include "farmem/blockdev/block_backend.h"
 #include "farmem/client/cluster.h"
 #include "farmem/common/metrics.h"
 #include "farmem/common/status.h"
+#include "page_store.h"  // Resilience
 
 namespace farmem::blockdev {
 
@@ -24,9 +26,12 @@ struct BackendConfig {
   // --backend farmem: the remote page store on farmemd daemons.
   std::string peers, peers_dns, secret_file, key_file, resilience = "ec:4+2", backup,
                                                        transport = "auto";
-  // ec:k+r only: "split" (each page cut into k fragments, PageStore) or "stripe" (whole pages in
-  // stripes of k pages + r parity, StripeStore; docs/nbd.md "Stripe layout").
-  std::string ec_layout = "split";
+  // ec:k+r only, how pages are laid out: "stripe" (whole pages in stripes of k pages + r parity,
+  // StripeStore; the default) or "split" (each page cut into k fragments, PageStore, Hydra's;
+  // also spelled --resilience ec-split:k+r). docs/nbd.md "Stripe layout". Before ResolveLayout:
+  // --ec-layout as given (empty: not given); after it: the layout that serves the export (empty
+  // for none and replicate), and `resilience` as ec:k+r.
+  std::string ec_layout;
   // Stripe layout only: the daemons move the cells compaction moves (StripeStoreOptions).
   bool compaction_offload = false;
   uint32_t heartbeat_ms = 500, failure_timeout_ms = 2000, peer_wait_ms = 5000;
@@ -47,9 +52,21 @@ void AddBackendFlags(CLI::App& app, BackendConfig* cfg);
 Status CheckFlagsApply(const CLI::App& app, const BackendConfig& cfg);
 // Encryption flags that contradict each other fail closed.
 Status CheckEncryptionFlags(const BackendConfig& cfg);
-// --ec-layout stripe with what it does not support (a resilience other than ec:k+r) fails
-// closed.
-Status CheckLayoutFlags(const BackendConfig& cfg);
+// --resilience as farmem-nbd takes it: the page store's (Resilience::Parse) plus the spelling
+// "ec-split:k+r", ec:k+r in the split layout (the same as ec:k+r --ec-layout split).
+struct ExportResilience {
+  Resilience resilience;
+  bool split_spelled = false;  // written ec-split:k+r
+};
+Result<ExportResilience> ParseExportResilience(std::string_view text);
+// Settles the layout of an ec:k+r export (the stripe layout unless --ec-layout split or
+// ec-split:k+r) into cfg->ec_layout, and cfg->resilience to its ec:k+r spelling. Fails closed on
+// layout options that contradict each other or do not apply: --ec-layout with none / replicate,
+// ec-split:k+r with --ec-layout stripe, --compaction-offload with anything but the stripe
+// layout, a k + r the chosen layout cannot serve. Idempotent; OpenBackend calls it too.
+Status ResolveLayout(BackendConfig* cfg);
+// "ec:4+2, stripe layout" / "replicate:2" / "" (memory backend): for the log and status lines.
+std::string DescribeProtection(const BackendConfig& cfg);
 // Opens the backend cfg names (for farmem: connects cfg.cluster, then the page store).
 Result<std::unique_ptr<BlockBackend>> OpenBackend(BackendConfig& cfg);
 // The export's health for --metrics-listen (docs/operations.md "Metrics").

@@ -34,9 +34,9 @@ using farmem::blockdev::BackendConfig;
 using farmem::blockdev::BlockBackend;
 using farmem::blockdev::CheckEncryptionFlags;
 using farmem::blockdev::CheckFlagsApply;
-using farmem::blockdev::CheckLayoutFlags;
 using farmem::blockdev::OpenBackend;
 using farmem::blockdev::RegisterExportMetrics;
+using farmem::blockdev::ResolveLayout;
 
 int Fail(const Status& s) {
   spdlog::error("farmem-nbd: {}", s.ToString());
@@ -97,7 +97,7 @@ int main(int argc, char** argv) {
   farmem::cli::SetUpLogging("farmem-nbd", log_level);
   if (Status s = CheckFlagsApply(app, backend_cfg); !s.ok()) return Fail(s);
   if (Status s = CheckEncryptionFlags(backend_cfg); !s.ok()) return Fail(s);
-  if (Status s = CheckLayoutFlags(backend_cfg); !s.ok()) return Fail(s);
+  if (Status s = ResolveLayout(&backend_cfg); !s.ok()) return Fail(s);
 
   // Signals: SIGINT/SIGTERM are taken synchronously by the main thread (blocked in every thread,
   // which inherit the mask); a vanished client must not kill the server through SIGPIPE.
@@ -155,8 +155,9 @@ int main(int argc, char** argv) {
   auto server = farmem::blockdev::NbdServer::Create(backend->get(), opts);
   if (!server) return Fail(server.error());
   if (Status s = (*server)->Start(); !s.ok()) return Fail(s);
-  spdlog::info("farmem-nbd: serving {} bytes from the {} backend", (*backend)->size(),
-               backend_cfg.kind);
+  const std::string protection = farmem::blockdev::DescribeProtection(backend_cfg);
+  spdlog::info("farmem-nbd: serving {} bytes from the {} backend{}", (*backend)->size(),
+               backend_cfg.kind, protection.empty() ? "" : " (" + protection + ")");
   std::unique_ptr<farmem::metrics::MetricsServer> metrics_server;
   if (metrics_ep) {
     RegisterExportMetrics(&registry, &backend_cfg, backend->get(), opts.export_name);

@@ -48,22 +48,27 @@ Result<std::unique_ptr<StripeStore>> StripeStore::Create(client::Cluster* cluste
     return Err(InvalidArgument(
         fmt::format("export size {} must be a non-zero multiple of 4096", options.size)));
   }
-  const client::Resilience& res = options.resilience;
-  if (res.mode != client::Resilience::Mode::kErasure) {
-    return Err(InvalidArgument(fmt::format(
-        "the stripe layout is for ec:k+r resilience, not {}: use the split layout (the default)",
-        res.ToString())));
-  }
-  if (res.group_size() > spanstore::kMaxSetWidth) {
-    return Err(
-        InvalidArgument(fmt::format("{}: the stripe layout spreads a stripe over at most {} "
-                                    "daemons (k + r)",
-                                    res.ToString(), spanstore::kMaxSetWidth)));
-  }
+  FARMEM_RETURN_IF_ERROR(CheckResilience(options.resilience));
   FARMEM_RETURN_IF_ERROR(CheckBusyPoll(options.busy_poll));
   std::unique_ptr<StripeStore> s(new StripeStore(cluster, std::move(options)));
   FARMEM_RETURN_IF_ERROR(s->Init());
   return s;
+}
+
+Status StripeStore::CheckResilience(const client::Resilience& res) {
+  if (res.mode != client::Resilience::Mode::kErasure) {
+    return InvalidArgument(fmt::format(
+        "the stripe layout is for ec:k+r resilience, not {} (none and replicate keep whole pages "
+        "already)",
+        res.ToString()));
+  }
+  if (res.group_size() > spanstore::kMaxSetWidth) {
+    return InvalidArgument(fmt::format(
+        "{}: the stripe layout spreads a stripe over at most {} daemons (k + r): give a smaller "
+        "k + r, or use the split layout (farmem-nbd --ec-layout split, k + r up to {})",
+        res.ToString(), spanstore::kMaxSetWidth, client::Resilience::kMaxGroupSize));
+  }
+  return Status::Ok();
 }
 
 Status StripeStore::Init() {

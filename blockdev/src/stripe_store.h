@@ -75,7 +75,7 @@
 // beyond tolerance) or does not open with no redundancy left is read from the file instead, and
 // is then not lost: nothing is logged LOST, it is logged as served from the backup file.
 //
-// Not supported (yet): none / replicate modes.
+// Not supported (yet): none / replicate modes (CheckResilience).
 #pragma once
 
 #include <atomic>
@@ -145,6 +145,9 @@ class StripeStore final : public BatchBackend {
  public:
   static Result<std::unique_ptr<StripeStore>> Create(client::Cluster* cluster,
                                                      StripeStoreOptions options);
+  // The resilience this layout can serve: ec:k+r with k + r <= spanstore::kMaxSetWidth (Create
+  // checks it; farmem-nbd before it connects, to fail at once).
+  static Status CheckResilience(const client::Resilience& res);
   ~StripeStore() override;
 
   uint64_t size() const override { return options_.size; }

@@ -258,12 +258,13 @@ int ExportStatCmd(const std::string& target, bool json) {
   auto get = [&](const char* name, const metrics::Labels& l = {}) {
     return metrics::Find(*samples, name, l).value_or(0);
   };
-  std::string export_name, backend, resilience, version;
+  std::string export_name, backend, resilience, ec_layout, version;
   for (const metrics::Sample& s : *samples) {
     if (s.name == "farmem_export_info") {
       export_name = s.Label("export");
       backend = s.Label("backend");
       resilience = s.Label("resilience");
+      ec_layout = s.Label("ec_layout");  // empty unless ec:k+r (and from older farmem-nbd)
       version = s.Label("version");
     }
   }
@@ -300,13 +301,14 @@ int ExportStatCmd(const std::string& target, bool json) {
   if (json) {
     std::string out = fmt::format(
         "{{\"export\": {}, \"version\": {}, \"backend\": {}, \"resilience\": {}, "
-        "\"size_bytes\": {}, \"health\": {}, \"extents_mapped\": {}, \"degraded_extents\": {}, "
+        "\"ec_layout\": {}, \"size_bytes\": {}, \"health\": {}, \"extents_mapped\": {}, "
+        "\"degraded_extents\": {}, "
         "\"rebuild_in_progress\": {}, \"rebuild_percent\": {:.1f}, \"rebuild_eta_seconds\": {}, "
         "\"rebuilds_total\": {}, \"lost_bytes\": {}, \"daemons\": [",
         JsonString(export_name), JsonString(version), JsonString(backend), JsonString(resilience),
-        get("farmem_export_size_bytes"), JsonString(health), get("farmem_export_extents_mapped"),
-        degraded, rebuilding, pct, eta ? fmt::format("{:.1f}", *eta) : "null",
-        get("farmem_export_rebuilds_total"), lost);
+        JsonString(ec_layout), get("farmem_export_size_bytes"), JsonString(health),
+        get("farmem_export_extents_mapped"), degraded, rebuilding, pct,
+        eta ? fmt::format("{:.1f}", *eta) : "null", get("farmem_export_rebuilds_total"), lost);
     for (size_t i = 0; i < daemons.size(); ++i) {
       out += fmt::format("{}{{\"endpoint\": {}, \"state\": {}, \"leased_bytes\": {}}}",
                          i == 0 ? "" : ", ", JsonString(daemons[i].endpoint),
@@ -315,8 +317,9 @@ int ExportStatCmd(const std::string& target, bool json) {
     fmt::print("{}]}}\n", out);
     return code;
   }
-  fmt::print("export '{}' ({} backend{}), {}, farmem-nbd {}\n", export_name, backend,
+  fmt::print("export '{}' ({} backend{}{}), {}, farmem-nbd {}\n", export_name, backend,
              resilience.empty() ? "" : ", " + resilience,
+             ec_layout.empty() ? "" : ", " + ec_layout + " layout",
              FormatSize(static_cast<uint64_t>(get("farmem_export_size_bytes"))), version);
   fmt::print("health: {}: {:.0f} extents mapped, {:.0f} degraded; lost {}\n", health,
              get("farmem_export_extents_mapped"), degraded,

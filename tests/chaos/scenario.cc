@@ -501,7 +501,7 @@ Result<std::vector<Scenario>> LoadScenarios(const std::string& path) {
       s.resilience.resize(s.resilience.size() - 7);
     }
     if (const size_t slash = s.resilience.find('/'); slash != std::string::npos) {
-      // farmem-nbd checks the pair (--ec-layout stripe only with ec:k+r); this only keeps the
+      // farmem-nbd checks the pair (--ec-layout only with ec:k+r); this only keeps the
       // column to what the driver passes on.
       s.ec_layout = s.resilience.substr(slash + 1);
       s.resilience.resize(slash);

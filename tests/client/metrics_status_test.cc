@@ -6,6 +6,7 @@
 // documented exit codes hold with a daemon down; so do `farmemctl export stat`'s.
 #include <fmt/format.h>
 #include <gtest/gtest.h>
+#include <signal.h>
 #include <sys/socket.h>
 
 #include <cctype>
@@ -449,6 +450,77 @@ TEST_F(MetricsStatusTest, StatJsonShowsEveryFieldAndExitCodesSayWhenADaemonIsDow
   st = RunCommand({testing::BinPath("farmemctl"), "stat", "--peers", peers, "--secret-file",
                    dir_.File("no-such-file")});
   EXPECT_EQ(st.exit_code, 1) << st.out << st.err;
+}
+
+// Which ec layout serves an export is visible where a user looks: the startup log line, the
+// farmem_export_info metric and `farmemctl export stat` (text and --json). ec:k+r is the stripe
+// layout unless --ec-layout split or the spelling ec-split:k+r (issue 13) asks for the split one.
+TEST_F(MetricsStatusTest, EcExportSaysWhichLayoutServesIt) {
+  testing::DaemonSet daemons({.capacity = "32M",
+                              .slab_size = "1M",
+                              .log_level = "warn",
+                              .extra_args = {"--no-mlock", "--memory-source", "off"}});
+  ASSERT_TRUE(daemons.Start(3).ok()) << daemons.Logs();
+  std::string peers;
+  for (const Endpoint& ep : daemons.endpoints())
+    peers += (peers.empty() ? "" : ",") + ep.ToString();
+  struct Case {
+    std::vector<std::string> args;
+    const char* layout;
+  };
+  const std::vector<Case> cases = {
+      {{"--resilience", "ec:2+1"}, "stripe"},
+      {{"--resilience", "ec-split:2+1"}, "split"},
+      {{"--resilience", "ec:2+1", "--ec-layout", "split"}, "split"},
+      {{"--resilience", "ec-split:2+1", "--ec-layout", "split"}, "split"}};
+  for (size_t i = 0; i < cases.size(); ++i) {
+    const Case& c = cases[i];
+    std::string given;
+    for (const std::string& a : c.args) given += a + " ";
+    SCOPED_TRACE(given + "-> " + c.layout);
+    const std::string nport = dir_.File(fmt::format("nbd{}.mport", i));
+    const std::string log = dir_.File(fmt::format("nbd{}.log", i));
+    std::vector<std::string> argv = {testing::BinPath("farmem-nbd"),
+                                     "--backend",
+                                     "farmem",
+                                     "--peers",
+                                     peers,
+                                     "--secret-file",
+                                     daemons.work_dir() + "/secret",
+                                     "--size",
+                                     "8M",
+                                     "--unix",
+                                     dir_.File(fmt::format("nbd{}.sock", i)),
+                                     "--no-swap-safe",
+                                     "--metrics-listen",
+                                     "127.0.0.1:0",
+                                     "--metrics-port-file",
+                                     nport};
+    argv.insert(argv.end(), c.args.begin(), c.args.end());
+    auto nbd = testing::ChildProcess::Spawn(argv, {.stderr_path = log, .kill_with_parent = true});
+    ASSERT_TRUE(nbd.has_value()) << nbd.error().ToString();
+    ASSERT_TRUE(WaitForPortFile(nport)) << testing::ReadFile(log);
+    const uint16_t port = ReadPort(nport);
+    EXPECT_EQ(Value(Scrape(port), "farmem_export_info",
+                    {{"resilience", "ec:2+1"}, {"ec_layout", c.layout}}),
+              1);
+    CommandResult es = RunCommand(
+        {testing::BinPath("farmemctl"), "export", "stat", fmt::format("127.0.0.1:{}", port)});
+    EXPECT_EQ(es.exit_code, 0) << es.out << es.err;
+    EXPECT_NE(es.out.find(fmt::format("ec:2+1, {} layout", c.layout)), std::string::npos) << es.out;
+    es = RunCommand({testing::BinPath("farmemctl"), "export", "stat",
+                     fmt::format("127.0.0.1:{}", port), "--json"});
+    EXPECT_EQ(Python(es.out, "print(d['resilience'], d['ec_layout'])"),
+              fmt::format("ec:2+1 {}\n", c.layout));
+    const std::string text = testing::ReadFile(log);
+    EXPECT_NE(text.find(fmt::format("from the farmem backend (ec:2+1, {} layout)", c.layout)),
+              std::string::npos)
+        << text;
+    // The store that serves it says so too (the stripe store logs its stripes).
+    EXPECT_EQ(text.find("stripe store:") != std::string::npos, std::string(c.layout) == "stripe")
+        << text;
+    nbd->Stop(SIGTERM, milliseconds(10000));
+  }
 }
 
 }  // namespace

@@ -1,7 +1,7 @@
 // A lender's own programs push it over --reserve while borrowers run verified I/O (issue 12, the
 // end-to-end pressure test). One farmemd, the lender, runs in a real memory cgroup with a limit
 // (cgroup v1 on these hosts, v2 in the guest; skipped where none can be made); seven more lend
-// beside it. Borrowers: farmem-nbd exports with resilience none, replicate:2 and ec:4+2, each
+// beside it. Borrowers: farmem-nbd exports with resilience none, replicate:2 and ec-split:4+2, each
 // under a writer that reads back every write through the repo's NBD client, and a far_ptr
 // runtime in this process rewriting and evicting objects. Then a memory hog starts in the
 // lender's cgroup, sized so that what is left is short of the reserve by more than the lender
@@ -144,7 +144,9 @@ TEST(LenderPressure, HogInTheLendersCgroupMovesEveryBorrowerOffAndNothingIsLost)
   // Borrower 1: farmem-nbd, one export per resilience mode, each filled and then under a writer.
   std::vector<std::unique_ptr<VerifiedExport>> exports;
   std::vector<uint16_t> export_ports;
-  for (const std::string mode : {"none", "replicate:2", "ec:4+2"}) {
+  // ec-split:4+2: the split layout, whose moves this test counts in its log ("moved off") and in
+  // farmem_export_moved_bytes_total (the stripe layout does not report moved bytes yet).
+  for (const std::string mode : {"none", "replicate:2", "ec-split:4+2"}) {
     const std::string port_file = tmp.File("nbd-metrics-" + std::to_string(exports.size()));
     auto nbd = FarmemNbd::Launch({"--backend", "farmem", "--peers", peers, "--secret-file",
                                   lender.work_dir() + "/secret", "--resilience", mode, "--size",

@@ -4,7 +4,8 @@
 # while daemons are killed, then reads everything back and verifies it.
 #
 #   nbd_fault_test.sh BIN_DIR MODE
-#     ec         ec:4+2 over six daemons, two killed mid-run
+#     ec         ec:4+2 (its default layout: stripe) over six daemons, two killed mid-run
+#     ec-split   the same in the split layout (--resilience ec-split:4+2)
 #     replicate  replicate:2 over three daemons, one killed
 #     backup     none + --backup over two daemons, all killed
 # Exit 0 when fio reports zero verify errors; any error fails.
@@ -24,6 +25,7 @@ trap cleanup EXIT
 
 case $mode in
   ec) daemons=6; resilience=ec:4+2; kill_list="1 4"; extra=() ;;
+  ec-split) daemons=6; resilience=ec-split:4+2; kill_list="1 4"; extra=() ;;
   replicate) daemons=3; resilience=replicate:2; kill_list="0"; extra=() ;;
   backup) daemons=2; resilience=none; kill_list="0 1"; extra=(--backup "$work/backup.img") ;;
   *) echo "unknown mode $mode" >&2; exit 2 ;;

@@ -1,17 +1,18 @@
 #!/bin/bash
-# Time to re-protect, by hand (a measurement, not a test): farmem-nbd --resilience ec:2+1 on three
+# Time to re-protect, by hand (a measurement, not a test): farmem-nbd --resilience ec-split:2+1 on three
 # farmemd daemons, SIZE written with nbdcopy; one daemon SIGKILLed and restarted empty on its port;
 # prints how long detection and re-protection took (farmem-nbd's own "whole again" line), then
-# SIGKILLs a second daemon and reads everything back: it must be identical.
+# SIGKILLs a second daemon and reads everything back: it must be identical. The split layout (the
+# page store's extents; the stripe layout, ec:k+r's default, logs no "whole again" line).
 #
-#   tests/pagestore/measure_reprotect.sh BUILD_DIR [SIZE=256M] [SLAB=64M] [RESILIENCE=ec:2+1]
+#   tests/pagestore/measure_reprotect.sh BUILD_DIR [SIZE=256M] [SLAB=64M] [RESILIENCE=ec-split:2+1]
 #
 # Needs nbdcopy (libnbd-bin) and bc. Uses loopback ports 17411-17413.
 set -euo pipefail
 BIN=$(cd "${1:?usage: $0 BUILD_DIR [SIZE] [SLAB] [RESILIENCE]}" && pwd)/bin
 SIZE=${2:-256M}
 SLAB=${3:-64M}
-RES=${4:-ec:2+1}
+RES=${4:-ec-split:2+1}
 DIR=$(mktemp -d /tmp/farmem-reprotect-XXXXXX)
 PIDS=()
 cleanup() {

@@ -2,13 +2,15 @@
 # Guest side of the nbd_farmem_swap_* vm tests: kernel swap on farmem-nbd with its remote page
 # store on real farmemd daemons (loopback, tcp transport), all inside the guest.
 #
-#   deploy/vm/run --smp 1 -- bash tests/vm/nbd_farmem_swap.sh <bin dir> <none|ec|drain> <swap_workload>
+#   deploy/vm/run --smp 1 -- bash tests/vm/nbd_farmem_swap.sh <bin dir> <none|ec|ec-split|drain> <swap_workload>
 #
 #   none  3 daemons, --resilience none; 128 MiB working set under memory.max 32M
-#   ec    7 daemons (6 for ec:4+2 plus a spare to rebuild on), --resilience ec:4+2, 96 MiB under
-#         24M, and one daemon SIGKILLed once the workload is reading its pages back: the rest of
-#         the run is served degraded (late binding / decode) while the lost fragments are rebuilt
-#         on the spare
+#   ec    7 daemons (6 for ec:4+2 plus a spare to rebuild on), --resilience ec:4+2 (its default
+#         layout, stripe), 96 MiB under 24M, and one daemon SIGKILLed once the workload is reading
+#         its pages back: the rest of the run is served degraded (pages on the lost member
+#         decoded from the others) while the lost members are re-protected on the spare
+#   ec-split  the same in the split layout (--resilience ec-split:4+2): degraded reads by late
+#         binding / decode while the lost fragments are rebuilt on the spare
 #   drain 4 daemons started with --drain-timeout, --resilience none, 128 MiB under 32M, and one
 #         daemon gets SIGTERM once the workload is reading its pages back (issue 12): farmem-nbd
 #         must move every member off it before the deadline (no redundancy: nothing to rebuild
@@ -35,16 +37,17 @@ fail() {
   exit 1
 }
 [[ ${FARMEM_VM:-} == 1 ]] || fail "run me inside the guest: deploy/vm/run --smp 1 -- bash $0 ..."
-bin=${1:?usage: nbd_farmem_swap.sh <bin dir> <none|ec|drain> <swap_workload>}
-mode=${2:?mode: none, ec or drain}
+bin=${1:?usage: nbd_farmem_swap.sh <bin dir> <none|ec|ec-split|drain> <swap_workload>}
+mode=${2:?mode: none, ec, ec-split or drain}
 workload=${3:?swap_workload path}
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 source "$here/guest_daemons.sh"
 case $mode in
   none) daemons=3 resilience=none victim="" capacity=96M mib=128 limit=32M ;;
   ec) daemons=7 resilience=ec:4+2 victim=2 capacity=64M mib=96 limit=24M ;;
+  ec-split) daemons=7 resilience=ec-split:4+2 victim=2 capacity=64M mib=96 limit=24M ;;
   drain) daemons=4 resilience=none victim=1 capacity=96M mib=128 limit=32M ;;
-  *) fail "mode must be none, ec or drain, not $mode" ;;
+  *) fail "mode must be none, ec, ec-split or drain, not $mode" ;;
 esac
 drain_ms=20000  # drain: farmemd --drain-timeout
 daemon_args=(--log-level warn)
@@ -171,8 +174,11 @@ if [[ -n $victim ]]; then
     grep "every member under EVICT_NOTICE is moved" "$work/nbd.log" | tail -n 1 || true
     say "$moved member(s) moved off farmemd $victim"
   else
-    grep -E "rebuilt|degraded" "$work/nbd.log" | head -n 3 || true
-    grep -q "rebuilt on" "$work/nbd.log" || fail "farmem-nbd rebuilt nothing after the daemon died"
+    grep -E "rebuilt|re-protected|degraded" "$work/nbd.log" | head -n 3 || true
+    # The split layout logs "extent E member M rebuilt on D", the stripe layout "slab group G
+    # member M re-protected on D".
+    grep -qE "rebuilt on|re-protected on" "$work/nbd.log" ||
+      fail "farmem-nbd rebuilt nothing after the daemon died"
   fi
 fi
 if grep -E "LOST|unrecoverable|\[error\]" "$work/nbd.log"; then fail "farmem-nbd reported errors"; fi
