@@ -10,6 +10,9 @@
 #            farmem-ec         farmem-nbd --resilience ec:4+2 (write cache on, encryption on)
 #            farmem-ec-nocache the same with --write-cache-pages 0
 #            farmem-none, farmem-none-nocache: --resilience none, cache on / off
+#            farmem-ec-split, farmem-ec-stripe: ec:4+2 with that --ec-layout given explicitly
+#            any farmem target + "-pN" (e.g. farmem-none-p256): --write-cache-pages N (the cache's
+#            size, for a comparison of sizes in one run; -nocache is -p0)
 #
 #   blockdev/bench/nbd_subpage_bench.sh [--build-dir DIR] [--runtime SECONDS] [--repeat N]
 #                                       [--size SIZE] [--targets "a b ..."]
@@ -36,7 +39,7 @@ while [ $# -gt 0 ]; do
     --size) size=$2; shift 2 ;;
     --targets) targets=$2; shift 2 ;;
     --workloads) workloads=$2; shift 2 ;;
-    -h|--help) sed -n '2,23p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d'; exit 0 ;;
     *) echo "unknown argument $1 (try --help)" >&2; exit 2 ;;
   esac
 done
@@ -58,15 +61,25 @@ peers=''
 # shellcheck disable=SC2034  # start_farmemds fills it (unused here)
 daemon_pids=()
 start_farmemds peers daemon_pids d 6 --capacity 512M --slab-size 64M
-for t in farmem-ec farmem-ec-nocache farmem-none farmem-none-nocache; do
-  has $t || continue
+for t in $targets; do
+  case $t in nbdkit-mem) continue ;; farmem-*) ;; *) echo "unknown target $t" >&2; exit 2 ;; esac
   res=ec:4+2
-  case $t in farmem-none*) res=none ;; esac
-  cache=()
-  case $t in *-nocache) cache=(--write-cache-pages 0) ;; esac
+  opts=()
+  base=$t
+  case $base in
+    *-nocache) opts+=(--write-cache-pages 0); base=${base%-nocache} ;;
+    *-p[0-9]*) opts+=(--write-cache-pages "${base##*-p}"); base=${base%-p*} ;;
+  esac
+  case $base in
+    farmem-none) res=none ;;
+    farmem-ec) ;;
+    farmem-ec-split) opts+=(--ec-layout split) ;;
+    farmem-ec-stripe) opts+=(--ec-layout stripe) ;;
+    *) echo "unknown target $t" >&2; exit 2 ;;
+  esac
   "$bin/farmem-nbd" --backend farmem --peers "$peers" --secret-file "$work/secret" \
     --resilience "$res" --transport tcp --size "$size" --unix "$work/$t.sock" --log-level warn \
-    --no-swap-safe "${cache[@]}" 2>"$work/$t.log" &
+    --no-swap-safe "${opts[@]}" 2>"$work/$t.log" &
   pids+=($!)
 done
 for t in $targets; do
