@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # nbd_subpage_bench.sh: writes smaller than a page (issue 13, item 2) on farmem-nbd with its write
-# cache on (the default, --write-cache-pages 1024) and off (--write-cache-pages 0), against
+# cache on (the default, --write-cache-pages 256) and off (--write-cache-pages 0), against
 # `nbdkit memory` (the local-RAM ceiling of an NBD server), in ONE run, with fio's nbd engine:
 #
 #   randwrite 512 B, 1 KiB and 4 KiB (for comparison) at queue depth 16, and sequential 1 KiB
@@ -22,7 +22,8 @@
 # targets. Six farmemd daemons on loopback (tcp, 64 MiB slabs) serve both farmem exports. Every
 # export is written whole first (reads and fills then hit allocated memory everywhere). Each
 # workload runs on every target back to back, the order rotated every repetition; the table shows
-# the median IOPS and each repetition's, and the ratio to nbdkit-mem.
+# the median IOPS and each repetition's, and the ratio to nbdkit-mem; a second table the write
+# cache's pages written back and filled per 1,000 writes (what its size changes; load-independent).
 set -euo pipefail
 
 build=build
@@ -79,7 +80,8 @@ for t in $targets; do
   esac
   "$bin/farmem-nbd" --backend farmem --peers "$peers" --secret-file "$work/secret" \
     --resilience "$res" --transport tcp --size "$size" --unix "$work/$t.sock" --log-level warn \
-    --no-swap-safe "${opts[@]}" 2>"$work/$t.log" &
+    --no-swap-safe --metrics-listen 127.0.0.1:0 --metrics-port-file "$work/$t.mport" \
+    "${opts[@]}" 2>"$work/$t.log" &
   pids+=($!)
 done
 for t in $targets; do
@@ -88,15 +90,29 @@ for t in $targets; do
 done
 echo "fio $(fio --version | sed 's/fio-//'), nbdkit $(nbdkit --version | awk '{print $2}')," \
   "$(nproc) CPUs, export $size, ${runtime}s x $repeat per job, uptime: $(uptime)"
+# cache_counters TARGET: "writebacks fills writes" so far: its write cache's pages written back
+# and filled (read to complete a partly written page), and the NBD writes it answered
+# (--metrics-listen; 0 0 N with the cache off). Their growth over a job is the cost the cache's
+# size can change, per 1,000 writes.
+cache_counters() {
+  curl -s "http://127.0.0.1:$(cat "$work/$1.mport")/metrics" |
+    awk '$1 == "farmem_write_cache_writebacks_total" {w = $2}
+         $1 == "farmem_write_cache_fills_total" {f = $2}
+         $1 ~ /^farmem_export_requests_total[{].*op="write"/ {n += $2}
+         END {print w + 0, f + 0, n + 0}'
+}
 read -r -a tlist <<<"$targets"
 n=${#tlist[@]}
 for rep in $(seq "$repeat"); do
   for w in $workloads; do
     for ((i = 0; i < n; i++)); do
       t=${tlist[$(((i + rep) % n))]}
+      out=$work/$t-${w/:/-}-$rep
+      [ -f "$work/$t.mport" ] && cache_counters "$t" >"$out.c0"
       fio --name="$t" --ioengine=nbd --uri="$(nbd_uri "$t")" --rw="${w%%:*}" --bs="${w##*:}" \
         --iodepth=16 --numjobs=1 --size="$size" --time_based --runtime="$runtime" --ramp_time=1 \
-        --output-format=json --output="$work/$t-${w/:/-}-$rep.json" >/dev/null
+        --output-format=json --output="$out.json" >/dev/null
+      [ -f "$work/$t.mport" ] && cache_counters "$t" >"$out.c1"
     done
   done
 done
@@ -116,4 +132,21 @@ for w in workloads:
         ratio = f"{med[t][0] / med['nbdkit-mem'][0]:.2f}" if "nbdkit-mem" in med else "-"
         print(f"{w.replace(':', ' '):<18}{t:<22}{med[t][0]:>9.0f}{ratio:>10}   "
               + " ".join(f"{x:.0f}" for x in med[t][1]))
+print()
+print("write cache per 1,000 writes answered (all repetitions):")
+print(f"{'workload (qd16)':<18}{'target':<22}{'written back':>14}{'filled':>10}")
+for w in workloads:
+    for t in targets:
+        if t == "nbdkit-mem": continue
+        wb = fl = n = 0
+        for r in range(1, reps + 1):
+            base = f"{d}/{t}-{w.replace(':', '-')}-{r}"
+            try:
+                c0 = [float(x) for x in open(base + ".c0").read().split()]
+                c1 = [float(x) for x in open(base + ".c1").read().split()]
+            except (OSError, ValueError):
+                continue
+            wb += c1[0] - c0[0]; fl += c1[1] - c0[1]; n += c1[2] - c0[2]
+        if n:
+            print(f"{w.replace(':', ' '):<18}{t:<22}{1000 * wb / n:>14.0f}{1000 * fl / n:>10.0f}")
 EOF
