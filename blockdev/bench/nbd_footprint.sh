@@ -18,13 +18,17 @@
 #
 #   blockdev/bench/nbd_footprint.sh [--build-dir DIR] [--nbd-bin PATH] [--resilience R]
 #                                   [--size SIZE] [--connections "1 2 4"] [--runtime SECONDS]
-#                                   [--detail] [-- farmem-nbd args...]
+#                                   [--detail] [--no-io] [-- farmem-nbd args...]
 #
 # Defaults: build dir ./build, farmem-nbd from it (--nbd-bin: another binary, e.g. a build of an
 # older commit, for before/after), --resilience none, a 1G export, connections "1 2 4", 5 s per
 # fio job. The export is written whole (1 MiB writes) before the fio jobs. Needs fio and qemu-io;
 # mlockall needs CAP_IPC_LOCK or a large RLIMIT_MEMLOCK (else nothing is locked and a warning says
-# so).
+# so). --no-io stops after the connections (no export write, no fio: the idle and per-connection
+# figures only, which is what a slow guest can afford). Arguments after -- go to farmem-nbd as
+# they are, e.g. `-- --ec-layout stripe` or `-- --write-cache-pages 256`. With --ec-layout stripe
+# the idle figure includes the page table, 16 bytes per export page allocated at start (4 MiB per
+# GiB): a line says how much of it that is, since it grows with --size and the rest does not.
 set -euo pipefail
 
 build=build
@@ -34,6 +38,7 @@ size=1G
 connections="1 2 4"
 runtime=5
 detail=0
+io=1
 nbd_args=()
 while [ $# -gt 0 ]; do
   case $1 in
@@ -44,6 +49,7 @@ while [ $# -gt 0 ]; do
     --connections) connections=$2; shift 2 ;;
     --runtime) runtime=$2; shift 2 ;;
     --detail) detail=1; shift ;;
+    --no-io) io=0; shift ;;
     --) shift; nbd_args=("$@"); break ;;
     -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d'; exit 0 ;;
     *) echo "unknown argument $1 (try --help)" >&2; exit 2 ;;
@@ -119,6 +125,12 @@ idle=$(locked_kib $nbd)
 echo "idle: locked $(mib "$idle") MiB, VmLck $(mib "$(status_kib $nbd VmLck)") MiB," \
   "VmRSS $(mib "$(status_kib $nbd VmRSS)") MiB," \
   "threads $(status_kib $nbd Threads)"
+case " ${nbd_args[*]} " in
+  *" --ec-layout stripe "*)
+    size_bytes=$(numfmt --from=iec "$size")
+    echo "  of which the stripe layout's page table (16 B per page, allocated at start):" \
+      "$(awk -v b="$size_bytes" 'BEGIN {printf "%.1f", b / 4096 * 16 / 1048576}') MiB" ;;
+esac
 if [ $detail = 1 ]; then
   echo "  locked mappings at idle:"
   locked_mappings $nbd
@@ -153,6 +165,7 @@ for n in $connections; do
   wait_conns $nbd 0
 done
 
+[ $io = 1 ] || exit 0
 nbd_prefill "$uri" "$size"
 for rw in randread randwrite; do
   fio --name="$rw" --ioengine=nbd --uri="$uri" --rw=$rw --bs=4k --iodepth=16 --numjobs=1 \

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # nbd_subpage_bench.sh: writes smaller than a page (issue 13, item 2) on farmem-nbd with its write
-# cache on (the default, --write-cache-pages 1024) and off (--write-cache-pages 0), against
+# cache on (the default, --write-cache-pages 256) and off (--write-cache-pages 0), against
 # `nbdkit memory` (the local-RAM ceiling of an NBD server), in ONE run, with fio's nbd engine:
 #
 #   randwrite 512 B, 1 KiB and 4 KiB (for comparison) at queue depth 16, and sequential 1 KiB
@@ -9,9 +9,12 @@
 #   targets  nbdkit-mem        nbdkit memory
 #            farmem-ec         farmem-nbd --resilience ec:4+2 --ec-layout split (write cache on,
 #                              encryption on; the split layout, as its recorded figures)
-#            farmem-ec-stripe  ec:4+2 in the stripe layout (the default), write cache on
 #            farmem-ec-nocache the same with --write-cache-pages 0
 #            farmem-none, farmem-none-nocache: --resilience none, cache on / off
+#            farmem-ec-split, farmem-ec-stripe: ec:4+2 with that --ec-layout given explicitly
+#                              (stripe is the default)
+#            any farmem target + "-pN" (e.g. farmem-none-p256): --write-cache-pages N (the cache's
+#            size, for a comparison of sizes in one run; -nocache is -p0)
 #
 #   blockdev/bench/nbd_subpage_bench.sh [--build-dir DIR] [--runtime SECONDS] [--repeat N]
 #                                       [--size SIZE] [--targets "a b ..."]
@@ -21,7 +24,8 @@
 # targets. Six farmemd daemons on loopback (tcp, 64 MiB slabs) serve both farmem exports. Every
 # export is written whole first (reads and fills then hit allocated memory everywhere). Each
 # workload runs on every target back to back, the order rotated every repetition; the table shows
-# the median IOPS and each repetition's, and the ratio to nbdkit-mem.
+# the median IOPS and each repetition's, and the ratio to nbdkit-mem; a second table the write
+# cache's pages written back and filled per 1,000 writes (what its size changes; load-independent).
 set -euo pipefail
 
 build=build
@@ -38,7 +42,7 @@ while [ $# -gt 0 ]; do
     --size) size=$2; shift 2 ;;
     --targets) targets=$2; shift 2 ;;
     --workloads) workloads=$2; shift 2 ;;
-    -h|--help) sed -n '2,23p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d'; exit 0 ;;
     *) echo "unknown argument $1 (try --help)" >&2; exit 2 ;;
   esac
 done
@@ -60,16 +64,26 @@ peers=''
 # shellcheck disable=SC2034  # start_farmemds fills it (unused here)
 daemon_pids=()
 start_farmemds peers daemon_pids d 6 --capacity 512M --slab-size 64M
-for t in farmem-ec farmem-ec-nocache farmem-ec-stripe farmem-none farmem-none-nocache; do
-  has $t || continue
+for t in $targets; do
+  case $t in nbdkit-mem) continue ;; farmem-*) ;; *) echo "unknown target $t" >&2; exit 2 ;; esac
   res=ec:4+2
-  case $t in farmem-none*) res=none ;; esac
-  cache=()
-  case $t in *-nocache) cache=(--write-cache-pages 0) ;; esac
-  case $t in farmem-ec | farmem-ec-nocache) cache+=(--ec-layout split) ;; esac
+  opts=()
+  base=$t
+  case $base in
+    *-nocache) opts+=(--write-cache-pages 0); base=${base%-nocache} ;;
+    *-p[0-9]*) opts+=(--write-cache-pages "${base##*-p}"); base=${base%-p*} ;;
+  esac
+  case $base in
+    farmem-none) res=none ;;
+    farmem-ec) opts+=(--ec-layout split) ;;  # as its recorded figures
+    farmem-ec-split) opts+=(--ec-layout split) ;;
+    farmem-ec-stripe) opts+=(--ec-layout stripe) ;;
+    *) echo "unknown target $t" >&2; exit 2 ;;
+  esac
   "$bin/farmem-nbd" --backend farmem --peers "$peers" --secret-file "$work/secret" \
     --resilience "$res" --transport tcp --size "$size" --unix "$work/$t.sock" --log-level warn \
-    --no-swap-safe "${cache[@]}" 2>"$work/$t.log" &
+    --no-swap-safe --metrics-listen 127.0.0.1:0 --metrics-port-file "$work/$t.mport" \
+    "${opts[@]}" 2>"$work/$t.log" &
   pids+=($!)
 done
 for t in $targets; do
@@ -78,15 +92,29 @@ for t in $targets; do
 done
 echo "fio $(fio --version | sed 's/fio-//'), nbdkit $(nbdkit --version | awk '{print $2}')," \
   "$(nproc) CPUs, export $size, ${runtime}s x $repeat per job, uptime: $(uptime)"
+# cache_counters TARGET: "writebacks fills writes" so far: its write cache's pages written back
+# and filled (read to complete a partly written page), and the NBD writes it answered
+# (--metrics-listen; 0 0 N with the cache off). Their growth over a job is the cost the cache's
+# size can change, per 1,000 writes.
+cache_counters() {
+  curl -s "http://127.0.0.1:$(cat "$work/$1.mport")/metrics" |
+    awk '$1 == "farmem_write_cache_writebacks_total" {w = $2}
+         $1 == "farmem_write_cache_fills_total" {f = $2}
+         $1 ~ /^farmem_export_requests_total[{].*op="write"/ {n += $2}
+         END {print w + 0, f + 0, n + 0}'
+}
 read -r -a tlist <<<"$targets"
 n=${#tlist[@]}
 for rep in $(seq "$repeat"); do
   for w in $workloads; do
     for ((i = 0; i < n; i++)); do
       t=${tlist[$(((i + rep) % n))]}
+      out=$work/$t-${w/:/-}-$rep
+      [ -f "$work/$t.mport" ] && cache_counters "$t" >"$out.c0"
       fio --name="$t" --ioengine=nbd --uri="$(nbd_uri "$t")" --rw="${w%%:*}" --bs="${w##*:}" \
         --iodepth=16 --numjobs=1 --size="$size" --time_based --runtime="$runtime" --ramp_time=1 \
-        --output-format=json --output="$work/$t-${w/:/-}-$rep.json" >/dev/null
+        --output-format=json --output="$out.json" >/dev/null
+      [ -f "$work/$t.mport" ] && cache_counters "$t" >"$out.c1"
     done
   done
 done
@@ -106,4 +134,21 @@ for w in workloads:
         ratio = f"{med[t][0] / med['nbdkit-mem'][0]:.2f}" if "nbdkit-mem" in med else "-"
         print(f"{w.replace(':', ' '):<18}{t:<22}{med[t][0]:>9.0f}{ratio:>10}   "
               + " ".join(f"{x:.0f}" for x in med[t][1]))
+print()
+print("write cache per 1,000 writes answered (all repetitions):")
+print(f"{'workload (qd16)':<18}{'target':<22}{'written back':>14}{'filled':>10}")
+for w in workloads:
+    for t in targets:
+        if t == "nbdkit-mem": continue
+        wb = fl = n = 0
+        for r in range(1, reps + 1):
+            base = f"{d}/{t}-{w.replace(':', '-')}-{r}"
+            try:
+                c0 = [float(x) for x in open(base + ".c0").read().split()]
+                c1 = [float(x) for x in open(base + ".c1").read().split()]
+            except (OSError, ValueError):
+                continue
+            wb += c1[0] - c0[0]; fl += c1[1] - c0[1]; n += c1[2] - c0[2]
+        if n:
+            print(f"{w.replace(':', ' '):<18}{t:<22}{1000 * wb / n:>14.0f}{1000 * fl / n:>10.0f}")
 EOF

@@ -36,7 +36,7 @@ struct BackendConfig {
   bool compaction_offload = false;
   uint32_t heartbeat_ms = 500, failure_timeout_ms = 2000, peer_wait_ms = 5000;
   // The write-back page cache in front of the page store (write_cache.h, docs/nbd.md).
-  uint32_t write_cache_pages = 1024, write_cache_max_age_ms = 100;
+  uint32_t write_cache_pages = 256, write_cache_max_age_ms = 100;
   // How long a request waiting on one daemon spins before it sleeps (client::ChannelSet).
   uint32_t busy_poll_us = 0;
   bool overcommit = false;

@@ -17,7 +17,8 @@ namespace pagestore {
 
 // Room for the ciphertext of a batch's aligned writes that each worker gets at start: what one
 // batch of farmem-nbd carries at most (a connection takes 256 KiB of write data per batch,
-// nbd_connection.h). Under --swap-safe it is locked memory, 9 workers' worth at idle.
+// nbd_connection.h). Under --swap-safe it is locked memory, 5 workers' worth at idle (4 + the
+// rebuild thread's).
 constexpr size_t kSealedReserve = 256u << 10;
 
 const std::vector<uint8_t>& ZeroBuffer() {

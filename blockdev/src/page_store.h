@@ -104,7 +104,12 @@ struct PageStoreOptions {
   uint64_t size = 0;  // export size, a multiple of 4096
   Resilience resilience;
   std::string backup_path;  // empty: no backup file
-  size_t workers = 8;       // concurrent callers served without waiting
+  // Concurrent callers served without waiting: connection threads and the write cache's flusher.
+  // Each worker's buffers are allocated at start and locked in swap-safe mode (its ciphertext
+  // buffer, 256 KiB, and with ec:k+r its round's staging, 384 KiB for ec:4+2), so this is a
+  // footprint figure (docs/nbd.md "Memory footprint"): 4 serve three busy connections and the
+  // flusher; a swap device has one connection. It was 8 until 2026-12-03.
+  size_t workers = 4;
   std::chrono::milliseconds op_timeout{5000};
   // How long a request waiting for one daemon spins before it sleeps (client::ChannelSet::
   // SetBusyPoll; at most ChannelSet::kMaxBusyPoll). Not for the rebuild thread.

@@ -27,7 +27,7 @@ inline constexpr uint64_t kPage = 4096;
 inline constexpr uint64_t kMaxPiece = 1 << 20;
 // A round of ec:k+r moves at most this much export data: each worker's ec staging memory is sized
 // for it (kRoundBytes / 4096 pages x (k + r) fragments), allocated once at start and locked in
-// swap-safe mode (384 KiB a worker for ec:4+2; 9 workers by default). With ec:k+r a piece is at
+// swap-safe mode (384 KiB a worker for ec:4+2; 5 workers by default). With ec:k+r a piece is at
 // most kRoundBytes, so larger requests go in several rounds. The kernel's swap I/O is mostly
 // single pages and page clusters of a few tens of KiB: one round each.
 inline constexpr uint64_t kRoundBytes = 256 << 10;

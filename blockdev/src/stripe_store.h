@@ -103,7 +103,7 @@ namespace farmem::blockdev {
 struct StripeStoreOptions {
   uint64_t size = 0;              // export size, a multiple of 4096
   client::Resilience resilience;  // ec:k+r with k + r <= spanstore::kMaxSetWidth
-  size_t workers = 8;             // concurrent callers served without waiting
+  size_t workers = 4;  // concurrent callers served without waiting (PageStoreOptions::workers)
   std::chrono::milliseconds op_timeout{5000};
   std::chrono::microseconds busy_poll{0};  // client::ChannelSet::SetBusyPoll of the workers
   std::chrono::milliseconds reconcile_interval{1000};  // RemoteStore's

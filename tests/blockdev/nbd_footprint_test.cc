@@ -1,7 +1,8 @@
 // Issue 13 item 6: the memory a swap-safe farmem-nbd locks. Under --swap-safe every byte it maps
 // is locked (mlockall(MCL_CURRENT|MCL_FUTURE)), taken from a host that is short of memory: a
-// farmem backend on two farmemd daemons must lock at most 16 MiB of its own (anonymous) memory at
-// idle and at most 2 MiB more per connection (it locked 120 MiB and 33.5 MiB: 8 MiB thread stacks
+// farmem backend on two farmemd daemons must lock at most 7 MiB of its own (anonymous) memory at
+// idle, 16 MiB in all where the libraries are locked on fault, and at most 2 MiB more per
+// connection (it locked 120 MiB and 33.5 MiB: 8 MiB thread stacks
 // and 32 MiB request buffers). Then a 32 MiB WRITE, READ, WRITE_ZEROES and TRIM (served in pieces
 // by the connection and the page store) must be correct and grow nothing per connection.
 //
@@ -37,7 +38,13 @@ using testing::FarmemNbd;
 using testing::NbdTestClient;
 using testing::Pattern;
 
-constexpr long kIdleOwnKiB = 16 << 10;
+// Its own memory at idle: 5.0 MiB measured with these two daemons (the 256-page write cache, 4
+// page store workers, 6 threads' stacks, heap); 10.1 MiB before (1024 pages, 8 workers): this
+// fails. Together with the files (~10 MiB where the IO-flusher step works) the issue's 16 MiB in
+// all.
+constexpr long kIdleOwnKiB = 7 << 10;
+// Everything, where the libraries are locked on fault (the IO-flusher step worked: the guest).
+constexpr long kIdleTotalKiB = 16 << 10;
 constexpr long kPerConnectionKiB = 2 << 10;
 constexpr long kIdleFileKiB = 13 << 10;
 
@@ -105,6 +112,7 @@ TEST(NbdFootprintTest, SwapSafeFarmemBackendLocksLittleAtIdleAndPerConnection) {
   // them whole took 16.2.
   if ((*nbd)->log().find("PR_SET_IO_FLUSHER") == std::string::npos) {
     EXPECT_LE(idle_parts.file_kib, kIdleFileKiB) << (*nbd)->log();
+    EXPECT_LE(idle_parts.file_kib + idle_parts.anonymous_kib, kIdleTotalKiB) << (*nbd)->log();
   }
 
   // Four connections, each past its first request (its buffers exist once it has answered).

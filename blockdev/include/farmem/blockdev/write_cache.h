@@ -62,8 +62,11 @@
 namespace farmem::blockdev {
 
 struct WriteCacheOptions {
-  // Pages (4 KiB) the cache holds at most; kMinPages to 2^24. 1024 pages = 4 MiB.
-  size_t pages = 1024;
+  // Pages (4 KiB) the cache holds at most; kMinPages to 2^24. 256 pages = 1 MiB, allocated at
+  // start (locked in swap-safe mode): four write-back batches, one going back while the others
+  // fill; random sub-page writes seldom hit a cached page again at any size that fits in locked
+  // memory, and sequential ones fill a page within a few writes (docs/nbd.md "Memory footprint").
+  size_t pages = 256;
   // A dirty page goes back to the backend once it has been dirty this long (the flusher thread).
   std::chrono::milliseconds max_dirty_age{100};
   // Dirty pages written back together when a slot is needed (one batch on the backend).
