@@ -127,6 +127,31 @@ class MetricsStatusTest : public ::testing::Test {
     args.insert(args.end(), {"--secret-file", d.work_dir() + "/secret"});
     return RunCommand(args, seconds(30));
   }
+  // farmem-nbd --backend farmem on `peers` (the daemons of `d`), exporting `size` at the Unix
+  // socket `sock`, its metrics port written to `port_file`, log in `log`, then `extra` options.
+  Result<testing::ChildProcess> SpawnNbd(const std::string& peers, const testing::DaemonSet& d,
+                                         const std::string& size, const std::string& sock,
+                                         const std::string& port_file, const std::string& log,
+                                         const std::vector<std::string>& extra) {
+    std::vector<std::string> argv = {testing::BinPath("farmem-nbd"),
+                                     "--backend",
+                                     "farmem",
+                                     "--peers",
+                                     peers,
+                                     "--secret-file",
+                                     d.work_dir() + "/secret",
+                                     "--size",
+                                     size,
+                                     "--unix",
+                                     sock,
+                                     "--no-swap-safe",
+                                     "--metrics-listen",
+                                     "127.0.0.1:0",
+                                     "--metrics-port-file",
+                                     port_file};
+    argv.insert(argv.end(), extra.begin(), extra.end());
+    return testing::ChildProcess::Spawn(argv, {.stderr_path = log, .kill_with_parent = true});
+  }
   // Runs python3 on `json` (written to a file) with `script`, which prints what the test checks.
   std::string Python(const std::string& json, const std::string& script) {
     const std::string f = dir_.File("out.json");
@@ -168,29 +193,8 @@ TEST_F(MetricsStatusTest, DaemonAndExportMetricsMoveWithIoAndSurviveBadHttp) {
 
   const std::string sock = dir_.File("nbd.sock");
   auto nbd =
-      testing::ChildProcess::Spawn({testing::BinPath("farmem-nbd"),
-                                    "--backend",
-                                    "farmem",
-                                    "--peers",
-                                    daemons[0].endpoint().ToString(),
-                                    "--secret-file",
-                                    daemons.work_dir() + "/secret",
-                                    "--resilience",
-                                    "none",
-                                    "--size",
-                                    "32M",
-                                    "--unix",
-                                    sock,
-                                    "--no-swap-safe",
-                                    "--heartbeat-ms",
-                                    "100",
-                                    "--failure-timeout-ms",
-                                    "1000",
-                                    "--metrics-listen",
-                                    "127.0.0.1:0",
-                                    "--metrics-port-file",
-                                    nport},
-                                   {.stderr_path = dir_.File("nbd.log"), .kill_with_parent = true});
+      SpawnNbd(daemons[0].endpoint().ToString(), daemons, "32M", sock, nport, dir_.File("nbd.log"),
+               {"--resilience", "none", "--heartbeat-ms", "100", "--failure-timeout-ms", "1000"});
   ASSERT_TRUE(nbd.has_value()) << nbd.error().ToString();
   ASSERT_TRUE(WaitForPortFile(nport)) << testing::ReadFile(dir_.File("nbd.log"));
   const uint16_t nbd_port = ReadPort(nport);
@@ -302,34 +306,9 @@ TEST_F(MetricsStatusTest, StripeExportServesCompactionAndDegradedEpisodeFigures)
     peers += (i == 0 ? "" : ",") + daemons[i].endpoint().ToString();
   }
   const std::string sock = dir_.File("nbd.sock");
-  auto nbd =
-      testing::ChildProcess::Spawn({testing::BinPath("farmem-nbd"),
-                                    "--backend",
-                                    "farmem",
-                                    "--peers",
-                                    peers,
-                                    "--secret-file",
-                                    daemons.work_dir() + "/secret",
-                                    "--resilience",
-                                    "ec:4+2",
-                                    "--ec-layout",
-                                    "stripe",
-                                    "--size",
-                                    "8M",
-                                    "--unix",
-                                    sock,
-                                    "--no-swap-safe",
-                                    "--write-cache-pages",
-                                    "0",
-                                    "--heartbeat-ms",
-                                    "100",
-                                    "--failure-timeout-ms",
-                                    "1000",
-                                    "--metrics-listen",
-                                    "127.0.0.1:0",
-                                    "--metrics-port-file",
-                                    nport},
-                                   {.stderr_path = dir_.File("nbd.log"), .kill_with_parent = true});
+  auto nbd = SpawnNbd(peers, daemons, "8M", sock, nport, dir_.File("nbd.log"),
+                      {"--resilience", "ec:4+2", "--ec-layout", "stripe", "--write-cache-pages",
+                       "0", "--heartbeat-ms", "100", "--failure-timeout-ms", "1000"});
   ASSERT_TRUE(nbd.has_value()) << nbd.error().ToString();
   ASSERT_TRUE(WaitForPortFile(nport)) << testing::ReadFile(dir_.File("nbd.log"));
   const uint16_t port = ReadPort(nport);
@@ -480,24 +459,8 @@ TEST_F(MetricsStatusTest, EcExportSaysWhichLayoutServesIt) {
     SCOPED_TRACE(given + "-> " + c.layout);
     const std::string nport = dir_.File(fmt::format("nbd{}.mport", i));
     const std::string log = dir_.File(fmt::format("nbd{}.log", i));
-    std::vector<std::string> argv = {testing::BinPath("farmem-nbd"),
-                                     "--backend",
-                                     "farmem",
-                                     "--peers",
-                                     peers,
-                                     "--secret-file",
-                                     daemons.work_dir() + "/secret",
-                                     "--size",
-                                     "8M",
-                                     "--unix",
-                                     dir_.File(fmt::format("nbd{}.sock", i)),
-                                     "--no-swap-safe",
-                                     "--metrics-listen",
-                                     "127.0.0.1:0",
-                                     "--metrics-port-file",
-                                     nport};
-    argv.insert(argv.end(), c.args.begin(), c.args.end());
-    auto nbd = testing::ChildProcess::Spawn(argv, {.stderr_path = log, .kill_with_parent = true});
+    auto nbd =
+        SpawnNbd(peers, daemons, "8M", dir_.File(fmt::format("nbd{}.sock", i)), nport, log, c.args);
     ASSERT_TRUE(nbd.has_value()) << nbd.error().ToString();
     ASSERT_TRUE(WaitForPortFile(nport)) << testing::ReadFile(log);
     const uint16_t port = ReadPort(nport);
