@@ -346,6 +346,15 @@ std::vector<std::vector<Endpoint>> RemoteStore::GroupLayout() const {
   return out;
 }
 
+namespace {
+// Milliseconds from `since` to `now`; 0 for an episode clock not started (max()) or ahead of now.
+uint64_t ElapsedMs(Clock::time_point since, Clock::time_point now) {
+  if (since == Clock::time_point::max() || since > now) return 0;
+  return static_cast<uint64_t>(
+      std::chrono::duration_cast<std::chrono::milliseconds>(now - since).count());
+}
+}  // namespace
+
 RemoteStoreStats RemoteStore::stats() const {
   MutexLock lock(&mu_);
   RemoteStoreStats s;
@@ -381,14 +390,9 @@ RemoteStoreStats RemoteStore::stats() const {
   s.moves_missed = moves_missed_;
   s.copies_abandoned = copies_abandoned_;
   const Clock::time_point now = Clock::now();
-  auto ms = [&](Clock::time_point since) -> uint64_t {
-    if (since == Clock::time_point::max() || since > now) return 0;
-    return static_cast<uint64_t>(
-        std::chrono::duration_cast<std::chrono::milliseconds>(now - since).count());
-  };
   s.degraded_episodes = degraded_episodes_;
-  s.episode_degraded_ms = ms(degraded_since_);
-  s.episode_reprotect_ms = ms(reprotect_since_);
+  s.episode_degraded_ms = ElapsedMs(degraded_since_, now);
+  s.episode_reprotect_ms = ElapsedMs(reprotect_since_, now);
   s.episode_sets_reprotected = episode_sets_;
   s.episode_rebuilt_bytes = episode_bytes_;
   s.last_episode_degraded_ms = last_episode_degraded_ms_;
@@ -409,13 +413,8 @@ void RemoteStore::EndEpisodeIfWholeLocked() {
     if (g->failed_mask != 0) return;
   }
   const Clock::time_point now = Clock::now();
-  auto ms = [&](Clock::time_point since) {
-    return static_cast<uint64_t>(
-        std::chrono::duration_cast<std::chrono::milliseconds>(now - since).count());
-  };
-  last_episode_degraded_ms_ = ms(degraded_since_);
-  last_episode_reprotect_ms_ =
-      reprotect_since_ == Clock::time_point::max() ? 0 : ms(reprotect_since_);
+  last_episode_degraded_ms_ = ElapsedMs(degraded_since_, now);
+  last_episode_reprotect_ms_ = ElapsedMs(reprotect_since_, now);
   last_episode_bytes_ = episode_bytes_;
   degraded_since_ = reprotect_since_ = Clock::time_point::max();
   episode_sets_ = episode_bytes_ = 0;
