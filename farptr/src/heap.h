@@ -203,6 +203,9 @@ class Heap {
 
   // ---- object_heap.cc, object_swap_in.cc ----
   SizeClass* ClassFor(size_t size);
+  // The class a new object of `size` bytes goes to: ClassFor(size), or with encryption the class
+  // with room for its GCM tag after it (span_crypto.h) unless that slot is more than 25% larger.
+  SizeClass* ClassForObject(size_t size);
   Span* NewSpan(SizeClass* cls, SpanState state);
   ObjectEntry* NewEntry();
   void DeleteEntry(ObjectEntry* e);
@@ -223,8 +226,11 @@ class Heap {
   // Counts a demand miss on s (Span::last_miss) and says whether it gathers its object (a small
   // class, gathering on, s not missed just before) rather than swapping s in whole.
   bool GatherOnMissLocked(Span* s) REQUIRES(s->mu);
-  // Where e's bytes lie in its span's cell: what a gathering miss reads.
-  static RemoteStore::Piece PieceOf(Span* s, ObjectEntry* e);
+  // Where e's bytes lie in its span's cell: what a gathering miss reads (with encryption its
+  // ciphertext and the tag after it).
+  RemoteStore::Piece PieceOf(Span* s, ObjectEntry* e) const;
+  // The bytes at the start of e's slot (in span s) that its remote form occupies.
+  uint32_t SealedBytesOf(Span* s, const ObjectEntry* e) const;
   // MissLocked's second half, once `frame` holds at least e's piece of s's cell (frame is
   // taken: given back, or s's frame after a whole swap-in).
   Result<bool> GatherLocked(Span* s, ObjectEntry* e, uint8_t* frame) REQUIRES(s->mu);

@@ -160,6 +160,13 @@ SizeClass* Heap::ClassFor(size_t size) {
   return classes_[class_of_[(size + 15) / 16]].get();
 }
 
+SizeClass* Heap::ClassForObject(size_t size) {
+  SizeClass* c = ClassFor(size);
+  if (c == nullptr || crypto_ == nullptr || SpanCrypto::TagInSlot(size, c->size)) return c;
+  SizeClass* t = ClassFor(size + aead::kTagBytes);
+  return t != nullptr && t->size <= c->size + c->size / 4 ? t : c;
+}
+
 // NO_THREAD_SAFETY_ANALYSIS: the new span's lock is a SpanLock (try first, see below).
 Span* Heap::NewSpan(SizeClass* cls, SpanState state) NO_THREAD_SAFETY_ANALYSIS {
   // Only a free span whose lock is free is reused: a retired span can still be locked by the
@@ -323,7 +330,7 @@ std::string Heap::Describe(Span* s) {
 // NO_THREAD_SAFETY_ANALYSIS: keeps the span it picked locked out of the search loop
 // (SpanLock::release) and unlocks it by hand; the analysis cannot follow span locks held that way.
 ObjectEntry* Heap::Allocate(size_t size, void** addr) NO_THREAD_SAFETY_ANALYSIS {
-  SizeClass* cls = ClassFor(size);
+  SizeClass* cls = ClassForObject(size);
   if (cls == nullptr) {
     std::fprintf(stderr, "far memory: object of %zu bytes exceeds the span size %u\n", size,
                  span_size_);
@@ -426,6 +433,7 @@ void Heap::Free(ObjectEntry* e) NO_THREAD_SAFETY_ANALYSIS {
   if (add_partial) AddPartial(s);
   objects_.fetch_sub(1, std::memory_order_relaxed);
   object_bytes_.fetch_sub(csize, std::memory_order_relaxed);
+  if (crypto_ && !SpanCrypto::TagInSlot(e->size, csize)) crypto_->Forget(e);
   DeleteEntry(e);
 }
 

@@ -118,8 +118,12 @@ bool Heap::GatherOnMissLocked(Span* s) {
   return options_.gather_on_miss && s->cls->slots >= kGatherMinSlots && !recent;
 }
 
-RemoteStore::Piece Heap::PieceOf(Span* s, ObjectEntry* e) {
-  return {e->slot.load(std::memory_order_relaxed) * s->cls->size, e->size};
+uint32_t Heap::SealedBytesOf(Span* s, const ObjectEntry* e) const {
+  return crypto_ ? SpanCrypto::SealedBytes(e->size, s->cls->size) : e->size;
+}
+
+RemoteStore::Piece Heap::PieceOf(Span* s, ObjectEntry* e) const {
+  return {e->slot.load(std::memory_order_relaxed) * s->cls->size, SealedBytesOf(s, e)};
 }
 
 Result<bool> Heap::MissLocked(Span* s, ObjectEntry* e) {
@@ -381,11 +385,12 @@ Status Heap::OpenSealedLocked(Span* s, std::span<const uint32_t> slots) {
     Status st = store_->ReadSpan(*io, set, member, cell);
     ReturnIo(io);
     if (st.ok()) {
-      // Every slot still sealed came from the member just reported: take the others' bytes.
+      // Every slot still sealed came from the member just reported: take the others' bytes (the
+      // ciphertext and, in the slot, the tag).
       for (uint32_t i = 0; i < s->sealed.size(); ++i) {
         if (!s->sealed[i]) continue;
         const size_t off = static_cast<size_t>(i) * csize;
-        std::memcpy(s->frame + off, cell + off, s->owner[i]->size);
+        std::memcpy(s->frame + off, cell + off, SealedBytesOf(s, s->owner[i]));
       }
       PutFrame(cell);
       std::vector<uint32_t> again;
@@ -498,7 +503,7 @@ Result<std::vector<ObjectPlace>> Heap::Locate(ObjectEntry* e) {
         static_cast<uint64_t>(e->slot.load(std::memory_order_relaxed)) * s->cls->size;
     std::vector<ObjectPlace> out;
     for (auto& [lease, off] : store_->CellPlaces(s->set, s->member)) {
-      out.push_back({lease, off + slot_off, e->size});
+      out.push_back({lease, off + slot_off, e->size, SealedBytesOf(s, e)});
     }
     return out;
   }

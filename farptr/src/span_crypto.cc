@@ -115,7 +115,12 @@ Status SpanCrypto::SealSpan(const uint8_t* frame, uint32_t slot_size, uint32_t s
     st = cipher->Seal(aead::MakeNonce(kSealDomain, seal), {}, {frame + off, e->size},
                       {image + off, e->size}, &tag);
     e->seal = seal++;
-    std::memcpy(e->tag, tag.data(), tag.size());
+    if (TagInSlot(e->size, slot_size)) {
+      std::memcpy(image + off + e->size, tag.data(), tag.size());
+    } else {
+      MutexLock lock(&side_mu_);
+      side_tags_[e] = tag;
+    }
   }
   Return(std::move(cipher));
   Observe(key_id_, first, live);
@@ -130,7 +135,17 @@ void SpanCrypto::OpenSlots(const uint8_t* cells, uint8_t* out, uint32_t slot_siz
   for (const uint32_t i : slots) {
     const ObjectEntry* e = owners[i];
     const size_t off = i * static_cast<size_t>(slot_size);
-    std::memcpy(tag.data(), e->tag, tag.size());
+    if (TagInSlot(e->size, slot_size)) {
+      std::memcpy(tag.data(), cells + off + e->size, tag.size());
+    } else {
+      MutexLock lock(&side_mu_);
+      auto it = side_tags_.find(e);
+      if (it != side_tags_.end()) {
+        tag = it->second;
+      } else {
+        tag.fill(0);  // never sealed: fails below
+      }
+    }
     if (!cipher || !cipher
                         ->Open(aead::MakeNonce(kSealDomain, e->seal), {}, {cells + off, e->size},
                                {out + off, e->size}, tag)
@@ -140,6 +155,17 @@ void SpanCrypto::OpenSlots(const uint8_t* cells, uint8_t* out, uint32_t slot_siz
     }
   }
   Return(std::move(cipher));
+}
+
+void SpanCrypto::Forget(const ObjectEntry* e) {
+  MutexLock lock(&side_mu_);
+  side_tags_.erase(e);
+}
+
+uint64_t SpanCrypto::SideTagBytes() const {
+  MutexLock lock(&side_mu_);
+  // A node (next pointer, key, tag, cached hash) and its malloc header, plus a bucket pointer.
+  return side_tags_.size() * 56 + side_tags_.bucket_count() * 8;
 }
 
 }  // namespace farmem::farptr_internal

@@ -9,10 +9,12 @@
 //    slabs — the daemon's receive buffers and GATHER_CELL / PARITY_ENCODE scratch too. The same
 //    scan with encryption off must find the text (PlaintextIsVisibleWithoutEncryption): the scan
 //    can see what it looks for.
-// 2. FlippedBit*: one bit flipped in a daemon's slab under an object (written through the
-//    runtime's own lease, as a corrupting lender would) is detected: replicate:2 and ec:2+1 serve
-//    the right bytes and re-protect the member, none gives DataLoss for exactly that object; the
-//    counters say so.
+// 2. FlippedBit*, FlippedTagBit*: one bit flipped in a daemon's slab under an object, in its
+//    ciphertext or in the GCM tag stored after it (written through the runtime's own lease, as a
+//    corrupting lender would) is detected: replicate:2 and ec:2+1 serve the right bytes and
+//    re-protect the member, none gives DataLoss for exactly that object; the counters say so.
+//    ReplayedOrSwappedSealedFormFailsAuthentication: an older sealed form of the object, or
+//    another object's, put in its slot fails too (the nonce is the seal number kept locally).
 // 3. NoncesNeverRepeat: a recording hook sees every nonce sealed across overwrites, eviction
 //    cycles, compaction with offload on and off, relocations and moves on an eviction notice;
 //    none repeats under one key, moves and compaction seal nothing, and two runtimes given the
@@ -138,6 +140,38 @@ TEST_F(FarEncryptionTest, PlaintextIsVisibleWithoutEncryption) {
   objs_.clear();
 }
 
+// Where the GCM tag of a small object lies, from the start of its slot: right after its
+// ciphertext (span_crypto.h).
+uint32_t TagByteOf(const far_bytes& obj) {
+  auto places = farptr_internal::LocateObjectForTest(obj.entry());
+  EXPECT_TRUE(places.has_value() && !places->empty());
+  if (!places.has_value() || places->empty()) return 0;
+  EXPECT_EQ(places->front().sealed_length, places->front().length + aead::kTagBytes)
+      << "the object's tag is not in its slot";
+  return places->front().length;
+}
+
+// The first `len` bytes of the object's slot in the first daemon that holds it.
+std::vector<uint8_t> ReadUnder(Runtime& rt, const far_bytes& obj, uint32_t len) {
+  auto places = farptr_internal::LocateObjectForTest(obj.entry());
+  EXPECT_TRUE(places.has_value() && !places->empty());
+  std::vector<uint8_t> out(len);
+  if (!places.has_value() || places->empty()) return out;
+  const farptr_internal::ObjectPlace& p = places->front();
+  auto ch = rt.cluster().OpenChannel(p.lease.node);
+  EXPECT_TRUE(ch.has_value());
+  if (ch.has_value()) EXPECT_TRUE((*ch)->Read(p.lease.slab(), p.offset, out).ok());
+  return out;
+}
+void WriteUnder(Runtime& rt, const far_bytes& obj, std::span<const uint8_t> bytes) {
+  auto places = farptr_internal::LocateObjectForTest(obj.entry());
+  ASSERT_TRUE(places.has_value() && !places->empty());
+  const farptr_internal::ObjectPlace& p = places->front();
+  auto ch = rt.cluster().OpenChannel(p.lease.node);
+  ASSERT_TRUE(ch.has_value()) << ch.error().ToString();
+  ASSERT_TRUE((*ch)->Write(p.lease.slab(), p.offset, bytes).ok());
+}
+
 // One bit of object `victim`'s bytes flipped in the first daemon that holds them.
 void FlipBitUnder(Runtime& rt, const far_bytes& obj, uint32_t byte) {
   auto places = farptr_internal::LocateObjectForTest(obj.entry());
@@ -167,13 +201,31 @@ class FarBitFlipTest : public FarEncryptionTest, public ::testing::WithParamInte
     WriteObjects(4000, 0);
     ASSERT_TRUE(rt_->EvictUntil(0).ok());
   }
+
+  // Reads every object after a bit of `victim`'s slot was flipped on a daemon: with redundancy
+  // all come back right and the member is re-protected, without it exactly `victim` is lost.
+  void ExpectFlipDetected(size_t victim);
 };
 
 TEST_P(FarBitFlipTest, FlippedBitIsDetected) {
-  const std::string res = GetParam();
   ASSERT_NO_FATAL_FAILURE(StartEvicted());
   const size_t victim = 1234;
   ASSERT_NO_FATAL_FAILURE(FlipBitUnder(*rt_, objs_[victim], 17));
+  ASSERT_NO_FATAL_FAILURE(ExpectFlipDetected(victim));
+}
+
+// The tag lies on the lender, after the ciphertext: a bit flipped in it is caught the same way.
+TEST_P(FarBitFlipTest, FlippedTagBitIsDetected) {
+  ASSERT_NO_FATAL_FAILURE(StartEvicted());
+  const size_t victim = 1234;
+  const uint32_t tag = TagByteOf(objs_[victim]);
+  ASSERT_GT(tag, 0u);
+  ASSERT_NO_FATAL_FAILURE(FlipBitUnder(*rt_, objs_[victim], tag + 5));
+  ASSERT_NO_FATAL_FAILURE(ExpectFlipDetected(victim));
+}
+
+void FarBitFlipTest::ExpectFlipDetected(size_t victim) {
+  const std::string res = GetParam();
   const bool redundant = res != "none";
   for (size_t i = 0; i < objs_.size(); ++i) {
     DerefScope s;
@@ -207,6 +259,43 @@ TEST_P(FarBitFlipTest, FlippedBitIsDetected) {
     ASSERT_NO_FATAL_FAILURE(ExpectIntact("after the loss"));
   }
   EXPECT_EQ(rt_->stats().auth_failures, 1u) << "more than the flipped cell failed";
+  objs_.clear();
+}
+
+// The lender keeps an object's sealed form (ciphertext and tag) and, after the object was
+// written and sealed anew, puts the old one back where the new one lies: a replay. The nonce
+// comes from the seal number in the local entry, which the old form was not sealed under, so
+// the object fails authentication rather than coming back old. The same for another object's
+// sealed form (same size) put in its place.
+TEST_F(FarEncryptionTest, ReplayedOrSwappedSealedFormFailsAuthentication) {
+  ASSERT_NO_FATAL_FAILURE(StartDaemons(2, "32M", "1M"));
+  RuntimeOptions o = Options("none", 256 << 10, kSpan);
+  o.auto_compact = false;  // the objects must stay where they were located
+  ASSERT_NO_FATAL_FAILURE(Open(o));
+  WriteObjects(4000, 0);
+  ASSERT_TRUE(rt_->EvictUntil(0).ok());
+  const size_t replayed = 1234, other = 2345, swapped = 3456;
+  const uint32_t len = TagByteOf(objs_[replayed]) + aead::kTagBytes;
+  ASSERT_GT(len, aead::kTagBytes);
+  const std::vector<uint8_t> old_form = ReadUnder(*rt_, objs_[replayed], len);
+  Overwrite(replayed);
+  ASSERT_TRUE(rt_->EvictUntil(0).ok());
+  ASSERT_NE(ReadUnder(*rt_, objs_[replayed], len), old_form) << "sealed again to the same bytes";
+  ASSERT_NO_FATAL_FAILURE(WriteUnder(*rt_, objs_[replayed], old_form));
+  ASSERT_NO_FATAL_FAILURE(WriteUnder(*rt_, objs_[swapped], ReadUnder(*rt_, objs_[other], len)));
+  for (const size_t victim : {replayed, swapped}) {
+    DerefScope s;
+    auto got = objs_[victim].try_deref(s);
+    ASSERT_FALSE(got.has_value()) << "object " << victim << " came back from a replayed form";
+    EXPECT_EQ(got.error().code(), StatusCode::kDataLoss) << got.error().ToString();
+    EXPECT_NE(got.error().message().find("failed authentication"), std::string::npos)
+        << got.error().ToString();
+  }
+  EXPECT_EQ(rt_->stats().auth_failed_objects, 2u);
+  EXPECT_EQ(rt_->stats().auth_lost_objects, 2u);
+  objs_[replayed] = far_bytes();
+  objs_[swapped] = far_bytes();
+  ASSERT_NO_FATAL_FAILURE(ExpectIntact("after the replay"));
   objs_.clear();
 }
 
@@ -355,7 +444,8 @@ TEST_P(FarCompactFlipTest, CompactionRepairsAFlippedCellBeforeMovingIt) {
   o.auto_compact = false;  // one explicit pass, after the flip
   o.parity_offload = offload;
   ASSERT_NO_FATAL_FAILURE(Open(o));
-  WriteObjects(4000, 0);
+  // 16 spans (80-byte slots: 64 B and the tag), what one compaction pass takes at most.
+  WriteObjects(3200, 0);
   ASSERT_TRUE(rt_->EvictUntil(0).ok());
   // Every span half empty: all of them are compacted.
   for (size_t i = 0; i < objs_.size(); i += 2) objs_[i] = far_bytes();

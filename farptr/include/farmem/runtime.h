@@ -67,7 +67,7 @@ struct RuntimeOptions {
   // (auth::LoadClientKeyFile of a `farmemctl key issue` file; auth::LoadClientCredentials).
   std::string secret;
   std::string identity;
-  // Local memory for object data. Objects beyond it live remote. Metadata (48 bytes per object,
+  // Local memory for object data. Objects beyond it live remote. Metadata (32 bytes per object,
   // ~0.3-0.8 KiB per span, up to 256 KiB of free frames kept for reuse) is not counted unless
   // budget_includes_metadata is set (docs/farptr.md, "Sizing the local budget").
   uint64_t local_budget = 256ull << 20;
@@ -143,7 +143,7 @@ struct RuntimeStats {
   uint64_t local_bytes = 0;  // resident span frames (what local_budget bounds)
   // Local memory outside the budget (docs/farptr.md, "Sizing the local budget"):
   uint64_t frame_cache_bytes = 0;   // free frames kept resident for reuse (at most 256 KiB)
-  uint64_t entry_bytes = 0;         // object entries (48 B each, allocated 4096 at a time)
+  uint64_t entry_bytes = 0;         // object entries (32 B each, allocated 4096 at a time)
   uint64_t span_meta_bytes = 0;     // span structs and their per-slot tables
   uint64_t frame_budget_bytes = 0;  // what the budget leaves for frames (budget_includes_metadata)
   uint64_t resident_spans = 0;

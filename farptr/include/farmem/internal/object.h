@@ -43,12 +43,15 @@ struct ObjectEntry {
   std::atomic<Span*> span{nullptr};
   std::atomic<uint32_t> slot{0};
   uint32_t size = 0;  // bytes the program asked for; set once at allocation
-  // Encryption (farptr/src/span_crypto.h): the seal number and GCM tag of the object's bytes in
-  // its remote cell, written when its span is sealed for swap-out and read when that cell is
-  // opened. Both only under the lock of the span the entry points to. Unused without encryption.
+  // Encryption (farptr/src/span_crypto.h): the seal number of the object's bytes in its remote
+  // cell (the nonce of their AES-GCM seal), written when its span is sealed for swap-out and read
+  // when that cell is opened, only under the lock of the span the entry points to. The GCM tag
+  // lies in the slot, after the ciphertext. Unused without encryption.
   uint64_t seal = 0;
-  uint8_t tag[16] = {};
 };
+// 32 bytes of local memory per object, whatever its size (docs/farptr.md, "Sizing the local
+// budget"): keep it so.
+static_assert(sizeof(ObjectEntry) == 32);
 
 // Memory order of `word`: loads on the deref fast path are seq_cst (a plain load on x86) and pair
 // with the seq_cst store of DerefScope entry and the evictor's seq_cst marking (see scope.cc).

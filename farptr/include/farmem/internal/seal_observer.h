@@ -28,6 +28,9 @@ struct ObjectPlace {
   client::Lease lease;
   uint64_t offset = 0;
   uint32_t length = 0;  // the object's bytes (the slot starts at `offset`)
+  // The bytes of its sealed form from `offset`: with encryption, its ciphertext (`length`) and
+  // then its GCM tag, when the tag is in the slot (span_crypto.h); else `length`.
+  uint32_t sealed_length = 0;
 };
 Result<std::vector<ObjectPlace>> LocateObjectForTest(ObjectEntry* e);
 
