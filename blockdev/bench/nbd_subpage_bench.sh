@@ -127,7 +127,7 @@ for rep in $(seq "$repeat"); do
   for w in $workloads; do
     for ((i = 0; i < n; i++)); do
       t=${tlist[$(((i + rep) % n))]}
-      out=$work/$t-${w/:/-}-$rep
+      out=$work/$t-${w//:/-}-$rep
       [ -f "$work/$t.mport" ] && cache_counters "$t" >"$out.c0"
       IFS=: read -r rw bs depth <<<"$w"
       if [ "$rw" = mixed ]; then  # mixed[:DEPTH]
