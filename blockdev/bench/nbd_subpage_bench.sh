@@ -133,7 +133,7 @@ for rep in $(seq "$repeat"); do
       if [ "$rw" = mixed ]; then  # mixed[:DEPTH]
         depth=${bs:-16}
         job=(--rw=randwrite --bssplit=512/20:1k/20:4k/30:16k/20:128k/10 --size=64M
-          --verify=crc32c --verify_fatal=1)
+          --verify=crc32c --verify_fatal=1 --verify_state_save=0)
       else
         job=(--rw="$rw" --bs="$bs" --size="$size" --time_based --runtime="$runtime" --ramp_time=1)
       fi
