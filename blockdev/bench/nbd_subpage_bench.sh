@@ -5,6 +5,11 @@
 #
 #   randwrite 512 B, 1 KiB and 4 KiB (for comparison) at queue depth 16, and sequential 1 KiB
 #   writes at depth 16 (what nbd-tester-client's write-throughput test sends), one connection.
+#   A workload is RW:BS[:DEPTH] (depth 16 if not given, e.g. randwrite:1k:1), or mixed[:DEPTH]:
+#   the mixed-size integrity job (what nbd-tester-client's integrity test stands for): random
+#   writes of 512 B to 128 KiB (fio bssplit 512/20:1k/20:4k/30:16k/20:128k/10) over 64 MiB of the
+#   export, each block checked afterwards (--verify=crc32c: fio reads it back; a mismatch fails the
+#   run); its IOPS are those of the write phase, not time-based.
 #
 #   targets  nbdkit-mem        nbdkit memory
 #            farmem-ec         farmem-nbd --resilience ec:4+2 --ec-layout split (write cache on,
@@ -13,12 +18,16 @@
 #            farmem-none, farmem-none-nocache: --resilience none, cache on / off
 #            farmem-ec-split, farmem-ec-stripe: ec:4+2 with that --ec-layout given explicitly
 #                              (stripe is the default)
+#            any farmem target + "-plain" (before -pN / -nocache, e.g. farmem-none-plain): with
+#                              --no-encrypt (the page cipher's share of the cost)
+#            any farmem target + "-alt" (last, e.g. farmem-none-p256-alt): run by the farmem-nbd
+#                              binary that --alt-nbd names (another build, A/B in one run)
 #            any farmem target + "-pN" (e.g. farmem-none-p256): --write-cache-pages N (the cache's
 #            size, for a comparison of sizes in one run; -nocache is -p0)
 #
 #   blockdev/bench/nbd_subpage_bench.sh [--build-dir DIR] [--runtime SECONDS] [--repeat N]
 #                                       [--size SIZE] [--targets "a b ..."]
-#                                       [--workloads "randwrite:1k write:1k ..."]
+#                                       [--workloads "randwrite:1k write:1k ..."] [--alt-nbd BIN]
 #
 # Defaults: build dir ./build, 5 s per job (after 1 s ramp), 3 repetitions, 256M export, all
 # targets. Six farmemd daemons on loopback (tcp, 64 MiB slabs) serve both farmem exports. Every
@@ -34,6 +43,7 @@ repeat=3
 size=256M
 targets="nbdkit-mem farmem-ec farmem-ec-nocache farmem-none farmem-none-nocache"
 workloads="randwrite:512 randwrite:1k randwrite:4k write:1k"
+alt_nbd=
 while [ $# -gt 0 ]; do
   case $1 in
     --build-dir) build=$2; shift 2 ;;
@@ -42,6 +52,7 @@ while [ $# -gt 0 ]; do
     --size) size=$2; shift 2 ;;
     --targets) targets=$2; shift 2 ;;
     --workloads) workloads=$2; shift 2 ;;
+    --alt-nbd) alt_nbd=$2; shift 2 ;;
     -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d'; exit 0 ;;
     *) echo "unknown argument $1 (try --help)" >&2; exit 2 ;;
   esac
@@ -69,10 +80,17 @@ for t in $targets; do
   res=ec:4+2
   opts=()
   base=$t
+  nbd=$bin/farmem-nbd
+  case $base in
+    *-alt)
+      [ -n "$alt_nbd" ] || { echo "target $t needs --alt-nbd" >&2; exit 2; }
+      nbd=$alt_nbd; base=${base%-alt} ;;
+  esac
   case $base in
     *-nocache) opts+=(--write-cache-pages 0); base=${base%-nocache} ;;
     *-p[0-9]*) opts+=(--write-cache-pages "${base##*-p}"); base=${base%-p*} ;;
   esac
+  case $base in *-plain) opts+=(--no-encrypt); base=${base%-plain} ;; esac
   case $base in
     farmem-none) res=none ;;
     farmem-ec) opts+=(--ec-layout split) ;;  # as its recorded figures
@@ -80,7 +98,7 @@ for t in $targets; do
     farmem-ec-stripe) opts+=(--ec-layout stripe) ;;
     *) echo "unknown target $t" >&2; exit 2 ;;
   esac
-  "$bin/farmem-nbd" --backend farmem --peers "$peers" --secret-file "$work/secret" \
+  "$nbd" --backend farmem --peers "$peers" --secret-file "$work/secret" \
     --resilience "$res" --transport tcp --size "$size" --unix "$work/$t.sock" --log-level warn \
     --no-swap-safe --metrics-listen 127.0.0.1:0 --metrics-port-file "$work/$t.mport" \
     "${opts[@]}" 2>"$work/$t.log" &
@@ -109,11 +127,18 @@ for rep in $(seq "$repeat"); do
   for w in $workloads; do
     for ((i = 0; i < n; i++)); do
       t=${tlist[$(((i + rep) % n))]}
-      out=$work/$t-${w/:/-}-$rep
+      out=$work/$t-${w//:/-}-$rep
       [ -f "$work/$t.mport" ] && cache_counters "$t" >"$out.c0"
-      fio --name="$t" --ioengine=nbd --uri="$(nbd_uri "$t")" --rw="${w%%:*}" --bs="${w##*:}" \
-        --iodepth=16 --numjobs=1 --size="$size" --time_based --runtime="$runtime" --ramp_time=1 \
-        --output-format=json --output="$out.json" >/dev/null
+      IFS=: read -r rw bs depth <<<"$w"
+      if [ "$rw" = mixed ]; then  # mixed[:DEPTH]
+        depth=${bs:-16}
+        job=(--rw=randwrite --bssplit=512/20:1k/20:4k/30:16k/20:128k/10 --size=64M
+          --verify=crc32c --verify_fatal=1 --verify_state_save=0)
+      else
+        job=(--rw="$rw" --bs="$bs" --size="$size" --time_based --runtime="$runtime" --ramp_time=1)
+      fi
+      fio --name="$t" --ioengine=nbd --uri="$(nbd_uri "$t")" --iodepth="${depth:-16}" \
+        --numjobs=1 "${job[@]}" --output-format=json --output="$out.json" >/dev/null
       [ -f "$work/$t.mport" ] && cache_counters "$t" >"$out.c1"
     done
   done
@@ -123,7 +148,7 @@ python3 - "$work" "$repeat" "$targets" "$workloads" <<'EOF'
 import json, statistics, sys
 d, reps, targets, workloads = sys.argv[1], int(sys.argv[2]), sys.argv[3].split(), sys.argv[4].split()
 print()
-print(f"{'workload (qd16)':<18}{'target':<22}{'IOPS':>9}{'x nbdkit':>10}   IOPS per run")
+print(f"{'workload[:depth]':<18}{'target':<22}{'IOPS':>9}{'x nbdkit':>10}   IOPS per run")
 for w in workloads:
     med = {}
     for t in targets:
@@ -136,7 +161,7 @@ for w in workloads:
               + " ".join(f"{x:.0f}" for x in med[t][1]))
 print()
 print("write cache per 1,000 writes answered (all repetitions):")
-print(f"{'workload (qd16)':<18}{'target':<22}{'written back':>14}{'filled':>10}")
+print(f"{'workload[:depth]':<18}{'target':<22}{'written back':>14}{'filled':>10}")
 for w in workloads:
     for t in targets:
         if t == "nbdkit-mem": continue

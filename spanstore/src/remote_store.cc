@@ -107,8 +107,9 @@ SpanSet* RemoteStore::TakeRowLocked(bool degraded, std::vector<client::Lease>* m
     if (best == nullptr || g->used_rows > best->used_rows) best = g.get();
   }
   if (best == nullptr) return nullptr;
-  uint32_t row = 0;
+  uint32_t row = best->first_free;
   while (best->rows[row] != nullptr) ++row;
+  best->first_free = row + 1;
   auto* set = new SpanSet;
   set->group = best;
   set->row = row;
@@ -251,6 +252,7 @@ uint32_t RemoteStore::DataCells(std::span<const uint8_t* const> data, const uint
 void RemoteStore::FreeRowLocked(SpanSet* set) {
   Group* g = set->group;
   g->rows[set->row] = nullptr;
+  g->first_free = std::min(g->first_free, set->row);
   --g->used_rows;
   --sets_;
   delete set;

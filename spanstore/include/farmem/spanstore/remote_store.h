@@ -105,6 +105,9 @@ struct Group {
   uint32_t stale_mask = 0;
   std::vector<SpanSet*> rows;  // nullptr: free row
   uint32_t used_rows = 0;
+  // Every row below it is used: where the search for a free row starts (the stripe layout takes
+  // and frees a row per stripe written, scattered over a group of thousands of rows).
+  uint32_t first_free = 0;
   bool rebuilding = false;       // a member's cells are being rebuilt: no new rows are placed here
   bool in_recovery = false;      // the recovery thread holds it (it is not freed meanwhile)
   bool release_wanted = false;   // emptied while rebuilding / in recovery: free it after
