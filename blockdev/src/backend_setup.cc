@@ -158,8 +158,12 @@ Status CheckFlagsApply(const CLI::App& app, const BackendConfig& cfg) {
 }
 
 // Encryption options that contradict each other fail closed: a key file given with --no-encrypt
-// would suggest the data is protected by it when it is stored in plaintext.
+// would suggest the data is protected by it when it is stored in plaintext. So does a
+// FARMEM_AEAD_IMPL that names no implementation (its message lists the accepted values).
 Status CheckEncryptionFlags(const BackendConfig& cfg) {
+  if (cfg.kind == "farmem" && cfg.encrypt) {
+    if (auto impl = farmem::aead::ChosenImpl(); !impl) return impl.error();
+  }
   if (cfg.kind != "farmem" || cfg.encrypt) return Status::Ok();
   if (!cfg.data_key_file.empty()) {
     return farmem::InvalidArgument(
