@@ -6,7 +6,10 @@
 //               update, final, tag), and the cipher's pass over the data alone (one 64 KiB
 //               message, per 4 KiB): their difference is what a message costs OpenSSL 3 apart
 //               from the data (nonce setup, parameter lookups, final, tag)
-//   aes-gcm     aead::Cipher::Seal / Open alone (OpenSSL EVP, key set once: the cipher itself)
+//   aes-gcm     aead::Cipher::Seal / Open alone (key set once: the cipher itself), by the
+//               implementation FARMEM_AEAD_IMPL chooses (auto: intel-ipsec-mb where the CPU has
+//               AES-NI); PageCrypto's rows use that one too. Both implementations' seal and open
+//               are also timed side by side in the same blocks ("both").
 //   write       PageCrypto::Seal + EndWrite(ok) (what PageStore does per page written: the
 //               cipher plus the page table and the bookkeeping of writes in flight)
 //   read        PageCrypto::Open (per page read: the cipher plus the page table lookup)
@@ -126,6 +129,11 @@ int main(int argc, char** argv) {
   if (!crypto) Die(crypto.error());
   auto cipher = (*crypto)->NewCipher();
   if (!cipher) Die(cipher.error());
+  fmt::print("{}\n", aead::DescribeChosenImpl());
+  // Both implementations, for the side-by-side rows (ipsec-mb only where it can run).
+  auto ossl = aead::Cipher::Create(*key, aead::Impl::kOpenSsl);
+  if (!ossl) Die(ossl.error());
+  auto imb = aead::Cipher::Create(*key, aead::Impl::kIpsecMb);
 
   std::vector<uint64_t> order(kExportPages);
   std::iota(order.begin(), order.end(), 0);
@@ -159,7 +167,21 @@ int main(int argc, char** argv) {
   RawGcm raw;
   bool raw_ok = true;
   std::vector<double> raw_seal, raw_bulk, copy, seal, open, write, cold, read, read_posted,
-      write_extra, read_extra, posted_extra;
+      write_extra, read_extra, posted_extra, seal_ossl, open_ossl, seal_imb, open_imb;
+  auto seal_with = [&](aead::Cipher& c) {
+    return NsPer(m, [&](uint64_t i) {
+      aead::Tag t{};
+      keep(c.Seal(nonce, aad, {plain.data() + (i % 16) * kPage, kPage},
+                  {out.data() + (i % 16) * kPage, kPage}, &t));
+    });
+  };
+  auto open_with = [&](aead::Cipher& c) {
+    return NsPer(m, [&](uint64_t i) {
+      uint8_t* page = out.data() + (i % 16) * kPage;
+      std::memcpy(page, sealed.data(), kPage);
+      keep(c.Open(nonce, aad, {page, kPage}, {page, kPage}, tag));
+    });
+  };
   uint64_t w = 0, r = 0;
   for (uint64_t b = 0; b < blocks; ++b) {
     raw_seal.push_back(NsPer(m, [&](uint64_t i) {
@@ -212,6 +234,12 @@ int main(int argc, char** argv) {
       keep((*crypto)->Open(*cipher, p, page));
     }));
     posted_extra.push_back(read_posted.back() - cold.back() - open.back());
+    seal_ossl.push_back(seal_with(*ossl));
+    open_ossl.push_back(open_with(*ossl) - copy.back());
+    if (imb) {
+      seal_imb.push_back(seal_with(*imb));
+      open_imb.push_back(open_with(*imb) - copy.back());
+    }
     write_extra.push_back(write.back() - seal.back());
     read_extra.push_back(read.back() - cold.back() - open.back());
   }
@@ -272,6 +300,15 @@ int main(int argc, char** argv) {
       blocks, m, median(copy), median(raw_seal), median(raw_bulk), median(seal), median(open),
       median(write), median(write_extra), median(cold), median(read), median(read_extra),
       median(read_posted), median(posted_extra));
+  if (imb) {
+    fmt::print(
+        "both, same blocks: openssl seal {:.0f}, open {:.0f}; ipsec-mb seal {:.0f}, open {:.0f}\n",
+        median(seal_ossl), median(open_ossl), median(seal_imb), median(open_imb));
+  } else {
+    fmt::print(
+        "both, same blocks: openssl seal {:.0f}, open {:.0f}; ipsec-mb cannot run here: {}\n",
+        median(seal_ossl), median(open_ossl), imb.error().ToString());
+  }
   for (const ColdRow& c : colds) {
     fmt::print(
         "cold, {} MiB of other data through the caches before each call (medians of {} calls, "

@@ -22,6 +22,15 @@ find_package(Threads REQUIRED)
 farmem_require_pkg(ISAL libisal libisal-dev)
 farmem_require_pkg(URING liburing liburing-dev)
 farmem_require_pkg(CRYPTO libcrypto libssl-dev)
+# intel-ipsec-mb (AES-256-GCM with VAES/AVX-512, common/src/aead.cc) has no pkg-config module:
+# its header and library, linked by name (-lIPSec_MB, the shared libipsec-mb1 at run time) so the
+# installed package and farmem.pc pass on just that.
+find_path(IPSECMB_INCLUDE_DIR intel-ipsec-mb.h)
+find_library(IPSECMB_LIBRARY IPSec_MB)
+if(NOT IPSECMB_INCLUDE_DIR OR NOT IPSECMB_LIBRARY)
+  message(FATAL_ERROR "intel-ipsec-mb (intel-ipsec-mb.h, libIPSec_MB) not found: apt-get install "
+    "libipsec-mb-dev (or run deploy/install-deps.sh)")
+endif()
 farmem_require_cmake(fmt libfmt-dev)
 farmem_require_cmake(spdlog libspdlog-dev)
 farmem_require_cmake(CLI11 libcli11-dev)

@@ -95,7 +95,7 @@ set(CPACK_STRIP_FILES ON)  # debug info stays in the build tree
 set(CPACK_DEBIAN_PACKAGE_SHLIBDEPS ON)  # Depends: from the programs' shared libraries
 # Building against the static libraries needs their dependencies' headers and .pc files.
 set(CPACK_DEBIAN_PACKAGE_SUGGESTS
-    "libfmt-dev, libspdlog-dev, libssl-dev, libisal-dev, libibverbs-dev, librdmacm-dev, nbd-client")
+    "libfmt-dev, libspdlog-dev, libssl-dev, libisal-dev, libipsec-mb-dev, libibverbs-dev, librdmacm-dev, nbd-client")
 set(CPACK_DEBIAN_PACKAGE_CONTROL_EXTRA ${CMAKE_SOURCE_DIR}/deploy/debian/postinst
     ${CMAKE_SOURCE_DIR}/deploy/debian/postrm)
 set(CPACK_DEBIAN_PACKAGE_CONTROL_STRICT_PERMISSION ON)

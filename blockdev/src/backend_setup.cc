@@ -158,8 +158,12 @@ Status CheckFlagsApply(const CLI::App& app, const BackendConfig& cfg) {
 }
 
 // Encryption options that contradict each other fail closed: a key file given with --no-encrypt
-// would suggest the data is protected by it when it is stored in plaintext.
+// would suggest the data is protected by it when it is stored in plaintext. So does a
+// FARMEM_AEAD_IMPL that names no implementation (its message lists the accepted values).
 Status CheckEncryptionFlags(const BackendConfig& cfg) {
+  if (cfg.kind == "farmem" && cfg.encrypt) {
+    if (auto impl = farmem::aead::ChosenImpl(); !impl) return impl.error();
+  }
   if (cfg.kind != "farmem" || cfg.encrypt) return Status::Ok();
   if (!cfg.data_key_file.empty()) {
     return farmem::InvalidArgument(
@@ -379,6 +383,7 @@ Result<std::unique_ptr<BlockBackend>> OpenBackend(BackendConfig& cfg) {
       spdlog::info("farmem-nbd: pages encrypted with the data key {} {}",
                    created ? "created in" : "from", cfg.data_key_file);
     }
+    if (cfg.encrypt) spdlog::info("farmem-nbd: {}", farmem::aead::DescribeChosenImpl());
     std::unique_ptr<BlockBackend> store;
     if (cfg.ec_layout == "stripe") {
       farmem::blockdev::StripeStoreOptions so;
@@ -524,16 +529,24 @@ void RegisterExportMetrics(farmem::metrics::Registry* r, BackendConfig* cfg, Blo
           "fails).",
           Type::kCounter, [](const CacheStats& s) { return s.writeback_failures; });
   }
+  // The AES-256-GCM implementation the page store's ciphers use (empty with --no-encrypt).
+  std::string aead;
+  if (cfg->kind == "farmem" && cfg->encrypt) {
+    auto impl = farmem::aead::ChosenImpl();
+    if (impl) aead = std::string(farmem::aead::ImplName(*impl));
+  }
   r->AddCallback("farmem_export_info",
-                 "This export: program version, backend, resilience and ec layout (stripe or "
-                 "split; empty unless ec:k+r).",
-                 Type::kGauge, [cfg, export_name](const Emit& emit) {
+                 "This export: program version, backend, resilience, ec layout (stripe or "
+                 "split; empty unless ec:k+r), transport and the AES-256-GCM implementation "
+                 "(ipsec-mb or openssl; empty with --no-encrypt).",
+                 Type::kGauge, [cfg, export_name, aead](const Emit& emit) {
                    emit({{"version", std::string(farmem::kVersionString)},
                          {"export", export_name},
                          {"backend", cfg->kind},
                          {"resilience", cfg->kind == "farmem" ? cfg->resilience : ""},
                          {"ec_layout", cfg->kind == "farmem" ? cfg->ec_layout : ""},
-                         {"transport", cfg->kind == "farmem" ? cfg->transport : ""}},
+                         {"transport", cfg->kind == "farmem" ? cfg->transport : ""},
+                         {"aead", aead}},
                         1);
                  });
   r->AddCallback("farmem_export_size_bytes", "Size of the export.", Type::kGauge,

@@ -9,11 +9,26 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
+#include <new>
 #include <optional>
 #include <sstream>
 
 #include "farmem/common/auth.h"
+
+// The header aligns its key structure (gcm_key_data, 64 bytes) only #ifdef LINUX, the macro the
+// library itself is built with (undefined again after: a unity build goes on to other files).
+#ifndef LINUX
+#define LINUX
+#define FARMEM_AEAD_DEFINED_LINUX
+#endif
+#include <intel-ipsec-mb.h>
+#ifdef FARMEM_AEAD_DEFINED_LINUX
+#undef LINUX
+#undef FARMEM_AEAD_DEFINED_LINUX
+#endif
+static_assert(alignof(gcm_key_data) == 64);
 
 namespace farmem::aead {
 
@@ -95,11 +110,119 @@ Result<Key> LoadOrCreateDataKeyFile(const std::string& path, bool* created) {
   return k;
 }
 
+// ---- the implementations ----
+
+namespace {
+
+// intel-ipsec-mb's manager, one for the process: init_mb_mgr_auto fills it with the functions
+// for this CPU, and afterwards it is only read. The direct GCM API used here (IMB_AES256_GCM_PRE,
+// _ENC, _DEC) takes from it just those function pointers; all state of a call is the caller's
+// (gcm_context_data, on the stack) and the expanded key (gcm_key_data, per Cipher, only read), so
+// threads share the manager safely. It lives until exit (one ~200 KiB allocation).
+struct IpsecMb {
+  IMB_MGR* mgr = nullptr;
+  IMB_ARCH arch = IMB_ARCH_NONE;
+};
+
+const IpsecMb& Ipsec() {
+  static const IpsecMb m = [] {
+    IpsecMb r;
+    r.mgr = alloc_mb_mgr(0);
+    if (r.mgr == nullptr) return r;
+    init_mb_mgr_auto(r.mgr, &r.arch);
+    // No architecture it can run on (e.g. a CPU without SSE4.2): ENODEV and IMB_ARCH_NONE.
+    if (imb_get_errno(r.mgr) != 0) r.arch = IMB_ARCH_NONE;
+    return r;
+  }();
+  return m;
+}
+
+constexpr std::string_view kImplVar = "FARMEM_AEAD_IMPL";
+
+Status AuthenticationFailed() {
+  return DataLoss(
+      "the data failed authentication (AES-GCM tag mismatch): it was changed on the "
+      "lender or in transit, or read with the wrong key");
+}
+
+Status IpsecMbUnusable() {
+  return InvalidArgument(fmt::format(
+      "{}=ipsec-mb: intel-ipsec-mb finds no CPU architecture it can run on here (arch {}); "
+      "unset {} (or set it to auto or openssl) to use OpenSSL",
+      kImplVar, IpsecMbArch(), kImplVar));
+}
+
+}  // namespace
+
+std::string_view ImplName(Impl impl) { return impl == Impl::kIpsecMb ? "ipsec-mb" : "openssl"; }
+
+std::string_view IpsecMbArch() {
+  switch (Ipsec().arch) {
+    case IMB_ARCH_NOAESNI:
+      return "no-aesni";
+    case IMB_ARCH_SSE:
+      return "sse";
+    case IMB_ARCH_AVX:
+      return "avx";
+    case IMB_ARCH_AVX2:
+      return "avx2";
+    case IMB_ARCH_AVX512:
+      return "avx512";
+    default:
+      return "none";
+  }
+}
+
+bool IpsecMbHasAesNi() {
+  const IMB_ARCH a = Ipsec().arch;
+  return a == IMB_ARCH_SSE || a == IMB_ARCH_AVX || a == IMB_ARCH_AVX2 || a == IMB_ARCH_AVX512;
+}
+
+Result<Impl> ChosenImpl() {
+  const char* env = std::getenv(std::string(kImplVar).c_str());
+  const std::string_view v = env == nullptr ? "" : env;
+  if (v.empty() || v == "auto") return IpsecMbHasAesNi() ? Impl::kIpsecMb : Impl::kOpenSsl;
+  if (v == "openssl") return Impl::kOpenSsl;
+  if (v == "ipsec-mb") {
+    if (Ipsec().arch == IMB_ARCH_NONE) return Err(IpsecMbUnusable());
+    return Impl::kIpsecMb;
+  }
+  return Err(InvalidArgument(fmt::format(
+      "{}={}: not an AES-GCM implementation; the accepted values are auto (the default: "
+      "ipsec-mb where the CPU has AES-NI, else openssl), openssl and ipsec-mb",
+      kImplVar, v)));
+}
+
+std::string DescribeChosenImpl() {
+  auto impl = ChosenImpl();
+  if (!impl) return impl.error().message();
+  const char* env = std::getenv(std::string(kImplVar).c_str());
+  const bool forced = env != nullptr && *env != '\0' && std::string_view(env) != "auto";
+  return fmt::format("AES-256-GCM by {} ({}; intel-ipsec-mb {} arch {})", ImplName(*impl),
+                     forced ? fmt::format("{}={}", kImplVar, env)
+                            : std::string("auto: ipsec-mb where the CPU has AES-NI"),
+                     imb_get_version_str(), IpsecMbArch());
+}
+
 // ---- Cipher ----
 
 Result<Cipher> Cipher::Create(const Key& key) {
+  FARMEM_ASSIGN_OR_RETURN(Impl impl, ChosenImpl());
+  return Create(key, impl);
+}
+
+Result<Cipher> Cipher::Create(const Key& key, Impl impl) {
   Cipher c;
+  c.impl_ = impl;
   c.key_ = key;
+  if (impl == Impl::kIpsecMb) {
+    const IpsecMb& m = Ipsec();
+    if (m.arch == IMB_ARCH_NONE) return Err(IpsecMbUnusable());
+    c.gcm_key_ = new (std::nothrow) gcm_key_data;
+    if (c.gcm_key_ == nullptr) return Err(ResourceExhausted("no memory for an AES-GCM key"));
+    IMB_AES256_GCM_PRE(m.mgr, key.data(), c.gcm_key_);
+    return c;
+  }
   c.enc_ = EVP_CIPHER_CTX_new();
   c.dec_ = EVP_CIPHER_CTX_new();
   if (c.enc_ == nullptr || c.dec_ == nullptr ||
@@ -114,20 +237,29 @@ Result<Cipher> Cipher::Create(const Key& key) {
   return c;
 }
 
-Cipher::Cipher(Cipher&& other) noexcept : key_(other.key_), enc_(other.enc_), dec_(other.dec_) {
+Cipher::Cipher(Cipher&& other) noexcept
+    : impl_(other.impl_),
+      key_(other.key_),
+      enc_(other.enc_),
+      dec_(other.dec_),
+      gcm_key_(other.gcm_key_) {
   other.enc_ = nullptr;
   other.dec_ = nullptr;
+  other.gcm_key_ = nullptr;
   OPENSSL_cleanse(other.key_.data(), other.key_.size());
 }
 
 Cipher& Cipher::operator=(Cipher&& other) noexcept {
   if (this != &other) {
     Reset();
+    impl_ = other.impl_;
     key_ = other.key_;
     enc_ = other.enc_;
     dec_ = other.dec_;
+    gcm_key_ = other.gcm_key_;
     other.enc_ = nullptr;
     other.dec_ = nullptr;
+    other.gcm_key_ = nullptr;
     OPENSSL_cleanse(other.key_.data(), other.key_.size());
   }
   return *this;
@@ -140,10 +272,15 @@ void Cipher::Reset() {
   EVP_CIPHER_CTX_free(dec_);
   enc_ = nullptr;
   dec_ = nullptr;
+  if (gcm_key_ != nullptr) {
+    OPENSSL_cleanse(gcm_key_, sizeof(gcm_key_data));
+    delete gcm_key_;
+    gcm_key_ = nullptr;
+  }
   OPENSSL_cleanse(key_.data(), key_.size());
 }
 
-Result<Cipher> Cipher::Clone() const { return Create(key_); }
+Result<Cipher> Cipher::Clone() const { return Create(key_, impl_); }
 
 namespace {
 // The tag goes in and out as a parameter of the context: EVP_CIPHER_CTX_ctrl's GET_TAG/SET_TAG
@@ -159,11 +296,15 @@ bool AddAad(evp_cipher_ctx_st* ctx, std::span<const uint8_t> aad, bool encrypt) 
              ? EVP_EncryptUpdate(ctx, nullptr, &len, aad.data(), static_cast<int>(aad.size())) == 1
              : EVP_DecryptUpdate(ctx, nullptr, &len, aad.data(), static_cast<int>(aad.size())) == 1;
 }
+
+// intel-ipsec-mb checks its pointers even for zero lengths: empty spans get these.
+const uint8_t kNoInput[1] = {0};
 }  // namespace
 
 Status Cipher::Seal(const Nonce& nonce, std::span<const uint8_t> aad,
                     std::span<const uint8_t> plain, std::span<uint8_t> out, Tag* tag) {
   if (out.size() != plain.size()) return InvalidArgument("Seal: output and input sizes differ");
+  if (impl_ == Impl::kIpsecMb) return SealIpsecMb(nonce, aad, plain, out, tag);
   int len = 0;
   int fin = 0;
   OSSL_PARAM get_tag[] = {TagParam(tag->data()), OSSL_PARAM_construct_end()};
@@ -181,6 +322,7 @@ Status Cipher::Seal(const Nonce& nonce, std::span<const uint8_t> aad,
 Status Cipher::Open(const Nonce& nonce, std::span<const uint8_t> aad,
                     std::span<const uint8_t> cipher, std::span<uint8_t> out, const Tag& tag) {
   if (out.size() != cipher.size()) return InvalidArgument("Open: output and input sizes differ");
+  if (impl_ == Impl::kIpsecMb) return OpenIpsecMb(nonce, aad, cipher, out, tag);
   int len = 0;
   int fin = 0;
   Tag t = tag;  // OpenSSL's parameter takes a non-const pointer
@@ -195,9 +337,38 @@ Status Cipher::Open(const Nonce& nonce, std::span<const uint8_t> aad,
   }
   if (EVP_DecryptFinal_ex(dec_, out.data() + len, &fin) != 1) {
     std::memset(out.data(), 0, out.size());
-    return DataLoss(
-        "the data failed authentication (AES-GCM tag mismatch): it was changed on the "
-        "lender or in transit, or read with the wrong key");
+    return AuthenticationFailed();
+  }
+  return Status::Ok();
+}
+
+Status Cipher::SealIpsecMb(const Nonce& nonce, std::span<const uint8_t> aad,
+                           std::span<const uint8_t> plain, std::span<uint8_t> out, Tag* tag) {
+  gcm_context_data ctx;
+  uint8_t no_output = 0;
+  IMB_AES256_GCM_ENC(Ipsec().mgr, gcm_key_, &ctx, out.empty() ? &no_output : out.data(),
+                     plain.empty() ? kNoInput : plain.data(), plain.size(), nonce.data(),
+                     aad.empty() ? kNoInput : aad.data(), aad.size(), tag->data(), kTagBytes);
+  OPENSSL_cleanse(&ctx, sizeof(ctx));  // holds a block of key stream
+  return Status::Ok();
+}
+
+Status Cipher::OpenIpsecMb(const Nonce& nonce, std::span<const uint8_t> aad,
+                           std::span<const uint8_t> cipher, std::span<uint8_t> out,
+                           const Tag& tag) {
+  gcm_context_data ctx;
+  uint8_t no_output = 0;
+  // Starts as the complement of `tag`: should the library refuse the call and write nothing,
+  // the comparison fails.
+  Tag computed;
+  for (size_t i = 0; i < kTagBytes; ++i) computed[i] = static_cast<uint8_t>(~tag[i]);
+  IMB_AES256_GCM_DEC(Ipsec().mgr, gcm_key_, &ctx, out.empty() ? &no_output : out.data(),
+                     cipher.empty() ? kNoInput : cipher.data(), cipher.size(), nonce.data(),
+                     aad.empty() ? kNoInput : aad.data(), aad.size(), computed.data(), kTagBytes);
+  OPENSSL_cleanse(&ctx, sizeof(ctx));
+  if (CRYPTO_memcmp(computed.data(), tag.data(), kTagBytes) != 0) {
+    if (!out.empty()) std::memset(out.data(), 0, out.size());
+    return AuthenticationFailed();
   }
   return Status::Ok();
 }

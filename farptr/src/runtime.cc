@@ -145,6 +145,7 @@ Status Heap::Start() {
     std::fill(key.begin(), key.end(), uint8_t{0});
     if (!crypto) return crypto.error().WithContext("far memory encryption");
     crypto_ = std::move(*crypto);
+    spdlog::info("far memory: {}", aead::DescribeChosenImpl());
   } else {
     spdlog::warn(
         "far memory: encryption is OFF (RuntimeOptions::encrypt = false): objects sit in "

@@ -237,6 +237,23 @@ TEST_F(StartupOptionsTest, FarmemNbdRefusesTheCacheAgeWithTheCacheOff) {
       << Describe(r);
 }
 
+// FARMEM_AEAD_IMPL (docs/security.md) that names no AES-GCM implementation: refused at start,
+// before any daemon is asked, with the accepted values; with --no-encrypt it is not used.
+TEST_F(StartupOptionsTest, FarmemNbdRefusesAnUnknownAeadImplementation) {
+  ASSERT_EQ(::setenv("FARMEM_AEAD_IMPL", "aes-ni", 1), 0);
+  const CommandResult r = FarmemNbd({"--backend", "farmem", "--peers", "127.0.0.1:1"});
+  const CommandResult plain = FarmemNbd(
+      {"--backend", "farmem", "--peers", "127.0.0.1:1", "--no-encrypt", "--peer-wait-ms", "0"});
+  ::unsetenv("FARMEM_AEAD_IMPL");
+  EXPECT_NE(r.exit_code, 0) << Describe(r);
+  EXPECT_THAT(r.err, HasSubstr("FARMEM_AEAD_IMPL=aes-ni: not an AES-GCM implementation; the "
+                               "accepted values are auto"))
+      << Describe(r);
+  // It got as far as asking the daemon.
+  EXPECT_THAT(plain.err, HasSubstr("no farmem daemon of")) << Describe(plain);
+  EXPECT_THAT(plain.err, Not(HasSubstr("FARMEM_AEAD_IMPL"))) << Describe(plain);
+}
+
 // Regression: a 1-byte secret was accepted.
 TEST_F(StartupOptionsTest, ShortSecretIsRefusedByDaemonAndClients) {
   const std::string shorty = WriteFile("short-secret", "s\n");
