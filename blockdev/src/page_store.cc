@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <bit>
+#include <cassert>
 #include <cstring>
 #include <string_view>
 
@@ -19,7 +20,11 @@ namespace pagestore {
 // batch of farmem-nbd carries at most (a connection takes 256 KiB of write data per batch,
 // nbd_connection.h). Under --swap-safe it is locked memory, 5 workers' worth at idle (4 + the
 // rebuild thread's).
+// A worker's ciphertext buffer (with encryption): the aligned writes of one group of a batch
+// (ExecuteBatch), allocated at start and never grown.
 constexpr size_t kSealedReserve = 256u << 10;
+// The ops of one group: what the worker's per-op vectors are reserved for (Worker::Reserve).
+constexpr size_t kBatchOps = 256;
 
 const std::vector<uint8_t>& ZeroBuffer() {
   static const std::vector<uint8_t> zeros(kMaxPiece, 0);
@@ -186,7 +191,7 @@ Status PageStore::Init() {
     if (crypto_) {
       FARMEM_ASSIGN_OR_RETURN(aead::Cipher c, crypto_->NewCipher());
       w->cipher.emplace(std::move(c));
-      w->sealed.resize(kSealedReserve);  // grown for larger batches, then kept
+      w->sealed.resize(kSealedReserve);  // ExecuteBatch's groups fit: never grown
     }
     workers.push_back(std::move(w));
   }
@@ -284,7 +289,8 @@ Status PageStore::PartialPage(Worker& w, uint64_t page_offset, uint64_t at,
                               std::span<uint8_t> read_into, std::span<const uint8_t> write_from) {
   uint8_t page[kPage];
   Status st;
-  std::vector<Piece> pieces;
+  std::vector<Piece>& pieces = w.side_pieces;  // DoRead / DoWrite are done with it meanwhile
+  pieces.clear();
   SplitPieces(page_offset, kPage, page, false, 0, &pieces);
   if (write_from.empty()) {
     RunPieces(w, pieces, {&st, 1}, 0);
@@ -310,7 +316,7 @@ Status PageStore::PartialPage(Worker& w, uint64_t page_offset, uint64_t at,
 }
 
 Status PageStore::DoRead(Worker& w, uint64_t offset, std::span<uint8_t> buf) {
-  std::vector<Piece> pieces;
+  std::vector<Piece>& pieces = w.side_pieces;
   Status st;
   uint64_t at = offset, left = buf.size();
   uint8_t* out = buf.data();
@@ -322,6 +328,7 @@ Status PageStore::DoRead(Worker& w, uint64_t offset, std::span<uint8_t> buf) {
   }
   const uint64_t middle = left / kPage * kPage;
   if (middle > 0) {
+    pieces.clear();
     SplitPieces(at, middle, out, false, 0, &pieces);
     RunPieces(w, pieces, {&st, 1}, 0);
     FARMEM_RETURN_IF_ERROR(st);
@@ -345,7 +352,10 @@ Status PageStore::DoWrite(Worker& w, uint64_t offset, std::span<const uint8_t> d
   }
   const uint64_t middle = left / kPage * kPage;
   if (middle > 0) {
-    std::vector<Piece> pieces;
+    std::vector<Piece>& pieces = w.side_pieces;
+    pieces.clear();
+    // Allocated here: an unaligned write with whole pages inside reaches the page store only
+    // without the write cache (--write-cache-pages 0), which takes partial pages otherwise.
     std::vector<uint8_t> sealed;  // not the worker's: a batch's pieces may point into that
     uint8_t* src = const_cast<uint8_t*>(in);
     if (crypto_) {
@@ -410,8 +420,77 @@ Status PageStore::Flush() {
   return Status::Ok();  // remote writes are acknowledged only once they are on the daemons
 }
 
+namespace {
+// Reports a group's ops to the batch's listener by their index in the whole batch.
+class OffsetListener final : public BatchListener {
+ public:
+  OffsetListener(BatchListener* outer, size_t base) : outer_(outer), base_(base) {}
+  void OpDone(size_t i) override { outer_->OpDone(base_ + i); }
+  void Progress() override { outer_->Progress(); }
+
+ private:
+  BatchListener* outer_;
+  size_t base_;
+};
+
+// The ciphertext an op needs in the worker's sealed buffer (aligned writes, with encryption).
+uint64_t SealedBytesOf(const BlockOp& op) {
+  const bool aligned = op.offset % kPage == 0 && op.length % kPage == 0;
+  return op.kind == BlockOp::Kind::kWrite && aligned ? op.length : 0;
+}
+}  // namespace
+
 void PageStore::ExecuteBatch(std::span<BlockOp> ops, BatchListener* listener) {
   Worker* w = workers_.Checkout();
+  // In groups that fit what the worker's buffers were sized for at start (kBatchOps ops, and
+  // with encryption kSealedReserve bytes of ciphertext), so that the request path never
+  // allocates (swap safety). The NBD server hands over at most 256 ops and 1 MiB of data, so
+  // only a batch of more than 256 KiB of aligned writes with encryption is split; an aligned
+  // write larger than that alone goes in ranges of kSealedReserve. The ops of a batch are
+  // concurrent (NBD): running its groups one after the other is an order the client allows.
+  size_t from = 0;
+  while (from < ops.size()) {
+    size_t to = from;
+    uint64_t sealed = 0;
+    while (to < ops.size() && to - from < kBatchOps) {
+      const uint64_t need = crypto_ ? SealedBytesOf(ops[to]) : 0;
+      if (sealed + need > kSealedReserve) break;
+      sealed += need;
+      ++to;
+    }
+    if (to > from) {
+      if (listener != nullptr && (from > 0 || to < ops.size())) {
+        OffsetListener l(listener, from);
+        ExecuteGroup(*w, ops.subspan(from, to - from), &l);
+      } else {
+        ExecuteGroup(*w, ops.subspan(from, to - from), listener);
+      }
+      from = to;
+      continue;
+    }
+    BlockOp& op = ops[from++];  // an aligned write of more than kSealedReserve, with encryption
+    op.status = Status::Ok();
+    for (uint64_t at = op.offset; at < op.offset + op.length;) {
+      const uint64_t n = std::min<uint64_t>(op.offset + op.length - at, kSealedReserve);
+      BlockOp piece[1];
+      piece[0].kind = op.kind;
+      piece[0].fua = op.fua;
+      piece[0].offset = at;
+      piece[0].length = n;
+      piece[0].data = op.data.subspan(at - op.offset, n);
+      ExecuteGroup(*w, piece, nullptr);
+      if (!piece[0].status.ok()) {
+        op.status = std::move(piece[0].status);
+        break;
+      }
+      at += n;
+    }
+  }
+  workers_.Return(w);
+}
+
+void PageStore::ExecuteGroup(Worker& worker, std::span<BlockOp> ops, BatchListener* listener) {
+  Worker* w = &worker;
   // Aligned reads and writes of the whole batch go out together; the rest one by one.
   std::vector<Piece>& pieces = w->pieces;
   std::vector<Status>& status = w->status;
@@ -429,7 +508,7 @@ void PageStore::ExecuteBatch(std::span<BlockOp> ops, BatchListener* listener) {
         need += op.length;
       }
     }
-    if (w->sealed.size() < need) w->sealed.resize(need);
+    assert(need <= w->sealed.size());  // ExecuteBatch's groups fit (sized at start)
   }
   for (size_t i = 0; i < ops.size(); ++i) {
     BlockOp& op = ops[i];
@@ -503,7 +582,6 @@ void PageStore::ExecuteBatch(std::span<BlockOp> ops, BatchListener* listener) {
     }
   }
   for (size_t i = 0; i < ops.size(); ++i) ops[i].status = status[i];
-  workers_.Return(w);
 }
 
 }  // namespace farmem::blockdev

@@ -223,6 +223,9 @@ class PageStore final : public BatchBackend {
 
   PageStore(client::Cluster* cluster, PageStoreOptions options);
   Status Init();
+  // ExecuteBatch's work on a group of ops that fits the worker's buffers (kBatchOps ops,
+  // kSealedReserve bytes of aligned writes with encryption).
+  void ExecuteGroup(Worker& w, std::span<BlockOp> ops, BatchListener* listener);
 
   // One read or write, split into pieces that each stay inside one extent and one round.
   Status DoRead(Worker& w, uint64_t offset, std::span<uint8_t> buf);

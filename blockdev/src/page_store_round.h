@@ -70,6 +70,7 @@ struct Worker {
   // serving a batch does not allocate: the pieces and statuses of ExecuteBatch, the extents a
   // round holds shared, and the round's remote operations.
   std::vector<Piece> pieces;
+  std::vector<Piece> side_pieces;  // DoRead / DoWrite / PartialPage: one op, outside the batch
   std::vector<Status> status;
   std::vector<Extent*> locked;
   std::vector<RemoteOp> round_ops;
@@ -89,6 +90,7 @@ struct Worker {
 
   void Reserve(size_t nodes, size_t group_size) {
     pieces.reserve(1024);
+    side_pieces.reserve(64);  // one op of at most 1 MiB: a few pieces (extent, round bounds)
     status.reserve(256);
     pieces_left.reserve(256);
     locked.reserve(2 * kMaxRoundExtents);

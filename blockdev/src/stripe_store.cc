@@ -5,6 +5,7 @@
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
+#include <cassert>
 #include <cstring>
 
 #include "export_capacity.h"
@@ -36,7 +37,41 @@ struct StripeStore::Worker {
   std::vector<std::span<const uint8_t* const>> set_data;
   std::vector<std::span<SpanOwner* const>> set_owners;
   std::vector<Result<SpanSet*>> written;
-  std::vector<uint32_t> crcs;  // each written page's cell CRC-32C (compaction offload)
+  std::vector<uint32_t> crcs;     // each written page's cell CRC-32C (compaction offload)
+  std::vector<SpanOwner*> cands;  // the compactor's: a pass's candidates
+  size_t capacity = 0;            // pages: what every vector above was sized for (Reserve)
+
+  // Sizes every buffer for `pages` pages (`partials` of them partial: scratch) at start, so that
+  // the request path never allocates (swap safety: docs/nbd.md "Swap safety").
+  void Reserve(size_t pages_max, size_t writes, size_t partials, bool sealing) {
+    capacity = pages_max;
+    pages.reserve(pages_max);
+    op_status.reserve(pages_max);
+    scratch.resize(partials * kPage);
+    if (sealing) sealed.resize(writes * kPage);
+    held.reserve(pages_max);
+    sets.reserve(pages_max);
+    members.reserve(pages_max);
+    dsts.reserve(pages_max);
+    results.reserve(pages_max);
+    which.reserve(pages_max);
+    rmw.reserve(pages_max);
+    data.reserve(pages_max);
+    owners.reserve(pages_max);
+    set_data.reserve(pages_max);
+    set_owners.reserve(pages_max);
+    written.reserve(pages_max);
+    crcs.reserve(pages_max);
+    cands.reserve(pages_max);
+  }
+  // A piece never holds more than the buffers were sized for: none of them grew (which would be
+  // an allocation on the request path).
+  void CheckCapacity() const {
+    assert(pages.capacity() == capacity && op_status.capacity() == capacity &&
+           held.capacity() == capacity && sets.capacity() == capacity &&
+           which.capacity() == capacity && data.capacity() == capacity &&
+           written.capacity() == capacity);
+  }
 };
 
 StripeStore::StripeStore(client::Cluster* cluster, StripeStoreOptions options)
@@ -109,6 +144,12 @@ Status StripeStore::Init() {
   std::vector<std::unique_ptr<Worker>> workers;
   for (size_t i = 0; i < options_.workers + 1; ++i) {  // +1: the compactor's
     auto w = std::make_unique<Worker>();
+    if (i < options_.workers) {
+      w->Reserve(kPiecePages, kPieceWrites, kPiecePartials, crypto_ != nullptr);
+    } else {  // the compactor's: one pass's candidates, every one read and written whole
+      const size_t n = kCompactSets * static_cast<size_t>(res.k);
+      w->Reserve(n, n, n, crypto_ != nullptr);
+    }
     w->io = remote_->NewIoContext();
     if (i < options_.workers) w->io->channels.SetBusyPoll(options_.busy_poll);
     if (crypto_) {
@@ -178,18 +219,86 @@ void StripeStore::UnlockPages(Worker& w) {
 // ---------------------------------------------------------------------------------------------
 // The batch path
 
+namespace {
+// What op `op` takes of a worker's piece: pages (an upper bound), pages written (sealed), and
+// partial pages (scratch). Ops the store rejects (beyond the export) take nothing.
+struct OpCost {
+  uint64_t pages = 0, writes = 0, partials = 0;
+};
+OpCost CostOf(const BlockOp& op, uint64_t size) {
+  constexpr uint64_t kPage = StripeStore::kPage;
+  if (op.kind == BlockOp::Kind::kFlush || op.length == 0) return {};
+  if (op.offset > size || op.length > size - op.offset) return {};
+  const uint64_t end = op.offset + op.length;
+  OpCost c;
+  c.pages = (end - 1) / kPage - op.offset / kPage + 1;
+  if (op.kind != BlockOp::Kind::kTrim) {
+    c.partials = (op.offset % kPage != 0 ? 1 : 0) + (end % kPage != 0 ? 1 : 0);
+  }
+  if (op.kind == BlockOp::Kind::kWrite) c.writes = c.pages;
+  if (op.kind == BlockOp::Kind::kWriteZeroes) c.writes = c.partials;  // whole pages: released
+  return c;
+}
+}  // namespace
+
 void StripeStore::ExecuteBatch(std::span<BlockOp> ops, BatchListener* /*listener*/) {
   Worker* w = workers_.Checkout();
+  // In pieces of at most kPiecePages pages (kPieceWrites written, kPiecePartials partial), what
+  // the worker's buffers were sized for at start: consecutive ops that fit together, and an op
+  // larger than a piece alone, a range at a time. The ops of a batch are concurrent (NBD), so
+  // running its pieces one after the other is one of the orders the client allows.
+  size_t from = 0;
+  while (from < ops.size()) {
+    size_t to = from;
+    OpCost sum;
+    while (to < ops.size() && to - from < kPiecePages) {
+      const OpCost c = CostOf(ops[to], options_.size);
+      if (sum.pages + c.pages > kPiecePages || sum.writes + c.writes > kPieceWrites ||
+          sum.partials + c.partials > kPiecePartials) {
+        break;
+      }
+      sum.pages += c.pages;
+      sum.writes += c.writes;
+      sum.partials += c.partials;
+      ++to;
+    }
+    if (to > from) {
+      ExecutePiece(*w, ops.subspan(from, to - from));
+      from = to;
+      continue;
+    }
+    // One op larger than a piece: ranges of at most kPieceWrites pages, aligned to that size
+    // (each touches at most two partial pages), each run as a batch of one.
+    BlockOp& op = ops[from++];
+    constexpr uint64_t kRange = kPieceWrites * kPage;
+    op.status = Status::Ok();
+    for (uint64_t at = op.offset; at < op.offset + op.length;) {
+      const uint64_t n = std::min(op.offset + op.length, (at / kRange + 1) * kRange) - at;
+      BlockOp piece[1];
+      piece[0].kind = op.kind;
+      piece[0].fua = op.fua;
+      piece[0].may_trim = op.may_trim;
+      piece[0].offset = at;
+      piece[0].length = n;
+      if (op.kind == BlockOp::Kind::kRead)
+        piece[0].read_into = op.read_into.subspan(at - op.offset, n);
+      if (op.kind == BlockOp::Kind::kWrite) piece[0].data = op.data.subspan(at - op.offset, n);
+      ExecutePiece(*w, piece);
+      if (!piece[0].status.ok()) {
+        op.status = std::move(piece[0].status);
+        break;
+      }
+      at += n;
+    }
+  }
+  workers_.Return(w);
+}
+
+void StripeStore::ExecutePiece(Worker& worker, std::span<BlockOp> ops) {
+  Worker* w = &worker;
   std::vector<PageIo>& pages = w->pages;
   pages.clear();
   w->op_status.assign(ops.size(), Status::Ok());
-  // Partial pages: at most two per op (its first and last page).
-  size_t partial = 0;
-  for (const BlockOp& op : ops) {
-    if (op.kind == BlockOp::Kind::kFlush) continue;
-    partial += (op.offset % kPage != 0 ? 1 : 0) + ((op.offset + op.length) % kPage != 0 ? 1 : 0);
-  }
-  if (w->scratch.size() < partial * kPage) w->scratch.resize(partial * kPage);
   uint8_t* scratch = w->scratch.data();
   for (size_t i = 0; i < ops.size(); ++i) {
     const BlockOp& op = ops[i];
@@ -305,7 +414,7 @@ void StripeStore::ExecuteBatch(std::span<BlockOp> ops, BatchListener* /*listener
     }
   }
   for (size_t i = 0; i < ops.size(); ++i) ops[i].status = std::move(w->op_status[i]);
-  workers_.Return(w);
+  w->CheckCapacity();
 }
 
 void StripeStore::MergePartialWrites(Worker& w) {
@@ -471,7 +580,7 @@ void StripeStore::WritePages(Worker& w, std::span<PageIo> pages, std::span<Statu
   }
   if (w.which.empty()) return;
   if (crypto_) {
-    if (w.sealed.size() < w.which.size() * kPage) w.sealed.resize(w.which.size() * kPage);
+    assert(w.sealed.size() >= w.which.size() * kPage);  // sized at start (Reserve)
     size_t kept = 0;
     for (size_t j = 0; j < w.which.size(); ++j) {
       PageIo& p = pages[w.which[j]];
@@ -577,17 +686,18 @@ Status StripeStore::CompactOnce(uint64_t* moved) {
   *moved = 0;
   MutexLock pass(&compact_pass_mu_);
   const size_t k = static_cast<size_t>(options_.resilience.k);
-  std::vector<SpanOwner*> cands = remote_->CompactionCandidates(8 * k);
+  Worker* w = &workers_.background();  // the compactor's own (one pass at a time)
+  std::vector<SpanOwner*>& cands = w->cands;
+  remote_->CompactionCandidates(kCompactSets * k, &cands);
   if (cands.empty()) return Status::Ok();
   // What compaction costs the client: this thread's CPU, and the bytes of its I/O context.
   ThreadCpuMeter cpu(compaction_cpu_ns_);
-  Worker* w = &workers_.background();  // the compactor's own (one pass at a time)
   const spanstore::IoContext& io = *w->io;
   const uint64_t received0 = io.bytes_read + io.offload_bytes_received;
   const uint64_t sent0 = io.bytes_written + io.offload_bytes_sent;
   std::vector<PageIo>& pages = w->pages;
   pages.clear();
-  if (w->scratch.size() < cands.size() * kPage) w->scratch.resize(cands.size() * kPage);
+  assert(w->scratch.size() >= cands.size() * kPage);  // sized at start (Reserve)
   for (size_t i = 0; i < cands.size(); ++i) {
     PageIo p;
     p.page = static_cast<uint64_t>(static_cast<PageEntry*>(cands[i]) - table_.get());

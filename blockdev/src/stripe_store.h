@@ -188,6 +188,18 @@ class StripeStore final : public BatchBackend {
   std::vector<std::pair<client::Lease, uint64_t>> PagePlaces(uint64_t page);
 
   static constexpr uint64_t kPage = 4096;
+  // A worker's buffers are sized at start for a piece of a batch: at most kPiecePages pages
+  // (the NBD server's largest batch, 1 MiB of reads, plus the partial pages at its requests'
+  // ends), kPieceWrites of them written (one write-back batch of the write cache, 256 KiB: the
+  // ciphertext buffer) and kPiecePartials partial (read-modify-write or sub-page reads: 64 KiB of
+  // scratch). ExecuteBatch runs a larger batch in pieces of that size, one after the other, so
+  // the request path never allocates (swap safety; docs/nbd.md "Stripe layout").
+  static constexpr size_t kPiecePages = 320;
+  static constexpr size_t kPieceWrites = 64;
+  static constexpr size_t kPiecePartials = 16;
+  // A compaction pass moves the live cells of at most kCompactSets stripes' worth (kCompactSets *
+  // k pages): the compactor's worker is sized for that.
+  static constexpr size_t kCompactSets = 8;
 
  private:
   struct PageEntry : spanstore::SpanOwner {
@@ -222,6 +234,9 @@ class StripeStore final : public BatchBackend {
 
   StripeStore(client::Cluster* cluster, StripeStoreOptions options);
   Status Init();
+  // ExecuteBatch's work on ops that fit the worker's buffers (kPiecePages, kPieceWrites,
+  // kPiecePartials).
+  void ExecutePiece(Worker& w, std::span<BlockOp> ops);
   // Takes the stripes of `pages` in ascending order (exclusive where a page changes) / drops them.
   void LockPages(Worker& w, std::span<const PageIo> pages) NO_THREAD_SAFETY_ANALYSIS;
   void UnlockPages(Worker& w) NO_THREAD_SAFETY_ANALYSIS;

@@ -83,6 +83,18 @@ struct WriteCache::Scratch {
   std::vector<Overlay> overlays;
   std::vector<int32_t> wb;
   size_t need = 0;  // pages the op that got kNeedSlots needs
+  // Made at a thread's first request and sized then for the largest batch the NBD server hands
+  // over (256 requests, a backend op and an overlay for each of a 1 MiB request's pages), so
+  // that later requests do not allocate (swap safety, docs/nbd.md); kept, never shrunk.
+  Scratch() {
+    constexpr size_t kOps = 256, kPages = 256;
+    state.reserve(kOps);
+    backend.reserve(kOps + kPages);
+    backend_op.reserve(kOps + kPages);
+    backend_done.reserve(kOps + kPages);
+    overlays.reserve(kPages);
+    wb.reserve(kPages);
+  }
   bool empty() const { return backend.empty() && overlays.empty(); }
   void ClearSub() {
     backend.clear();
@@ -559,6 +571,10 @@ void WriteCache::ExecuteBatch(std::span<BlockOp> ops, BatchListener* listener) {
 // ---------------------------------------------------------------------------------------------
 // Write-back
 
+// Partly written pages whose other sectors one write-back reads from the backend at a time: the
+// size of each thread's merge buffer (64 KiB).
+constexpr size_t kMergePages = 16;
+
 Status WriteCache::WriteBackSlots(std::span<const int32_t> slots, bool fua, bool to_lru_tail) {
   if (slots.empty()) return Status::Ok();
   // The caller's scratch holds `slots`; these are this function's own (capacity kept).
@@ -566,10 +582,19 @@ Status WriteCache::WriteBackSlots(std::span<const int32_t> slots, bool fua, bool
   thread_local std::vector<Status> result;
   thread_local std::vector<uint8_t> merge_buf;
   thread_local std::vector<size_t> merging;  // indexes into `slots`
+  thread_local std::vector<uint64_t> page_of;
+  thread_local std::vector<size_t> writing;  // indexes into `slots`
+  if (result.capacity() < options_.pages) {
+    // Once per thread: a write-back takes at most every page of the cache, so these never grow.
+    ops.reserve(options_.pages);
+    result.reserve(options_.pages);
+    merging.reserve(options_.pages);
+    page_of.reserve(options_.pages);
+    writing.reserve(options_.pages);
+  }
   ops.clear();
   merging.clear();
   result.assign(slots.size(), Status::Ok());
-  thread_local std::vector<uint64_t> page_of;
   page_of.clear();
   {
     MutexLock lock(&mu_);  // the pages' numbers and valid sectors are stable while going back
@@ -579,25 +604,30 @@ Status WriteCache::WriteBackSlots(std::span<const int32_t> slots, bool fua, bool
       page_of.push_back(slots_[slots[j]].page);
     }
   }
-  // Pages holding only some sectors: read the rest from the backend, all of them together.
-  if (!merging.empty()) {
-    if (merge_buf.size() < merging.size() * kPage) merge_buf.resize(merging.size() * kPage);
-    for (size_t m = 0; m < merging.size(); ++m) {
+  // Pages holding only some sectors: read the rest from the backend, kMergePages together (the
+  // thread's merge buffer, sized once: not grown with the write-back, swap safety).
+  if (!merging.empty() && merge_buf.size() < kMergePages * kPage) {
+    merge_buf.resize(kMergePages * kPage);
+  }
+  for (size_t c0 = 0; c0 < merging.size(); c0 += kMergePages) {
+    const size_t cn = std::min(kMergePages, merging.size() - c0);
+    ops.clear();
+    for (size_t m = 0; m < cn; ++m) {
       BlockOp b;
       b.kind = BlockOp::Kind::kRead;
-      b.offset = page_of[m] * kPage;
+      b.offset = page_of[c0 + m] * kPage;
       b.length = kPage;
       b.read_into = {merge_buf.data() + m * kPage, kPage};
       ops.push_back(b);
     }
     inner_->ExecuteBatch(ops);
     MutexLock lock(&mu_);
-    stats_.fills += merging.size();
-    for (size_t m = 0; m < merging.size(); ++m) {
-      const int32_t slot = slots[merging[m]];
+    stats_.fills += cn;
+    for (size_t m = 0; m < cn; ++m) {
+      const int32_t slot = slots[merging[c0 + m]];
       Slot& sl = slots_[slot];
       if (!ops[m].status.ok()) {
-        result[merging[m]] = ops[m].status.WithContext(
+        result[merging[c0 + m]] = ops[m].status.WithContext(
             fmt::format("reading the rest of the page at {} to write it back", sl.page * kPage));
         continue;
       }
@@ -609,7 +639,6 @@ Status WriteCache::WriteBackSlots(std::span<const int32_t> slots, bool fua, bool
     }
   }
   ops.clear();
-  thread_local std::vector<size_t> writing;  // indexes into `slots`
   writing.clear();
   {
     MutexLock lock(&mu_);
@@ -739,7 +768,7 @@ Status WriteCache::WriteBackRange(uint64_t offset, uint64_t length) {
 }
 
 Status WriteCache::Flush() {
-  std::vector<int32_t> sel;
+  thread_local std::vector<int32_t> sel;  // capacity kept: a flush does not allocate
   Status failed;
   uint64_t failed_pages = 0;
   {
@@ -790,7 +819,7 @@ Status WriteCache::Flush() {
 }
 
 Status WriteCache::WriteBackExpired() {
-  std::vector<int32_t> sel;
+  thread_local std::vector<int32_t> sel;  // capacity kept: the flusher's pass does not allocate
   Status first;
   for (;;) {
     sel.clear();

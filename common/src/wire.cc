@@ -42,10 +42,35 @@ const char* OpcodeName(uint8_t op) {
   return "UNKNOWN";
 }
 
+namespace {
+
+// Writer's fields into a fixed buffer the caller sized (the data path's frame headers and
+// descriptors: encoding one allocates nothing, which farmem-nbd's swap safety needs).
+class FixedWriter {
+ public:
+  explicit FixedWriter(uint8_t* out) : p_(out) {}
+  void U8(uint8_t v) { *p_++ = v; }
+  void U16(uint16_t v) { Put(&v, 2); }
+  void U32(uint32_t v) { Put(&v, 4); }
+  void U64(uint64_t v) { Put(&v, 8); }
+  void Bytes(std::span<const uint8_t> b) { Put(b.data(), b.size()); }
+  void Zeros(size_t n) {
+    std::memset(p_, 0, n);
+    p_ += n;
+  }
+
+ private:
+  void Put(const void* p, size_t n) {  // little-endian, as Writer
+    std::memcpy(p_, p, n);
+    p_ += n;
+  }
+  uint8_t* p_;
+};
+
+}  // namespace
+
 void EncodeHeader(const FrameHeader& h, uint8_t out[kHeaderSize]) {
-  std::vector<uint8_t> buf;
-  buf.reserve(kHeaderSize);
-  Writer w(&buf);
+  FixedWriter w(out);
   w.U32(kMagic);
   w.U8(h.version);
   w.U8(h.opcode);
@@ -54,7 +79,6 @@ void EncodeHeader(const FrameHeader& h, uint8_t out[kHeaderSize]) {
   w.U32(h.body_len);
   w.U16(h.status);
   w.U16(0);
-  std::memcpy(out, buf.data(), kHeaderSize);
 }
 
 Result<FrameHeader> DecodeHeader(std::span<const uint8_t> bytes, uint32_t max_body) {
@@ -505,14 +529,11 @@ Result<RdmaTokenReply> DecodeRdmaTokenReply(std::span<const uint8_t> body) {
 }
 
 void EncodeRdmaConnectData(const RdmaToken& token, uint8_t out[kRdmaConnectDataSize]) {
-  std::vector<uint8_t> buf;
-  buf.reserve(kRdmaConnectDataSize);
-  Writer w(&buf);
+  FixedWriter w(out);
   w.U32(kRdmaMagic);
   w.U8(kVersion);
   w.Zeros(3);
   w.Bytes(token);
-  std::memcpy(out, buf.data(), kRdmaConnectDataSize);
 }
 
 Result<RdmaToken> DecodeRdmaConnectData(std::span<const uint8_t> data) {
@@ -536,14 +557,11 @@ Result<RdmaToken> DecodeRdmaConnectData(std::span<const uint8_t> data) {
 }
 
 void EncodeRdmaRejectData(StatusCode why, uint8_t out[kRdmaRejectDataSize]) {
-  std::vector<uint8_t> buf;
-  buf.reserve(kRdmaRejectDataSize);
-  Writer w(&buf);
+  FixedWriter w(out);
   w.U32(kRdmaMagic);
   w.U8(kVersion);
   w.U8(0);
   w.U16(static_cast<uint16_t>(why));
-  std::memcpy(out, buf.data(), kRdmaRejectDataSize);
 }
 
 StatusCode DecodeRdmaRejectData(std::span<const uint8_t> data) {
@@ -556,14 +574,11 @@ StatusCode DecodeRdmaRejectData(std::span<const uint8_t> data) {
 }
 
 void EncodeDataOp(const DataOp& m, uint8_t out[kDataOpSize]) {
-  std::vector<uint8_t> buf;
-  buf.reserve(kDataOpSize);
-  Writer w(&buf);
+  FixedWriter w(out);
   w.U64(m.lease_id);
   w.U64(m.offset);
   w.U32(m.length);
   w.U32(0);
-  std::memcpy(out, buf.data(), kDataOpSize);
 }
 
 Result<DataOp> DecodeDataOp(std::span<const uint8_t> fixed) {
@@ -767,15 +782,12 @@ Result<GatherCellRequest> DecodeGatherCell(std::span<const uint8_t> body) {
 }
 
 void EncodeBatchOp(const BatchOp& m, uint8_t out[kBatchOpSize]) {
-  std::vector<uint8_t> buf;
-  buf.reserve(kBatchOpSize);
-  Writer w(&buf);
+  FixedWriter w(out);
   w.U8(static_cast<uint8_t>(m.op));
   w.Zeros(3);
   w.U32(m.length);
   w.U64(m.lease_id);
   w.U64(m.offset);
-  std::memcpy(out, buf.data(), kBatchOpSize);
 }
 
 Result<BatchDescriptors> DecodeBatch(std::span<const uint8_t> body, uint32_t body_len) {

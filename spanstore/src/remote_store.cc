@@ -289,20 +289,15 @@ bool RemoteStore::Healthy(const SpanSet* set) const {
   return g->failed_mask == 0 && g->lost_mask == 0 && !g->rebuilding;
 }
 
-std::vector<SpanOwner*> RemoteStore::CompactionCandidates(size_t max_spans) {
+void RemoteStore::CompactionCandidates(size_t max_spans, std::vector<SpanOwner*>* candidates) {
   MutexLock lock(&mu_);
-  std::vector<SpanSet*> holed;
+  // Allocates nothing (the caller's vector has room for max_spans, reserved at its start): the
+  // emptiest sets first, one pass over the rows per live-cell count (k passes at most, each
+  // stopping once max_spans are taken).
+  std::vector<SpanOwner*>& out = *candidates;
+  out.clear();
   uint64_t used_rows = 0;
-  for (auto& g : groups_) {
-    used_rows += g->used_rows;
-    for (SpanSet* set : g->rows) {
-      if (set != nullptr && std::popcount(set->live_mask) < res_.k) holed.push_back(set);
-    }
-  }
-  std::sort(holed.begin(), holed.end(), [](SpanSet* a, SpanSet* b) {
-    return std::popcount(a->live_mask) < std::popcount(b->live_mask);
-  });
-  std::vector<SpanOwner*> out;
+  for (auto& g : groups_) used_rows += g->used_rows;
   auto take = [&](SpanSet* set) {
     for (int m = 0; m < res_.k && out.size() < max_spans; ++m) {
       if (set->spans[static_cast<size_t>(m)] != nullptr) {
@@ -310,9 +305,13 @@ std::vector<SpanOwner*> RemoteStore::CompactionCandidates(size_t max_spans) {
       }
     }
   };
-  for (SpanSet* set : holed) {
-    if (out.size() >= max_spans) break;
-    take(set);
+  for (int live = 0; live < res_.k && out.size() < max_spans; ++live) {
+    for (auto& g : groups_) {
+      for (SpanSet* set : g->rows) {
+        if (out.size() >= max_spans) break;
+        if (set != nullptr && std::popcount(set->live_mask) == live) take(set);
+      }
+    }
   }
   // Whole groups are what the daemons get back: if the rows in use would fit in fewer groups,
   // empty the emptiest one.
@@ -329,7 +328,6 @@ std::vector<SpanOwner*> RemoteStore::CompactionCandidates(size_t max_spans) {
       }
     }
   }
-  return out;
 }
 
 std::vector<std::vector<Endpoint>> RemoteStore::GroupLayout() const {

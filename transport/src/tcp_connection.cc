@@ -116,6 +116,12 @@ Result<uint64_t> TcpConnection::SendV(wire::Opcode op, std::span<const iovec> bo
   h.request_id = ++next_request_id_;
   h.body_len = static_cast<uint32_t>(len);
   wire::EncodeHeader(h, send_header_);
+  if (outstanding_.capacity() < kReservedOutstanding) {
+    // Once, at the connection's first request (its handshake): the data path's requests then
+    // allocate nothing (farmem-nbd's swap safety, docs/nbd.md).
+    outstanding_.reserve(kReservedOutstanding);
+    iov_.reserve(wire::kMaxOpsPerBatch + 2);
+  }
   iov_.clear();
   iov_.push_back({send_header_, wire::kHeaderSize});
   for (const iovec& v : body) {
@@ -212,7 +218,7 @@ Result<TcpConnection::Reply> TcpConnection::ReceiveV(uint64_t id, std::span<cons
   }
 }
 
-Result<TcpConnection::Reply> TcpConnection::TakeArrived(std::deque<Outstanding>::iterator it,
+Result<TcpConnection::Reply> TcpConnection::TakeArrived(std::vector<Outstanding>::iterator it,
                                                         std::span<const iovec> dst) {
   Outstanding o = std::move(*it);
   outstanding_.erase(it);
@@ -369,7 +375,7 @@ Status TcpConnection::Fail(Status why) {
   return why;
 }
 
-std::deque<TcpConnection::Outstanding>::iterator TcpConnection::Find(uint64_t id) {
+std::vector<TcpConnection::Outstanding>::iterator TcpConnection::Find(uint64_t id) {
   auto it = outstanding_.begin();
   while (it != outstanding_.end() && it->id != id) ++it;
   return it;

@@ -9,7 +9,6 @@
 // else (an error reply, a failed read in a batch) is taken piece by piece.
 #include <fmt/format.h>
 
-#include <deque>
 #include <optional>
 
 #include "farmem/transport/tcp_connection.h"
@@ -35,6 +34,16 @@ class TcpChannel final : public Channel {
   TcpChannel(TcpConnection conn, const ChannelOptions& options)
       : conn_(std::move(conn)), options_(options) {
     staging_.reserve(wire::BatchRequestTableSize(wire::kMaxOpsPerBatch));
+    // Everything the data path keeps per operation or frame, sized now for max_outstanding
+    // operations (a frame holds at least one): Post, Flush and Poll then allocate nothing
+    // (farmem-nbd's swap safety, docs/nbd.md). Beyond kReserved they would grow once.
+    const size_t n = std::min<size_t>(options_.max_outstanding, kReserved);
+    pending_.reserve(n);
+    inflight_.reserve(n);
+    spare_ops_.reserve(n);
+    done_.reserve(n);
+    codes_.reserve(wire::kMaxOpsPerBatch);
+    iov_.reserve(wire::kMaxOpsPerBatch + 1);
   }
 
   Status Post(const Op& op) override {
@@ -91,7 +100,9 @@ class TcpChannel final : public Channel {
     return Drain(out);
   }
 
-  size_t outstanding() const override { return pending_.size() + inflight_ops_ + done_.size(); }
+  size_t outstanding() const override {
+    return pending_.size() + inflight_ops_ + (done_.size() - done_head_);
+  }
   size_t max_outstanding() const override { return options_.max_outstanding; }
   const char* kind() const override { return "tcp"; }
   std::string peer() const override { return options_.endpoint.ToString(); }
@@ -108,7 +119,15 @@ class TcpChannel final : public Channel {
   };
 
   Status SendFrame(size_t n) {
-    inflight_.push_back({0, n > 1, {pending_.begin(), pending_.begin() + n}});
+    std::vector<Op> ops;  // a retired frame's, capacity kept
+    if (!spare_ops_.empty()) {
+      ops = std::move(spare_ops_.back());
+      spare_ops_.pop_back();
+    } else {  // room for the largest frame: a list is never grown afterwards
+      ops.reserve(std::min<size_t>(options_.max_outstanding, wire::kMaxOpsPerBatch));
+    }
+    ops.assign(pending_.begin(), pending_.begin() + n);
+    inflight_.push_back({0, n > 1, std::move(ops)});
     pending_.erase(pending_.begin(), pending_.begin() + n);
     InFlight& f = inflight_.back();
     inflight_ops_ += f.ops.size();
@@ -167,7 +186,7 @@ class TcpChannel final : public Channel {
     }
     if (!r.has_value()) {  // the whole frame failed: every op in it gets the error
       Status err = r.error().WithContext(peer());
-      for (const Op& op : f.ops) done_.push_back({op.user_data, err});
+      for (const Op& op : f.ops) PushDone({op.user_data, err});
       Retire(it);
       return Status::Ok();
     }
@@ -179,7 +198,7 @@ class TcpChannel final : public Channel {
                                          r->body_len));
       }
       Account(op);
-      done_.push_back({op.user_data, Status::Ok()});
+      PushDone({op.user_data, Status::Ok()});
       Retire(it);
       return Status::Ok();
     }
@@ -215,18 +234,28 @@ class TcpChannel final : public Channel {
     return Status::Ok();
   }
 
-  void Retire(std::deque<InFlight>::iterator it) {
+  void Retire(std::vector<InFlight>::iterator it) {
     inflight_ops_ -= it->ops.size();
+    spare_ops_.push_back(std::move(it->ops));
     inflight_.erase(it);
+  }
+
+  // done_ is consumed from done_head_; its room is reused once it is drained.
+  void PushDone(Completion c) {
+    if (done_head_ > 0 && (done_head_ == done_.size() || done_.size() == done_.capacity())) {
+      done_.erase(done_.begin(), done_.begin() + static_cast<ptrdiff_t>(done_head_));
+      done_head_ = 0;
+    }
+    done_.push_back(std::move(c));
   }
 
   void CompleteBatchOp(const Op& op, uint16_t code) {
     if (code == 0) {
       Account(op);
-      done_.push_back({op.user_data, Status::Ok()});
+      PushDone({op.user_data, Status::Ok()});
       return;
     }
-    done_.push_back(
+    PushDone(
         {op.user_data, Status(StatusCodeFromWire(code),
                               fmt::format("{}: {} of {} bytes at offset {} of lease {:#x} failed",
                                           peer(), op.type == OpType::kRead ? "read" : "write",
@@ -240,9 +269,10 @@ class TcpChannel final : public Channel {
 
   size_t Drain(std::span<Completion> out) {
     size_t n = 0;
-    while (n < out.size() && !done_.empty()) {
-      out[n++] = std::move(done_.front());
-      done_.pop_front();
+    while (n < out.size() && done_head_ < done_.size()) out[n++] = std::move(done_[done_head_++]);
+    if (done_head_ == done_.size()) {
+      done_.clear();
+      done_head_ = 0;
     }
     return n;
   }
@@ -251,11 +281,11 @@ class TcpChannel final : public Channel {
   void Break(Status why) {
     if (broken_.ok()) broken_ = std::move(why);
     for (InFlight& f : inflight_) {
-      for (const Op& op : f.ops) done_.push_back({op.user_data, broken_});
+      for (const Op& op : f.ops) PushDone({op.user_data, broken_});
     }
     inflight_.clear();
     inflight_ops_ = 0;
-    for (const Op& op : pending_) done_.push_back({op.user_data, broken_});
+    for (const Op& op : pending_) PushDone({op.user_data, broken_});
     pending_.clear();
     conn_.Shutdown();
   }
@@ -263,9 +293,12 @@ class TcpChannel final : public Channel {
   TcpConnection conn_;
   ChannelOptions options_;
   std::vector<Op> pending_;
-  std::deque<InFlight> inflight_;
+  static constexpr size_t kReserved = 1024;
+  std::vector<InFlight> inflight_;
+  std::vector<std::vector<Op>> spare_ops_;  // retired frames' op lists, reused
   size_t inflight_ops_ = 0;
-  std::deque<Completion> done_;
+  std::vector<Completion> done_;
+  size_t done_head_ = 0;          // done_[done_head_..] are not drained yet
   std::vector<uint8_t> staging_;  // a request's descriptors, then a reply's status table
   std::vector<iovec> iov_;
   std::vector<uint16_t> codes_;

@@ -298,7 +298,14 @@ class RemoteStore {
   // For the compactor: the spans of sets that have holes, emptiest sets first, and then the
   // spans of the emptiest group when leased slabs exceed the rows in use by more than a group.
   // Snapshots: the caller locks each span and checks it still lives in a set.
-  std::vector<SpanOwner*> CompactionCandidates(size_t max_spans);
+  // Into `candidates` (cleared), which allocates nothing when it has room for max_spans.
+  void CompactionCandidates(size_t max_spans, std::vector<SpanOwner*>* candidates);
+  std::vector<SpanOwner*> CompactionCandidates(size_t max_spans) {
+    std::vector<SpanOwner*> out;
+    out.reserve(max_spans);
+    CompactionCandidates(max_spans, &out);
+    return out;
+  }
 
   RemoteStoreStats stats() const;
   // Each slab group's daemons in member order (k data members, then parity / copies).

@@ -104,16 +104,19 @@ class TcpConnection {
   };
   // Unsolicited frames kept for TakePushes at the most; older ones are dropped.
   static constexpr size_t kMaxKeptPushes = 64;
+  // Requests outstanding that outstanding_ has room for from the first request on: a channel's
+  // frames in flight, at most its max_outstanding operations (64 by default, ChannelOptions).
+  static constexpr size_t kReservedOutstanding = 64;
 
   TcpConnection() = default;
   Status Handshake(const ChannelOptions& options);
 
   Status Fail(Status why);  // breaks the connection, returns why
-  std::deque<Outstanding>::iterator Find(uint64_t id);
+  std::vector<Outstanding>::iterator Find(uint64_t id);
   // The largest success reply body to a request of this opcode.
   static uint32_t MaxReplyBody(uint8_t opcode);
   // The reply kept for `it` (which has arrived), handed out as Receive does.
-  Result<Reply> TakeArrived(std::deque<Outstanding>::iterator it, std::span<const iovec> dst);
+  Result<Reply> TakeArrived(std::vector<Outstanding>::iterator it, std::span<const iovec> dst);
   // One recvmsg into [header, dst]: true if it was the expected reply to `id`, now complete;
   // false with another header in `hdr` and what followed it kept in carry_.
   Result<bool> ReceiveExpected(uint64_t id, uint8_t opcode, std::span<const iovec> dst,
@@ -128,7 +131,7 @@ class TcpConnection {
   wire::HelloReply hello_;
   uint64_t next_request_id_ = 0;
   bool broken_ = false;
-  std::deque<Outstanding> outstanding_;
+  std::vector<Outstanding> outstanding_;
   std::vector<std::vector<uint8_t>> pushes_;
   std::vector<uint8_t> carry_;  // received, not yet consumed (see ReceiveExpected)
   size_t carry_pos_ = 0;
