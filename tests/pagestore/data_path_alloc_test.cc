@@ -134,17 +134,11 @@ class DataPathAllocTest : public PageStoreTest, public ::testing::WithParamInter
       stats_ = [this] { return stripe_->stats(); };
       inner_ = std::move(*s);
     } else {
-      PageStoreOptions o;
-      o.size = kExport;
-      auto r = Resilience::Parse(layout);
-      ASSERT_TRUE(r.has_value()) << r.error().ToString();
-      o.resilience = *r;
-      o.op_timeout = op_timeout_;
-      auto ps = PageStore::Create(cluster_.get(), o);
-      ASSERT_TRUE(ps.has_value()) << ps.error().ToString();
-      PageStore* p = ps->get();
+      Open(layout);  // the fixture's page store, then handed to the write cache below
+      if (HasFatalFailure()) return;
+      PageStore* p = store_.get();
       stats_ = [p] { return p->stats(); };
-      inner_ = std::move(*ps);
+      inner_ = std::move(store_);
     }
     WriteCacheOptions wo;
     wo.flusher_thread = false;  // the test runs the write-backs on its own (counted) thread
