@@ -35,6 +35,8 @@
 #                 daemon; docs/nbd.md "Stripe layout"), on
 #                 the same daemons; not in the default targets. Stripe vs split vs none in one
 #                 run: --ab "farmem-ec-stripe farmem-ec" --baseline farmem-none
+#   farmem-ec-stripe-plain: farmem-ec-stripe with --no-encrypt: the cost of page encryption with
+#                 the default ec layout is farmem-ec-stripe vs this; not in the default targets
 #   farmem-none-x: farmem-none with the extra farmem-nbd arguments of --x-args (a knob under test,
 #                 e.g. --ab "farmem-none-x farmem-none" --x-args "--busy-poll-us 0"), on the
 #                 same daemons; not in the default targets
@@ -410,13 +412,13 @@ for t in farmem-none farmem-none-plain farmem-none-alt farmem-none-x; do
 done
 for t in farmem-ec farmem-ec-plain; do has $t && halves=$((halves + 3)); done
 # The stripe layout holds up to its compaction trigger (1.5x) more than packed: 2.25x the export.
-has farmem-ec-stripe && halves=$((halves + 5))
+for t in farmem-ec-stripe farmem-ec-stripe-plain; do has $t && halves=$((halves + 5)); done
 if [ $halves -gt 0 ]; then
   shared_pids=()
   peers=''
   start_farmemds peers shared_pids d 6 --capacity "$(capacity_for $halves)" --slab-size 64M
   for t in farmem-none farmem-ec farmem-none-plain farmem-ec-plain farmem-none-alt farmem-none-x \
-    farmem-ec-stripe; do
+    farmem-ec-stripe farmem-ec-stripe-plain; do
     has $t || continue
     res=none
     case $t in farmem-ec*) res=ec:4+2 ;; esac
@@ -425,7 +427,7 @@ if [ $halves -gt 0 ]; then
     # shellcheck disable=SC2206  # --x-args is a list of words
     [ $t = farmem-none-x ] && crypt=($x_args)
     case $t in farmem-ec | farmem-ec-plain) crypt+=(--ec-layout split) ;; esac
-    [ $t = farmem-ec-stripe ] && crypt=(--ec-layout stripe)
+    case $t in farmem-ec-stripe*) crypt+=(--ec-layout stripe) ;; esac
     start_farmem_nbd $t "$peers" $res "${shared_pids[*]}" "${crypt[@]}"
   done
 fi
@@ -475,7 +477,7 @@ echo "fio $(fio --version | sed 's/fio-//'), nbdkit $(nbdkit --version | awk '{p
   "$(nproc) CPUs, export $size, swap-safe=$swap_safe," \
   "disk file on $(df --output=source,fstype "$disk_dir" | tail -1 | tr -s ' ')," \
   "load average $(cut -d' ' -f1-3 /proc/loadavg), $(date -u +%H:%M) UTC"
-if has farmem-none-plain || has farmem-ec-plain; then
+if has farmem-none-plain || has farmem-ec-plain || has farmem-ec-stripe-plain; then
   # The raw cost of sealing one page on one core: AES-256-GCM, 4 KiB blocks (openssl's EVP, the
   # same AES-NI/PCLMUL code farmem-nbd calls). Opening costs the same.
   echo "baseline: $(openssl speed -seconds 3 -bytes 4096 -evp aes-256-gcm 2>/dev/null |
@@ -623,6 +625,10 @@ checks = [
      "issue 16: ec:4+2, encryption <= 10% IOPS"),
     ("farmem-ec", "farmem-ec-plain", "lat", ("1",), 3.0,
      "issue 16: ec:4+2, encryption <= 3 us added latency"),
+    ("farmem-ec-stripe", "farmem-ec-stripe-plain", "iops", ("16",), 0.90,
+     "issue 16: ec:4+2 stripe, encryption <= 10% IOPS"),
+    ("farmem-ec-stripe", "farmem-ec-stripe-plain", "lat", ("1",), 3.0,
+     "issue 16: ec:4+2 stripe, encryption <= 3 us added latency"),
 ]
 def verdict(lo, hi, ok, bad):
     if lo is None:
