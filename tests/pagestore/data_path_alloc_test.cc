@@ -1,7 +1,8 @@
 // farmem-nbd is a swap device: in swap-safe mode its memory is locked and everything the request
 // path needs is allocated at start, because an allocation made while the kernel reclaims memory by
 // swapping out through farmem-nbd can wait for that very reclaim (issue 13; docs/nbd.md "Swap
-// safety"). This test counts the heap allocations (global operator new, replaced below) made by
+// safety"). This test counts the heap allocations (global operator new, replaced by
+// tests/support/counting_new.cc, which counts per thread while the test switches it on) made by
 // the thread that runs the requests — the page store's and the stripe store's workers run on the
 // caller's thread, and so does the write cache's write-back when the test drives it instead of the
 // flusher thread — over real farmemd daemons on loopback, in every layout (none, replicate, the
@@ -12,99 +13,16 @@
 // What may allocate (and is not measured here): setup, the first request of a kind on a thread
 // (thread_local state), error Status messages, re-protection after a failure (the recovery
 // thread), the first read of a failed member (its failure is logged and noted once).
-#include <execinfo.h>
-#include <unistd.h>
-
-#include <cstdlib>
-#include <new>
-
 #include "farmem/blockdev/write_cache.h"
 #include "page_store_fixture.h"
 #include "stripe_store.h"
-
-namespace {
-thread_local bool t_counting = false;
-thread_local uint64_t t_allocs = 0;
-bool g_trace = std::getenv("FARMEM_ALLOC_TRACE") != nullptr;
-bool g_abort = std::getenv("FARMEM_ALLOC_ABORT") != nullptr;  // stop at the first (for gdb)
-
-void Note(size_t size) {
-  if (!t_counting) return;
-  ++t_allocs;
-  if (g_abort) std::abort();
-  if (g_trace) {
-    // Where it came from (FARMEM_ALLOC_TRACE=1): backtrace_symbols_fd does not allocate; the
-    // first backtrace() call does (it loads libgcc_s), done before counting starts.
-    t_counting = false;
-    void* frames[24];
-    const int n = backtrace(frames, 24);
-    char line[64] = "---- allocation on the data path: ";
-    size_t at = std::strlen(line);
-    char digits[24];
-    size_t nd = 0;
-    do {
-      digits[nd++] = static_cast<char>('0' + size % 10);
-      size /= 10;
-    } while (size != 0);
-    while (nd > 0) line[at++] = digits[--nd];
-    std::memcpy(line + at, " bytes\n", 7);
-    (void)!::write(2, line, at + 7);
-    backtrace_symbols_fd(frames, n, 2);
-    t_counting = true;
-  }
-}
-void* Alloc(size_t n) {
-  Note(n);
-  void* p = std::malloc(n == 0 ? 1 : n);
-  if (p == nullptr) throw std::bad_alloc();
-  return p;
-}
-void* AllocAligned(size_t n, std::align_val_t a) {
-  Note(n);
-  void* p = nullptr;
-  if (::posix_memalign(&p, std::max(sizeof(void*), static_cast<size_t>(a)), n == 0 ? 1 : n) != 0)
-    throw std::bad_alloc();
-  return p;
-}
-}  // namespace
-
-void* operator new(size_t n) { return Alloc(n); }
-void* operator new[](size_t n) { return Alloc(n); }
-void* operator new(size_t n, const std::nothrow_t&) noexcept {
-  Note(n);
-  return std::malloc(n == 0 ? 1 : n);
-}
-void* operator new[](size_t n, const std::nothrow_t&) noexcept {
-  Note(n);
-  return std::malloc(n == 0 ? 1 : n);
-}
-void* operator new(size_t n, std::align_val_t a) { return AllocAligned(n, a); }
-void* operator new[](size_t n, std::align_val_t a) { return AllocAligned(n, a); }
-void operator delete(void* p) noexcept { std::free(p); }
-void operator delete[](void* p) noexcept { std::free(p); }
-void operator delete(void* p, size_t) noexcept { std::free(p); }
-void operator delete[](void* p, size_t) noexcept { std::free(p); }
-void operator delete(void* p, std::align_val_t) noexcept { std::free(p); }
-void operator delete[](void* p, std::align_val_t) noexcept { std::free(p); }
-void operator delete(void* p, size_t, std::align_val_t) noexcept { std::free(p); }
-void operator delete[](void* p, size_t, std::align_val_t) noexcept { std::free(p); }
+#include "support/counting_new.h"
 
 namespace farmem::blockdev::pstest {
 namespace {
 
-// Counts this thread's allocations over its lifetime.
-class CountAllocs {
- public:
-  CountAllocs() {
-    before_ = t_allocs;
-    t_counting = true;
-  }
-  ~CountAllocs() { t_counting = false; }
-  uint64_t count() const { return t_allocs - before_; }
-
- private:
-  uint64_t before_;
-};
+using farmem::testing::ThreadAllocationCount;
+using CountAllocs = farmem::testing::ThreadAllocationScope;
 
 class DataPathAllocTest : public PageStoreTest, public ::testing::WithParamInterface<std::string> {
  protected:
@@ -112,8 +30,6 @@ class DataPathAllocTest : public PageStoreTest, public ::testing::WithParamInter
 
   void SetUp() override {
     faults_ = nullptr;  // no fault-injecting wrapper around the channels: farmem-nbd has none
-    void* frames[4];
-    (void)backtrace(frames, 4);  // loads libgcc_s now, not while counting
     bufs_.assign(kBatch * 4 * 4096, 0);
     reads_.assign(kBatch * 4 * 4096, 0);
   }
@@ -219,9 +135,9 @@ class DataPathAllocTest : public PageStoreTest, public ::testing::WithParamInter
       "reads (whole and sub-page)", "write-backs and flushes"};
   template <class F>
   void InPhase(Phase p, F&& f) {
-    const uint64_t before = t_allocs;  // grows only while counting
+    const uint64_t before = ThreadAllocationCount();  // grows only while counting
     f();
-    phase_allocs_[p] += t_allocs - before;
+    phase_allocs_[p] += ThreadAllocationCount() - before;
   }
 
   // One round of everything the steady state does.
@@ -284,7 +200,6 @@ TEST_P(DataPathAllocTest, SteadyStateAllocatesNothing) {
   {
     CountAllocs c;
     for (int i = 0; i < 4; ++i) Round();
-    t_counting = false;
   }
   if (HasFatalFailure()) return;
   for (int p = 0; p < kPhases; ++p) {
@@ -302,17 +217,21 @@ TEST_P(DataPathAllocTest, SteadyStateAllocatesNothing) {
     uint64_t moved = 0;
     ASSERT_TRUE(stripe_->CompactOnce(&moved).ok());  // warm-up
     for (int i = 0; i < 4; ++i) Round();
-    CountAllocs c;
-    Status s = stripe_->CompactOnce(&moved);
-    t_counting = false;
+    Status s;
+    uint64_t allocs = 0;
+    {
+      CountAllocs c;
+      s = stripe_->CompactOnce(&moved);
+      allocs = c.count();
+    }
     ASSERT_TRUE(s.ok()) << s.ToString();
     EXPECT_GT(moved, 0u) << "the compaction pass moved nothing: it did not test anything";
     // It writes stripes: a SpanSet each (KnownGap); what it allocates beyond that is its own.
     const uint64_t sets = stripe_->stripe_stats().sets;
     std::printf("stripe, a compaction pass moving %llu pages: %llu allocations (%llu sets)\n",
-                static_cast<unsigned long long>(moved), static_cast<unsigned long long>(c.count()),
+                static_cast<unsigned long long>(moved), static_cast<unsigned long long>(allocs),
                 static_cast<unsigned long long>(sets));
-    EXPECT_LE(c.count(), 2 * (moved / stripe_->resilience().k + 1))
+    EXPECT_LE(allocs, 2 * (moved / stripe_->resilience().k + 1))
         << "allocations in a compaction pass beyond a SpanSet and its members per stripe written";
   }
   if (GetParam() == "none") return;  // nothing to read degraded
@@ -323,17 +242,20 @@ TEST_P(DataPathAllocTest, SteadyStateAllocatesNothing) {
   for (int i = 0; i < 8; ++i) ReadBatch(false);
   if (HasFatalFailure()) return;
   const uint64_t degraded_before = DegradedReads();
-  CountAllocs c;
-  for (int i = 0; i < 8; ++i) ReadBatch(false);
-  t_counting = false;
+  uint64_t allocs = 0;
+  {
+    CountAllocs c;
+    for (int i = 0; i < 8; ++i) ReadBatch(false);
+    allocs = c.count();
+  }
   if (GetParam() != "replicate:2") {  // replicate reads a live copy: not counted as degraded
     EXPECT_GT(DegradedReads(), degraded_before) << "no read was degraded: nothing was tested";
   }
   if (GetParam() == "replicate:2") {
-    EXPECT_EQ(c.count(), 0u) << "allocations in degraded reads (" << GetParam() << ")";
+    EXPECT_EQ(allocs, 0u) << "allocations in degraded reads (" << GetParam() << ")";
   } else {  // ec decode plans, the stripe layout's copies of members (KnownGap)
     std::printf("%s, degraded reads: %llu allocations (a known gap, see KnownGap)\n",
-                GetParam().c_str(), static_cast<unsigned long long>(c.count()));
+                GetParam().c_str(), static_cast<unsigned long long>(allocs));
   }
 }
 
