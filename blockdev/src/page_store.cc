@@ -116,6 +116,10 @@ Status PageStore::Init() {
   FARMEM_RETURN_IF_ERROR(Resilience::Check(res));
   if (res.mode == Resilience::Mode::kErasure) {
     FARMEM_ASSIGN_OR_RETURN(codec_, ec::ReedSolomon::Create(res.k, res.r));
+    // Every degraded read's decode plan now, not on the request path (swap safety).
+    if (Result<size_t> plans = codec_->PrepareReconstructPlans(); !plans) {
+      spdlog::warn("page store: {}", plans.error().message());
+    }
     frag_size_ = static_cast<uint32_t>(kPage / static_cast<uint64_t>(res.k));
   }
   if (options_.encrypt) {

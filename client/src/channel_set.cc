@@ -181,7 +181,7 @@ int ChannelSet::SpinPoll(Deadline limit) {
 void ChannelSet::DropDown() {
   for (NodeId n = 0; n < channels_.size(); ++n) {
     auto& ch = channels_[n];
-    if (!ch || ch->outstanding() == 0 || cluster_->node(n).alive) continue;
+    if (!ch || ch->outstanding() == 0 || cluster_->alive(n)) continue;
     down_.push_back(n);
     ch.reset();
   }

@@ -84,6 +84,11 @@ size_t Cluster::node_count() const {
 
 size_t Cluster::alive_count() const { return AliveNodes().size(); }
 
+bool Cluster::alive(NodeId id) const {
+  MutexLock lock(&mu_);
+  return id < nodes_.size() && nodes_[id]->alive;
+}
+
 NodeInfo Cluster::node(NodeId id) const {
   MutexLock lock(&mu_);
   NodeInfo info;

@@ -116,6 +116,36 @@ Result<const ReedSolomon::DecodePlan*> ReedSolomon::FindOrBuildPlan(
   return it->second.get();
 }
 
+Result<size_t> ReedSolomon::PrepareReconstructPlans() const {
+  const int n = k_ + r_;
+  if (r_ == 0) return cached_decode_plans();
+  // C(n, k), without overflow for n <= 32.
+  uint64_t patterns = 1;
+  for (int i = 1; i <= r_; ++i) patterns = patterns * static_cast<uint64_t>(k_ + i) / i;
+  if (patterns > kMaxCachedDecodePlans) {
+    return Err(ResourceExhausted(fmt::format(
+        "RS({},{}): {} patterns of {} erasures exceed the {} decode plans cached; a read that "
+        "meets a new one builds its plan then",
+        k_, r_, patterns, r_, kMaxCachedDecodePlans)));
+  }
+  const uint32_t data_mask = (k_ == 32) ? ~0u : ((1u << k_) - 1);
+  // Every k-subset of the n fragments, as ReconstructData sees it: those k read, the data
+  // fragments among the other r written.
+  // (Gosper's hack: the next larger mask with k bits set.)
+  for (uint64_t present = (uint64_t{1} << k_) - 1; present < (uint64_t{1} << n);) {
+    const uint32_t survivors = static_cast<uint32_t>(present);
+    const uint64_t low = present & (~present + 1);
+    const uint64_t ripple = present + low;
+    present = ripple | (((present ^ ripple) >> 2) / low);
+    const uint32_t outputs = data_mask & ~survivors;
+    if (outputs == 0) continue;
+    std::unique_ptr<DecodePlan> uncached;
+    FARMEM_ASSIGN_OR_RETURN(const DecodePlan* plan, FindOrBuildPlan(survivors, outputs, uncached));
+    (void)plan;
+  }
+  return cached_decode_plans();
+}
+
 size_t ReedSolomon::cached_decode_plans() const {
   ReaderLock lock(&cache_mu_);
   return plans_.size();

@@ -43,6 +43,10 @@ Status RemoteStore::Init() {
   }
   if (res_.mode == client::Resilience::Mode::kErasure && res_.r > 0) {
     FARMEM_ASSIGN_OR_RETURN(codec_, ec::ReedSolomon::Create(res_.k, res_.r));
+    // Every degraded read's decode plan now, not on a request path (swap safety).
+    if (Result<size_t> plans = codec_->PrepareReconstructPlans(); !plans) {
+      spdlog::warn("far memory: {}", plans.error().message());
+    }
   }
   for (client::NodeId id = 0; id < cluster_->node_count() && slab_size_ == 0; ++id) {
     if (auto st = cluster_->Stat(id)) slab_size_ = st->slab_size;
@@ -76,7 +80,6 @@ void RemoteStore::Shutdown() {
   {
     MutexLock lock(&mu_);
     for (auto& g : groups_) {
-      for (auto* set : g->rows) delete set;
       for (const auto& l : g->members) {
         if (!Vacant(l)) leases.push_back(l);
       }
@@ -90,8 +93,8 @@ void RemoteStore::Shutdown() {
 // ---------------------------------------------------------------------------------------------
 // Rows and groups
 
-SpanSet* RemoteStore::TakeRowLocked(bool degraded, std::vector<client::Lease>* members,
-                                    uint64_t* epoch, uint32_t* absent) {
+SpanSet* RemoteStore::TakeRowLocked(bool degraded, SetMembers* members, uint64_t* epoch,
+                                    uint32_t* absent) {
   Group* best = nullptr;
   for (auto& g : groups_) {
     // A group with a leaving member (noticed for eviction) takes no new rows: they would only
@@ -110,21 +113,22 @@ SpanSet* RemoteStore::TakeRowLocked(bool degraded, std::vector<client::Lease>* m
   uint32_t row = best->first_free;
   while (best->rows[row] != nullptr) ++row;
   best->first_free = row + 1;
-  auto* set = new SpanSet;
+  SpanSet* set = &best->sets[row];  // made with the group: nothing is allocated here
+  *set = SpanSet{};
   set->group = best;
   set->row = row;
   set->id = next_set_id_++;
   best->rows[row] = set;
   ++best->used_rows;
   ++sets_;
-  *members = best->members;
+  std::copy(best->members.begin(), best->members.end(), members->begin());
   *epoch = best->epoch;
   *absent = best->failed_mask | best->lost_mask;
   return set;
 }
 
-Result<SpanSet*> RemoteStore::ReserveRow(bool allow_degraded, std::vector<client::Lease>* members,
-                                         uint64_t* epoch, uint32_t* absent) {
+Result<SpanSet*> RemoteStore::ReserveRow(bool allow_degraded, SetMembers* members, uint64_t* epoch,
+                                         uint32_t* absent) {
   *absent = 0;
   for (int attempt = 0; attempt < 3; ++attempt) {
     {
@@ -204,6 +208,7 @@ void RemoteStore::AddGroup(std::vector<client::Lease> leases) {
   g->members = std::move(leases);
   g->daemon_ids = std::move(daemon_ids);
   g->failed_since.assign(g->members.size(), now);
+  g->sets = std::make_unique<SpanSet[]>(rows_per_group_);
   g->rows.assign(rows_per_group_, nullptr);
   for (size_t m = 0; m < g->members.size(); ++m) {
     if (Vacant(g->members[m])) {
@@ -255,7 +260,7 @@ void RemoteStore::FreeRowLocked(SpanSet* set) {
   g->first_free = std::min(g->first_free, set->row);
   --g->used_rows;
   --sets_;
-  delete set;
+  *set = SpanSet{};  // its storage stays with the group, for the row's next set
 }
 
 void RemoteStore::Release(SpanSet* set, int member) {

@@ -70,7 +70,7 @@ Status RemoteStore::SetCells(std::span<const uint8_t* const> data, uint8_t* pari
 }
 
 bool RemoteStore::FinishSetWrite(IoContext& io, SpanSet* set,
-                                 const std::vector<client::Lease>& members, uint64_t epoch,
+                                 std::span<const client::Lease> members, uint64_t epoch,
                                  uint32_t absent, const Status* results, uint32_t live,
                                  std::span<const uint8_t* const> data,
                                  std::span<SpanOwner* const> spans, Status* last) {
@@ -162,7 +162,7 @@ Result<SpanSet*> RemoteStore::WriteSet(IoContext& io, std::span<const uint8_t* c
   FARMEM_RETURN_IF_ERROR(SetCells(data, io.scratch.data(), cells, &live));
   Status last;
   for (int attempt = 0; attempt < 4; ++attempt) {
-    std::vector<client::Lease> members;
+    SetMembers members;
     uint64_t epoch = 0;
     uint32_t absent = 0;  // members missing from a degraded group: nothing to write there
     FARMEM_ASSIGN_OR_RETURN(SpanSet * set, ReserveRow(true, &members, &epoch, &absent));
@@ -198,7 +198,7 @@ void RemoteStore::WriteSets(IoContext& io, std::span<const std::span<const uint8
   // writes in one batch; a set whose write failed goes again alone (WriteSet, which retries).
   struct Pending {
     SpanSet* set = nullptr;
-    std::vector<client::Lease> members;
+    SetMembers members;
     uint64_t epoch = 0;
     uint32_t absent = 0;
     uint32_t live = 0;
@@ -308,7 +308,7 @@ void RemoteStore::ReadSpans(IoContext& io, std::span<SpanSet* const> sets,
   }
 }
 
-void RemoteStore::WriteCells(IoContext& io, const std::vector<client::Lease>& members, uint64_t off,
+void RemoteStore::WriteCells(IoContext& io, std::span<const client::Lease> members, uint64_t off,
                              std::span<const uint8_t* const> cells, Status* results,
                              uint32_t skip) {
   transport::Op ops[kMaxSetWidth];
@@ -342,14 +342,14 @@ Status RemoteStore::ReadSpan(IoContext& io, SpanSet* set, int member, uint8_t* d
   const int n = res_.group_size();
   const size_t span = span_size_;
   for (int attempt = 0; attempt < 4; ++attempt) {
-    std::vector<client::Lease> members;
+    SetMembers members;  // a copy on the stack: a degraded read allocates nothing either
     uint32_t bad = 0;
     uint32_t row = 0;
     uint32_t set_id = 0;
     uint32_t group_id = 0;
     {
       MutexLock lock(&mu_);
-      members = set->group->members;
+      std::copy(set->group->members.begin(), set->group->members.end(), members.begin());
       bad = set->group->failed_mask | set->group->lost_mask;
       row = set->row;
       set_id = set->id;
@@ -376,13 +376,14 @@ Status RemoteStore::ReadSpan(IoContext& io, SpanSet* set, int member, uint8_t* d
       continue;  // look again: now degraded
     }
     // Degraded: rebuild the cell from survivors.
-    std::vector<int> readers;
+    int readers[kMaxSetWidth];
+    size_t nreaders = 0;
     for (int m = 0; m < n; ++m) {
-      if (((bad >> m) & 1) == 0) readers.push_back(m);
+      if (((bad >> m) & 1) == 0) readers[nreaders++] = m;
     }
     const bool erasure = res_.mode == client::Resilience::Mode::kErasure && res_.r > 0;
     const size_t need = erasure ? static_cast<size_t>(k) : 1;
-    if (readers.size() < need) {
+    if (nreaders < need) {
       std::string gone;
       for (int m = 0; m < n; ++m) {
         if (((bad >> m) & 1) == 0) continue;
@@ -398,7 +399,7 @@ Status RemoteStore::ReadSpan(IoContext& io, SpanSet* set, int member, uint8_t* d
           set_id, group_id, row, gone, res_.ToString(),
           res_.mode == client::Resilience::Mode::kNone ? 0 : n - static_cast<int>(need), n));
     }
-    readers.resize(need);
+    nreaders = need;
     if (io.scratch.size() < span * static_cast<size_t>(n)) io.scratch.resize(span * n);
     transport::Op ops[kMaxSetWidth];
     client::NodeId nodes[kMaxSetWidth];
@@ -406,7 +407,7 @@ Status RemoteStore::ReadSpan(IoContext& io, SpanSet* set, int member, uint8_t* d
     uint8_t* frags[kMaxSetWidth];
     for (int m = 0; m < n; ++m) frags[m] = io.scratch.data() + static_cast<size_t>(m) * span;
     frags[member] = dst;
-    for (size_t i = 0; i < readers.size(); ++i) {
+    for (size_t i = 0; i < nreaders; ++i) {
       const int m = readers[i];
       ops[i] = {transport::OpType::kRead,
                 members[static_cast<size_t>(m)].slab(),
@@ -417,9 +418,9 @@ Status RemoteStore::ReadSpan(IoContext& io, SpanSet* set, int member, uint8_t* d
                 0};
       nodes[i] = members[static_cast<size_t>(m)].node;
     }
-    RunOps(io, {ops, readers.size()}, {nodes, readers.size()}, {results, readers.size()});
+    RunOps(io, {ops, nreaders}, {nodes, nreaders}, {results, nreaders});
     bool ok = true;
-    for (size_t i = 0; i < readers.size(); ++i) {
+    for (size_t i = 0; i < nreaders; ++i) {
       if (results[i].ok()) continue;
       ok = false;
       if (StaleChannel(io, nodes[i])) continue;
@@ -431,8 +432,8 @@ Status RemoteStore::ReadSpan(IoContext& io, SpanSet* set, int member, uint8_t* d
     }
     if (!ok) continue;
     if (erasure) {
-      FARMEM_RETURN_IF_ERROR(codec_->ReconstructData({frags, static_cast<size_t>(n)},
-                                                     {readers.data(), readers.size()}, span));
+      FARMEM_RETURN_IF_ERROR(
+          codec_->ReconstructData({frags, static_cast<size_t>(n)}, {readers, nreaders}, span));
     }
     MutexLock lock(&mu_);
     ++degraded_reads_;

@@ -62,7 +62,7 @@ Result<SpanSet*> RemoteStore::WriteSetOffloaded(IoContext& io, std::span<const u
   };
   const uint8_t* cells[kMaxSetWidth];
   const uint32_t live = DataCells(data, cells);
-  std::vector<client::Lease> members;
+  SetMembers members;
   uint64_t epoch = 0;
   uint32_t absent = 0;
   // Only complete groups: a degraded one has no parity daemon to offload to. WriteSet writes
@@ -112,7 +112,7 @@ Result<SpanSet*> RemoteStore::WriteSetOffloaded(IoContext& io, std::span<const u
   return fall_back(set, Unavailable("a member of the slab group failed during the write"));
 }
 
-Status RemoteStore::EncodeParityRemotely(IoContext& io, const std::vector<client::Lease>& members,
+Status RemoteStore::EncodeParityRemotely(IoContext& io, std::span<const client::Lease> members,
                                          uint64_t off, uint32_t timeout_ms) {
   const int k = res_.k;
   const int r = res_.r;
@@ -247,7 +247,7 @@ Result<SpanSet*> RemoteStore::WriteSetGathered(IoContext& io,
       }
     }
   }
-  std::vector<client::Lease> members;
+  SetMembers members;
   uint64_t epoch = 0;
   uint32_t absent = 0;
   FARMEM_ASSIGN_OR_RETURN(SpanSet * set, ReserveRow(false, &members, &epoch, &absent));

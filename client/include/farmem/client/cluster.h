@@ -216,6 +216,9 @@ class Cluster {
   size_t alive_count() const;
   // Snapshot; an id >= node_count() gives a default NodeInfo with a NotFound last_error.
   NodeInfo node(NodeId id) const;
+  // node(id).alive without the snapshot's copies (its STAT reply's strings): for the request path,
+  // which must not allocate (farmem-nbd's swap safety). False for an id >= node_count().
+  bool alive(NodeId id) const;
   std::vector<NodeInfo> nodes() const;
 
   // Waits until node(id) is in `state` (kUp: alive; kDown: declared down) and every subscriber

@@ -116,6 +116,15 @@ class ReedSolomon {
   Status UpdateParityFragmentWithDelta(int index, int parity, const uint8_t* delta,
                                        uint8_t* parity_buf, size_t len) const;
 
+  // Builds and caches, now, the decode plan ReconstructData uses for every set of k fragments
+  // present (every pattern of r erasures, C(k + r, k) of them; the ones with a data fragment
+  // missing), so that a degraded read on a request path never builds one (building allocates:
+  // farmem-nbd's swap safety). RS(4,2): 14 plans, about 6 KiB; RS(10,4): 1000 plans, about
+  // 1.5 MiB. A code with more patterns than the cache holds (kMaxCachedDecodePlans: 8+8, 11+5
+  // and wider) builds none and returns ResourceExhausted; its reads still work, building the
+  // plans they meet. Returns the number of plans cached.
+  Result<size_t> PrepareReconstructPlans() const;
+
   // Number of decode-table sets currently cached (for tests and metrics).
   size_t cached_decode_plans() const;
 

@@ -91,6 +91,10 @@ struct SpanSet {
 // A member that was never placed (a degraded group made with fewer daemons than k + r).
 inline bool Vacant(const client::Lease& l) { return l.grant.lease_id == 0; }
 
+// A group's members as a writer or a reader saw them under the lock (the first k + r entries):
+// a copy on the caller's stack, so the request path copies no std::vector (swap safety).
+using SetMembers = std::array<client::Lease, kMaxSetWidth>;
+
 struct Group {
   uint32_t id = 0;
   std::vector<client::Lease> members;  // k + r; Vacant() ones were never placed (failed)
@@ -103,6 +107,10 @@ struct Group {
   // Failed members that missed a span set written degraded meanwhile: rebuilt, never used
   // again as they are even if their daemon answers again with the lease (kLeasesReturned).
   uint32_t stale_mask = 0;
+  // One span set per row, made with the group (the slabs' rows bound the sets that can live
+  // here): taking and freeing a row allocates nothing (swap safety, docs/nbd.md). rows[i] points
+  // at sets[i] while row i is used, else it is null.
+  std::unique_ptr<SpanSet[]> sets;
   std::vector<SpanSet*> rows;  // nullptr: free row
   uint32_t used_rows = 0;
   // Every row below it is used: where the search for a free row starts (the stripe layout takes
@@ -342,12 +350,12 @@ class RemoteStore {
   // `allow_degraded`, when no complete group can be had, a row of a group missing members (but
   // holding at least MinMembers()) instead; *absent gets the members not to write (failed or
   // vacant). Without it *absent is always 0.
-  Result<SpanSet*> ReserveRow(bool allow_degraded, std::vector<client::Lease>* members,
-                              uint64_t* epoch, uint32_t* absent);
+  Result<SpanSet*> ReserveRow(bool allow_degraded, SetMembers* members, uint64_t* epoch,
+                              uint32_t* absent);
   // A free row of a group that has room and no rebuild running: a healthy one, or (degraded) one
   // whose missing members still leave at least MinMembers(). Null if none.
-  SpanSet* TakeRowLocked(bool degraded, std::vector<client::Lease>* members, uint64_t* epoch,
-                         uint32_t* absent) REQUIRES(mu_);
+  SpanSet* TakeRowLocked(bool degraded, SetMembers* members, uint64_t* epoch, uint32_t* absent)
+      REQUIRES(mu_);
   // Adds a group over `leases` (k + r of them; Vacant() ones are failed from the start).
   void AddGroup(std::vector<client::Lease> leases);
   // As many slabs on distinct daemons as can be had, at least MinMembers(): a degraded group.
@@ -362,14 +370,14 @@ class RemoteStore {
                   uint32_t* live) const;
   // After a reserved row's cells were written (results[m] per member): commits the set (true), or
   // notes the failed members and frees the row (false, *last says why).
-  bool FinishSetWrite(IoContext& io, SpanSet* set, const std::vector<client::Lease>& members,
+  bool FinishSetWrite(IoContext& io, SpanSet* set, std::span<const client::Lease> members,
                       uint64_t epoch, uint32_t absent, const Status* results, uint32_t live,
                       std::span<const uint8_t* const> data, std::span<SpanOwner* const> spans,
                       Status* last);
   void FreeRowLocked(SpanSet* set) REQUIRES(mu_);
   // Writes cells[m] (span_size bytes) at `off` of member m's slab, for every m not in `skip`;
   // results[m] (OK for skipped members).
-  void WriteCells(IoContext& io, const std::vector<client::Lease>& members, uint64_t off,
+  void WriteCells(IoContext& io, std::span<const client::Lease> members, uint64_t off,
                   std::span<const uint8_t* const> cells, Status* results, uint32_t skip = 0);
   // Runs `ops` on `nodes` as one batch (ChannelSet::RunBatch); results[i] = status of op i.
   void RunOps(IoContext& io, std::span<transport::Op> ops, std::span<const client::NodeId> nodes,
@@ -396,8 +404,8 @@ class RemoteStore {
   // read, so the connections stay in step).
   // Asks the r parity members of a row at `off` to compute their cells from its k data cells
   // (PARITY_ENCODE); OK once every parity cell is in place.
-  Status EncodeParityRemotely(IoContext& io, const std::vector<client::Lease>& members,
-                              uint64_t off, uint32_t timeout_ms);
+  Status EncodeParityRemotely(IoContext& io, std::span<const client::Lease> members, uint64_t off,
+                              uint32_t timeout_ms);
   // `replies` (if given): the body of each successful reply (at most kMaxCallReply bytes).
   Status CallAll(IoContext& io, wire::Opcode op, std::span<const client::NodeId> nodes,
                  std::span<const std::vector<uint8_t>> bodies,
