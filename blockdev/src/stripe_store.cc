@@ -460,11 +460,12 @@ void StripeStore::ReadPages(Worker& w, std::span<PageIo> pages, std::span<Status
   }
   if (w.sets.empty()) return;
   w.results.assign(w.sets.size(), Status::Ok());
-  // ReadSpans posts up to kMaxSetWidth reads together (one doorbell per daemon) and would read
-  // the rest one at a time: hand it that many at once.
+  // ReadSpans posts up to kMaxBatchReads reads together (one round, one doorbell per daemon) and
+  // would read the rest one at a time: hand it that many at once.
+  constexpr size_t kBatch = spanstore::RemoteStore::kMaxBatchReads;
   const size_t total = w.sets.size();
-  for (size_t i = 0; i < total; i += spanstore::kMaxSetWidth) {
-    const size_t n = std::min<size_t>(spanstore::kMaxSetWidth, total - i);
+  for (size_t i = 0; i < total; i += kBatch) {
+    const size_t n = std::min(kBatch, total - i);
     remote_->ReadSpans(*w.io, {w.sets.data() + i, n}, {w.members.data() + i, n},
                        {w.dsts.data() + i, n}, {w.results.data() + i, n});
   }

@@ -27,15 +27,17 @@ bool NodeGone(const Status& s) {
 
 void RemoteStore::RunOps(IoContext& io, std::span<transport::Op> ops,
                          std::span<const client::NodeId> nodes, std::span<Status> results) {
-  // At most one span set's worth of operations: everything lives on the stack.
-  if (ops.size() > static_cast<size_t>(kMaxSetWidth)) {
-    for (size_t i = 0; i < ops.size(); i += kMaxSetWidth) {
-      const size_t n = std::min<size_t>(kMaxSetWidth, ops.size() - i);
+  // At most one batch of reads' worth of operations (kMaxBatchReads, at least a span set's):
+  // everything lives on the stack.
+  constexpr size_t kMaxOps = std::max(kMaxBatchReads, static_cast<size_t>(kMaxSetWidth));
+  if (ops.size() > kMaxOps) {
+    for (size_t i = 0; i < ops.size(); i += kMaxOps) {
+      const size_t n = std::min(kMaxOps, ops.size() - i);
       RunOps(io, ops.subspan(i, n), nodes.subspan(i, n), results.subspan(i, n));
     }
     return;
   }
-  client::BatchOp batch[kMaxSetWidth];
+  client::BatchOp batch[kMaxOps];
   for (size_t i = 0; i < ops.size(); ++i) batch[i] = {nodes[i], ops[i]};
   // A gray failure (a daemon paused or cut off with its sockets open) breaks nothing: once the
   // cluster has declared such a daemon down, the ops still waiting on it end (Unavailable), so the
@@ -261,11 +263,11 @@ void RemoteStore::WriteSets(IoContext& io, std::span<const std::span<const uint8
 void RemoteStore::ReadSpans(IoContext& io, std::span<SpanSet* const> sets,
                             std::span<const int> members, std::span<uint8_t* const> dsts,
                             std::span<Status> results, std::span<const Piece> pieces) {
-  const size_t n = std::min<size_t>(sets.size(), kMaxSetWidth);
-  transport::Op ops[kMaxSetWidth];
-  client::NodeId nodes[kMaxSetWidth];
-  size_t index[kMaxSetWidth];
-  Status got[kMaxSetWidth];
+  const size_t n = std::min(sets.size(), kMaxBatchReads);
+  transport::Op ops[kMaxBatchReads];
+  client::NodeId nodes[kMaxBatchReads];
+  size_t index[kMaxBatchReads];
+  Status got[kMaxBatchReads];
   size_t posted = 0;
   {
     MutexLock lock(&mu_);
@@ -292,7 +294,7 @@ void RemoteStore::ReadSpans(IoContext& io, std::span<SpanSet* const> sets,
     }
   }
   RunOps(io, {ops, posted}, {nodes, posted}, {got, posted});
-  bool ok[kMaxSetWidth] = {};
+  bool ok[kMaxBatchReads] = {};
   for (size_t j = 0; j < posted; ++j) {
     if (got[j].ok()) {
       results[index[j]] = Status::Ok();

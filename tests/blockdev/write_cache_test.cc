@@ -97,6 +97,34 @@ TEST(WriteCache, PartialWritesMergeInTheCacheAndTheRestIsReadOnceAtWriteBack) {
   EXPECT_EQ(f.cache->stats().dirty, 0u);
 }
 
+// Random sub-page writes need the rest of nearly every page at write-back: the fills of a whole
+// write-back batch (64 pages) go to the backend as one batch (one round to the daemons), not one
+// batch per 16 pages, then the pages as one more.
+TEST(WriteCache, AWriteBackReadsTheRestOfAllItsPartlyWrittenPagesInOneBatch) {
+  constexpr size_t kPages = 64;
+  Fixture f(/*pages=*/2 * kPages, /*batch=*/kPages);
+  for (size_t p = 0; p < kPages; ++p) {
+    ASSERT_TRUE(f.backend->Write(p * 2 * kPage, Bytes(kPage, 0xaa), false).ok());
+  }
+  for (size_t p = 0; p < kPages; ++p) {  // every other page: no two of them adjacent
+    ASSERT_TRUE(
+        f.cache->Write(p * 2 * kPage + 1024, Bytes(1024, static_cast<uint8_t>(p)), false).ok());
+  }
+  f.backend->clear();
+  const uint64_t batches = f.backend->batches_finished();
+  ASSERT_TRUE(f.cache->Flush().ok());
+  EXPECT_EQ(f.backend->batches_finished() - batches, 2u)
+      << "one batch of fills, one of write-backs";
+  EXPECT_EQ(f.Ops(BlockOp::Kind::kRead).size(), kPages);
+  EXPECT_EQ(f.Ops(BlockOp::Kind::kWrite).size(), kPages);
+  EXPECT_EQ(f.cache->stats().fills, kPages);
+  for (size_t p = 0; p < kPages; ++p) {
+    std::vector<uint8_t> want = Bytes(kPage, 0xaa);
+    std::fill_n(want.begin() + 1024, 1024, static_cast<uint8_t>(p));
+    ASSERT_EQ(f.Backing(p * 2 * kPage, kPage), want) << "page " << p * 2;
+  }
+}
+
 TEST(WriteCache, SmallWritesThatFillAPageNeedNoRead) {
   Fixture f;
   std::vector<std::vector<uint8_t>> data;

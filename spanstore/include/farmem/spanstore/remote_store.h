@@ -221,8 +221,9 @@ class RemoteStore {
   // set's row is reserved and its parity computed first, then all their cells go out in one batch
   // (one doorbell per daemon, kMaxBatchSets sets at a time), so their round trips overlap; a set
   // whose write failed is written again alone through WriteSet (retries included). out[i]: set i
-  // or why it could not be written. io.scratch holds every set's parity meanwhile.
-  static constexpr size_t kMaxBatchSets = 8;
+  // or why it could not be written. io.scratch holds every set's parity meanwhile. 16: a write
+  // cache write-back of 64 pages at k = 4 is one round (it was two at 8).
+  static constexpr size_t kMaxBatchSets = 16;
   void WriteSets(IoContext& io, std::span<const std::span<const uint8_t* const>> data,
                  std::span<const std::span<SpanOwner* const>> spans,
                  std::span<Result<SpanSet*>> out);
@@ -274,7 +275,9 @@ class RemoteStore {
   // doorbell per daemon, so their round trips overlap; any that fails is retried alone through
   // ReadSpan (degraded if needed). results[i] is the status of read i.
   // With `pieces` (one per read, or empty for whole cells) read i fetches only its piece, as
-  // ReadSpan does.
+  // ReadSpan does. Up to kMaxBatchReads reads go out in one round (farmem-nbd's write cache fills
+  // a write-back batch of 64 pages at once); reads beyond that are read one at a time.
+  static constexpr size_t kMaxBatchReads = 64;
   void ReadSpans(IoContext& io, std::span<SpanSet* const> sets, std::span<const int> members,
                  std::span<uint8_t* const> dsts, std::span<Status> results,
                  std::span<const Piece> pieces = {});
