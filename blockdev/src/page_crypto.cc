@@ -119,11 +119,28 @@ void PageCrypto::Prefetch(uint64_t page, uint64_t count) const {
   }
 }
 
+void PageCrypto::PrefetchStripe(uint64_t page) const {
+  const char* s = reinterpret_cast<const char*>(&StripeFor(page));
+  for (size_t at = 0; at < sizeof(Stripe); at += 64) __builtin_prefetch(s + at, 1);
+}
+
+void PageCrypto::PrefetchEndWrite(uint64_t page, uint64_t count) const {
+  constexpr uint64_t kMaxPages = 16;
+  for (uint64_t p = page; p < page + std::min(count, kMaxPages) && p < pages_; ++p) {
+    const Entry* e = EntryFor(p);
+    if (e == nullptr) continue;
+    __builtin_prefetch(e, 1);
+    __builtin_prefetch(reinterpret_cast<const char*>(e + 1) - 1, 1);  // it may straddle two lines
+    PrefetchStripe(p);
+  }
+}
+
 Status PageCrypto::Seal(aead::Cipher& cipher, uint64_t page, const uint8_t* plain, uint8_t* out) {
   Entry* e = EntryFor(page, true);
   // The entry of a random page is a cache miss: load it while the cipher runs, not after.
   __builtin_prefetch(e, 1);
   __builtin_prefetch(reinterpret_cast<const char*>(e + 1) - 1, 1);  // it may straddle two lines
+  PrefetchStripe(page);                                             // locked after the cipher too
   const uint64_t counter = next_counter_.fetch_add(1, std::memory_order_relaxed);
   aead::Tag tag{};
   Status st;

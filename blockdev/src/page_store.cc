@@ -581,6 +581,11 @@ void PageStore::ExecuteGroup(Worker& worker, std::span<BlockOp> ops, BatchListen
     }
   }
   if (crypto_) {
+    // Their entries and locks were last touched before the round trip: load them all first.
+    for (size_t i = 0; i < ops.size(); ++i) {
+      if (w->op_sealed[i] != 0)
+        crypto_->PrefetchEndWrite(ops[i].offset / kPage, ops[i].length / kPage);
+    }
     for (size_t i = 0; i < ops.size(); ++i) {
       if (w->op_sealed[i] != 0) EndWrites(ops[i].offset, ops[i].length, status[i].ok());
     }
