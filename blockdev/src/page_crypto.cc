@@ -126,11 +126,14 @@ void PageCrypto::PrefetchStripe(uint64_t page) const {
 
 void PageCrypto::PrefetchEndWrite(uint64_t page, uint64_t count) const {
   constexpr uint64_t kMaxPages = 16;
-  for (uint64_t p = page; p < page + std::min(count, kMaxPages) && p < pages_; ++p) {
-    const Entry* e = EntryFor(p);
-    if (e == nullptr) continue;
-    __builtin_prefetch(e, 1);
-    __builtin_prefetch(reinterpret_cast<const char*>(e + 1) - 1, 1);  // it may straddle two lines
+  const uint64_t end = std::min(page + std::min(count, kMaxPages), pages_);
+  if (page >= end) return;
+  Prefetch(page, end - page);  // the entries: every line they touch
+  // Their stripes: consecutive pages share one (StripeFor), each is loaded once.
+  const Stripe* last = nullptr;
+  for (uint64_t p = page; p < end; ++p) {
+    if (&StripeFor(p) == last) continue;
+    last = &StripeFor(p);
     PrefetchStripe(p);
   }
 }
