@@ -5,8 +5,8 @@
 
 #include <algorithm>
 
+#include "farmem/common/log_every.h"
 #include "farmem/common/mutex.h"
-#include "page_store_internal.h"  // LogEvery, Suppressed
 
 namespace farmem::blockdev {
 namespace {
@@ -24,8 +24,8 @@ uint64_t MaxGroups(std::span<const uint64_t> free_slabs, uint64_t g) {
   return 0;
 }
 
-pagestore::LogEvery& CapacityLog() {
-  static pagestore::LogEvery log(std::chrono::seconds(60));
+LogEvery& CapacityLog() {
+  static LogEvery log(std::chrono::seconds(60));
   return log;
 }
 
@@ -164,7 +164,7 @@ uint64_t CheckRunningCapacity(client::Cluster& cluster, std::string_view store, 
         "({}), but it still needs {} ({}): {}. Writes to space not held yet fail with ENOSPC once "
         "the room is gone: add daemons, free memory on them, or trim/discard unused space{}",
         store, live, free_slabs, FormatSize(free_slabs * slab_size), needed,
-        FormatSize(needed * slab_size), breakdown(), pagestore::Suppressed(left_out));
+        FormatSize(needed * slab_size), breakdown(), Suppressed(left_out));
   }
   return free_slabs;
 }

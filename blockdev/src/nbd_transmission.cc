@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cstring>
 
+#include "farmem/common/log_every.h"
 #include "farmem/common/socket.h"
 #include "nbd_connection.h"
 
@@ -411,8 +412,14 @@ void NbdConnection::AppendError(uint8_t* h, const nbd::Request& r, uint32_t erro
 uint32_t NbdConnection::BackendFailed(const nbd::Request& r, const Status& s,
                                       const char** message) {
   *message = "the storage backend failed";
-  spdlog::warn("nbd: {}: {} of {} bytes at {} failed: {}", peer_, nbd::CommandName(r.type),
-               r.length, r.offset, s.ToString());
+  // At most a line every 5 s (a client reading a lost range sector by sector fails thousands of
+  // requests a second); the store's LOST lines say what is lost.
+  static LogEvery log(std::chrono::seconds(5));
+  uint64_t left_out = 0;
+  if (log.Allow(&left_out)) {
+    spdlog::warn("nbd: {}: {} of {} bytes at {} failed: {}{}", peer_, nbd::CommandName(r.type),
+                 r.length, r.offset, s.ToString(), Suppressed(left_out));
+  }
   return NbdError(s, r);
 }
 

@@ -31,23 +31,6 @@ const std::vector<uint8_t>& ZeroBuffer() {
   return zeros;
 }
 
-bool LogEvery::Allow(uint64_t* suppressed) {
-  MutexLock lock(&mu_);
-  const auto now = Clock::now();
-  if (last_ != Clock::time_point{} && now - last_ < period_) {
-    ++suppressed_;
-    return false;
-  }
-  last_ = now;
-  *suppressed = suppressed_;
-  suppressed_ = 0;
-  return true;
-}
-
-std::string Suppressed(uint64_t n) {
-  return n == 0 ? std::string() : fmt::format(" ({} similar lines left out)", n);
-}
-
 LogEvery& DegradedMapLog() {
   static LogEvery log(std::chrono::seconds(10));
   return log;
@@ -56,6 +39,11 @@ LogEvery& RebuildFailLog() {
   static LogEvery log(std::chrono::seconds(10));
   return log;
 }
+LogEvery& RequestErrorLog() {
+  static LogEvery log(std::chrono::seconds(5));
+  return log;
+}
+
 LogEvery& StillDegradedLog() {
   static LogEvery log(std::chrono::seconds(30));
   return log;

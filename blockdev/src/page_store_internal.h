@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "farmem/client/cluster.h"
+#include "farmem/common/log_every.h"
 #include "farmem/common/mutex.h"
 #include "farmem/common/status.h"
 
@@ -51,26 +52,17 @@ const std::vector<uint8_t>& ZeroBuffer();  // kMaxPiece zero bytes
 inline constexpr client::NodeId kNoNode = ~client::NodeId{0};
 inline bool IsVacant(const client::Lease& l) { return l.grant.lease_id == 0; }
 
-// At most one log line per `period` for one kind of message, saying how many were left out:
-// conditions that persist (a store that stays degraded, a cluster short of room) are re-checked
-// every few seconds and must not flood the log.
-class LogEvery {
- public:
-  explicit LogEvery(std::chrono::seconds period) : period_(period) {}
-  // Whether to log now; *suppressed is set to the number of lines left out since the last one.
-  bool Allow(uint64_t* suppressed) EXCLUDES(mu_);
-
- private:
-  Mutex mu_;
-  const std::chrono::seconds period_;
-  Clock::time_point last_ GUARDED_BY(mu_){};
-  uint64_t suppressed_ GUARDED_BY(mu_) = 0;
-};
-// " (N similar lines left out)", or nothing for 0.
-std::string Suppressed(uint64_t n);
+// The page store's rate-limited kinds of log lines (farmem/common/log_every.h).
+using farmem::LogEvery;
+using farmem::Suppressed;
 LogEvery& DegradedMapLog();
 LogEvery& RebuildFailLog();
 LogEvery& StillDegradedLog();
+// A request that fails (a lost page read, every copy gone, too many failed daemons), in the page
+// store and in the NBD connection that replies with the error: a client that reads a lost range
+// sector by sector would otherwise log two lines per request (66,000 lines in a second in the
+// chaos scenario none-subpage-kill). The LOST range lines say what is lost, once per range.
+LogEvery& RequestErrorLog();
 
 struct Extent {
   // One member copy (rebuild of a lost member, or move of a leaving one) at a time; taken before

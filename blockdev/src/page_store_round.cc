@@ -286,6 +286,12 @@ void UnlockRound(std::vector<Extent*>& locked) NO_THREAD_SAFETY_ANALYSIS {
   for (Extent* e : locked) e->mu.UnlockShared();
   locked.clear();
 }
+void LogRequestError(const Status& s) {
+  uint64_t left_out = 0;
+  if (RequestErrorLog().Allow(&left_out)) {
+    spdlog::error("page store: {}{}", s.message(), Suppressed(left_out));
+  }
+}
 }  // namespace
 
 void PageStore::RunPieces(Worker& w, std::vector<Piece>& pieces, std::span<Status> op_status,
@@ -330,7 +336,7 @@ void PageStore::RunPieces(Worker& w, std::vector<Piece>& pieces, std::span<Statu
                 "export page {} (offset {}) was lost with its daemon and has not been written "
                 "since",
                 (p.index * extent_bytes_) / kPage + page, p.index * extent_bytes_ + page * kPage));
-            spdlog::error("page store: {}", op_status[p.op].message());
+            LogRequestError(op_status[p.op]);
           }
           any = any || p.extent->Test(p.extent->written, page);
         }
@@ -363,7 +369,7 @@ void PageStore::RunPieces(Worker& w, std::vector<Piece>& pieces, std::span<Statu
               "export bytes {}..{}: every daemon holding them failed and there is no backup file",
               p.index * extent_bytes_ + p.first_page * kPage,
               p.index * extent_bytes_ + (p.first_page + p.npages) * kPage));
-          spdlog::error("page store: {}", op_status[p.op].message());
+          LogRequestError(op_status[p.op]);
         }
         ++next;
         continue;
@@ -465,7 +471,7 @@ void PageStore::RunPieces(Worker& w, std::vector<Piece>& pieces, std::span<Statu
             "was given up within {} ms",
             p.index * extent_bytes_ + p.first_page * kPage,
             p.index * extent_bytes_ + (p.first_page + p.npages) * kPage, wait.count()));
-        spdlog::error("page store: {}", op_status[p.op].message());
+        LogRequestError(op_status[p.op]);
       }
     }
   }
@@ -479,7 +485,7 @@ void PageStore::RunPieces(Worker& w, std::vector<Piece>& pieces, std::span<Statu
                                   p.index * extent_bytes_ + p.first_page * kPage,
                                   p.index * extent_bytes_ + (p.first_page + p.npages) * kPage,
                                   p.write ? "write" : "read", p.first_error.ToString()));
-          spdlog::error("page store: {}", op_status[p.op].message());
+          LogRequestError(op_status[p.op]);
         }
       }
       return;

@@ -32,25 +32,25 @@ uint64_t Mix(uint64_t x) {
 }
 
 // Generation 0 is a block never written: zeros.
-void FillBlock(uint8_t* out, uint64_t block, uint32_t gen) {
+void FillBlock(uint8_t* out, uint32_t unit, uint64_t block, uint32_t gen) {
   if (gen == 0) {
-    std::memset(out, 0, NbdVerifier::kBlock);
+    std::memset(out, 0, unit);
     return;
   }
   const uint64_t head[4] = {kMagic, block, gen, Mix(block ^ (uint64_t{gen} << 40))};
   std::memcpy(out, head, sizeof(head));
   uint64_t x = head[3];
-  for (size_t i = sizeof(head); i < NbdVerifier::kBlock; i += 8) {
+  for (size_t i = sizeof(head); i < unit; i += 8) {
     x = Mix(x + 0x9E3779B97F4A7C15ull);
     std::memcpy(out + i, &x, 8);
   }
 }
 
-std::string Describe(const uint8_t* p) {
+std::string Describe(const uint8_t* p, uint32_t unit) {
   uint64_t head[3];
   std::memcpy(head, p, sizeof(head));
   if (head[0] == kMagic) return fmt::format("block {} generation {}", head[1], head[2]);
-  if (std::all_of(p, p + NbdVerifier::kBlock, [](uint8_t b) { return b == 0; })) return "zeros";
+  if (std::all_of(p, p + unit, [](uint8_t b) { return b == 0; })) return "zeros";
   return "bytes that are no block of this test";
 }
 
@@ -66,7 +66,8 @@ struct NbdVerifier::Conn {
   };
 
   std::optional<NbdTestClient> client;
-  uint64_t first = 0;  // first block of the region
+  uint32_t unit = 4096;  // bytes per block
+  uint64_t first = 0;    // first block of the region
   uint64_t blocks = 0;
   std::vector<uint32_t> gen;  // last acknowledged generation per block
   std::vector<uint8_t> busy;  // a request on the block is in flight
@@ -87,14 +88,14 @@ struct NbdVerifier::Conn {
   }
 
   bool Expected(uint64_t b, const uint8_t* got, std::vector<uint8_t>& scratch) {
-    scratch.resize(kBlock);
-    FillBlock(scratch.data(), first + b, gen[b]);
-    if (std::memcmp(scratch.data(), got, kBlock) == 0) return true;
+    scratch.resize(unit);
+    FillBlock(scratch.data(), unit, first + b, gen[b]);
+    if (std::memcmp(scratch.data(), got, unit) == 0) return true;
     auto it = maybe.find(b);
     if (it == maybe.end()) return false;
     for (uint32_t g : it->second) {
-      FillBlock(scratch.data(), first + b, g);
-      if (std::memcmp(scratch.data(), got, kBlock) == 0) return true;
+      FillBlock(scratch.data(), unit, first + b, g);
+      if (std::memcmp(scratch.data(), got, unit) == 0) return true;
     }
     return false;
   }
@@ -102,13 +103,13 @@ struct NbdVerifier::Conn {
   void CheckRead(uint64_t b, uint32_t n, const std::vector<uint8_t>& data) {
     std::vector<uint8_t> scratch;
     for (uint32_t i = 0; i < n; ++i) {
-      const uint8_t* p = data.data() + static_cast<size_t>(i) * kBlock;
+      const uint8_t* p = data.data() + static_cast<size_t>(i) * unit;
       if (Expected(b + i, p, scratch)) {
-        r.bytes_verified += kBlock;
+        r.bytes_verified += unit;
       } else {
-        r.bytes_corrupt += kBlock;
-        Problem(fmt::format("CORRUPT: block {} should hold generation {} but holds {}",
-                            first + b + i, gen[b + i], Describe(p)));
+        r.bytes_corrupt += unit;
+        Problem(fmt::format("CORRUPT: block {} ({} bytes) should hold generation {} but holds {}",
+                            first + b + i, unit, gen[b + i], Describe(p, unit)));
       }
     }
   }
@@ -117,10 +118,10 @@ struct NbdVerifier::Conn {
     Pending p{type, b, n, {}, SteadyClock::now()};
     std::span<const uint8_t> payload;
     if (type == kCmdWrite) {
-      buf.resize(static_cast<size_t>(n) * kBlock);
+      buf.resize(static_cast<size_t>(n) * unit);
       for (uint32_t i = 0; i < n; ++i) {
         p.gens.push_back(next_gen++);
-        FillBlock(buf.data() + static_cast<size_t>(i) * kBlock, first + b + i, p.gens.back());
+        FillBlock(buf.data() + static_cast<size_t>(i) * unit, unit, first + b + i, p.gens.back());
       }
       payload = buf;
     }
@@ -128,7 +129,7 @@ struct NbdVerifier::Conn {
     const uint64_t handle = next_handle++;
     p.sent = SteadyClock::now();
     pending.emplace(handle, std::move(p));
-    return client->Send(type, 0, handle, (first + b) * kBlock, n * kBlock, payload);
+    return client->Send(type, 0, handle, (first + b) * unit, n * unit, payload);
   }
 
   // Receives one reply and accounts for it.
@@ -155,7 +156,7 @@ struct NbdVerifier::Conn {
         }
       }
       if (reply->error == 0) {
-        r.bytes_written += static_cast<uint64_t>(p.n) * kBlock;
+        r.bytes_written += static_cast<uint64_t>(p.n) * unit;
       } else {
         ++r.failed_requests;
         Problem(fmt::format("WRITE of blocks {}..{} failed: error {} {}", first + p.block,
@@ -179,6 +180,10 @@ NbdVerifier::NbdVerifier(NbdWorkloadOptions options) : options_(std::move(option
 NbdVerifier::~NbdVerifier() { Stop(); }
 
 Status NbdVerifier::Connect() {
+  if (options_.unit != 4096 && options_.unit != 512) {
+    return InvalidArgument(
+        fmt::format("NbdWorkloadOptions::unit is 4096 or 512, not {}", options_.unit));
+  }
   blockdev::testing::ClientOptions co;
   co.timeout = options_.request_timeout;
   for (int c = 0; c < options_.connections; ++c) {
@@ -187,10 +192,12 @@ Status NbdVerifier::Connect() {
     auto conn = std::make_unique<Conn>();
     size_ = client->size();
     conn->client.emplace(std::move(*client));
+    conn->unit = options_.unit;
+    conn->r.unit = options_.unit;
     conn->rng.seed(0xC4A05 + static_cast<uint64_t>(c));
     conns_.push_back(std::move(conn));
   }
-  const uint64_t total = size_ / kBlock;
+  const uint64_t total = size_ / options_.unit;
   const uint64_t per = total / conns_.size();
   for (size_t c = 0; c < conns_.size(); ++c) {
     Conn& k = *conns_[c];
@@ -331,7 +338,7 @@ Status NbdVerifier::VerifyAll() {
         const uint64_t before = k.final_read_errors;
         FARMEM_RETURN_IF_ERROR(k.ReceiveOne(completed_));
         if (k.final_read_errors != before) {
-          k.r.bytes_lost += kBlock;
+          k.r.bytes_lost += k.unit;
           k.r.lost_blocks.push_back(k.first + fb + i);
         }
       }
@@ -343,6 +350,7 @@ Status NbdVerifier::VerifyAll() {
 
 NbdWorkloadReport NbdVerifier::Report() const {
   NbdWorkloadReport out;
+  out.unit = options_.unit;
   for (const auto& c : conns_) {
     const NbdWorkloadReport& r = c->r;
     out.bytes_written += r.bytes_written;

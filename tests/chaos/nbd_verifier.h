@@ -2,11 +2,12 @@
 // in flight, write and read an export while faults happen, and at the end every byte of it is
 // read back and checked exactly.
 //
-// Every 4 KiB block written carries (block index, generation) in a header and a body derived from
-// both, so a read can tell the right data from stale, misplaced or zeroed data. Each connection
-// owns a contiguous region of the export and never has two requests on one block in flight, so
-// the expected contents of every block are known exactly: the last generation whose write was
-// acknowledged, or — after a write that failed — that one or the failed one.
+// Every block written (4 KiB, or a 512-byte sector with `unit` 512) carries (block index,
+// generation) in a header and a body derived from both, so a read can tell the right data from
+// stale, misplaced or zeroed data. Each connection owns a contiguous region of the export and never
+// has two requests on one block in flight, so the expected contents of every block are known
+// exactly: the last generation whose write was acknowledged, or — after a write that failed — that
+// one or the failed one.
 //
 // Outcomes per byte: verified (read back right), lost (the read failed: EIO), corrupt (the read
 // succeeded with wrong data — must never happen).
@@ -30,8 +31,13 @@ namespace farmem::chaos {
 struct NbdWorkloadOptions {
   std::string socket_path;
   int connections = 4;
-  int depth = 8;                     // requests in flight per connection
-  uint32_t max_request_blocks = 16;  // 64 KiB
+  int depth = 8;  // requests in flight per connection
+  // Bytes per verified block: 4096 (whole pages), or 512 for sub-page traffic — requests of 1 to
+  // max_request_blocks sectors at any sector, so 512 B and 1 KiB writes, pages written in part
+  // (farmem-nbd's write cache holds the rest and reads it at write-back) and requests that cross
+  // pages.
+  uint32_t unit = 4096;
+  uint32_t max_request_blocks = 16;  // 64 KiB (of 4 KiB units)
   int read_percent = 50;
   double ops_per_second = 0;  // all connections together; 0: as fast as it goes
   std::chrono::milliseconds request_timeout{120000};
@@ -45,6 +51,7 @@ struct NbdWorkloadReport {
   uint64_t failed_requests = 0;  // during the run (EIO on read or write)
   uint64_t requests = 0;
   double longest_stall_ms = 0;        // slowest single request
+  uint32_t unit = 4096;               // bytes per block (NbdWorkloadOptions::unit)
   std::vector<uint64_t> lost_blocks;  // block indexes (final verification)
   std::vector<std::string> problems;  // corrupt samples, transport errors (first few)
   bool transport_failed = false;      // a connection broke: the run proves nothing
@@ -52,8 +59,6 @@ struct NbdWorkloadReport {
 
 class NbdVerifier {
  public:
-  static constexpr uint32_t kBlock = 4096;
-
   explicit NbdVerifier(NbdWorkloadOptions options);
   ~NbdVerifier();
   NbdVerifier(const NbdVerifier&) = delete;

@@ -231,7 +231,8 @@ class Workload {
   virtual uint64_t progress() = 0;
   virtual bool alive() = 0;
   // Stops the workload and verifies everything.
-  virtual Status Finish(ScenarioResult* result, std::vector<uint64_t>* lost_blocks) = 0;
+  // lost_offsets: the export offset (bytes) of each block whose final read failed (nbd only).
+  virtual Status Finish(ScenarioResult* result, std::vector<uint64_t>* lost_offsets) = 0;
   virtual std::string log_path() const = 0;
   virtual std::string nbd_socket() const { return ""; }
   // Whether the program itself knows everything is re-protected; nullopt if it cannot tell
@@ -287,6 +288,10 @@ class NbdWorkload : public Workload {
     NbdWorkloadOptions o;
     o.socket_path = socket_;
     o.ops_per_second = config_.nbd_ops_per_second;
+    if (scenario_.subpage) {
+      o.unit = 512;
+      o.max_request_blocks = 32;  // up to 16 KiB
+    }
     verifier_ = std::make_unique<NbdVerifier>(o);
     FARMEM_RETURN_IF_ERROR(verifier_->Connect());
     const auto t0 = SteadyClock::now();
@@ -299,7 +304,7 @@ class NbdWorkload : public Workload {
   uint64_t progress() override { return verifier_ ? verifier_->completed() : 0; }
   bool alive() override { return nbd_ && nbd_->Alive(); }
 
-  Status Finish(ScenarioResult* r, std::vector<uint64_t>* lost_blocks) override {
+  Status Finish(ScenarioResult* r, std::vector<uint64_t>* lost_offsets) override {
     verifier_->Stop();
     const auto t0 = SteadyClock::now();
     Status s = alive() ? verifier_->VerifyAll()
@@ -311,7 +316,8 @@ class NbdWorkload : public Workload {
     r->bytes_corrupt = rep.bytes_corrupt;
     r->failed_requests = rep.failed_requests;
     r->longest_stall_ms = rep.longest_stall_ms;
-    *lost_blocks = rep.lost_blocks;
+    lost_offsets->clear();
+    for (uint64_t b : rep.lost_blocks) lost_offsets->push_back(b * rep.unit);
     r->notes.push_back(fmt::format(
         "nbd: {} requests, {} MiB written (acknowledged); filling the export took {:.1f} s, the "
         "final verification {:.1f} s",
@@ -491,8 +497,12 @@ Result<std::vector<Scenario>> LoadScenarios(const std::string& path) {
       s.workload = "farptr";
       s.compact = false;
     }
+    if (s.workload == "nbd+subpage") {
+      s.workload = "nbd";
+      s.subpage = true;
+    }
     if (s.workload != "nbd" && s.workload != "farptr") {
-      return bad("workload is nbd, farptr or farptr+nocompact");
+      return bad("workload is nbd, nbd+subpage, farptr or farptr+nocompact");
     }
     if (expect != "tolerate" && expect != "beyond") return bad("expect is tolerate or beyond");
     s.tolerate = expect == "tolerate";
@@ -854,7 +864,7 @@ ScenarioResult RunScenario(const Scenario& sc, const RunConfig& cfg) {
     }
   }
 
-  std::vector<uint64_t> lost_blocks;
+  std::vector<uint64_t> lost_offsets;
   const bool only_flips = std::ranges::all_of(faults, [](const Fault& f) { return f.integrity; });
   if (started && !sc.tolerate && !only_flips) {
     // Beyond tolerance: a killed daemon's leases are kept for their TTL (the "down" could be
@@ -864,7 +874,7 @@ ScenarioResult RunScenario(const Scenario& sc, const RunConfig& cfg) {
                              std::chrono::seconds(30));
   }
   if (started) {
-    if (Status s = workload->Finish(&res, &lost_blocks); !s.ok()) {
+    if (Status s = workload->Finish(&res, &lost_offsets); !s.ok()) {
       fail("final verification: " + s.ToString());
     }
   }
@@ -917,8 +927,7 @@ ScenarioResult RunScenario(const Scenario& sc, const RunConfig& cfg) {
     const std::vector<LostRange> ranges = LostRanges(log);
     uint64_t outside = 0;
     std::vector<std::string> where;  // the first few, by export offset
-    for (uint64_t b : lost_blocks) {
-      const uint64_t off = b * NbdVerifier::kBlock;
+    for (uint64_t off : lost_offsets) {
       const bool inside = std::ranges::any_of(
           ranges, [&](const LostRange& r) { return off >= r.begin && off < r.end; });
       if (inside) continue;
@@ -930,7 +939,7 @@ ScenarioResult RunScenario(const Scenario& sc, const RunConfig& cfg) {
           outside, Join(where, ", ")));
     }
     note(fmt::format("{} ranges reported LOST, {} blocks read EIO, all inside them: {}",
-                     ranges.size(), lost_blocks.size(), outside == 0 ? "yes" : "no"));
+                     ranges.size(), lost_offsets.size(), outside == 0 ? "yes" : "no"));
   }
   if (flipped_bits > 0) {
     // Every flipped bit lies in data a client wrote; the final verification reads every byte,

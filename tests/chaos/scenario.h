@@ -23,6 +23,7 @@ struct Scenario {
   std::string name;
   std::string workload;    // nbd | farptr
   bool compact = true;     // farptr: background compaction (off: "farptr+nocompact")
+  bool subpage = false;    // nbd: 512-byte blocks, requests of 1-32 sectors ("nbd+subpage")
   std::string resilience;  // as the programs take it (without "/layout" and "+backup")
   std::string ec_layout;   // farmem-nbd's --ec-layout ("ec:2+1/stripe"); empty: its default
   bool backup = false;
