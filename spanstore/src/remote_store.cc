@@ -111,14 +111,11 @@ SpanSet* RemoteStore::TakeRowLocked(bool degraded, SetMembers* members, uint64_t
   }
   if (best == nullptr) return nullptr;
   uint32_t row = best->first_free;
-  while (best->rows[row] != nullptr) ++row;
+  while (best->sets[row].group != nullptr) ++row;
   best->first_free = row + 1;
-  SpanSet* set = &best->sets[row];  // made with the group: nothing is allocated here
-  *set = SpanSet{};
+  SpanSet* set = &best->sets[row];  // made with the group, clean (FreeRowLocked): no allocation
   set->group = best;
-  set->row = row;
   set->id = next_set_id_++;
-  best->rows[row] = set;
   ++best->used_rows;
   ++sets_;
   std::copy(best->members.begin(), best->members.end(), members->begin());
@@ -208,8 +205,14 @@ void RemoteStore::AddGroup(std::vector<client::Lease> leases) {
   g->members = std::move(leases);
   g->daemon_ids = std::move(daemon_ids);
   g->failed_since.assign(g->members.size(), now);
+  const size_t k = static_cast<size_t>(res_.k);
+  g->nrows = rows_per_group_;
   g->sets = std::make_unique<SpanSet[]>(rows_per_group_);
-  g->rows.assign(rows_per_group_, nullptr);
+  g->owners = std::make_unique<SpanOwner*[]>(rows_per_group_ * k);  // value-initialized: null
+  for (uint32_t r = 0; r < rows_per_group_; ++r) {
+    g->sets[r].row = r;
+    g->sets[r].spans = &g->owners[r * k];
+  }
   for (size_t m = 0; m < g->members.size(); ++m) {
     if (Vacant(g->members[m])) {
       g->failed_mask |= 1u << m;
@@ -256,11 +259,15 @@ uint32_t RemoteStore::DataCells(std::span<const uint8_t* const> data, const uint
 
 void RemoteStore::FreeRowLocked(SpanSet* set) {
   Group* g = set->group;
-  g->rows[set->row] = nullptr;
   g->first_free = std::min(g->first_free, set->row);
   --g->used_rows;
   --sets_;
-  *set = SpanSet{};  // its storage stays with the group, for the row's next set
+  // Clean for the row's next set (TakeRowLocked sets only what differs); row and spans stay.
+  set->group = nullptr;
+  set->live_mask = 0;
+  set->id = 0;
+  set->writing = true;
+  std::fill_n(set->spans, res_.k, nullptr);
 }
 
 void RemoteStore::Release(SpanSet* set, int member) {
@@ -312,9 +319,9 @@ void RemoteStore::CompactionCandidates(size_t max_spans, std::vector<SpanOwner*>
   };
   for (int live = 0; live < res_.k && out.size() < max_spans; ++live) {
     for (auto& g : groups_) {
-      for (SpanSet* set : g->rows) {
-        if (out.size() >= max_spans) break;
-        if (set != nullptr && std::popcount(set->live_mask) == live) take(set);
+      for (uint32_t r = 0; r < g->nrows && out.size() < max_spans; ++r) {
+        SpanSet* set = &g->sets[r];
+        if (set->group != nullptr && std::popcount(set->live_mask) == live) take(set);
       }
     }
   }
@@ -328,8 +335,9 @@ void RemoteStore::CompactionCandidates(size_t max_spans, std::vector<SpanOwner*>
       if (emptiest == nullptr || g->used_rows < emptiest->used_rows) emptiest = g.get();
     }
     if (emptiest != nullptr) {
-      for (SpanSet* set : emptiest->rows) {
-        if (set != nullptr && std::popcount(set->live_mask) == res_.k) take(set);
+      for (uint32_t r = 0; r < emptiest->nrows; ++r) {
+        SpanSet* set = &emptiest->sets[r];
+        if (set->group != nullptr && std::popcount(set->live_mask) == res_.k) take(set);
       }
     }
   }
@@ -441,7 +449,7 @@ std::vector<uint32_t> RemoteStore::StartRebuildLocked(Group* g) {
   g->rebuilding = true;  // from here, rows committed in g are the ones returned
   std::vector<uint32_t> rows;
   for (uint32_t r = 0; r < rows_per_group_; ++r) {
-    if (g->rows[r] != nullptr && !g->rows[r]->writing) rows.push_back(r);
+    if (g->sets[r].group != nullptr && !g->sets[r].writing) rows.push_back(r);
   }
   return rows;
 }

@@ -104,8 +104,9 @@ void RemoteStore::Reprotect(IoContext& io, Group* g) {
       MutexLock lock(&mu_);
       g->lost_mask |= failed;
       g->failed_mask = 0;
-      for (const SpanSet* set : g->rows) {  // the live data cells on the members given up
-        if (set == nullptr) continue;
+      for (uint32_t r = 0; r < g->nrows; ++r) {  // the live data cells on the members given up
+        const SpanSet* set = &g->sets[r];
+        if (set->group == nullptr) continue;
         const uint32_t gone = set->live_mask & failed;
         lost_bytes_ += std::popcount(gone) * uint64_t{span};
         for (int m = 0; m < res_.k; ++m) {

@@ -78,14 +78,18 @@ struct SpanOwner {};
 // or dropped the lease): the member is then failed and re-protected.
 bool NodeGone(const Status& s);
 
-// One span set: a row of one group.
+// One span set: a row of one group. Made with its group, one per row, and kept while the group
+// lives: a row taken for a new set reuses it (32 bytes + 8 per data member, so that a group of
+// 64 MiB slabs of 4 KiB cells costs 1 MiB at ec:4+2, where a fixed array of kMaxSetWidth owners
+// cost 2.5 MiB: 10 MiB per GiB of data stored).
 struct SpanSet {
-  Group* group = nullptr;
+  Group* group = nullptr;  // null while the row is free
   uint32_t row = 0;
   uint32_t live_mask = 0;  // data members whose span still lives here (not holes)
   uint32_t id = 0;         // for messages
   bool writing = true;     // reserved, its cells not all written yet: re-protection skips it
-  std::array<SpanOwner*, kMaxSetWidth> spans{};  // data member -> its owner (null: hole)
+  // Data member -> its owner (null: hole): the row's k entries of Group::owners.
+  SpanOwner** spans = nullptr;
 };
 
 // A member that was never placed (a degraded group made with fewer daemons than k + r).
@@ -108,10 +112,11 @@ struct Group {
   // again as they are even if their daemon answers again with the lease (kLeasesReturned).
   uint32_t stale_mask = 0;
   // One span set per row, made with the group (the slabs' rows bound the sets that can live
-  // here): taking and freeing a row allocates nothing (swap safety, docs/nbd.md). rows[i] points
-  // at sets[i] while row i is used, else it is null.
+  // here): taking and freeing a row allocates nothing (swap safety, docs/nbd.md). Row i is used
+  // while sets[i].group is set.
   std::unique_ptr<SpanSet[]> sets;
-  std::vector<SpanSet*> rows;  // nullptr: free row
+  std::unique_ptr<SpanOwner*[]> owners;  // k per row: sets[i].spans is owners + i * k
+  uint32_t nrows = 0;
   uint32_t used_rows = 0;
   // Every row below it is used: where the search for a free row starts (the stripe layout takes
   // and frees a row per stripe written, scattered over a group of thousands of rows).
