@@ -84,8 +84,17 @@ Result<std::unique_ptr<SlabPool>> SlabPool::Create(const PoolOptions& options) {
         errno));
   }
   pool->base_ = static_cast<uint8_t*>(p);
-  if (::madvise(p, pool->mapped_, MADV_HUGEPAGE) != 0) {
-    spdlog::info("transparent huge pages not available for the slab pool ({})", strerror(errno));
+  // Transparent huge pages only for a pool populated once, at start. Slabs populated when they
+  // are leased use 4 KiB pages (MADV_NOHUGEPAGE, also where THP is "always"): with huge pages a
+  // fault of a slab may compact memory first (THP defrag "madvise", Debian's default), and
+  // locking a 64 MiB slab took 0.14-3.6 s instead of 50-160 ms with 4 KiB pages (same host, load
+  // 16, 2026-12-03) — a borrower's write waits for its group's slabs, so a stripe-layout export
+  // wrote 14-44 pages a second for seconds after it filled its first groups. (Either flag also
+  // tells the pool apart in /proc/PID/smaps: tests/support/memory_scan.h.)
+  const int advice = options.populate_at_start ? MADV_HUGEPAGE : MADV_NOHUGEPAGE;
+  if (::madvise(p, pool->mapped_, advice) != 0) {
+    spdlog::info("madvise({}) on the slab pool: {}",
+                 options.populate_at_start ? "MADV_HUGEPAGE" : "MADV_NOHUGEPAGE", strerror(errno));
   }
   pool->slabs_ = std::make_unique<Slab[]>(slabs);
   {
@@ -95,7 +104,15 @@ Result<std::unique_ptr<SlabPool>> SlabPool::Create(const PoolOptions& options) {
     std::random_device rd;
     pool->next_epoch_ = std::uniform_int_distribution<uint32_t>(1, UINT32_MAX / 2)(rd);
     if (options.populate_at_start) {
-      for (uint32_t i = 0; i < pool->total_; ++i) pool->Populate(i);
+      int mlock_errno = 0;
+      for (uint32_t i = 0; i < pool->total_; ++i) {
+        if (const int e = pool->Populate(i); e != 0) mlock_errno = e;
+      }
+      if (mlock_errno != 0) {
+        spdlog::warn("could not mlock the slab pool ({}): lent memory may be swapped out",
+                     strerror(mlock_errno));
+        pool->warned_mlock_ = true;
+      }
     }
   }
   spdlog::info(
@@ -143,36 +160,77 @@ Result<std::vector<wire::LeaseGrant>> SlabPool::Grant(uint32_t count, const wire
     return Err(ResourceExhausted(fmt::format("asked for {} slabs but only {} of {} are free", count,
                                              free_list_.size(), total_)));
   }
+  // Taken off the free list now and populated (mlocked) and registered below, without mu_:
+  // locking a slab's pages can take seconds while the kernel compacts memory (3.6 s measured for
+  // 64 MiB with transparent huge pages at load 16), and every client's heartbeat (Renew), STAT
+  // and FREE takes mu_ — holding it here made healthy daemons look dead to other clients
+  // (failure timeout 2 s). `granting` keeps the slabs counted against this client's share.
+  std::vector<uint32_t> picked(count);
+  for (uint32_t& index : picked) {
+    index = free_list_.back();
+    free_list_.pop_back();
+    slabs_[index].owner = owner;
+    slabs_[index].granting = true;
+  }
+  if (grant_budget_.has_value()) *grant_budget_ -= count;
+  LeaseRegistrar* const registrar = registrar_;
+  lock.Unlock();
+
+  std::vector<uint32_t> rkeys(count, 0);
+  int mlock_errno = 0;
+  Status failed;
+  size_t populated = 0;
+  for (; populated < count && failed.ok(); ++populated) {
+    const uint32_t index = picked[populated];
+    if (const int e = Populate(index); e != 0) mlock_errno = e;
+    if (registrar != nullptr) {
+      Result<uint32_t> r = registrar->RegisterLease(
+          index, owner, base_ + uint64_t{index} * options_.slab_size, options_.slab_size);
+      if (r.has_value()) {
+        rkeys[populated] = *r;
+      } else {
+        failed = r.error();
+      }
+    }
+  }
+
+  lock.Lock();
+  if (mlock_errno != 0 && !warned_mlock_) {
+    warned_mlock_ = true;
+    spdlog::warn(
+        "could not mlock a leased slab ({}): lent memory may be swapped out; raise "
+        "RLIMIT_MEMLOCK (LimitMEMLOCK=infinity in systemd), run as root, or pass --no-mlock",
+        strerror(mlock_errno));
+  }
+  if (!failed.ok()) {  // all or nothing: undo this grant
+    for (size_t i = 0; i < count; ++i) {
+      const uint32_t index = picked[i];
+      // The one that failed is not registered; those before it are.
+      if (registrar != nullptr && i + 1 < populated) registrar->DeregisterLease(index);
+      slabs_[index].granting = false;
+      if (i < populated) ReturnMemory(index);
+      free_list_.push_back(index);
+    }
+    if (grant_budget_.has_value()) *grant_budget_ += count;
+    return Err(failed);
+  }
   const auto expiry = std::chrono::steady_clock::now() + options_.lease_ttl;
   std::vector<wire::LeaseGrant> out;
   out.reserve(count);
   for (uint32_t i = 0; i < count; ++i) {
-    const uint32_t index = free_list_.back();
+    const uint32_t index = picked[i];
     uint8_t* addr = base_ + uint64_t{index} * options_.slab_size;
-    Populate(index);
-    uint32_t rkey = 0;
-    if (registrar_ != nullptr) {
-      Result<uint32_t> r = registrar_->RegisterLease(index, owner, addr, options_.slab_size);
-      if (!r.has_value()) {  // all or nothing: undo this grant
-        ReturnMemory(index);
-        for (const wire::LeaseGrant& g : out) EndLease(wire::LeaseSlab(g.lease_id));
-        return Err(r.error());
-      }
-      rkey = *r;
-    }
-    free_list_.pop_back();
     if (++next_epoch_ == 0) next_epoch_ = 1;
     Slab& s = slabs_[index];
-    s.owner = owner;
+    s.granting = false;
     s.expiry = expiry;
     s.accesses.store(0, std::memory_order_relaxed);
     s.accesses_seen = 0;
     s.evict_at = {};
     const uint64_t id = wire::MakeLeaseId(next_epoch_, index);
     s.lease_id.store(id, std::memory_order_seq_cst);
-    out.push_back({id, options_.slab_size, reinterpret_cast<uint64_t>(addr), rkey});
+    out.push_back({id, options_.slab_size, reinterpret_cast<uint64_t>(addr), rkeys[i]});
   }
-  if (grant_budget_.has_value()) *grant_budget_ -= count;
   granted_total_ += count;
   return out;
 }
@@ -182,19 +240,16 @@ uint32_t SlabPool::Grantable() const {
   return grant_budget_.has_value() ? std::min(free, *grant_budget_) : free;
 }
 
-void SlabPool::Populate(uint32_t index) {
+int SlabPool::Populate(uint32_t index) {
   Slab& s = slabs_[index];
-  if (s.populated) return;
+  if (s.populated) return 0;
   uint8_t* addr = base_ + uint64_t{index} * options_.slab_size;
+  int mlock_errno = 0;
   if (options_.mlock) {
     if (::mlock(addr, options_.slab_size) == 0) {  // also faults every page in
       s.locked = true;
-    } else if (!warned_mlock_) {
-      warned_mlock_ = true;
-      spdlog::warn(
-          "could not mlock a leased slab ({}): lent memory may be swapped out; raise "
-          "RLIMIT_MEMLOCK (LimitMEMLOCK=infinity in systemd), run as root, or pass --no-mlock",
-          strerror(errno));
+    } else {
+      mlock_errno = errno;
     }
   }
   if (!s.locked && options_.prefault) {
@@ -206,6 +261,7 @@ void SlabPool::Populate(uint32_t index) {
     }
   }
   s.populated = true;
+  return mlock_errno;
 }
 
 void SlabPool::ReturnMemory(uint32_t index) {
@@ -232,7 +288,9 @@ uint32_t SlabPool::HeldBy(const wire::ClientId& owner) const {
   uint32_t held = 0;
   for (uint32_t i = 0; i < total_; ++i) {
     const Slab& s = slabs_[i];
-    if (s.lease_id.load(std::memory_order_relaxed) != 0 && s.owner == owner) ++held;
+    if ((s.lease_id.load(std::memory_order_relaxed) != 0 || s.granting) && s.owner == owner) {
+      ++held;
+    }
   }
   return held;
 }

@@ -17,9 +17,11 @@
 // (EvictDue) unless their owner freed them first.
 //
 // Threading: control operations (Grant/Release/Renew/ReclaimExpired) take mu_ and may be called
-// from any thread. The data path (Pin) is lock-free: it raises the slab's user count and then
-// checks the lease id; ending a lease clears the id and waits for the count to drop before the
-// memory is zeroed and handed out again, so no read or write ever lands in someone else's lease.
+// from any thread. Grant populates (mlocks) and registers its slabs between two short holds of
+// mu_, not under it: that can take seconds, and a heartbeat must not wait for it. The data path
+// (Pin) is lock-free: it raises the slab's user count and then checks the lease id; ending a lease
+// clears the id and waits for the count to drop before the memory is zeroed and handed out again,
+// so no read or write ever lands in someone else's lease.
 #pragma once
 
 #include <atomic>
@@ -97,8 +99,9 @@ class Pin {
 };
 
 // Makes lent memory reachable by RDMA, one memory region per lease (rdma_listener.h implements
-// it). The pool calls it with its lock held: at grant, before the lease id is published, and when
-// a lease ends (freed, expired, evicted), before the memory is zeroed — after DeregisterLease
+// it), thread-safe. The pool calls it at grant without its lock (two grants may register
+// different slabs at once), before the lease id is published; and with its lock held when a
+// lease ends (freed, expired, evicted), before the memory is zeroed — after DeregisterLease
 // returns, the lease's rkey is dead and no RDMA access can reach the slab.
 class LeaseRegistrar {
  public:
@@ -211,6 +214,9 @@ class SlabPool {
     std::chrono::steady_clock::time_point evict_at{};  // {}: no notice
     bool populated = false;  // pages mapped in (and maybe locked) for a lease
     bool locked = false;
+    // Taken off the free list by a Grant that populates it outside mu_ (owner is set): neither
+    // free nor leased yet, counted in the owner's share.
+    bool granting = false;
   };
 
   explicit SlabPool(const PoolOptions& options) : options_(options) {}
@@ -220,8 +226,10 @@ class SlabPool {
   void EndLease(uint32_t index) REQUIRES(mu_);
   void ReclaimDrained() REQUIRES(mu_);
   // Maps a slab's pages in (and locks them) for a grant; gives them back to the kernel, zeroed
-  // for the next lease, when the lease has ended.
-  void Populate(uint32_t index) REQUIRES(mu_);
+  // for the next lease, when the lease has ended. Populate runs without mu_ (on a slab a Grant
+  // took off the free list, which no other thread touches; or at start) and returns the errno
+  // of a failed mlock (0: locked, or not asked to).
+  int Populate(uint32_t index);
   void ReturnMemory(uint32_t index) REQUIRES(mu_);
   uint32_t Grantable() const REQUIRES(mu_);
   // Slabs `owner` holds a lease on.

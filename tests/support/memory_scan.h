@@ -121,17 +121,21 @@ inline Result<size_t> CountMarkerInProcess(pid_t pid, std::string_view marker, u
 }
 
 // The slab pool of farmemd `pid`: slab_pool.cc maps it as one private anonymous region of
-// `pool_bytes` (--capacity rounded down to whole slabs) and marks it MADV_HUGEPAGE; mlock of
-// single slabs splits it into several mappings, so adjacent anonymous mappings are joined, and
-// the run of exactly `pool_bytes` is the pool (among the runs flagged "hg" first).
+// `pool_bytes` (--capacity rounded down to whole slabs, MAP_NORESERVE: VmFlags "nr") and marks
+// it MADV_NOHUGEPAGE ("nh"; MADV_HUGEPAGE, "hg", with --populate-at-start); mlock of single slabs
+// splits it into several mappings, so adjacent anonymous mappings are joined, and the run of
+// exactly `pool_bytes` is the pool (among the runs so flagged first).
 inline Result<std::pair<uint64_t, uint64_t>> FindSlabPool(pid_t pid, uint64_t pool_bytes) {
   FARMEM_ASSIGN_OR_RETURN(std::vector<Mapping> maps, ReadMappings(pid, /*flags=*/true));
-  for (const bool need_hg : {true, false}) {
+  for (const bool need_flag : {true, false}) {
     uint64_t begin = 0, end = 0;
     for (const Mapping& m : maps) {
-      const bool hg = m.vm_flags.find(" hg") != std::string::npos;
+      // Thread stacks are "nh" too, glibc's arenas "nr": the pool is both (MAP_NORESERVE).
+      const bool flagged = (m.vm_flags.find(" hg") != std::string::npos ||
+                            m.vm_flags.find(" nh") != std::string::npos) &&
+                           m.vm_flags.find(" nr") != std::string::npos;
       const bool anon = m.path.empty() && m.perms.starts_with("rw");
-      if (!anon || (need_hg && !hg)) {
+      if (!anon || (need_flag && !flagged)) {
         if (end - begin == pool_bytes) return std::pair{begin, end};
         begin = end = 0;
         continue;
