@@ -68,6 +68,10 @@ struct Group;
 // arrays on the request path. Each borrower's resilience parser enforces it (far_ptr's
 // SpanResilience, farmem-nbd's stripe layout); Create checks it too.
 inline constexpr int kMaxSetWidth = 16;
+// At most this many reads are posted together by one ReadSpans (a batch of misses: far_ptr's
+// FetchMany, far_hash_map::get_many's 32 keys), and run together by RunOps.
+inline constexpr int kMaxReadRound = 32;
+static_assert(kMaxReadRound >= kMaxSetWidth);
 
 // What a data cell holds, as its borrower knows it: an opaque owner the store only keeps and
 // hands back (SpanSet::spans, CompactionCandidates), never dereferences. A borrower's own type
@@ -262,9 +266,10 @@ class RemoteStore {
   // only that part of the cell, into the same place of dst (an object, not its whole span:
   // far_ptr's gathering miss); a degraded read still fills all of dst.
   Status ReadSpan(IoContext& io, SpanSet* set, int member, uint8_t* dst, Piece piece = {});
-  // Several ReadSpans at once (the prefetcher's batch): the plain reads are posted together, one
-  // doorbell per daemon, so their round trips overlap; any that fails is retried alone through
-  // ReadSpan (degraded if needed). results[i] is the status of read i.
+  // Several ReadSpans at once (the prefetcher's batch, FetchMany's round): up to kMaxReadRound
+  // plain reads are posted together, one doorbell per daemon, so their round trips overlap
+  // (beyond that, one by one); any that fails is retried alone through ReadSpan (degraded if
+  // needed). results[i] is the status of read i.
   // With `pieces` (one per read, or empty for whole cells) read i fetches only its piece, as
   // ReadSpan does.
   void ReadSpans(IoContext& io, std::span<SpanSet* const> sets, std::span<const int> members,
