@@ -62,6 +62,7 @@ struct SizeClass;
 // far_ptr has always used for it.
 using spanstore::Group;
 using spanstore::IoContext;
+using spanstore::kMaxReadRound;
 using spanstore::kMaxSetWidth;
 using spanstore::NodeGone;
 using spanstore::RemoteStore;
@@ -174,7 +175,7 @@ class Heap {
   void Prefetch(ObjectEntry* e);
   // Makes the objects of `entries` local as their demand misses would (each gathered into its
   // hot span, or its span swapped in whole when several of them share it or it was missed just
-  // before), with the reads posted together, up to kMaxSetWidth spans a round (one doorbell per
+  // before), with the reads posted together, up to kMaxReadRound spans a round (one doorbell per
   // daemon, the round trips overlapping); each is left open (not sealed) and hot, as its deref
   // would leave it. The first span of a round is waited for (its write-out too), the others
   // only tried: a busy one goes to a later round. Entries present or null are skipped, objects

@@ -246,7 +246,7 @@ void Heap::FetchMany(std::span<ObjectEntry* const> entries) NO_THREAD_SAFETY_ANA
     }
   };
   // The wants of each span: [first, second) in `wants`. A round locks the first span pending
-  // (waiting for it, and for its write-out) and tries the next ones, up to kMaxSetWidth; a span
+  // (waiting for it, and for its write-out) and tries the next ones, up to kMaxReadRound; a span
   // busy or being written out waits for a later round, where it may come first. So every round
   // settles at least one span, and none is left to its deref merely for being busy.
   std::vector<std::pair<size_t, size_t>> pending, later;
@@ -257,23 +257,23 @@ void Heap::FetchMany(std::span<ObjectEntry* const> entries) NO_THREAD_SAFETY_ANA
     i = end;
   }
   while (!pending.empty()) {
-    Span* spans[kMaxSetWidth];
-    SpanLock locks[kMaxSetWidth];
-    ObjectEntry* gather[kMaxSetWidth];  // the one object to gather, or null: swap in whole
-    const Want* first[kMaxSetWidth];    // the span's wants: [first, last)
-    const Want* last[kMaxSetWidth];
-    uint8_t* frames[kMaxSetWidth];
-    SpanSet* sets[kMaxSetWidth];
-    int members[kMaxSetWidth];
-    RemoteStore::Piece pieces[kMaxSetWidth];
-    Status results[kMaxSetWidth];
+    Span* spans[kMaxReadRound];
+    SpanLock locks[kMaxReadRound];
+    ObjectEntry* gather[kMaxReadRound];  // the one object to gather, or null: swap in whole
+    const Want* first[kMaxReadRound];    // the span's wants: [first, last)
+    const Want* last[kMaxReadRound];
+    uint8_t* frames[kMaxReadRound];
+    SpanSet* sets[kMaxReadRound];
+    int members[kMaxReadRound];
+    RemoteStore::Piece pieces[kMaxReadRound];
+    Status results[kMaxReadRound];
     size_t n = 0;
     later.clear();
     for (const auto& [begin, end] : pending) {
       Span* s = wants[begin].span;
       const Want* from = wants.data() + begin;
       const Want* to = wants.data() + end;
-      if (n == static_cast<size_t>(kMaxSetWidth)) {
+      if (n == static_cast<size_t>(kMaxReadRound)) {
         later.emplace_back(begin, end);
         continue;
       }
@@ -331,7 +331,7 @@ void Heap::FetchMany(std::span<ObjectEntry* const> entries) NO_THREAD_SAFETY_ANA
     IoContext* io = CheckoutIo();
     store_->ReadSpans(*io, {sets, n}, {members, n}, {frames, n}, {results, n}, {pieces, n});
     ReturnIo(io);
-    bool partial[kMaxSetWidth] = {};
+    bool partial[kMaxReadRound] = {};
     for (size_t i = 0; i < n; ++i) {
       Span* s = spans[i];
       if (!results[i].ok()) {

@@ -27,17 +27,16 @@ bool NodeGone(const Status& s) {
 
 void RemoteStore::RunOps(IoContext& io, std::span<transport::Op> ops,
                          std::span<const client::NodeId> nodes, std::span<Status> results) {
-  // At most one batch of reads' worth of operations (kMaxBatchReads, at least a span set's):
-  // everything lives on the stack.
-  constexpr size_t kMaxOps = std::max(kMaxBatchReads, static_cast<size_t>(kMaxSetWidth));
-  if (ops.size() > kMaxOps) {
-    for (size_t i = 0; i < ops.size(); i += kMaxOps) {
-      const size_t n = std::min(kMaxOps, ops.size() - i);
+  // At most one read round's worth of operations (a span set's, or ReadSpans'): everything
+  // lives on the stack.
+  if (ops.size() > static_cast<size_t>(kMaxReadRound)) {
+    for (size_t i = 0; i < ops.size(); i += kMaxReadRound) {
+      const size_t n = std::min<size_t>(kMaxReadRound, ops.size() - i);
       RunOps(io, ops.subspan(i, n), nodes.subspan(i, n), results.subspan(i, n));
     }
     return;
   }
-  client::BatchOp batch[kMaxOps];
+  client::BatchOp batch[kMaxReadRound];
   for (size_t i = 0; i < ops.size(); ++i) batch[i] = {nodes[i], ops[i]};
   // A gray failure (a daemon paused or cut off with its sockets open) breaks nothing: once the
   // cluster has declared such a daemon down, the ops still waiting on it end (Unavailable), so the
@@ -263,11 +262,11 @@ void RemoteStore::WriteSets(IoContext& io, std::span<const std::span<const uint8
 void RemoteStore::ReadSpans(IoContext& io, std::span<SpanSet* const> sets,
                             std::span<const int> members, std::span<uint8_t* const> dsts,
                             std::span<Status> results, std::span<const Piece> pieces) {
-  const size_t n = std::min(sets.size(), kMaxBatchReads);
-  transport::Op ops[kMaxBatchReads];
-  client::NodeId nodes[kMaxBatchReads];
-  size_t index[kMaxBatchReads];
-  Status got[kMaxBatchReads];
+  const size_t n = std::min<size_t>(sets.size(), kMaxReadRound);
+  transport::Op ops[kMaxReadRound];
+  client::NodeId nodes[kMaxReadRound];
+  size_t index[kMaxReadRound];
+  Status got[kMaxReadRound];
   size_t posted = 0;
   {
     MutexLock lock(&mu_);
@@ -294,7 +293,7 @@ void RemoteStore::ReadSpans(IoContext& io, std::span<SpanSet* const> sets,
     }
   }
   RunOps(io, {ops, posted}, {nodes, posted}, {got, posted});
-  bool ok[kMaxBatchReads] = {};
+  bool ok[kMaxReadRound] = {};
   for (size_t j = 0; j < posted; ++j) {
     if (got[j].ok()) {
       results[index[j]] = Status::Ok();
