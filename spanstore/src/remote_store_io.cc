@@ -277,14 +277,14 @@ void RemoteStore::ReadSpans(IoContext& io, std::span<SpanSet* const> sets,
       if ((((g->failed_mask | g->lost_mask) >> m) & 1) != 0) continue;  // degraded: alone below
       const client::Lease& l = g->members[static_cast<size_t>(m)];
       Piece p{0, span_size_};
-      if (!pieces.empty() && pieces[i].length > 0 &&
-          static_cast<uint64_t>(pieces[i].offset) + pieces[i].length <= span_size_) {
+      if (!pieces.empty() && pieces[i].length > 0) {
         p = pieces[i];
+        if (static_cast<uint64_t>(p.offset) + p.length > span_size_) continue;  // ReadSpan says
       }
       ops[posted] = {transport::OpType::kRead,
                      l.slab(),
                      static_cast<uint64_t>(sets[i]->row) * span_size_ + p.offset,
-                     dsts[i] + p.offset,
+                     dsts[i],
                      p.length,
                      nullptr,
                      0};
@@ -336,8 +336,12 @@ void RemoteStore::WriteCells(IoContext& io, std::span<const client::Lease> membe
 }
 
 Status RemoteStore::ReadSpan(IoContext& io, SpanSet* set, int member, uint8_t* dst, Piece piece) {
-  if (piece.length == 0 || static_cast<uint64_t>(piece.offset) + piece.length > span_size_) {
+  const bool whole = piece.length == 0;
+  if (whole) {
     piece = {0, span_size_};
+  } else if (static_cast<uint64_t>(piece.offset) + piece.length > span_size_) {
+    return InvalidArgument(fmt::format("piece [{}, +{}) lies beyond a span of {} bytes",
+                                       piece.offset, piece.length, span_size_));
   }
   const int k = res_.k;
   const int n = res_.group_size();
@@ -362,7 +366,7 @@ Status RemoteStore::ReadSpan(IoContext& io, SpanSet* set, int member, uint8_t* d
       transport::Op op{transport::OpType::kRead,
                        members[static_cast<size_t>(member)].slab(),
                        off + piece.offset,
-                       dst + piece.offset,
+                       dst,
                        piece.length,
                        nullptr,
                        0};
@@ -407,13 +411,15 @@ Status RemoteStore::ReadSpan(IoContext& io, SpanSet* set, int member, uint8_t* d
     Status results[kMaxSetWidth];
     uint8_t* frags[kMaxSetWidth];
     for (int m = 0; m < n; ++m) frags[m] = io.scratch.data() + static_cast<size_t>(m) * span;
-    frags[member] = dst;
+    // The cell is rebuilt whole: into dst, or for a piece into the scratch, then copied out.
+    if (whole) frags[member] = dst;
+    uint8_t* const cell = frags[member];
     for (size_t i = 0; i < nreaders; ++i) {
       const int m = readers[i];
       ops[i] = {transport::OpType::kRead,
                 members[static_cast<size_t>(m)].slab(),
                 off,
-                erasure ? frags[m] : dst,
+                erasure ? frags[m] : cell,
                 static_cast<uint32_t>(span),
                 nullptr,
                 0};
@@ -436,6 +442,7 @@ Status RemoteStore::ReadSpan(IoContext& io, SpanSet* set, int member, uint8_t* d
       FARMEM_RETURN_IF_ERROR(
           codec_->ReconstructData({frags, static_cast<size_t>(n)}, {readers, nreaders}, span));
     }
+    if (!whole) std::memcpy(dst, cell + piece.offset, piece.length);
     MutexLock lock(&mu_);
     ++degraded_reads_;
     return Status::Ok();

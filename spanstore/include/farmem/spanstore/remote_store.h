@@ -274,16 +274,18 @@ class RemoteStore {
     uint32_t length;
   };
   // Reads data member `member` of `set` into dst (span_size bytes); degraded if needed. Errors
-  // say where the span lived; the caller adds what it was. With a `piece`, a plain read fetches
-  // only that part of the cell, into the same place of dst (an object, not its whole span:
-  // far_ptr's gathering miss); a degraded read still fills all of dst.
+  // say where the span lived; the caller adds what it was. With a `piece` (an object, not its
+  // whole span: far_ptr's gathering miss), only that part of the cell is read, into dst[0,
+  // piece.length) — so dst need not be a whole frame: a batch of pieces packs into one small
+  // scratch area. A degraded read rebuilds the whole cell in io.scratch and copies the piece
+  // out. A piece beyond the cell is InvalidArgument.
   Status ReadSpan(IoContext& io, SpanSet* set, int member, uint8_t* dst, Piece piece = {});
   // Several ReadSpans at once (the prefetcher's batch, FetchMany's round): up to kMaxReadRound
   // plain reads are posted together, one doorbell per daemon, so their round trips overlap
-  // (beyond that, one by one: callers cut their batches into rounds); any that fails is retried alone through ReadSpan (degraded if
-  // needed). results[i] is the status of read i.
-  // With `pieces` (one per read, or empty for whole cells) read i fetches only its piece, as
-  // ReadSpan does.
+  // (beyond that, one by one: callers cut their batches into rounds); any that fails is retried
+  // alone through ReadSpan (degraded if needed). results[i] is the status of read i.
+  // With `pieces` (one per read, or empty for whole cells) read i fetches only its piece into
+  // dsts[i] (piece.length bytes), as ReadSpan does.
   void ReadSpans(IoContext& io, std::span<SpanSet* const> sets, std::span<const int> members,
                  std::span<uint8_t* const> dsts, std::span<Status> results,
                  std::span<const Piece> pieces = {});
