@@ -9,6 +9,7 @@
 #   farb the far back-end with --batch BATCH: each batch's gets in one far_hash_map::get_many,
 #        whose bucket misses are read together (overlapped), as a server with BATCH requests at
 #        hand would; std cannot overlap its page faults, so it has no batched form
+#   farbN the same with batches of N (e.g. farb32), so that two batch sizes pair in one guest
 #
 # Local memory (docs/benchmarks-farptr.md, "Object far memory vs kernel swap", says how it was
 # sized): far gets local_budget = BUDGET, and with METADATA_IN_BUDGET=1 (the default) that budget
@@ -34,7 +35,7 @@
 # default; 0: neither), TRANSPORT (tcp; verbs: the daemon on rxe0, both sides over verbs),
 # METADATA_IN_BUDGET (1; 0: far's budget counts frames only), BATCH (16: ops per get_many in farb),
 # ORDER ("far std stdpeak stdpeak std far": back-ends in run order, interleaved against host noise:
-# far, farb, std, stdpeak), PROFILE (0; 1: perf record -a of the guest's one CPU during each run,
+# far, farb, farbN, std, stdpeak), PROFILE (0; 1: perf record -a of the guest's one CPU during each run,
 # then where its time went by process and library, and the top symbols: the perf sampling costs a
 # few percent).
 set -euo pipefail
@@ -150,14 +151,14 @@ for backend in "${order[@]}"; do
   cg=/sys/fs/cgroup/kv_$run
   mkdir "$cg"
   case $backend in
-    far | farb) echo max >"$cg/memory.max" ;;
+    far | farb | farb[1-9]*) echo max >"$cg/memory.max" ;;
     std) echo "$limit" >"$cg/memory.max" ;;
     stdpeak)
       [[ -n ${far_peak:-} ]] || fail "stdpeak needs a far run before it"
       echo "$far_peak" >"$cg/memory.max"
       say "run $run: std with memory.max = far's memory.peak, $((far_peak / 1048576)) MiB"
       ;;
-    *) fail "ORDER: far, farb, std or stdpeak, not $backend" ;;
+    *) fail "ORDER: far, farb, farbN, std or stdpeak, not $backend" ;;
   esac
   args=(--keys "$keys" "${common[@]}")
   if [[ $backend == far* ]]; then
@@ -165,12 +166,14 @@ for backend in "${order[@]}"; do
       --span "$span" --resilience "$resilience" "${enc_far[@]}")
     [[ $metadata_in_budget == 1 ]] || args+=(--no-metadata-in-budget)
     [[ $backend == farb ]] && args+=(--batch "$batch")
+    [[ $backend == farb[1-9]* ]] && args+=(--batch "${backend#farb}")
   else
     args+=(--backend std)
   fi
   name=$backend
   [[ $backend == stdpeak ]] && name=std-at-far-peak
   [[ $backend == farb ]] && name=far-batched
+  [[ $backend == farb[1-9]* ]] && name=far-batched-${backend#farb}
   out0=$(vmstat pswpout) in0=$(vmstat pswpin)
   n0=$(cpu_s "$nbd_pid") d0=$(cpu_s "$daemon") g0=$(guest_cpu) t0=$(date +%s.%N)
   say "run $run: $backend: kv_bench ${args[*]}"
@@ -228,5 +231,9 @@ for dist in dict.fromkeys(d for _, d in runs):
           f"| {ratio(med(fb), med(s))} | {cell(p)} | {ratio(med(f), med(p))} | {ratio(med(fb), med(p))} |")
     print(f"RATIO {dist} far/std {ratio(med(f), med(s))} batched/std {ratio(med(fb), med(s))} "
           f"far/std-at-far-peak {ratio(med(f), med(p))} batched/std-at-far-peak {ratio(med(fb), med(p))}")
+    for name in sorted(b for b, d in runs if d == dist and b.startswith("far-batched-")):
+        v = runs[(name, dist)]
+        print(f"RATIO {dist} {name} {cell(v)} ops/s: /std {ratio(med(v), med(s))} "
+              f"/std-at-far-peak {ratio(med(v), med(p))}")
 EOF
 say "done"

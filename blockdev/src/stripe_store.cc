@@ -460,9 +460,9 @@ void StripeStore::ReadPages(Worker& w, std::span<PageIo> pages, std::span<Status
   }
   if (w.sets.empty()) return;
   w.results.assign(w.sets.size(), Status::Ok());
-  // ReadSpans posts up to kMaxBatchReads reads together (one round, one doorbell per daemon) and
+  // ReadSpans posts up to kMaxReadRound reads together (one round, one doorbell per daemon) and
   // would read the rest one at a time: hand it that many at once.
-  constexpr size_t kBatch = spanstore::RemoteStore::kMaxBatchReads;
+  constexpr size_t kBatch = spanstore::kMaxReadRound;
   const size_t total = w.sets.size();
   for (size_t i = 0; i < total; i += kBatch) {
     const size_t n = std::min(kBatch, total - i);

@@ -574,7 +574,7 @@ void WriteCache::ExecuteBatch(std::span<BlockOp> ops, BatchListener* listener) {
 // Partly written pages whose other sectors one write-back reads from the backend at a time: the
 // size of each thread's merge buffer (256 KiB). A whole write-back batch (writeback_batch, 64 by
 // default) in one backend batch: one round to the daemons, not one per 16 pages (the stripe
-// layout's ReadSpans takes as many, spanstore::RemoteStore::kMaxBatchReads).
+// layout's ReadSpans takes as many, spanstore::kMaxReadRound).
 constexpr size_t kMergePages = 64;
 
 Status WriteCache::WriteBackSlots(std::span<const int32_t> slots, bool fua, bool to_lru_tail) {

@@ -62,6 +62,7 @@ struct SizeClass;
 // far_ptr has always used for it.
 using spanstore::Group;
 using spanstore::IoContext;
+using spanstore::kMaxReadRound;
 using spanstore::kMaxSetWidth;
 using spanstore::NodeGone;
 using spanstore::RemoteStore;
@@ -174,7 +175,7 @@ class Heap {
   void Prefetch(ObjectEntry* e);
   // Makes the objects of `entries` local as their demand misses would (each gathered into its
   // hot span, or its span swapped in whole when several of them share it or it was missed just
-  // before), with the reads posted together, up to kMaxSetWidth spans a round (one doorbell per
+  // before), with the reads posted together, up to kMaxReadRound spans a round (one doorbell per
   // daemon, the round trips overlapping); each is left open (not sealed) and hot, as its deref
   // would leave it. The first span of a round is waited for (its write-out too), the others
   // only tried: a busy one goes to a later round. Entries present or null are skipped, objects
@@ -231,12 +232,12 @@ class Heap {
   RemoteStore::Piece PieceOf(Span* s, ObjectEntry* e) const;
   // The bytes at the start of e's slot (in span s) that its remote form occupies.
   uint32_t SealedBytesOf(Span* s, const ObjectEntry* e) const;
-  // MissLocked's second half, once `frame` holds at least e's piece of s's cell (frame is
-  // taken: given back, or s's frame after a whole swap-in).
-  Result<bool> GatherLocked(Span* s, ObjectEntry* e, uint8_t* frame) REQUIRES(s->mu);
-  // Reads s's whole cell into `frame` (which may hold a piece of it) and swaps s in: false, or
-  // the read's error (the frame given back).
-  Result<bool> SwapInWholeLocked(Span* s, uint8_t* frame) REQUIRES(s->mu);
+  // MissLocked's second half, once `sealed` holds e's piece of s's cell (PieceOf: its bytes as
+  // they lie remote, read on their own; a slot's worth of room).
+  Result<bool> GatherLocked(Span* s, ObjectEntry* e, const uint8_t* sealed) REQUIRES(s->mu);
+  // Reads s's whole cell into a fresh frame and swaps s in (a gathering miss that could not
+  // gather): false, or the read's error.
+  Result<bool> SwapInWholeLocked(Span* s) REQUIRES(s->mu);
   // The class's hot span, locked into *lock: the current one if it is local, has room and no
   // remote copy, else a new one. With `try_only` no lock is waited for (null when one is busy).
   Span* HotSpanLocked(SizeClass* c, Span* not_this, SpanLock* lock, bool try_only) REQUIRES(c->mu);

@@ -16,6 +16,18 @@ namespace {
 // A miss gathers its object into the hot span only for classes of at least this many slots per
 // span: a span of a few large objects is read for little more than the one wanted anyway.
 constexpr uint32_t kGatherMinSlots = 8;
+
+// Where this thread's gathering misses read their objects (RemoteStore::ReadSpan with a piece:
+// only the object's sealed bytes, packed one slot after another), `bytes` long: one area kept
+// across calls, so its pages stay resident and a miss takes no page fault (whole frames as
+// scratch did: a round of 30 misses took 30 frames, beyond the free-frame cache, and each came
+// back from the kernel zeroed). At most kMaxReadRound slots of a gathering class: a slot is at
+// most span_size / kGatherMinSlots. Not counted in local_budget (like io.scratch).
+uint8_t* PieceScratch(size_t bytes) {
+  thread_local std::vector<uint8_t> area;
+  if (area.size() < bytes) area.resize(bytes);
+  return area.data();
+}
 }  // namespace
 
 // ---------------------------------------------------------------------------------------------
@@ -132,19 +144,16 @@ Result<bool> Heap::MissLocked(Span* s, ObjectEntry* e) {
     return false;
   }
   // Only the object's bytes: the rest of the cell would be thrown away.
-  uint8_t* frame = GetFrame();
+  uint8_t* sealed = PieceScratch(s->cls->size);
   IoContext* io = CheckoutIo();
-  Status st = store_->ReadSpan(*io, s->set, s->member, frame, PieceOf(s, e));
+  Status st = store_->ReadSpan(*io, s->set, s->member, sealed, PieceOf(s, e));
   ReturnIo(io);
-  if (!st.ok()) {
-    PutFrame(frame);
-    return Err(SwapInFailedLocked(s, st));
-  }
-  return GatherLocked(s, e, frame);
+  if (!st.ok()) return Err(SwapInFailedLocked(s, st));
+  return GatherLocked(s, e, sealed);
 }
 
-Result<bool> Heap::SwapInWholeLocked(Span* s, uint8_t* frame) {
-  FARMEM_ASSIGN_OR_RETURN(frame, ReadSpanLocked(s, frame));
+Result<bool> Heap::SwapInWholeLocked(Span* s) {
+  FARMEM_ASSIGN_OR_RETURN(uint8_t * frame, ReadSpanLocked(s));
   FinishSwapInLocked(s, frame, false);
   return false;
 }
@@ -152,22 +161,20 @@ Result<bool> Heap::SwapInWholeLocked(Span* s, uint8_t* frame) {
 // NO_THREAD_SAFETY_ANALYSIS: try-locks the size class and its hot span while s is held (the
 // evictor's Relocate takes them in the other order, so waiting here could deadlock); the
 // analysis cannot follow the hot span's SpanLock.
-Result<bool> Heap::GatherLocked(Span* s, ObjectEntry* e, uint8_t* frame) NO_THREAD_SAFETY_ANALYSIS {
+Result<bool> Heap::GatherLocked(Span* s, ObjectEntry* e,
+                                const uint8_t* sealed) NO_THREAD_SAFETY_ANALYSIS {
   SizeClass* c = s->cls;
   const uint32_t slot = e->slot.load(std::memory_order_relaxed);
-  const size_t off = static_cast<size_t>(slot) * c->size;
-  const uint8_t* bytes = frame + off;
+  const uint8_t* bytes = sealed;
   if (crypto_) {
     thread_local std::vector<uint8_t> plain;
-    if (plain.size() < span_size_) plain.resize(span_size_);
-    std::vector<uint32_t> failed;
-    crypto_->OpenSlots(frame, plain.data(), c->size, s->owner, {&slot, 1}, &failed);
-    if (!failed.empty()) {
+    if (plain.size() < c->size) plain.resize(c->size);
+    if (!crypto_->OpenObject(sealed, plain.data(), c->size, e)) {
       // The swap-in's way of answering a failed tag (from the other members) takes over; it
       // needs the whole cell.
-      return SwapInWholeLocked(s, frame);
+      return SwapInWholeLocked(s);
     }
-    bytes = plain.data() + off;
+    bytes = plain.data();
   }
   Span* dst = nullptr;
   SpanLock dl;
@@ -175,10 +182,9 @@ Result<bool> Heap::GatherLocked(Span* s, ObjectEntry* e, uint8_t* frame) NO_THRE
     MutexLock cl(&c->mu, kAdoptLock);
     dst = HotSpanLocked(c, s, &dl, true);
   }
-  if (dst == nullptr) return SwapInWholeLocked(s, frame);
+  if (dst == nullptr) return SwapInWholeLocked(s);
   (void)PlaceObjectLocked(dst, e, bytes, 0);
   dl.unlock();
-  PutFrame(frame);
   // The rest of s stays remote; its cell keeps e's old bytes in the slot, now free.
   s->owner[slot] = nullptr;
   s->free_slots.push_back(slot);
@@ -246,7 +252,7 @@ void Heap::FetchMany(std::span<ObjectEntry* const> entries) NO_THREAD_SAFETY_ANA
     }
   };
   // The wants of each span: [first, second) in `wants`. A round locks the first span pending
-  // (waiting for it, and for its write-out) and tries the next ones, up to kMaxSetWidth; a span
+  // (waiting for it, and for its write-out) and tries the next ones, up to kMaxReadRound; a span
   // busy or being written out waits for a later round, where it may come first. So every round
   // settles at least one span, and none is left to its deref merely for being busy.
   std::vector<std::pair<size_t, size_t>> pending, later;
@@ -257,23 +263,25 @@ void Heap::FetchMany(std::span<ObjectEntry* const> entries) NO_THREAD_SAFETY_ANA
     i = end;
   }
   while (!pending.empty()) {
-    Span* spans[kMaxSetWidth];
-    SpanLock locks[kMaxSetWidth];
-    ObjectEntry* gather[kMaxSetWidth];  // the one object to gather, or null: swap in whole
-    const Want* first[kMaxSetWidth];    // the span's wants: [first, last)
-    const Want* last[kMaxSetWidth];
-    uint8_t* frames[kMaxSetWidth];
-    SpanSet* sets[kMaxSetWidth];
-    int members[kMaxSetWidth];
-    RemoteStore::Piece pieces[kMaxSetWidth];
-    Status results[kMaxSetWidth];
+    Span* spans[kMaxReadRound];
+    SpanLock locks[kMaxReadRound];
+    ObjectEntry* gather[kMaxReadRound];  // the one object to gather, or null: swap in whole
+    const Want* first[kMaxReadRound];    // the span's wants: [first, last)
+    const Want* last[kMaxReadRound];
+    uint8_t* frames[kMaxReadRound];
+    SpanSet* sets[kMaxReadRound];
+    int members[kMaxReadRound];
+    RemoteStore::Piece pieces[kMaxReadRound];
+    Status results[kMaxReadRound];
+    size_t scratch_at[kMaxReadRound];  // a gathering read's place in the round's PieceScratch
+    size_t scratch_bytes = 0;
     size_t n = 0;
     later.clear();
     for (const auto& [begin, end] : pending) {
       Span* s = wants[begin].span;
       const Want* from = wants.data() + begin;
       const Want* to = wants.data() + end;
-      if (n == static_cast<size_t>(kMaxSetWidth)) {
+      if (n == static_cast<size_t>(kMaxReadRound)) {
         later.emplace_back(begin, end);
         continue;
       }
@@ -322,20 +330,35 @@ void Heap::FetchMany(std::span<ObjectEntry* const> entries) NO_THREAD_SAFETY_ANA
       last[n] = to;
       sets[n] = s->set;
       members[n] = s->member;
-      pieces[n] = gathers ? PieceOf(s, only) : RemoteStore::Piece{0, span_size_};
-      frames[n] = GetFrame();
+      if (gathers) {
+        // Only the object's bytes, into the round's scratch area (one slot each, so that
+        // GatherLocked can copy the whole slot as it copies any object), not a whole frame.
+        pieces[n] = PieceOf(s, only);
+        frames[n] = nullptr;
+        scratch_at[n] = scratch_bytes;
+        scratch_bytes += (s->cls->size + 63) & ~size_t{63};
+      } else {
+        pieces[n] = RemoteStore::Piece{0, span_size_};
+        frames[n] = GetFrame();
+      }
       locks[n++] = std::move(lock);
     }
     pending.swap(later);
     if (n == 0) continue;
+    if (scratch_bytes > 0) {
+      uint8_t* area = PieceScratch(scratch_bytes);
+      for (size_t i = 0; i < n; ++i) {
+        if (gather[i] != nullptr) frames[i] = area + scratch_at[i];
+      }
+    }
     IoContext* io = CheckoutIo();
     store_->ReadSpans(*io, {sets, n}, {members, n}, {frames, n}, {results, n}, {pieces, n});
     ReturnIo(io);
-    bool partial[kMaxSetWidth] = {};
+    bool partial[kMaxReadRound] = {};
     for (size_t i = 0; i < n; ++i) {
       Span* s = spans[i];
       if (!results[i].ok()) {
-        PutFrame(frames[i]);
+        if (gather[i] == nullptr) PutFrame(frames[i]);
         (void)SwapInFailedLocked(s, results[i]);  // its deref reads again and reports it
       } else if (gather[i] != nullptr) {
         // An error here marked s lost or left it remote: the deref reports it. False: the read

@@ -131,30 +131,42 @@ void SpanCrypto::OpenSlots(const uint8_t* cells, uint8_t* out, uint32_t slot_siz
                            std::span<ObjectEntry* const> owners, std::span<const uint32_t> slots,
                            std::vector<uint32_t>* failed) {
   auto cipher = Checkout();
-  aead::Tag tag;
   for (const uint32_t i : slots) {
-    const ObjectEntry* e = owners[i];
     const size_t off = i * static_cast<size_t>(slot_size);
-    if (TagInSlot(e->size, slot_size)) {
-      std::memcpy(tag.data(), cells + off + e->size, tag.size());
-    } else {
-      MutexLock lock(&side_mu_);
-      auto it = side_tags_.find(e);
-      if (it != side_tags_.end()) {
-        tag = it->second;
-      } else {
-        tag.fill(0);  // never sealed: fails below
-      }
-    }
-    if (!cipher || !cipher
-                        ->Open(aead::MakeNonce(kSealDomain, e->seal), {}, {cells + off, e->size},
-                               {out + off, e->size}, tag)
-                        .ok()) {
-      if (!cipher) std::memset(out + off, 0, e->size);
-      failed->push_back(i);
-    }
+    if (!OpenWith(cipher.get(), cells + off, out + off, slot_size, owners[i])) failed->push_back(i);
   }
   Return(std::move(cipher));
+}
+
+bool SpanCrypto::OpenObject(const uint8_t* sealed, uint8_t* out, uint32_t slot_size,
+                            const ObjectEntry* e) {
+  auto cipher = Checkout();
+  const bool ok = OpenWith(cipher.get(), sealed, out, slot_size, e);
+  Return(std::move(cipher));
+  return ok;
+}
+
+bool SpanCrypto::OpenWith(aead::Cipher* cipher, const uint8_t* sealed, uint8_t* out,
+                          uint32_t slot_size, const ObjectEntry* e) {
+  aead::Tag tag;
+  if (TagInSlot(e->size, slot_size)) {
+    std::memcpy(tag.data(), sealed + e->size, tag.size());
+  } else {
+    MutexLock lock(&side_mu_);
+    auto it = side_tags_.find(e);
+    if (it != side_tags_.end()) {
+      tag = it->second;
+    } else {
+      tag.fill(0);  // never sealed: fails below
+    }
+  }
+  if (cipher == nullptr) {
+    std::memset(out, 0, e->size);
+    return false;
+  }
+  return cipher
+      ->Open(aead::MakeNonce(kSealDomain, e->seal), {}, {sealed, e->size}, {out, e->size}, tag)
+      .ok();
 }
 
 void SpanCrypto::Forget(const ObjectEntry* e) {

@@ -77,6 +77,10 @@ class SpanCrypto {
   void OpenSlots(const uint8_t* cells, uint8_t* out, uint32_t slot_size,
                  std::span<ObjectEntry* const> owners, std::span<const uint32_t> slots,
                  std::vector<uint32_t>* failed);
+  // Opens one object read on its own (a gathering miss): `sealed` holds the first
+  // SealedBytes(e->size, slot_size) bytes of its slot; the plaintext goes to out (e->size
+  // bytes). False if its tag fails (out is then not plaintext).
+  bool OpenObject(const uint8_t* sealed, uint8_t* out, uint32_t slot_size, const ObjectEntry* e);
 
   uint64_t key_id() const { return key_id_; }
   // The object's side-table tag goes (Heap::Free, for objects whose tag is not in their slot).
@@ -87,6 +91,9 @@ class SpanCrypto {
  private:
   explicit SpanCrypto(aead::Cipher proto) : proto_(std::move(proto)) {}
   std::unique_ptr<aead::Cipher> Checkout();
+  // One object's open (OpenSlots, OpenObject): sealed is the start of its slot.
+  bool OpenWith(aead::Cipher* cipher, const uint8_t* sealed, uint8_t* out, uint32_t slot_size,
+                const ObjectEntry* e);
   void Return(std::unique_ptr<aead::Cipher> c);
 
   aead::Cipher proto_;  // never used directly: Clone()d for each caller

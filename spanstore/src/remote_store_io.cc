@@ -27,17 +27,16 @@ bool NodeGone(const Status& s) {
 
 void RemoteStore::RunOps(IoContext& io, std::span<transport::Op> ops,
                          std::span<const client::NodeId> nodes, std::span<Status> results) {
-  // At most one batch of reads' worth of operations (kMaxBatchReads, at least a span set's):
-  // everything lives on the stack.
-  constexpr size_t kMaxOps = std::max(kMaxBatchReads, static_cast<size_t>(kMaxSetWidth));
-  if (ops.size() > kMaxOps) {
-    for (size_t i = 0; i < ops.size(); i += kMaxOps) {
-      const size_t n = std::min(kMaxOps, ops.size() - i);
+  // At most one read round's worth of operations (a span set's, or ReadSpans'): everything
+  // lives on the stack.
+  if (ops.size() > static_cast<size_t>(kMaxReadRound)) {
+    for (size_t i = 0; i < ops.size(); i += kMaxReadRound) {
+      const size_t n = std::min<size_t>(kMaxReadRound, ops.size() - i);
       RunOps(io, ops.subspan(i, n), nodes.subspan(i, n), results.subspan(i, n));
     }
     return;
   }
-  client::BatchOp batch[kMaxOps];
+  client::BatchOp batch[kMaxReadRound];
   for (size_t i = 0; i < ops.size(); ++i) batch[i] = {nodes[i], ops[i]};
   // A gray failure (a daemon paused or cut off with its sockets open) breaks nothing: once the
   // cluster has declared such a daemon down, the ops still waiting on it end (Unavailable), so the
@@ -263,11 +262,11 @@ void RemoteStore::WriteSets(IoContext& io, std::span<const std::span<const uint8
 void RemoteStore::ReadSpans(IoContext& io, std::span<SpanSet* const> sets,
                             std::span<const int> members, std::span<uint8_t* const> dsts,
                             std::span<Status> results, std::span<const Piece> pieces) {
-  const size_t n = std::min(sets.size(), kMaxBatchReads);
-  transport::Op ops[kMaxBatchReads];
-  client::NodeId nodes[kMaxBatchReads];
-  size_t index[kMaxBatchReads];
-  Status got[kMaxBatchReads];
+  const size_t n = std::min<size_t>(sets.size(), kMaxReadRound);
+  transport::Op ops[kMaxReadRound];
+  client::NodeId nodes[kMaxReadRound];
+  size_t index[kMaxReadRound];
+  Status got[kMaxReadRound];
   size_t posted = 0;
   {
     MutexLock lock(&mu_);
@@ -278,14 +277,14 @@ void RemoteStore::ReadSpans(IoContext& io, std::span<SpanSet* const> sets,
       if ((((g->failed_mask | g->lost_mask) >> m) & 1) != 0) continue;  // degraded: alone below
       const client::Lease& l = g->members[static_cast<size_t>(m)];
       Piece p{0, span_size_};
-      if (!pieces.empty() && pieces[i].length > 0 &&
-          static_cast<uint64_t>(pieces[i].offset) + pieces[i].length <= span_size_) {
+      if (!pieces.empty() && pieces[i].length > 0) {
         p = pieces[i];
+        if (static_cast<uint64_t>(p.offset) + p.length > span_size_) continue;  // ReadSpan says
       }
       ops[posted] = {transport::OpType::kRead,
                      l.slab(),
                      static_cast<uint64_t>(sets[i]->row) * span_size_ + p.offset,
-                     dsts[i] + p.offset,
+                     dsts[i],
                      p.length,
                      nullptr,
                      0};
@@ -294,7 +293,7 @@ void RemoteStore::ReadSpans(IoContext& io, std::span<SpanSet* const> sets,
     }
   }
   RunOps(io, {ops, posted}, {nodes, posted}, {got, posted});
-  bool ok[kMaxBatchReads] = {};
+  bool ok[kMaxReadRound] = {};
   for (size_t j = 0; j < posted; ++j) {
     if (got[j].ok()) {
       results[index[j]] = Status::Ok();
@@ -337,8 +336,12 @@ void RemoteStore::WriteCells(IoContext& io, std::span<const client::Lease> membe
 }
 
 Status RemoteStore::ReadSpan(IoContext& io, SpanSet* set, int member, uint8_t* dst, Piece piece) {
-  if (piece.length == 0 || static_cast<uint64_t>(piece.offset) + piece.length > span_size_) {
+  const bool whole = piece.length == 0;
+  if (whole) {
     piece = {0, span_size_};
+  } else if (static_cast<uint64_t>(piece.offset) + piece.length > span_size_) {
+    return InvalidArgument(fmt::format("piece [{}, +{}) lies beyond a span of {} bytes",
+                                       piece.offset, piece.length, span_size_));
   }
   const int k = res_.k;
   const int n = res_.group_size();
@@ -363,7 +366,7 @@ Status RemoteStore::ReadSpan(IoContext& io, SpanSet* set, int member, uint8_t* d
       transport::Op op{transport::OpType::kRead,
                        members[static_cast<size_t>(member)].slab(),
                        off + piece.offset,
-                       dst + piece.offset,
+                       dst,
                        piece.length,
                        nullptr,
                        0};
@@ -408,13 +411,15 @@ Status RemoteStore::ReadSpan(IoContext& io, SpanSet* set, int member, uint8_t* d
     Status results[kMaxSetWidth];
     uint8_t* frags[kMaxSetWidth];
     for (int m = 0; m < n; ++m) frags[m] = io.scratch.data() + static_cast<size_t>(m) * span;
-    frags[member] = dst;
+    // The cell is rebuilt whole: into dst, or for a piece into the scratch, then copied out.
+    if (whole) frags[member] = dst;
+    uint8_t* const cell = frags[member];
     for (size_t i = 0; i < nreaders; ++i) {
       const int m = readers[i];
       ops[i] = {transport::OpType::kRead,
                 members[static_cast<size_t>(m)].slab(),
                 off,
-                erasure ? frags[m] : dst,
+                erasure ? frags[m] : cell,
                 static_cast<uint32_t>(span),
                 nullptr,
                 0};
@@ -437,6 +442,7 @@ Status RemoteStore::ReadSpan(IoContext& io, SpanSet* set, int member, uint8_t* d
       FARMEM_RETURN_IF_ERROR(
           codec_->ReconstructData({frags, static_cast<size_t>(n)}, {readers, nreaders}, span));
     }
+    if (!whole) std::memcpy(dst, cell + piece.offset, piece.length);
     MutexLock lock(&mu_);
     ++degraded_reads_;
     return Status::Ok();

@@ -74,6 +74,32 @@ TEST_F(FarFaultInjectionTest, RefusedMemberIsReadDegradedThenReprotected) {
   EXPECT_EQ(rt_->stats().spans_lost, 0u);
 }
 
+// A gathering miss reads only its object's bytes (a piece of the cell, into a small scratch
+// area rather than a frame); when the member is refused, the piece comes from the cell rebuilt
+// from the other two members. One object of each of many spans is read, so every miss gathers:
+// the objects read back right, some of them degraded, and none lost.
+TEST_F(FarFaultInjectionTest, GatheringMissOnARefusedMemberReadsItsObjectDegraded) {
+  ASSERT_NO_FATAL_FAILURE(StartRemote(20000));
+  const Endpoint victim = FirstDataMember();
+  ASSERT_NE(victim.port, 0);
+  faults_->Fail(victim, RemoteAccessError("injected: data ops refused"));  // until Clear
+  const RuntimeStats before = rt_->stats();
+  uint64_t read = 0;
+  for (uint64_t i = 0; i < objs_.size(); i += 997, ++read) {
+    DerefScope s;
+    auto p = objs_[i].try_deref(s);
+    ASSERT_TRUE(p.has_value()) << "object " << i << ": " << p.error().ToString();
+    ASSERT_EQ((*p)->id, i);
+    ASSERT_EQ((*p)->version, i % 7);
+  }
+  const RuntimeStats st = rt_->stats();
+  EXPECT_EQ(st.objects_gathered - before.objects_gathered, read) << "a miss did not gather";
+  EXPECT_GT(faults_->ops_failed(victim), 0u) << "no read went to the refusing daemon";
+  EXPECT_GT(st.degraded_reads, before.degraded_reads);
+  EXPECT_EQ(st.spans_lost, 0u);
+  faults_->Clear(victim);
+}
+
 // A member's daemon that takes data ops but never answers them (held: a gray failure the
 // heartbeats do not see, so the cluster never declares it down): the read waits for the op
 // timeout once, then the member is failed and its spans are read degraded, right.

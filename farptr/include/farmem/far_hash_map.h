@@ -211,7 +211,7 @@ class far_hash_map {
   }
   // Batched lookup: out[i] = find(keys[i]) for every i < min(keys.size(), out.size()), with the
   // misses overlapped: the buckets that are not local are read together, one round trip for up
-  // to 16 of them (farmem::farptr_internal::FetchObjects), where that many finds would wait for
+  // to 32 of them (farmem::farptr_internal::FetchObjects), where that many finds would wait for
   // one read after another. For a program that has several independent lookups at hand (a batch
   // of requests). No lock is held across the reads: the buckets' stripes are read-locked (in
   // index order) to answer the keys whose buckets are local and to note the others, released for

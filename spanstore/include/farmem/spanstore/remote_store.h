@@ -68,6 +68,13 @@ struct Group;
 // arrays on the request path. Each borrower's resilience parser enforces it (far_ptr's
 // SpanResilience, farmem-nbd's stripe layout); Create checks it too.
 inline constexpr int kMaxSetWidth = 16;
+// At most this many reads go out together in one round (one ReadSpans: one doorbell per daemon,
+// the round trips overlapping), and RunOps runs that many at once; a caller with more cuts them
+// into rounds of this size. It is sized for the largest batch a borrower reads at once:
+// farmem-nbd's write cache fills a write-back batch of 64 pages in one round; far_ptr's
+// Heap::FetchMany takes the misses of far_hash_map::get_many's 32-key slices in one.
+inline constexpr int kMaxReadRound = 64;
+static_assert(kMaxReadRound >= kMaxSetWidth);
 
 // What a data cell holds, as its borrower knows it: an opaque owner the store only keeps and
 // hands back (SpanSet::spans, CompactionCandidates), never dereferences. A borrower's own type
@@ -272,17 +279,18 @@ class RemoteStore {
     uint32_t length;
   };
   // Reads data member `member` of `set` into dst (span_size bytes); degraded if needed. Errors
-  // say where the span lived; the caller adds what it was. With a `piece`, a plain read fetches
-  // only that part of the cell, into the same place of dst (an object, not its whole span:
-  // far_ptr's gathering miss); a degraded read still fills all of dst.
+  // say where the span lived; the caller adds what it was. With a `piece` (an object, not its
+  // whole span: far_ptr's gathering miss), only that part of the cell is read, into dst[0,
+  // piece.length) — so dst need not be a whole frame: a batch of pieces packs into one small
+  // scratch area. A degraded read rebuilds the whole cell in io.scratch and copies the piece
+  // out. A piece beyond the cell is InvalidArgument.
   Status ReadSpan(IoContext& io, SpanSet* set, int member, uint8_t* dst, Piece piece = {});
-  // Several ReadSpans at once (the prefetcher's batch): the plain reads are posted together, one
-  // doorbell per daemon, so their round trips overlap; any that fails is retried alone through
-  // ReadSpan (degraded if needed). results[i] is the status of read i.
-  // With `pieces` (one per read, or empty for whole cells) read i fetches only its piece, as
-  // ReadSpan does. Up to kMaxBatchReads reads go out in one round (farmem-nbd's write cache fills
-  // a write-back batch of 64 pages at once); reads beyond that are read one at a time.
-  static constexpr size_t kMaxBatchReads = 64;
+  // Several ReadSpans at once (the prefetcher's batch, FetchMany's round): up to kMaxReadRound
+  // plain reads are posted together, one doorbell per daemon, so their round trips overlap
+  // (beyond that, one by one: callers cut their batches into rounds); any that fails is retried
+  // alone through ReadSpan (degraded if needed). results[i] is the status of read i.
+  // With `pieces` (one per read, or empty for whole cells) read i fetches only its piece into
+  // dsts[i] (piece.length bytes), as ReadSpan does.
   void ReadSpans(IoContext& io, std::span<SpanSet* const> sets, std::span<const int> members,
                  std::span<uint8_t* const> dsts, std::span<Status> results,
                  std::span<const Piece> pieces = {});
