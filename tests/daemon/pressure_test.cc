@@ -11,6 +11,7 @@
 #include <fstream>
 #include <map>
 #include <set>
+#include <thread>
 
 #include "farmem/common/mutex.h"
 #include "memory_source.h"
@@ -355,6 +356,74 @@ TEST_F(ReclaimerTest, FreedInTimeIsNoEvictionAndDrainNoticesEverything) {
   r->Undrain();
   EXPECT_EQ(pool_->stats().noticed_slabs, 0u);
   EXPECT_TRUE(pool_->Grant(1, Client(3)).has_value());
+}
+
+// A registrar whose RegisterLease waits at a gate: a grant in progress, held there.
+class GatedRegistrar : public LeaseRegistrar {
+ public:
+  Result<uint32_t> RegisterLease(uint32_t slab, const wire::ClientId&, void*, uint64_t) override {
+    MutexLock lock(&mu_);
+    ++entered_;
+    cv_.SignalAll();
+    cv_.Wait(&mu_, [&]() REQUIRES(mu_) { return open_; });
+    return 1000 + slab;
+  }
+  void DeregisterLease(uint32_t) override {}
+  void WaitEntered(int n) {
+    MutexLock lock(&mu_);
+    cv_.Wait(&mu_, [&]() REQUIRES(mu_) { return entered_ >= n; });
+  }
+  void Open() {
+    MutexLock lock(&mu_);
+    open_ = true;
+    cv_.SignalAll();
+  }
+
+ private:
+  Mutex mu_;
+  CondVar cv_;
+  int entered_ GUARDED_BY(mu_) = 0;
+  bool open_ GUARDED_BY(mu_) = false;
+};
+
+// Populating and registering a slab can take seconds (mlock while the kernel compacts memory;
+// an RDMA registration pins every page): a grant does it without the pool's lock, so that every
+// other client's heartbeat, STAT and FREE goes on meanwhile — a heartbeat stuck behind a grant
+// made a healthy daemon look dead. While it is in progress its slabs count against the client's
+// share, and nobody else can be granted them.
+TEST(SlabPoolTest, AGrantInProgressBlocksNeitherHeartbeatsNorOtherClients) {
+  auto p = SlabPool::Create({.capacity = 4 * kMiB,
+                             .slab_size = kMiB,
+                             .lease_ttl = milliseconds(60000),
+                             .mlock = false,
+                             .max_client_share = *ParseClientShare("50%")});
+  ASSERT_TRUE(p.has_value()) << p.error().ToString();
+  SlabPool& pool = **p;
+  GatedRegistrar registrar;
+  pool.SetRegistrar(&registrar);
+  Result<std::vector<wire::LeaseGrant>> first = Err(Internal("not run"));
+  std::thread granting([&] { first = pool.Grant(2, Client(1)); });
+  registrar.WaitEntered(1);
+  // Held at the registrar, the grant holds no lock: these return (they would hang otherwise).
+  EXPECT_EQ(pool.Renew(Client(2)), 0u);
+  EXPECT_EQ(pool.stats().total_slabs, 4u);
+  // Client 1's share (2 of 4) is taken by the grant in progress.
+  Result<std::vector<wire::LeaseGrant>> more = pool.Grant(1, Client(1));
+  ASSERT_FALSE(more.has_value());
+  EXPECT_THAT(more.error().ToString(), HasSubstr("already holds 2"));
+  registrar.Open();  // client 2's grant below registers at once
+  Result<std::vector<wire::LeaseGrant>> other = pool.Grant(2, Client(2));
+  granting.join();
+  ASSERT_TRUE(first.has_value()) << first.error().ToString();
+  ASSERT_TRUE(other.has_value()) << other.error().ToString();
+  std::set<uint64_t> addrs;
+  for (const auto* g : {&*first, &*other}) {
+    for (const wire::LeaseGrant& l : *g) addrs.insert(l.remote_addr);
+  }
+  EXPECT_EQ(addrs.size(), 4u) << "no slab granted twice";
+  EXPECT_EQ(pool.Renew(Client(1)), 2u);
+  EXPECT_EQ(pool.Renew(Client(2)), 2u);
+  pool.SetRegistrar(nullptr);
 }
 
 }  // namespace
