@@ -206,7 +206,6 @@ void RemoteStore::AddGroup(std::vector<client::Lease> leases) {
   g->daemon_ids = std::move(daemon_ids);
   g->failed_since.assign(g->members.size(), now);
   const size_t k = static_cast<size_t>(res_.k);
-  g->nrows = rows_per_group_;
   g->sets = std::make_unique<SpanSet[]>(rows_per_group_);
   g->owners = std::make_unique<SpanOwner*[]>(rows_per_group_ * k);  // value-initialized: null
   for (uint32_t r = 0; r < rows_per_group_; ++r) {
@@ -319,7 +318,7 @@ void RemoteStore::CompactionCandidates(size_t max_spans, std::vector<SpanOwner*>
   };
   for (int live = 0; live < res_.k && out.size() < max_spans; ++live) {
     for (auto& g : groups_) {
-      for (uint32_t r = 0; r < g->nrows && out.size() < max_spans; ++r) {
+      for (uint32_t r = 0; r < rows_per_group_ && out.size() < max_spans; ++r) {
         SpanSet* set = &g->sets[r];
         if (set->group != nullptr && std::popcount(set->live_mask) == live) take(set);
       }
@@ -335,7 +334,7 @@ void RemoteStore::CompactionCandidates(size_t max_spans, std::vector<SpanOwner*>
       if (emptiest == nullptr || g->used_rows < emptiest->used_rows) emptiest = g.get();
     }
     if (emptiest != nullptr) {
-      for (uint32_t r = 0; r < emptiest->nrows; ++r) {
+      for (uint32_t r = 0; r < rows_per_group_; ++r) {
         SpanSet* set = &emptiest->sets[r];
         if (set->group != nullptr && std::popcount(set->live_mask) == res_.k) take(set);
       }

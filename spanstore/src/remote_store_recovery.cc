@@ -104,7 +104,8 @@ void RemoteStore::Reprotect(IoContext& io, Group* g) {
       MutexLock lock(&mu_);
       g->lost_mask |= failed;
       g->failed_mask = 0;
-      for (uint32_t r = 0; r < g->nrows; ++r) {  // the live data cells on the members given up
+      for (uint32_t r = 0; r < rows_per_group_;
+           ++r) {  // the live data cells on the members given up
         const SpanSet* set = &g->sets[r];
         if (set->group == nullptr) continue;
         const uint32_t gone = set->live_mask & failed;

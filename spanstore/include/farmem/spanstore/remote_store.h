@@ -118,12 +118,11 @@ struct Group {
   // Failed members that missed a span set written degraded meanwhile: rebuilt, never used
   // again as they are even if their daemon answers again with the lease (kLeasesReturned).
   uint32_t stale_mask = 0;
-  // One span set per row, made with the group (the slabs' rows bound the sets that can live
-  // here): taking and freeing a row allocates nothing (swap safety, docs/nbd.md). Row i is used
-  // while sets[i].group is set.
+  // One span set per row (RemoteStore::rows_per_group_), made with the group (the slabs' rows bound
+  // the sets that can live here): taking and freeing a row allocates nothing (swap safety,
+  // docs/nbd.md). Row i is used while sets[i].group is set.
   std::unique_ptr<SpanSet[]> sets;
   std::unique_ptr<SpanOwner*[]> owners;  // k per row: sets[i].spans is owners + i * k
-  uint32_t nrows = 0;
   uint32_t used_rows = 0;
   // Every row below it is used: where the search for a free row starts (the stripe layout takes
   // and frees a row per stripe written, scattered over a group of thousands of rows).
