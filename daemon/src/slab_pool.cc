@@ -108,11 +108,7 @@ Result<std::unique_ptr<SlabPool>> SlabPool::Create(const PoolOptions& options) {
       for (uint32_t i = 0; i < pool->total_; ++i) {
         if (const int e = pool->Populate(i); e != 0) mlock_errno = e;
       }
-      if (mlock_errno != 0) {
-        spdlog::warn("could not mlock the slab pool ({}): lent memory may be swapped out",
-                     strerror(mlock_errno));
-        pool->warned_mlock_ = true;
-      }
+      pool->WarnMlockFailed(mlock_errno);
     }
   }
   spdlog::info(
@@ -195,13 +191,7 @@ Result<std::vector<wire::LeaseGrant>> SlabPool::Grant(uint32_t count, const wire
   }
 
   lock.Lock();
-  if (mlock_errno != 0 && !warned_mlock_) {
-    warned_mlock_ = true;
-    spdlog::warn(
-        "could not mlock a leased slab ({}): lent memory may be swapped out; raise "
-        "RLIMIT_MEMLOCK (LimitMEMLOCK=infinity in systemd), run as root, or pass --no-mlock",
-        strerror(mlock_errno));
-  }
+  WarnMlockFailed(mlock_errno);
   if (!failed.ok()) {  // all or nothing: undo this grant
     for (size_t i = 0; i < count; ++i) {
       const uint32_t index = picked[i];
@@ -238,6 +228,15 @@ Result<std::vector<wire::LeaseGrant>> SlabPool::Grant(uint32_t count, const wire
 uint32_t SlabPool::Grantable() const {
   const uint32_t free = static_cast<uint32_t>(free_list_.size());
   return grant_budget_.has_value() ? std::min(free, *grant_budget_) : free;
+}
+
+void SlabPool::WarnMlockFailed(int mlock_errno) {
+  if (mlock_errno == 0 || warned_mlock_) return;
+  warned_mlock_ = true;
+  spdlog::warn(
+      "could not mlock a slab ({}): lent memory may be swapped out; raise RLIMIT_MEMLOCK "
+      "(LimitMEMLOCK=infinity in systemd), run as root, or pass --no-mlock",
+      strerror(mlock_errno));
 }
 
 int SlabPool::Populate(uint32_t index) {

@@ -230,6 +230,8 @@ class SlabPool {
   // took off the free list, which no other thread touches; or at start) and returns the errno
   // of a failed mlock (0: locked, or not asked to).
   int Populate(uint32_t index);
+  // Logs Populate's mlock failure (errno, 0: none) once per pool, with how to fix it.
+  void WarnMlockFailed(int mlock_errno) REQUIRES(mu_);
   void ReturnMemory(uint32_t index) REQUIRES(mu_);
   uint32_t Grantable() const REQUIRES(mu_);
   // Slabs `owner` holds a lease on.
