@@ -239,16 +239,23 @@ wire::ClientId Client(uint8_t b) {
   return id;
 }
 
+// A pool of `slabs` slabs of 1 MiB, nothing mlocked, leases that outlive the test; null (and a
+// failure) if it cannot be made.
+std::unique_ptr<SlabPool> SmallPool(uint64_t slabs, const char* max_client_share) {
+  auto p = SlabPool::Create({.capacity = slabs * kMiB,
+                             .slab_size = kMiB,
+                             .lease_ttl = milliseconds(60000),
+                             .mlock = false,
+                             .max_client_share = *ParseClientShare(max_client_share)});
+  EXPECT_TRUE(p.has_value()) << p.error().ToString();
+  return p.has_value() ? std::move(*p) : nullptr;
+}
+
 class ReclaimerTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    auto p = SlabPool::Create({.capacity = 8 * kMiB,
-                               .slab_size = kMiB,
-                               .lease_ttl = milliseconds(60000),
-                               .mlock = false,
-                               .max_client_share = *ParseClientShare("1")});
-    ASSERT_TRUE(p.has_value()) << p.error().ToString();
-    pool_ = std::move(*p);
+    pool_ = SmallPool(8, "1");
+    ASSERT_NE(pool_, nullptr);
     source_ = std::make_shared<FakeMemorySource>();
     source_->Set(Snap(1024, 900));
   }
@@ -392,13 +399,9 @@ class GatedRegistrar : public LeaseRegistrar {
 // made a healthy daemon look dead. While it is in progress its slabs count against the client's
 // share, and nobody else can be granted them.
 TEST(SlabPoolTest, AGrantInProgressBlocksNeitherHeartbeatsNorOtherClients) {
-  auto p = SlabPool::Create({.capacity = 4 * kMiB,
-                             .slab_size = kMiB,
-                             .lease_ttl = milliseconds(60000),
-                             .mlock = false,
-                             .max_client_share = *ParseClientShare("50%")});
-  ASSERT_TRUE(p.has_value()) << p.error().ToString();
-  SlabPool& pool = **p;
+  std::unique_ptr<SlabPool> p = SmallPool(4, "50%");
+  ASSERT_NE(p, nullptr);
+  SlabPool& pool = *p;
   GatedRegistrar registrar;
   pool.SetRegistrar(&registrar);
   Result<std::vector<wire::LeaseGrant>> first = Err(Internal("not run"));
