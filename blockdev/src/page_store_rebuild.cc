@@ -472,6 +472,17 @@ Status PageStore::RebuildExtent(Worker& w, uint64_t index, bool wait) {
   Status result;
   for (size_t j = 0; j < n; ++j) {
     if (!((failed >> j) & 1)) continue;
+    // Its daemon may have answered with the lease since the caller looked (a node-up starts a
+    // pass while the cluster is still asking it; kLeasesReturned is on its way): a member that
+    // missed nothing is used again as it is, decided here where the rebuild would start, never
+    // copied to a fresh lease (on the same daemon, as like as not).
+    if (!IsVacant(members[j])) {
+      const LostLease self{members[j].node, members[j].id()};
+      if (RevalidateExtent(e, {&self, 1}) > 0) {
+        CountStat(&PageStoreStats::revalidated_members, 1);
+        continue;
+      }
+    }
     if (!IsVacant(members[j]) &&
         cluster_->GetLeaseState(members[j]) == client::LeaseState::kRetained &&
         cluster_->node(members[j].node).alive) {

@@ -201,6 +201,16 @@ void RemoteStore::Reprotect(IoContext& io, Group* g) {
   for (int j = 0; j < n; ++j) {
     if (((failed >> j) & 1) == 0) continue;
     const client::Lease& was = members[static_cast<size_t>(j)];
+    {
+      // Its daemon may have answered with the lease since the look above (a node-up starts a
+      // pass while the cluster is still asking it): a member that missed nothing is used again
+      // as it is, decided here where the rebuild would start, never copied to a fresh lease.
+      MutexLock lock(&mu_);
+      if (RevalidateLocked(g, j)) {
+        EndEpisodeIfWholeLocked();
+        continue;
+      }
+    }
     if (!Vacant(was) && cluster_->GetLeaseState(was) == client::LeaseState::kRetained &&
         cluster_->node(was.node).alive) {
       continue;  // its daemon answers again and is being asked for the lease: wait for that
