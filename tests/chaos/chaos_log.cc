@@ -29,10 +29,14 @@ const std::regex kUpPattern(R"(farmem client: node \d+ \(([^)]+)\) is up)");
 // One line per member re-protected: the page store's rebuild (blockdev/src/page_store_rebuild.cc,
 // RebuildExtent: "page store: extent 3 member 1 rebuilt on 127.0.0.1:4711 (1 MiB)"), far_ptr's
 // re-protection (spanstore/src/remote_store_recovery.cc: "far memory: slab group 6 member 1
-// re-protected on 127.0.0.1:4711 (12 span sets rebuilt in 3 ms; 5012 ms after it went missing)").
+// re-protected on 127.0.0.1:4711 (12 span sets rebuilt in 3 ms; 5012 ms after it went missing)"),
+// or a far_ptr / stripe member whose daemon answered again with the lease before it was rebuilt
+// (spanstore/src/remote_store.cc, RevalidateLocked: "far memory: slab group 6 member 1
+// (127.0.0.1:4711) is in use again: ..."): whole again either way.
 const std::regex kReprotectPatterns[] = {
     std::regex(R"(page store: extent \d+ member \d+ rebuilt on)"),
     std::regex(R"(far memory: slab group \d+ member \d+ re-protected on)"),
+    std::regex(R"(far memory: slab group \d+ member \d+ \([^)]*\) is in use again)"),
 };
 
 // The page store's end of a degraded episode (page_store_rebuild.cc, Reprotect): "page store: every
