@@ -456,6 +456,14 @@ void RegisterStripeMetrics(farmem::metrics::Registry* r, farmem::blockdev::Strip
   stat("farmem_export_stripe_leased_bytes",
        "Stripe layout: memory leased from the daemons (whole slab groups).", Type::kGauge,
        [](const Stats& s) { return s.leased_bytes; });
+  stat("farmem_export_stripe_groups_leased_ahead_total",
+       "Stripe layout: slab groups (k + r slabs) leased in the background before writes needed "
+       "them.",
+       Type::kCounter, [](const Stats& s) { return s.groups_leased_ahead; });
+  stat("farmem_export_stripe_groups_leased_by_writers_total",
+       "Stripe layout: slab groups a write had to lease itself, waiting for k + r ALLOCs (the "
+       "first group; later ones only when writes outran the background lease or it failed).",
+       Type::kCounter, [](const Stats& s) { return s.groups_leased_by_writers; });
   stat("farmem_export_stripe_sets_written_total", "Stripe layout: stripes written by writes.",
        Type::kCounter, [](const Stats& s) { return s.sets_written; });
   stat("farmem_export_stripe_short_sets_written_total",

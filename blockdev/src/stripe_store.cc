@@ -135,7 +135,8 @@ Status StripeStore::Init() {
   }
   FARMEM_ASSIGN_OR_RETURN(
       remote_, spanstore::RemoteStore::Create(cluster_, res, static_cast<uint32_t>(kPage),
-                                              options_.op_timeout, options_.reconcile_interval));
+                                              options_.op_timeout, options_.reconcile_interval,
+                                              options_.lease_ahead));
   table_ = std::make_unique<PageEntry[]>(pages_);
   locks_ = std::make_unique<SharedMutex[]>(kLockStripes);
   remote_->SetLostObserver([this](uint32_t group, std::span<spanstore::SpanOwner* const> spans) {
@@ -931,6 +932,8 @@ StripeStoreStats StripeStore::stripe_stats() const {
   s.sets = rs.sets;
   s.set_bytes = rs.set_bytes;
   s.leased_bytes = rs.leased_bytes;
+  s.groups_leased_ahead = rs.groups_leased_ahead;
+  s.groups_leased_by_writers = rs.groups_leased_by_writers;
   s.sets_written = sets_written_.load(std::memory_order_relaxed);
   s.short_sets = short_sets_.load(std::memory_order_relaxed);
   s.compactions = compactions_.load(std::memory_order_relaxed);

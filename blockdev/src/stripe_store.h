@@ -107,7 +107,8 @@ struct StripeStoreOptions {
   std::chrono::milliseconds op_timeout{5000};
   std::chrono::microseconds busy_poll{0};  // client::ChannelSet::SetBusyPoll of the workers
   std::chrono::milliseconds reconcile_interval{1000};  // RemoteStore's
-  std::chrono::milliseconds startup_wait{10000};       // for k live daemons
+  bool lease_ahead = true;  // RemoteStore::Create's: the next slab group leased in the background
+  std::chrono::milliseconds startup_wait{10000};  // for k live daemons
   bool encrypt = true;
   std::optional<aead::Key> data_key;  // empty: a fresh one
   PageCrypto::SealObserver seal_observer;
@@ -127,6 +128,10 @@ struct StripeStoreStats {
   uint64_t sets = 0;          // span sets in use
   uint64_t set_bytes = 0;     // sets * (k + r) * 4096: rows in use
   uint64_t leased_bytes = 0;  // slabs leased from the daemons
+  // Slab groups placed ahead of need in the background, and by a writer that found no free row
+  // (spanstore::RemoteStoreStats).
+  uint64_t groups_leased_ahead = 0;
+  uint64_t groups_leased_by_writers = 0;
   uint64_t sets_written = 0;  // by writes (not compaction)
   uint64_t short_sets = 0;    // of those, with fewer than k pages
   uint64_t compactions = 0;   // compaction passes that moved something

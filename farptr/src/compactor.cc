@@ -56,8 +56,11 @@ bool Heap::CompactionWanted() const {
   if (static_cast<double>(rs.set_bytes) > expansion * live * options_.compact_trigger + slack) {
     return true;
   }
-  // Slabs held beyond the rows in use: at least one whole group could go back.
-  return rs.groups > 0 && rs.leased_bytes - rs.set_bytes >= rs.leased_bytes / rs.groups;
+  // Slabs held beyond the rows in use: at least one whole group could go back. An empty group
+  // (leased ahead of need) holds no row to move: it does not count.
+  if (rs.groups <= rs.empty_groups) return false;
+  const uint64_t group_bytes = rs.leased_bytes / rs.groups;
+  return rs.leased_bytes - rs.empty_groups * group_bytes - rs.set_bytes >= group_bytes;
 }
 
 Status Heap::Compact() {

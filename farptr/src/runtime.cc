@@ -167,7 +167,7 @@ Status Heap::Start() {
   FARMEM_ASSIGN_OR_RETURN(cluster_, client::Cluster::Connect(std::move(co)));
   FARMEM_ASSIGN_OR_RETURN(store_,
                           RemoteStore::Create(cluster_.get(), res_, span_size_, options_.op_timeout,
-                                              options_.reconcile_interval));
+                                              options_.reconcile_interval, options_.lease_ahead));
   evictor_ = std::thread([this] { EvictorLoop(); });
   for (int i = 0; i < options_.prefetch_threads; ++i) {
     prefetchers_.emplace_back([this] { PrefetchLoop(); });

@@ -14,18 +14,20 @@ namespace farmem::spanstore {
 
 RemoteStore::RemoteStore(client::Cluster* cluster, client::Resilience res, uint32_t span_size,
                          std::chrono::milliseconds op_timeout,
-                         std::chrono::milliseconds reconcile_interval)
+                         std::chrono::milliseconds reconcile_interval, bool lease_ahead)
     : cluster_(cluster),
       res_(res),
       span_size_(span_size),
       op_timeout_(op_timeout),
-      reconcile_interval_(std::max(reconcile_interval, std::chrono::milliseconds(10))) {}
+      reconcile_interval_(std::max(reconcile_interval, std::chrono::milliseconds(10))),
+      lease_ahead_(lease_ahead) {}
 
 Result<std::unique_ptr<RemoteStore>> RemoteStore::Create(
     client::Cluster* cluster, client::Resilience res, uint32_t span_size,
-    std::chrono::milliseconds op_timeout, std::chrono::milliseconds reconcile_interval) {
+    std::chrono::milliseconds op_timeout, std::chrono::milliseconds reconcile_interval,
+    bool lease_ahead) {
   std::unique_ptr<RemoteStore> s(
-      new RemoteStore(cluster, res, span_size, op_timeout, reconcile_interval));
+      new RemoteStore(cluster, res, span_size, op_timeout, reconcile_interval, lease_ahead));
   FARMEM_RETURN_IF_ERROR(s->Init());
   return s;
 }
@@ -118,10 +120,51 @@ SpanSet* RemoteStore::TakeRowLocked(bool degraded, SetMembers* members, uint64_t
   set->id = next_set_id_++;
   ++best->used_rows;
   ++sets_;
-  std::copy(best->members.begin(), best->members.end(), members->begin());
+  best->CopyMembers(members);
   *epoch = best->epoch;
   *absent = best->failed_mask | best->lost_mask;
+  // The next group before this one is full: half a group of rows is time enough to place it
+  // at any write rate the data path reaches (k + r ALLOCs take tens of milliseconds).
+  if (lease_ahead_ && !degraded && !lease_ahead_wanted_ && !lease_ahead_failed_ &&
+      FreeCompleteRowsLocked() < rows_per_group_ / 2) {
+    lease_ahead_wanted_ = true;
+    recovery_cv_.SignalAll();
+  }
   return set;
+}
+
+uint64_t RemoteStore::FreeCompleteRowsLocked() const {
+  uint64_t free_rows = 0;
+  for (const auto& g : groups_) {
+    if (g->rebuilding || g->leaving_mask != 0 || g->failed_mask != 0 || g->lost_mask != 0) {
+      continue;
+    }
+    free_rows += rows_per_group_ - g->used_rows;
+  }
+  return free_rows;
+}
+
+void RemoteStore::LeaseAhead() {
+  // A writer placing a group now places the one this would: nothing to do.
+  if (!alloc_mu_.TryLock()) return;
+  MutexLock alloc(&alloc_mu_, kAdoptLock);
+  {
+    MutexLock lock(&mu_);
+    if (stopping_ || FreeCompleteRowsLocked() >= rows_per_group_ / 2) return;
+  }
+  Result<std::vector<client::Lease>> leases =
+      cluster_->AllocateGroup(static_cast<size_t>(res_.group_size()));
+  if (!leases) {
+    // No room for a complete group: a writer that needs one finds out itself (and places a
+    // degraded one if it may). Not tried again until a daemon comes up or the next tick.
+    spdlog::debug("far memory: leasing the next slab group ahead: {}", leases.error().ToString());
+    MutexLock lock(&mu_);
+    lease_ahead_failed_ = true;
+    return;
+  }
+  AddGroup(std::move(*leases));
+  MutexLock lock(&mu_);
+  ++groups_leased_ahead_;
 }
 
 Result<SpanSet*> RemoteStore::ReserveRow(bool allow_degraded, SetMembers* members, uint64_t* epoch,
@@ -159,6 +202,10 @@ Result<SpanSet*> RemoteStore::ReserveRow(bool allow_degraded, SetMembers* member
       full_alloc_failed_ = false;
     }
     AddGroup(std::move(*leases));
+    {
+      MutexLock lock(&mu_);
+      ++groups_leased_by_writers_;
+    }
     attempt = -1;  // the new group has room: take a row from it
   }
   return Err(Internal("no span-set row after allocating a group"));
@@ -308,7 +355,11 @@ void RemoteStore::CompactionCandidates(size_t max_spans, std::vector<SpanOwner*>
   std::vector<SpanOwner*>& out = *candidates;
   out.clear();
   uint64_t used_rows = 0;
-  for (auto& g : groups_) used_rows += g->used_rows;
+  uint64_t groups_in_use = 0;  // not the one leased ahead (empty): nothing there to move
+  for (auto& g : groups_) {
+    used_rows += g->used_rows;
+    groups_in_use += g->used_rows != 0 ? 1 : 0;
+  }
   auto take = [&](SpanSet* set) {
     for (int m = 0; m < res_.k && out.size() < max_spans; ++m) {
       if (set->spans[static_cast<size_t>(m)] != nullptr) {
@@ -327,7 +378,7 @@ void RemoteStore::CompactionCandidates(size_t max_spans, std::vector<SpanOwner*>
   // Whole groups are what the daemons get back: if the rows in use would fit in fewer groups,
   // empty the emptiest one.
   const uint64_t needed = (used_rows + rows_per_group_ - 1) / rows_per_group_;
-  if (groups_.size() > needed && out.size() < max_spans) {
+  if (groups_in_use > needed && out.size() < max_spans) {
     Group* emptiest = nullptr;
     for (auto& g : groups_) {
       if (g->rebuilding || g->used_rows == 0) continue;
@@ -374,6 +425,8 @@ RemoteStoreStats RemoteStore::stats() const {
   s.set_bytes = sets_ * static_cast<uint64_t>(res_.group_size()) * span_size_;
   s.groups = groups_.size();
   s.leased_bytes = groups_.size() * static_cast<uint64_t>(res_.group_size()) * slab_size_;
+  s.groups_leased_ahead = groups_leased_ahead_;
+  s.groups_leased_by_writers = groups_leased_by_writers_;
   s.degraded_reads = degraded_reads_;
   s.members_reprotected = reprotected_;
   s.rebuilt_bytes = rebuilt_bytes_;
@@ -386,6 +439,7 @@ RemoteStoreStats RemoteStore::stats() const {
       s.degraded_sets += g->used_rows;
     }
     s.members_missing += static_cast<uint64_t>(std::popcount(g->failed_mask));
+    s.empty_groups += g->used_rows == 0 ? 1 : 0;
   }
   s.degraded_sets_written = degraded_sets_written_;
   s.reprotect_last_ms = reprotect_last_ms_;
@@ -516,6 +570,7 @@ void RemoteStore::OnClusterEvent(const client::Event& ev) {
       MutexLock lock(&mu_);
       retry_all_ = true;
       full_alloc_failed_ = false;
+      lease_ahead_failed_ = false;
     }
     recovery_cv_.SignalAll();
   }
@@ -586,10 +641,19 @@ void RemoteStore::RecoveryLoop() {
     EndEpisodeIfWholeLocked();
     recovery_cv_.WaitUntil(&mu_, std::min(next_reconcile, NextMoveTryLocked()), [&] {
       mu_.AssertHeld();
-      return stopping_ || !recovery_queue_.empty() || retry_all_ ||
+      return stopping_ || !recovery_queue_.empty() || retry_all_ || lease_ahead_wanted_ ||
              NextMoveTryLocked() <= Clock::now();
     });
     if (stopping_) return;
+    if (lease_ahead_wanted_) {
+      // Before moves and rebuilds: writers are about to need it, and it takes one ALLOC per
+      // member (a rebuild of a whole slab takes far longer).
+      lease_ahead_wanted_ = false;
+      lock.Unlock();
+      LeaseAhead();
+      lock.Lock();
+      continue;
+    }
     const bool tick = Clock::now() >= next_reconcile;
     if (tick || retry_all_) {
       // A daemon came up or freed memory: moves waiting for room try again now.
@@ -608,6 +672,7 @@ void RemoteStore::RecoveryLoop() {
       // member whose daemon went down or restarted without its event reaching us.
       next_reconcile = Clock::now() + reconcile_interval_;
       full_alloc_failed_ = false;
+      lease_ahead_failed_ = false;
       lock.Unlock();
       ReconcileMembers();
       lock.Lock();

@@ -354,7 +354,7 @@ Status RemoteStore::ReadSpan(IoContext& io, SpanSet* set, int member, uint8_t* d
     uint32_t group_id = 0;
     {
       MutexLock lock(&mu_);
-      std::copy(set->group->members.begin(), set->group->members.end(), members.begin());
+      set->group->CopyMembers(&members);
       bad = set->group->failed_mask | set->group->lost_mask;
       row = set->row;
       set_id = set->id;

@@ -169,7 +169,8 @@ TEST_F(StripeStoreTest, SurvivesOneThenASecondDaemonKilledAndReprotects) {
 // check both figures read 0 (issue 13).
 TEST_F(StripeStoreTest, CapacityCheckCountsGroupsNotLeasedAndMembersToReprotect) {
   StartDaemons(3, "8M");
-  OpenStripe("ec:2+1");
+  // The figures count the groups this test writes: no group leased ahead of them.
+  OpenStripe("ec:2+1", true, 1.5, "", [](StripeStoreOptions& o) { o.lease_ahead = false; });
   auto stats_are = [&](uint64_t needed, uint64_t free_slabs) {
     return WaitUntil(
         [&] {
@@ -189,6 +190,37 @@ TEST_F(StripeStoreTest, CapacityCheckCountsGroupsNotLeasedAndMembersToReprotect)
   VerifyAll();  // degraded reads
 }
 
+// The next slab group is leased in the background once the groups in use are half full, so the
+// writes that fill a group find the next one waiting instead of placing k + r slabs themselves
+// (one ALLOC after another, each populating a slab). ec:2+1 in 1 MiB slabs: 256 stripes of 2
+// pages per group of 3 slabs.
+TEST_F(StripeStoreTest, NextGroupIsLeasedBeforeWritesNeedIt) {
+  StartDaemons(3, "8M");
+  OpenStripe("ec:2+1");
+  auto write = [&](uint64_t first_stripe, uint64_t stripes) {
+    std::vector<uint8_t> data(stripes * 2 * 4096);
+    for (size_t i = 0; i < data.size(); ++i) data[i] = static_cast<uint8_t>(i / 4096 + 7);
+    const uint64_t at = first_stripe * 2 * 4096;
+    ASSERT_TRUE(Target().Write(at, data, false).ok());
+    std::memcpy(shadow_.data() + at, data.data(), data.size());
+  };
+  // 129 stripes: fewer than half of the first group's rows are left.
+  write(0, 129);
+  ASSERT_TRUE(WaitUntil([&] { return stripe_->stripe_stats().groups_leased_ahead == 1; },
+                        std::chrono::seconds(10)))
+      << "the next group was not leased ahead: " << Stats();
+  EXPECT_EQ(stripe_->stripe_stats().groups_leased_by_writers, 1u) << "the first group";
+  EXPECT_EQ(stripe_->stripe_stats().leased_bytes, 6u << 20) << Stats();
+  // The rest of the first group and a quarter of the second: no write waits for a group, and
+  // the second is not half used, so no third is leased.
+  write(129, 127 + 64);
+  const StripeStoreStats t = stripe_->stripe_stats();
+  EXPECT_EQ(t.groups_leased_by_writers, 1u) << "a write placed a group itself: " << Stats();
+  EXPECT_EQ(t.groups_leased_ahead, 1u);
+  EXPECT_EQ(t.sets, 256u + 64u);
+  VerifyAll();
+}
+
 // Eviction notices on a stripe export count as the split layout's do. Four daemons, ec:2+1: the
 // members of a drained daemon move to the daemon outside their group, and the first write of each
 // target fails (injected), so a copy is abandoned and done again: every member moved, none
@@ -198,7 +230,9 @@ TEST_F(StripeStoreTest, CapacityCheckCountsGroupsNotLeasedAndMembersToReprotect)
 // copies_abandoned and moves_missed read 0 (issue 13).
 TEST_F(StripeStoreTest, EvictionNoticesCountMissedMovesAndAbandonedCopies) {
   StartDaemons(4, "8M");
-  OpenStripe("ec:2+1");
+  // The figures count the two groups written, each member with 256 stripes: no group leased
+  // ahead of them (it would move too, with none).
+  OpenStripe("ec:2+1", true, 1.5, "", [](StripeStoreOptions& o) { o.lease_ahead = false; });
   std::vector<uint8_t> data(2 * 256 * 2 * 4096, 0x3c);  // two slab groups
   ASSERT_TRUE(Target().Write(0, data, false).ok());
   std::memcpy(shadow_.data(), data.data(), data.size());

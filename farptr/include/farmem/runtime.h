@@ -122,6 +122,9 @@ struct RuntimeOptions {
   // one restarted); this is how often the remote store also looks on its own, for what events do
   // not announce (a daemon that freed memory, a missed event).
   std::chrono::milliseconds reconcile_interval{1000};
+  // The next slab group is leased in the background when the current ones are half full
+  // (spanstore::RemoteStore::Create), so an eviction rarely waits for k + r ALLOCs.
+  bool lease_ahead = true;
   // Make this runtime the one make_far<T>(args...) without a runtime uses.
   bool make_default = true;
   // For tests of failure interleavings: faults injected into every data channel

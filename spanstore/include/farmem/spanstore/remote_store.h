@@ -42,6 +42,7 @@
 // single-threaded).
 #pragma once
 
+#include <algorithm>
 #include <array>
 #include <cstdint>
 #include <deque>
@@ -133,6 +134,11 @@ struct Group {
   bool queued = false;           // in the recovery queue
   uint64_t epoch = 0;            // bumped whenever a member is replaced
   bool degraded_logged = false;  // recovery thread only: say "runs degraded" once
+
+  // members as a reader or writer takes them under the store's lock.
+  void CopyMembers(SetMembers* out) const {
+    std::copy(members.begin(), members.end(), out->begin());
+  }
 };
 
 // Per-thread I/O state: channels by node, scratch for parity and degraded reads. Made by
@@ -163,6 +169,9 @@ struct RemoteStoreStats {
   // span_size bytes each, counted once when the member is given up.
   uint64_t lost_bytes = 0;
   uint64_t groups = 0;
+  // Of those, groups with no set: the one leased ahead (lease_ahead) — a group is freed when its
+  // last set is. Held, but nothing compaction could give back.
+  uint64_t empty_groups = 0;
   uint64_t degraded_sets = 0;       // in groups with a failed member that can still be rebuilt
   uint64_t unrecoverable_sets = 0;  // in groups that lost more members than they survive
   uint64_t degraded_sets_written = 0;
@@ -204,16 +213,27 @@ struct RemoteStoreStats {
   uint64_t last_episode_degraded_ms = 0;
   uint64_t last_episode_reprotect_ms = 0;
   uint64_t last_episode_rebuilt_bytes = 0;
+  // Groups placed: by the recovery thread ahead of need (lease_ahead), and by a writer that
+  // found no free row and placed one itself (the first group always; with lease_ahead, only
+  // when writes outran the lease ahead or it failed).
+  uint64_t groups_leased_ahead = 0;
+  uint64_t groups_leased_by_writers = 0;
 };
 
 class RemoteStore {
  public:
   // `reconcile_interval`: how often the recovery thread looks for degraded groups and failed
   // members by itself (RuntimeOptions::reconcile_interval).
+  // `lease_ahead`: when the complete groups' free rows fall below half a group, the recovery
+  // thread leases the next group in the background, so that a writer finds rows waiting rather
+  // than placing k + r slabs itself (one ALLOC after another, each populating a slab on its
+  // daemon: tens of milliseconds at 64 MiB). It costs at most one group leased before it is
+  // needed; off, a writer that runs out of rows places the next group itself.
   static Result<std::unique_ptr<RemoteStore>> Create(
       client::Cluster* cluster, client::Resilience res, uint32_t span_size,
       std::chrono::milliseconds op_timeout,
-      std::chrono::milliseconds reconcile_interval = std::chrono::milliseconds(1000));
+      std::chrono::milliseconds reconcile_interval = std::chrono::milliseconds(1000),
+      bool lease_ahead = true);
   ~RemoteStore();
 
   const client::Resilience& resilience() const { return res_; }
@@ -355,7 +375,8 @@ class RemoteStore {
 
  private:
   RemoteStore(client::Cluster* cluster, client::Resilience res, uint32_t span_size,
-              std::chrono::milliseconds op_timeout, std::chrono::milliseconds reconcile_interval);
+              std::chrono::milliseconds op_timeout, std::chrono::milliseconds reconcile_interval,
+              bool lease_ahead);
   Status Init();
 
   // Members a span set needs to be written (and read) at all: k for erasure, else 1.
@@ -373,6 +394,12 @@ class RemoteStore {
       REQUIRES(mu_);
   // Adds a group over `leases` (k + r of them; Vacant() ones are failed from the start).
   void AddGroup(std::vector<client::Lease> leases);
+  // lease_ahead: places the next complete group if the complete groups still have fewer than
+  // half a group of free rows and no writer is placing one (recovery thread).
+  void LeaseAhead();
+  // Free rows in the groups a writer takes rows from first (complete, no rebuild, no leaving
+  // member).
+  uint64_t FreeCompleteRowsLocked() const REQUIRES(mu_);
   // As many slabs on distinct daemons as can be had, at least MinMembers(): a degraded group.
   // `full_error` is why a complete group could not be had (quoted when this fails too).
   Result<std::vector<client::Lease>> AllocateDegraded(const Status& full_error);
@@ -476,6 +503,7 @@ class RemoteStore {
   const uint32_t span_size_;
   const std::chrono::milliseconds op_timeout_;
   const std::chrono::milliseconds reconcile_interval_;
+  const bool lease_ahead_;
   uint64_t slab_size_ = 0;
   uint32_t rows_per_group_ = 0;
   std::unique_ptr<ec::ReedSolomon> codec_;
@@ -494,6 +522,13 @@ class RemoteStore {
   // A complete group could not be had lately: degraded groups with room take rows first. Cleared
   // by node-up events and reconcile ticks.
   bool full_alloc_failed_ GUARDED_BY(mu_) = false;
+  // lease_ahead: a writer left the complete groups with fewer than half a group of free rows;
+  // the recovery thread leases the next group (LeaseAhead). lease_ahead_failed_: the last try
+  // found no room; not tried again until a node-up event or a reconcile tick.
+  bool lease_ahead_wanted_ GUARDED_BY(mu_) = false;
+  bool lease_ahead_failed_ GUARDED_BY(mu_) = false;
+  uint64_t groups_leased_ahead_ GUARDED_BY(mu_) = 0;
+  uint64_t groups_leased_by_writers_ GUARDED_BY(mu_) = 0;
   bool stopping_ GUARDED_BY(mu_) = false;
   uint32_t next_group_id_ GUARDED_BY(mu_) = 1;
   uint32_t next_set_id_ GUARDED_BY(mu_) = 1;
