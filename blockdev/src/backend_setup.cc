@@ -73,6 +73,11 @@ void AddBackendFlags(CLI::App& app, BackendConfig* cfg) {
                "compute the new stripes' parity themselves (~40x fewer client bytes; at 4 KiB "
                "cells more client CPU per page and slower passes: docs/nbd.md). The daemons must "
                "reach each other at the addresses the client knows them by");
+  app.add_flag("!--no-lease-ahead", cfg->lease_ahead,
+               "farmem, stripe layout only: do not lease the next slab group (k+r slabs) in the "
+               "background once the groups in use are half full; a write that finds no free row "
+               "then waits for k+r ALLOCs. For comparisons, or lenders that must hold no slab "
+               "before it is written (docs/nbd.md)");
   app.add_option("--backup", cfg->backup,
                  "farmem: also write every block to this local file (io_uring); reads fall back "
                  "to it when remote copies are gone");
@@ -151,7 +156,7 @@ Status CheckFlagsApply(const CLI::App& app, const BackendConfig& cfg) {
       {"--peers", "--peers-dns", "--secret-file", "--key-file", "--resilience", "--ec-layout",
        "--backup", "--transport", "--heartbeat-ms", "--failure-timeout-ms", "--overcommit",
        "--peer-wait-ms", "--encrypt", "--data-key-file", "--write-cache-pages",
-       "--write-cache-max-age-ms", "--busy-poll-us", "--compaction-offload"},
+       "--write-cache-max-age-ms", "--busy-poll-us", "--compaction-offload", "--no-lease-ahead"},
       "only to --backend farmem, and this is --backend " + cfg.kind +
           " (the device lives in this process's RAM): add --backend farmem, or leave "
           "them out");
@@ -191,6 +196,15 @@ Result<ExportResilience> ParseExportResilience(std::string_view text) {
   return out;
 }
 
+namespace {
+// The first option given that only the stripe layout takes, or null.
+const char* StripeOnlyFlag(const BackendConfig& cfg) {
+  if (cfg.compaction_offload) return "--compaction-offload";
+  if (!cfg.lease_ahead) return "--no-lease-ahead";
+  return nullptr;
+}
+}  // namespace
+
 Status ResolveLayout(BackendConfig* cfg) {
   if (cfg->kind != "farmem") return Status::Ok();
   auto parsed = ParseExportResilience(cfg->resilience);
@@ -205,11 +219,11 @@ Status ResolveLayout(BackendConfig* cfg) {
           " (none and replicate keep whole pages: there is no layout to choose): give "
           "--resilience ec:k+r, or leave out --ec-layout");
     }
-    if (cfg->compaction_offload) {
-      return farmem::InvalidArgument(
-          "--compaction-offload applies only to the stripe layout of an ec:k+r --resilience, "
-          "and this is --resilience " +
-          cfg->resilience + ": give --resilience ec:k+r, or leave out --compaction-offload");
+    if (const char* flag = StripeOnlyFlag(*cfg)) {
+      return farmem::InvalidArgument(fmt::format(
+          "{} applies only to the stripe layout of an ec:k+r --resilience, and this is "
+          "--resilience {}: give --resilience ec:k+r, or leave out {}",
+          flag, cfg->resilience, flag));
     }
     return Status::Ok();
   }
@@ -226,13 +240,12 @@ Status ResolveLayout(BackendConfig* cfg) {
                              : given.empty()       ? "the default for ec:k+r"
                                                    : "--ec-layout " + given;
   if (layout == "split") {
-    if (cfg->compaction_offload) {
-      return farmem::InvalidArgument(
-          "--compaction-offload applies only to the stripe layout (the split layout does not "
-          "compact), and " +
-          chosen +
-          " chose the split layout: leave out --compaction-offload, or give --resilience " + ec +
-          " without --ec-layout split (the stripe layout)");
+    if (const char* flag = StripeOnlyFlag(*cfg)) {
+      return farmem::InvalidArgument(fmt::format(
+          "{} applies only to the stripe layout (the split layout places each extent's slabs "
+          "when it is first written, and does not compact), and {} chose the split layout: "
+          "leave out {}, or give --resilience {} without --ec-layout split (the stripe layout)",
+          flag, chosen, flag, ec));
     }
   } else if (Status s = StripeStore::CheckResilience(res); !s.ok()) {
     return s.WithContext("--resilience " + ec + " in the stripe layout (" + chosen + ")");
@@ -394,6 +407,7 @@ Result<std::unique_ptr<BlockBackend>> OpenBackend(BackendConfig& cfg) {
       so.busy_poll = po.busy_poll;
       so.backup_path = cfg.backup;
       so.compaction_offload = cfg.compaction_offload;
+      so.lease_ahead = cfg.lease_ahead;
       FARMEM_ASSIGN_OR_RETURN(
           store, farmem::blockdev::StripeStore::Create(cfg.cluster.get(), std::move(so)));
     } else {

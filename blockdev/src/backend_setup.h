@@ -34,6 +34,9 @@ struct BackendConfig {
   std::string ec_layout;
   // Stripe layout only: the daemons move the cells compaction moves (StripeStoreOptions).
   bool compaction_offload = false;
+  // Stripe layout only: the next slab group is leased before writes need it (StripeStoreOptions;
+  // --no-lease-ahead turns it off).
+  bool lease_ahead = true;
   uint32_t heartbeat_ms = 500, failure_timeout_ms = 2000, peer_wait_ms = 5000;
   // The write-back page cache in front of the page store (write_cache.h, docs/nbd.md).
   uint32_t write_cache_pages = 256, write_cache_max_age_ms = 100;

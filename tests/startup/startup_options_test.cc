@@ -193,6 +193,12 @@ TEST_F(StartupOptionsTest, FarmemNbdRefusesLayoutOptionsWhereTheyDoNotApply) {
   refused({"--resilience", "ec-split:2+1", "--compaction-offload"},
           {"--compaction-offload applies only to the stripe layout",
            "--resilience ec-split:2+1 chose the split layout"});
+  refused({"--resilience", "replicate:2", "--no-lease-ahead"},
+          {"--no-lease-ahead applies only to the stripe layout of an ec:k+r --resilience",
+           "leave out --no-lease-ahead"});
+  refused({"--resilience", "ec:2+1", "--ec-layout", "split", "--no-lease-ahead"},
+          {"--no-lease-ahead applies only to the stripe layout",
+           "--ec-layout split chose the split layout"});
   // Two spellings that ask for different layouts.
   refused({"--resilience", "ec-split:2+1", "--ec-layout", "stripe"},
           {"--resilience ec-split:2+1 asks for the split layout and --ec-layout stripe for the "
