@@ -194,7 +194,7 @@ Status NbdVerifier::Connect() {
     conn->client.emplace(std::move(*client));
     conn->unit = options_.unit;
     conn->r.unit = options_.unit;
-    conn->rng.seed(0xC4A05 + static_cast<uint64_t>(c));
+    conn->rng.seed(0xC4A05 + options_.seed * 1000 + static_cast<uint64_t>(c));
     conns_.push_back(std::move(conn));
   }
   const uint64_t total = size_ / options_.unit;

@@ -288,6 +288,7 @@ class NbdWorkload : public Workload {
     NbdWorkloadOptions o;
     o.socket_path = socket_;
     o.ops_per_second = config_.nbd_ops_per_second;
+    o.seed = config_.seed;
     if (scenario_.subpage) {
       o.unit = 512;
       o.max_request_blocks = 32;  // up to 16 KiB
@@ -371,7 +372,8 @@ class FarptrWorkload : public Workload {
   Status Start() override {
     std::vector<std::string> argv = {config_.farptr_workload, "--objects",
                                      std::to_string(config_.farptr_objects), "--compact",
-                                     scenario_.compact ? "on" : "off"};
+                                     scenario_.compact ? "on" : "off", "--seed",
+                                     std::to_string(config_.seed)};
     std::ranges::copy(ClusterArgs(), std::back_inserter(argv));
     SpawnOptions so;
     so.stdout_path = dir_ + "/farptr.out";
