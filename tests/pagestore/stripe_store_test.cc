@@ -160,6 +160,45 @@ TEST_F(StripeStoreTest, SurvivesOneThenASecondDaemonKilledAndReprotects) {
   EXPECT_EQ(s.episode_reprotected_extents, 0u) << "no episode runs";
 }
 
+// A false down on three daemons, ec:2+1: every group has a member on the paused daemon and no
+// daemon outside it, so nothing can be rebuilt; when the daemon answers again with its leases,
+// every member is used again as it was. The episode's end is said in the log, as when members
+// are rebuilt: before, a store made whole by revalidation alone said nothing, and the chaos
+// driver (which waits for that line or for one rebuild line per failed member) took
+// ec21-stripe-gray in its long form for "re-protection not finished after 120 s: 31 of 130
+// members" (the other 99 had come back with their daemon).
+TEST_F(StripeStoreTest, WholeAgainByRevalidationAloneIsLogged) {
+  StartDaemons(3, "24M", /*reconnect_ms=*/100);
+  OpenStripe("ec:2+1");
+  RandomWrites(200, 21);
+  testing::LogCapture log;
+  (*daemons_)[0].Pause();
+  WaitUntilNoticedDown(0);
+  ASSERT_TRUE(
+      WaitUntil([&] { return stripe_->stats().degraded_extents > 0; }, std::chrono::seconds(10)))
+      << "the paused daemon's members were never marked failed: " << Stats();
+  (*daemons_)[0].Resume();
+  ASSERT_TRUE(cluster_->WaitForNode(0, client::NodeState::kUp, std::chrono::seconds(10)).ok())
+      << Describe();
+  ASSERT_TRUE(WaitUntil(
+      [&] {
+        return stripe_->stats().degraded_extents == 0 && stripe_->stats().episode_degraded_ms == 0;
+      },
+      std::chrono::seconds(20)))
+      << "not whole again after the daemon resumed: " << Stats();
+  EXPECT_EQ(stripe_->stats().rebuilds, 0u) << "no daemon outside the groups: " << Stats();
+  EXPECT_GT(stripe_->stats().revalidated_members, 0u) << Stats();
+  const std::vector<std::string> whole = log.Matching("far memory: every slab group is whole again");
+  ASSERT_EQ(whole.size(), 1u) << "the end of the episode was not logged:\n" << log.Joined();
+  EXPECT_NE(whole[0].find(" 0 span sets re-protected"), std::string::npos) << whole[0];
+  EXPECT_NE(whole[0].find(fmt::format("); {} members in use again as they were",
+                                      stripe_->stats().revalidated_members)),
+            std::string::npos)
+      << whole[0];
+  VerifyAll();
+  EXPECT_EQ(stripe_->stats().lost_bytes, 0u);
+}
+
 // The capacity check's figures for a stripe export, as PageStoreTest
 // CapacityCheckSeesAClusterShortOfRoom checks them for the split layout: ec:2+1 in 1 MiB slabs
 // packs 256 stripes of 2 pages in a slab group of 3 slabs, so the 32 MiB export needs 16 groups
