@@ -925,7 +925,17 @@ ScenarioResult RunScenario(const Scenario& sc, const RunConfig& cfg) {
       fail(fmt::format("{} requests failed during the run", res.failed_requests));
     }
   } else {
-    if (res.bytes_lost == 0) fail("beyond tolerance, yet nothing was lost: the faults missed");
+    // A page lost in `none` is LOST until written again: a workload that runs long enough after
+    // the fault (the long form: 30 s unpaced over 256 MiB) writes every one of them again, and
+    // the final pass finds nothing lost. The requests that failed meanwhile show the fault hit.
+    if (res.bytes_lost == 0 && res.failed_requests == 0) {
+      fail("beyond tolerance, yet nothing was lost and no request failed: the faults missed");
+    } else if (res.bytes_lost == 0) {
+      note(fmt::format(
+          "nothing lost at the end: the workload wrote every lost page again ({} requests failed "
+          "during the run)",
+          res.failed_requests));
+    }
     const std::vector<LostRange> ranges = LostRanges(log);
     uint64_t outside = 0;
     std::vector<std::string> where;  // the first few, by export offset
