@@ -451,6 +451,8 @@ class PageStore final : public BatchBackend {
   Clock::time_point reprotect_since_ GUARDED_BY(stats_mu_) = Clock::time_point::max();
   uint64_t episode_bytes_ GUARDED_BY(stats_mu_) = 0;
   uint64_t episode_extents_ GUARDED_BY(stats_mu_) = 0;
+  // stats_.revalidated_members when the episode began: the members it used again as they were.
+  uint64_t episode_revalidated_from_ GUARDED_BY(stats_mu_) = 0;
 };
 
 }  // namespace farmem::blockdev

@@ -341,11 +341,14 @@ Status PageStore::CopyMember(Worker& w, uint64_t index, size_t j, const client::
   auto changed = [&] {
     return Aborted(fmt::format("extent {} member {} changed while it was copied", index, j));
   };
+  // Live when the copy starts (a move): its own bytes are copied while it stays live.
+  bool was_live = false;
   {
     // From here on every write round marks the pages it writes (MarkDirty): exclusively, so that
     // no write that started before is still in flight unmarked.
     WriterLock ex(&e.mu);
     if (!StillMember(e, j, old)) return changed();
+    was_live = !((e.failed.load() >> j) & 1);
     for (size_t i = 0; i < e.words(); ++i) e.dirty[i].store(0, std::memory_order_relaxed);
     e.tracking.store(true, std::memory_order_release);
   }
@@ -385,6 +388,16 @@ Status PageStore::CopyMember(Worker& w, uint64_t index, size_t j, const client::
       WriterLock ex(&e.mu);  // no write in flight: the dirty set is complete
       if (!StillMember(e, j, old)) return changed();
       take_dirty();
+      // Marked stale meanwhile (a page of it failed authentication, or a write went past it):
+      // pages copied from it before then may carry its bad bytes, and the swap would clear the
+      // marks, leaving them in a member taken for good. The copy is dropped; the member, failed
+      // now, is rebuilt from the others.
+      if (was_live && ((e.stale.load() >> j) & 1)) {
+        return Aborted(fmt::format(
+            "extent {} member {} failed authentication (or missed a write) while it was copied: "
+            "it is rebuilt from the other members instead",
+            index, j));
+      }
       if (pages.size() <= kSwapPages || pass + 1 >= kMaxPasses) {
         FARMEM_RETURN_IF_ERROR(CopyPages(w, index, e, j, fresh, pages, false, buf, bytes));
         e.members[j] = fresh;

@@ -297,6 +297,7 @@ void PageStore::NoteDegraded() {
   if (degraded_since_ == Clock::time_point::max()) {
     degraded_since_ = Clock::now();
     stats_.degraded_episodes += 1;
+    episode_revalidated_from_ = stats_.revalidated_members;
   }
 }
 
@@ -395,13 +396,13 @@ void PageStore::Reprotect(Worker& w, std::vector<uint64_t> todo, bool all) {
   stats_.last_reprotect_ms =
       reprotect_since_ == Clock::time_point::max() ? 0 : ms(reprotect_since_);
   stats_.last_reprotect_bytes = episode_bytes_;
-  if (episode_extents_ > 0) {
-    spdlog::info(
-        "page store: every extent is whole again: {} extents re-protected, {} written to new "
-        "members in {} ms (degraded for {} ms)",
-        episode_extents_, FormatSize(episode_bytes_), stats_.last_reprotect_ms,
-        stats_.last_degraded_ms);
-  }
+  // Said however the members came back, rebuilt or used again as they were (a false down: their
+  // daemon answered with the leases): whoever watches the log sees the end of every episode.
+  spdlog::info(
+      "page store: every extent is whole again: {} extents re-protected, {} written to new "
+      "members in {} ms (degraded for {} ms); {} members in use again as they were",
+      episode_extents_, FormatSize(episode_bytes_), stats_.last_reprotect_ms,
+      stats_.last_degraded_ms, stats_.revalidated_members - episode_revalidated_from_);
   degraded_since_ = reprotect_since_ = Clock::time_point::max();
   episode_bytes_ = episode_extents_ = 0;
 }

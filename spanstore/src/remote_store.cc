@@ -475,15 +475,28 @@ void RemoteStore::NoteDegradedLocked() {
 
 void RemoteStore::EndEpisodeIfWholeLocked() {
   if (degraded_since_ == Clock::time_point::max()) return;
+  bool lost = false;
   for (const auto& g : groups_) {
     if (g->failed_mask != 0) return;
+    lost = lost || g->lost_mask != 0;
   }
   const Clock::time_point now = Clock::now();
   last_episode_degraded_ms_ = ElapsedMs(degraded_since_, now);
   last_episode_reprotect_ms_ = ElapsedMs(reprotect_since_, now);
   last_episode_bytes_ = episode_bytes_;
+  // Said however the members came back: rebuilt on new leases, or used again as they were (a
+  // false down: their daemon answered with the leases), so that whoever watches the log sees the
+  // end of every episode (the page store says the same of its extents). Groups that lost members
+  // beyond the mode's tolerance are never whole: their loss was logged when it was given up.
+  if (!lost) {
+    spdlog::info(
+        "far memory: every slab group is whole again: {} span sets re-protected, {} written to "
+        "new members in {} ms (degraded for {} ms); {} members in use again as they were",
+        episode_sets_, FormatSize(episode_bytes_), last_episode_reprotect_ms_,
+        last_episode_degraded_ms_, episode_revalidated_);
+  }
   degraded_since_ = reprotect_since_ = Clock::time_point::max();
-  episode_sets_ = episode_bytes_ = 0;
+  episode_sets_ = episode_bytes_ = episode_revalidated_ = 0;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -549,6 +562,7 @@ bool RemoteStore::RevalidateLocked(Group* g, int m) {
   g->degraded_logged = false;
   ++g->epoch;
   ++members_revalidated_;
+  ++episode_revalidated_;
   spdlog::info(
       "far memory: slab group {} member {} ({}) is in use again: its daemon answered "
       "with the lease, and no span set was written past it",

@@ -272,17 +272,24 @@ void RemoteStore::Move(IoContext& io, PendingMove mv) {
   }
 
   // Swap the copy in. Even if the member was declared failed meanwhile (its notice ran out as the
-  // last rows were read), every row was read whole: the copy is complete.
+  // last rows were read), every row was read whole: the copy is complete. Not so if a cell of it
+  // failed authentication meanwhile (ReportCorrupt marks it stale as well as failed: its bytes
+  // cannot be trusted): the copy may hold that cell, read before or after the read that found it,
+  // and swapping it in would clear the marks, leaving a bad cell in a member taken for good (one
+  // more failure in the group and that cell is lost). Then the copy is dropped and re-protection
+  // rebuilds the member from the others, never back onto the daemon that noticed it.
   const uint64_t daemon_id = cluster_->node(fresh->node).daemon_id;
   bool swapped = false;
+  bool corrupt = false;
   uint64_t moved_ms = 0;
   int64_t slack_ms = MillisBetween(now, mv.deadline);
   {
     MutexLock lock(&mu_);
     g->rebuilding = false;
     auto it = by_lease_.find(mv.lease);
-    if (it != by_lease_.end() && it->second.first == g && it->second.second == j &&
-        (g->lost_mask & bit) == 0) {
+    const bool same = it != by_lease_.end() && it->second.first == g && it->second.second == j;
+    corrupt = same && (g->stale_mask & bit) != 0;
+    if (same && (g->lost_mask & bit) == 0 && !corrupt) {
       by_lease_.erase(it);
       g->members[static_cast<size_t>(j)] = *fresh;
       g->daemon_ids[static_cast<size_t>(j)] = daemon_id;
@@ -302,11 +309,19 @@ void RemoteStore::Move(IoContext& io, PendingMove mv) {
       move_min_slack_ms_ = moved_ == 1 ? slack : std::min(move_min_slack_ms_, slack);
       swapped = true;
     } else {
-      ++copies_abandoned_;  // the member changed under the copy (given up or lost meanwhile)
+      ++copies_abandoned_;  // the member changed under the copy (given up, lost or corrupt)
+      if (same) g->leaving_mask &= ~bit;  // re-protection has it now (or it is given up)
     }
   }
   if (!swapped) {
     (void)cluster_->Free({&*fresh, 1});
+    if (corrupt) {
+      spdlog::warn(
+          "far memory: slab group {} member {} failed authentication while it was moved off {}: "
+          "the copy is dropped and the member rebuilt from the other members",
+          g->id, j, from_name);
+      recovery_cv_.SignalAll();
+    }
     return;
   }
   (void)cluster_->Free({&from, 1});  // the acknowledgement: the daemon may take it back now

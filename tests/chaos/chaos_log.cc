@@ -39,11 +39,21 @@ const std::regex kReprotectPatterns[] = {
     std::regex(R"(far memory: slab group \d+ member \d+ \([^)]*\) is in use again)"),
 };
 
-// The page store's end of a degraded episode (page_store_rebuild.cc, Reprotect): "page store: every
-// extent is whole again: 8 extents re-protected, 16 MiB written to new members in 412 ms
-// (degraded for 5230 ms)". Every fault before it is re-protected.
-const std::regex kWholePattern(
-    R"(page store: every extent is whole again: (\d+) extents re-protected, .* in (\d+) ms \(degraded for (\d+) ms\))");
+// The end of a degraded episode. The page store's (page_store_rebuild.cc, Reprotect): "page store:
+// every extent is whole again: 8 extents re-protected, 16 MiB written to new members in 412 ms
+// (degraded for 5230 ms); 3 members in use again as they were". Every fault before it is
+// re-protected.
+const std::regex kWholePatterns[] = {
+    std::regex(
+        R"(page store: every extent is whole again: (\d+) extents re-protected, .* in (\d+) ms \(degraded for (\d+) ms\))"),
+    // The span-set store's (the stripe layout's, far_ptr's; spanstore/src/remote_store.cc,
+    // EndEpisodeIfWholeLocked): "far memory: every slab group is whole again: 12 span sets
+    // re-protected, 48 KiB written to new members in 30 ms (degraded for 2100 ms); 99 members in
+    // use again as they were". Members used again (a false down) need no rebuild line: this line
+    // is the only sign they are whole.
+    std::regex(
+        R"(far memory: every slab group is whole again: (\d+) span sets re-protected, .* in (\d+) ms \(degraded for (\d+) ms\))"),
+};
 
 // "far memory: slab group 6 member 1 (127.0.0.1:45751, lease 1412680156006318084) failed: ..."
 // (spanstore/src/remote_store.cc).
@@ -170,10 +180,13 @@ std::vector<int64_t> ReprotectTimes(const std::vector<LogLine>& log) {
 std::vector<WholeEvent> WholeEvents(const std::vector<LogLine>& log) {
   std::vector<WholeEvent> out;
   for (const LogLine& l : log) {
-    std::smatch m;
-    if (std::regex_search(l.text, m, kWholePattern)) {
-      out.push_back(WholeEvent{l.ms, std::stoull(m[1].str()), std::stoull(m[2].str()),
-                               std::stoull(m[3].str())});
+    for (const std::regex& re : kWholePatterns) {
+      std::smatch m;
+      if (std::regex_search(l.text, m, re)) {
+        out.push_back(WholeEvent{l.ms, std::stoull(m[1].str()), std::stoull(m[2].str()),
+                                 std::stoull(m[3].str())});
+        break;
+      }
     }
   }
   return out;

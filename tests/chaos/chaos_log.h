@@ -52,8 +52,9 @@ uint64_t FailedMembers(const std::vector<LogLine>& log, const std::string& endpo
 // Times of the lines that say one member (a lease's worth of data) was re-protected.
 std::vector<int64_t> ReprotectTimes(const std::vector<LogLine>& log);
 
-// The page store said every extent is whole again at `ms`: the degraded episode that began
-// `degraded_ms` before ended, `extents` extents were re-protected in the last `reprotect_ms`.
+// The page store said every extent (the span-set store: every slab group) is whole again at `ms`:
+// the degraded episode that began `degraded_ms` before ended, `extents` extents (span sets) were
+// re-protected in the last `reprotect_ms`; the other members were used again as they were.
 struct WholeEvent {
   int64_t ms = 0;
   uint64_t extents = 0;

@@ -5,17 +5,21 @@
 //   farmem_chaos --list                                names, expectations, schedules
 //   options: --long (or FARMEM_CHAOS_LONG=1): the long form: 30 s periods, a 256 MiB export,
 //            unthrottled NBD workload; --duration S: seconds per `run` period; --export-mib N:
-//            the NBD export's size; --verbose
+//            the NBD export's size; --seed N (or FARMEM_CHAOS_SEED=N): another sequence of
+//            workload choices (blocks, sizes, reads/writes; far objects), 0 (CI's) by default;
+//            --verbose
 //
 // Exit status 0 when every scenario run met its expectation (see scenarios.txt).
 #include <sys/resource.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <charconv>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "network.h"
@@ -39,7 +43,7 @@ std::string Bytes(uint64_t b) {
 int Usage() {
   std::fprintf(stderr,
                "usage: farmem_chaos (--scenario NAME ... | --all | --list) [--long] "
-               "[--duration SECONDS] [--export-mib MIB] [--verbose]\n");
+               "[--duration SECONDS] [--export-mib MIB] [--seed N] [--verbose]\n");
   return 2;
 }
 
@@ -54,6 +58,19 @@ int main(int argc, char** argv) {
   cfg.long_form = long_env != nullptr && std::string(long_env) != "0" && *long_env != '\0';
   int duration = 0;
   int export_mib = 0;
+  // A seed that is not a whole number is refused rather than read as 0 (CI's sequence).
+  auto parse_seed = [&](std::string_view text) {
+    const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), cfg.seed);
+    if (ec != std::errc() || end != text.data() + text.size() || text.empty()) {
+      std::fprintf(stderr, "--seed / FARMEM_CHAOS_SEED: '%.*s' is not a whole number\n",
+                   static_cast<int>(text.size()), text.data());
+      return false;
+    }
+    return true;
+  };
+  if (const char* seed_env = std::getenv("FARMEM_CHAOS_SEED"); seed_env && !parse_seed(seed_env)) {
+    return 2;
+  }
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--scenario" && i + 1 < argc) {
@@ -68,6 +85,8 @@ int main(int argc, char** argv) {
       duration = std::atoi(argv[++i]);
     } else if (a == "--export-mib" && i + 1 < argc) {
       export_mib = std::atoi(argv[++i]);
+    } else if (a == "--seed" && i + 1 < argc) {
+      if (!parse_seed(argv[++i])) return 2;
     } else if (a == "--verbose") {
       cfg.verbose = true;
     } else {
@@ -142,10 +161,10 @@ int main(int argc, char** argv) {
 
   std::printf(
       "chaos: %s form, %lld ms periods, export %llu MiB, heartbeat %u ms, failure "
-      "timeout %u ms\n",
+      "timeout %u ms, seed %llu\n",
       cfg.long_form ? "long" : "short", static_cast<long long>(cfg.period.count()),
       static_cast<unsigned long long>(cfg.device_bytes >> 20), cfg.heartbeat_ms,
-      cfg.failure_timeout_ms);
+      cfg.failure_timeout_ms, static_cast<unsigned long long>(cfg.seed));
   std::fflush(stdout);
   std::vector<ScenarioResult> results;
   bool ok = true;

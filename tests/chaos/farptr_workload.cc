@@ -69,6 +69,7 @@ int main(int argc, char** argv) {
   farmem::RuntimeOptions o;
   int threads = 4;
   size_t objects = 1500;
+  uint64_t seed = 0;  // 0: the fixed sequence CI runs
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string k = argv[i], v = argv[i + 1];
     if (k == "--peers") {
@@ -90,6 +91,8 @@ int main(int argc, char** argv) {
       o.resilience = v;
     } else if (k == "--threads") {
       threads = std::stoi(v);
+    } else if (k == "--seed") {
+      seed = std::stoull(v);
     } else if (k == "--objects") {
       objects = std::stoul(v);
     } else if (k == "--heartbeat-ms") {
@@ -131,7 +134,7 @@ int main(int argc, char** argv) {
   for (int t = 0; t < threads; ++t) {
     pool.emplace_back([&, t] {
       Worker& w = workers[static_cast<size_t>(t)];
-      std::mt19937_64 rng(7000 + static_cast<uint64_t>(t));
+      std::mt19937_64 rng(7000 + seed * 1000 + static_cast<uint64_t>(t));
       w.objs.resize(objects);
       w.version.assign(objects, 0);
       w.lost.assign(objects, 0);

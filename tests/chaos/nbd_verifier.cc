@@ -1,8 +1,11 @@
 #include "nbd_verifier.h"
 
 #include <fmt/format.h>
+#include <poll.h>
+#include <sys/socket.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cstring>
 #include <optional>
 #include <random>
@@ -66,6 +69,7 @@ struct NbdVerifier::Conn {
   };
 
   std::optional<NbdTestClient> client;
+  std::chrono::milliseconds request_timeout{120000};  // NbdWorkloadOptions::request_timeout
   uint32_t unit = 4096;  // bytes per block
   uint64_t first = 0;    // first block of the region
   uint64_t blocks = 0;
@@ -114,7 +118,9 @@ struct NbdVerifier::Conn {
     }
   }
 
-  Status Send(uint16_t type, uint64_t b, uint32_t n) {
+  // `completed`: replies may be read while the request is sent (see SendReading); a WRITE of the
+  // workload's (Fill, the run) is sent that way.
+  Status Send(uint16_t type, uint64_t b, uint32_t n, std::atomic<uint64_t>* completed = nullptr) {
     Pending p{type, b, n, {}, SteadyClock::now()};
     std::span<const uint8_t> payload;
     if (type == kCmdWrite) {
@@ -129,7 +135,46 @@ struct NbdVerifier::Conn {
     const uint64_t handle = next_handle++;
     p.sent = SteadyClock::now();
     pending.emplace(handle, std::move(p));
+    if (completed != nullptr && type == kCmdWrite) {
+      return SendReading(type, handle, (first + b) * unit, n * unit, payload, *completed);
+    }
     return client->Send(type, 0, handle, (first + b) * unit, n * unit, payload);
+  }
+
+  // Sends a request, reading replies whenever the socket takes no more of it. farmem-nbd reads no
+  // new request while replies it owes are refused by the socket (they would have nowhere to go):
+  // a client that blocks in a send while it owes reads of earlier replies (a WRITE of up to 64 KiB
+  // after READs whose replies fill the socket) deadlocks with it, until farmem-nbd drops the
+  // connection after --reply-timeout (30 s). A real NBD client reads replies on their own thread.
+  Status SendReading(uint16_t type, uint64_t handle, uint64_t offset, uint32_t length,
+                     std::span<const uint8_t> payload, std::atomic<uint64_t>& completed) {
+    std::vector<uint8_t> msg = blockdev::testing::RequestBytes(type, 0, handle, offset, length);
+    msg.insert(msg.end(), payload.begin(), payload.end());
+    client->Expect(type, handle, offset, length);
+    const int fd = client->fd();
+    const auto deadline = SteadyClock::now() + request_timeout;
+    size_t sent = 0;
+    while (sent < msg.size()) {
+      const ssize_t w =
+          ::send(fd, msg.data() + sent, msg.size() - sent, MSG_DONTWAIT | MSG_NOSIGNAL);
+      if (w > 0) {
+        sent += static_cast<size_t>(w);
+        continue;
+      }
+      if (w < 0 && errno == EINTR) continue;
+      if (w < 0 && errno != EAGAIN && errno != EWOULDBLOCK) {
+        return IoError(fmt::format("send: {}", std::strerror(errno)));
+      }
+      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+          deadline - SteadyClock::now());
+      if (left.count() <= 0) return DeadlineExceeded("send: the server took no more bytes");
+      pollfd pfd{fd, POLLIN | POLLOUT, 0};
+      const int rc = ::poll(&pfd, 1, static_cast<int>(left.count()));
+      if (rc < 0 && errno == EINTR) continue;
+      if (rc < 0) return IoError(fmt::format("poll: {}", std::strerror(errno)));
+      if ((pfd.revents & POLLIN) != 0) FARMEM_RETURN_IF_ERROR(ReceiveOne(completed));
+    }
+    return Status::Ok();
   }
 
   // Receives one reply and accounts for it.
@@ -193,8 +238,9 @@ Status NbdVerifier::Connect() {
     size_ = client->size();
     conn->client.emplace(std::move(*client));
     conn->unit = options_.unit;
+    conn->request_timeout = options_.request_timeout;
     conn->r.unit = options_.unit;
-    conn->rng.seed(0xC4A05 + static_cast<uint64_t>(c));
+    conn->rng.seed(0xC4A05 + options_.seed * 1000 + static_cast<uint64_t>(c));
     conns_.push_back(std::move(conn));
   }
   const uint64_t total = size_ / options_.unit;
@@ -235,7 +281,7 @@ Status NbdVerifier::Fill() {
       while (b < k.blocks && k.pending.size() < static_cast<size_t>(options_.depth)) {
         const uint32_t n =
             static_cast<uint32_t>(std::min<uint64_t>(options_.max_request_blocks, k.blocks - b));
-        FARMEM_RETURN_IF_ERROR(k.Send(kCmdWrite, b, n));
+        FARMEM_RETURN_IF_ERROR(k.Send(kCmdWrite, b, n, &completed_));
         b += n;
       }
       FARMEM_RETURN_IF_ERROR(k.ReceiveOne(completed_));
@@ -280,7 +326,7 @@ void NbdVerifier::Start() {
           if (!free) continue;
           const uint16_t type =
               static_cast<int>(k.rng() % 100) < options_.read_percent ? kCmdRead : kCmdWrite;
-          if (Status s = k.Send(type, b, n); !s.ok()) {
+          if (Status s = k.Send(type, b, n, &completed_); !s.ok()) {
             fail(s);
             return;
           }

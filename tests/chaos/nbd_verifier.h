@@ -41,6 +41,9 @@ struct NbdWorkloadOptions {
   int read_percent = 50;
   double ops_per_second = 0;  // all connections together; 0: as fast as it goes
   std::chrono::milliseconds request_timeout{120000};
+  // Seeds each connection's choice of blocks, sizes and reads/writes (farmem_chaos --seed):
+  // 0 is the fixed sequence CI runs.
+  uint64_t seed = 0;
 };
 
 struct NbdWorkloadReport {

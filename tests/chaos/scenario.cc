@@ -288,6 +288,7 @@ class NbdWorkload : public Workload {
     NbdWorkloadOptions o;
     o.socket_path = socket_;
     o.ops_per_second = config_.nbd_ops_per_second;
+    o.seed = config_.seed;
     if (scenario_.subpage) {
       o.unit = 512;
       o.max_request_blocks = 32;  // up to 16 KiB
@@ -371,7 +372,8 @@ class FarptrWorkload : public Workload {
   Status Start() override {
     std::vector<std::string> argv = {config_.farptr_workload, "--objects",
                                      std::to_string(config_.farptr_objects), "--compact",
-                                     scenario_.compact ? "on" : "off"};
+                                     scenario_.compact ? "on" : "off", "--seed",
+                                     std::to_string(config_.seed)};
     std::ranges::copy(ClusterArgs(), std::back_inserter(argv));
     SpawnOptions so;
     so.stdout_path = dir_ + "/farptr.out";
@@ -923,7 +925,17 @@ ScenarioResult RunScenario(const Scenario& sc, const RunConfig& cfg) {
       fail(fmt::format("{} requests failed during the run", res.failed_requests));
     }
   } else {
-    if (res.bytes_lost == 0) fail("beyond tolerance, yet nothing was lost: the faults missed");
+    // A page lost in `none` is LOST until written again: a workload that runs long enough after
+    // the fault (the long form: 30 s unpaced over 256 MiB) writes every one of them again, and
+    // the final pass finds nothing lost. The requests that failed meanwhile show the fault hit.
+    if (res.bytes_lost == 0 && res.failed_requests == 0) {
+      fail("beyond tolerance, yet nothing was lost and no request failed: the faults missed");
+    } else if (res.bytes_lost == 0) {
+      note(fmt::format(
+          "nothing lost at the end: the workload wrote every lost page again ({} requests failed "
+          "during the run)",
+          res.failed_requests));
+    }
     const std::vector<LostRange> ranges = LostRanges(log);
     uint64_t outside = 0;
     std::vector<std::string> where;  // the first few, by export offset

@@ -62,6 +62,8 @@ struct RunConfig {
   double loss_percent = 10;
   // flip:N: pages of daemon N's written slab memory that get one flipped bit each.
   size_t flip_pages = 16;
+  // Seeds the workloads' choices (--seed, FARMEM_CHAOS_SEED): 0, CI's, is a fixed sequence.
+  uint64_t seed = 0;
   // Why scenarios with network faults (or with delay/loss) cannot run here; empty: they can.
   std::string no_network;
   std::string no_netem;

@@ -130,6 +130,80 @@ INSTANTIATE_TEST_SUITE_P(Modes, DrainMovesTest,
 
 // A notice whose deadline passes before anything can be moved (1 ms): the noticed extents' pages
 // read as IoError, every other page reads back as written, and no read returns wrong data.
+// A member whose pages fail authentication while it is being moved (an eviction notice) is not
+// swapped in with the bad bytes copied. ec:2+1 on four daemons, one extent written (64 pages): a
+// bit of every page's fragment on member 0 is flipped, member 0's daemon drained, and the move's
+// writes to the fourth daemon (the only one outside the extent) held once its first run of pages
+// (read from member 0 itself, flips and all) is copied. The pages are read meanwhile: served
+// from the other members, member 0 marked failed and stale. Released, the move finished and,
+// before the fix, swapped the copy in and cleared the marks: the new member held the flipped
+// fragments as good (reads of the pages failed authentication again). Now the copy is dropped
+// and the member rebuilt from the others.
+TEST_F(EvictionTest, PagesFoundCorruptWhileTheirMemberIsMovedAreRebuiltNotMoved) {
+  op_timeout_ = std::chrono::milliseconds(20000);  // the held writes wait, they do not time out
+  StartDaemons(4, "24M");
+  Open("ec:2+1");
+  constexpr size_t kPages = 64;
+  std::vector<uint8_t> data(kPages * 4096);
+  for (size_t i = 0; i < data.size(); ++i) data[i] = static_cast<uint8_t>(i * 13 + i / 4096);
+  ASSERT_TRUE(store_->Write(0, data, false).ok());
+  std::memcpy(shadow_.data(), data.data(), data.size());
+  const std::vector<client::Lease> members = store_->extent_members(0);
+  ASSERT_EQ(members.size(), 3u);
+  const client::Lease lease = members[0];
+  client::NodeId outside = 0;
+  for (const client::NodeInfo& n : cluster_->nodes()) {
+    if (n.leases_held == 0) outside = n.id;
+  }
+  ASSERT_EQ(cluster_->node(outside).leases_held, 0u) << "one extent, on three of four daemons";
+  // Member 0 holds the first 2 KiB of each page's ciphertext, page after page.
+  std::vector<uint8_t> frags(kPages * 2048);
+  const uint32_t len = static_cast<uint32_t>(frags.size());
+  ASSERT_TRUE(RawOp(*cluster_, lease, transport::OpType::kRead, 0, frags.data(), len).ok());
+  for (size_t p = 0; p < kPages; ++p) frags[p * 2048 + 100] ^= 0x10;
+  ASSERT_TRUE(RawOp(*cluster_, lease, transport::OpType::kWrite, 0, frags.data(), len).ok());
+
+  const Endpoint target = (*daemons_)[outside].endpoint();
+  faults_->Hold(target);
+  auto noticed = Drain(lease.node, 20000);
+  ASSERT_TRUE(noticed.has_value()) << noticed.error().ToString();
+  ASSERT_TRUE(WaitUntil([&] { return faults_->ops_held(target) > 0; }, std::chrono::seconds(10)))
+      << "the move did not start writing to the daemon outside the extent: " << Describe();
+  auto read_each_page = [&] {
+    std::vector<uint8_t> back(4096);
+    for (size_t p = 0; p < kPages; ++p) {
+      ASSERT_TRUE(store_->Read(p * 4096, back).ok());
+      ASSERT_TRUE(std::equal(back.begin(), back.end(), shadow_.begin() + p * 4096)) << p;
+    }
+  };
+  read_each_page();
+  const uint64_t found = store_->stats().integrity_failures;
+  faults_->Release(target);
+  ASSERT_GT(found, 0u) << "no read used member 0: " << Describe();
+
+  ASSERT_TRUE(WaitUntil(
+      [&] {
+        return cluster_->node(lease.node).leases_held == 0 &&
+               store_->stats().degraded_extents == 0;
+      },
+      std::chrono::seconds(20)))
+      << "the member did not leave the drained daemon: " << Describe();
+  store_->WaitForRebuilds();
+  // The member 0 in place now holds the fragments as written, none of the flipped ones.
+  const client::Lease now = store_->extent_members(0)[0];
+  ASSERT_NE(now.node, lease.node);
+  std::vector<uint8_t> held(frags.size());
+  ASSERT_TRUE(RawOp(*cluster_, now, transport::OpType::kRead, 0, held.data(), len).ok());
+  size_t flipped = 0;
+  for (size_t p = 0; p < kPages; ++p) flipped += held[p * 2048 + 100] == frags[p * 2048 + 100];
+  EXPECT_EQ(flipped, 0u) << "flipped fragments were moved to the new member: " << Describe();
+  read_each_page();
+  EXPECT_EQ(store_->stats().integrity_failures, found)
+      << "flipped fragments were moved to the new member and taken for good: " << Describe();
+  VerifyAll();
+  EXPECT_EQ(store_->stats().lost_bytes, 0u);
+}
+
 TEST_F(EvictionTest, NoticeTooShortLosesExactlyThatRangeNeverWrongData) {
   StartDaemons(3);
   Open("none");

@@ -160,6 +160,45 @@ TEST_F(StripeStoreTest, SurvivesOneThenASecondDaemonKilledAndReprotects) {
   EXPECT_EQ(s.episode_reprotected_extents, 0u) << "no episode runs";
 }
 
+// A false down on three daemons, ec:2+1: every group has a member on the paused daemon and no
+// daemon outside it, so nothing can be rebuilt; when the daemon answers again with its leases,
+// every member is used again as it was. The episode's end is said in the log, as when members
+// are rebuilt: before, a store made whole by revalidation alone said nothing, and the chaos
+// driver (which waits for that line or for one rebuild line per failed member) took
+// ec21-stripe-gray in its long form for "re-protection not finished after 120 s: 31 of 130
+// members" (the other 99 had come back with their daemon).
+TEST_F(StripeStoreTest, WholeAgainByRevalidationAloneIsLogged) {
+  StartDaemons(3, "24M", /*reconnect_ms=*/100);
+  OpenStripe("ec:2+1");
+  RandomWrites(200, 21);
+  testing::LogCapture log;
+  (*daemons_)[0].Pause();
+  WaitUntilNoticedDown(0);
+  ASSERT_TRUE(
+      WaitUntil([&] { return stripe_->stats().degraded_extents > 0; }, std::chrono::seconds(10)))
+      << "the paused daemon's members were never marked failed: " << Stats();
+  (*daemons_)[0].Resume();
+  ASSERT_TRUE(cluster_->WaitForNode(0, client::NodeState::kUp, std::chrono::seconds(10)).ok())
+      << Describe();
+  ASSERT_TRUE(WaitUntil(
+      [&] {
+        return stripe_->stats().degraded_extents == 0 && stripe_->stats().episode_degraded_ms == 0;
+      },
+      std::chrono::seconds(20)))
+      << "not whole again after the daemon resumed: " << Stats();
+  EXPECT_EQ(stripe_->stats().rebuilds, 0u) << "no daemon outside the groups: " << Stats();
+  EXPECT_GT(stripe_->stats().revalidated_members, 0u) << Stats();
+  const std::vector<std::string> whole = log.Matching("far memory: every slab group is whole again");
+  ASSERT_EQ(whole.size(), 1u) << "the end of the episode was not logged:\n" << log.Joined();
+  EXPECT_NE(whole[0].find(" 0 span sets re-protected"), std::string::npos) << whole[0];
+  EXPECT_NE(whole[0].find(fmt::format("); {} members in use again as they were",
+                                      stripe_->stats().revalidated_members)),
+            std::string::npos)
+      << whole[0];
+  VerifyAll();
+  EXPECT_EQ(stripe_->stats().lost_bytes, 0u);
+}
+
 // The capacity check's figures for a stripe export, as PageStoreTest
 // CapacityCheckSeesAClusterShortOfRoom checks them for the split layout: ec:2+1 in 1 MiB slabs
 // packs 256 stripes of 2 pages in a slab group of 3 slabs, so the 32 MiB export needs 16 groups
@@ -429,6 +468,79 @@ TEST_F(StripeStoreTest, FlippedBitIsServedFromTheOtherMembersAndReprotected) {
   EXPECT_EQ(stripe_->stats().integrity_failures, 1u);
   WaitUntilReprotected(0);
   VerifyAll();
+}
+
+// A cell that fails authentication while its member is being moved (an eviction notice) is not
+// carried to the new member as good. ec:2+1 on four daemons, one slab group: the daemon holding a
+// cell of a late row is drained, and the move's writes to the fourth daemon (the only one outside
+// the group) are held after its first batch of rows. Meanwhile a bit of that cell is flipped and
+// the page read: served from the other members, the member marked failed and stale. Released,
+// the move read the rest, the flipped cell too. Before the fix it swapped the copy in and cleared
+// the marks: the new member held the flipped cell as good (the next read of the page failed
+// authentication again; one more failure in the group and it was lost). Now the copy is dropped
+// and the member rebuilt from the others.
+TEST_F(StripeStoreTest, CellFoundCorruptWhileItsMemberIsMovedIsRebuiltNotMoved) {
+  op_timeout_ = std::chrono::milliseconds(20000);  // the held writes wait, they do not time out
+  StartDaemons(4, "8M");
+  OpenStripe("ec:2+1", true, /*compact_trigger=*/0);
+  std::vector<uint8_t> data(256 * 2 * 4096);  // one slab group: 256 stripes of 2 pages
+  for (size_t i = 0; i < data.size(); ++i) data[i] = static_cast<uint8_t>(i * 13 + i / 4096);
+  ASSERT_TRUE(Target().Write(0, data, false).ok());
+  std::memcpy(shadow_.data(), data.data(), data.size());
+  // A page whose cell is in a row well past the move's first batch (16 rows).
+  uint64_t page = 0;
+  client::Lease lease;
+  uint64_t at = 0;
+  for (uint64_t p = 0; p < data.size() / 4096; ++p) {
+    const auto places = stripe_->PagePlaces(p);
+    ASSERT_EQ(places.size(), 1u);
+    if (places[0].second >= 128 * 4096) {
+      page = p;
+      std::tie(lease, at) = places[0];
+      break;
+    }
+  }
+  ASSERT_GE(at, 128u * 4096) << "no page in a late row";
+  const client::NodeId from = lease.node;
+  client::NodeId outside = 0;
+  for (const client::NodeInfo& n : cluster_->nodes()) {
+    if (n.leases_held == 0) outside = n.id;
+  }
+  ASSERT_NE(outside, from);
+  ASSERT_EQ(cluster_->node(outside).leases_held, 0u) << "the group is on three of the four daemons";
+  const Endpoint target = (*daemons_)[outside].endpoint();
+  faults_->Hold(target);
+  auto noticed = Drain(from, 20000);
+  ASSERT_TRUE(noticed.has_value()) << noticed.error().ToString();
+  ASSERT_TRUE(WaitUntil([&] { return faults_->ops_held(target) > 0; }, std::chrono::seconds(10)))
+      << "the move did not start writing to the daemon outside the group: " << Stats();
+
+  std::vector<uint8_t> cell(4096);
+  ASSERT_TRUE(RawOp(*cluster_, lease, transport::OpType::kRead, at, cell.data(), 4096).ok());
+  cell[100] ^= 0x10;
+  ASSERT_TRUE(RawOp(*cluster_, lease, transport::OpType::kWrite, at, cell.data(), 4096).ok());
+  std::vector<uint8_t> back(4096);
+  ASSERT_TRUE(stripe_->Read(page * 4096, back).ok());
+  EXPECT_TRUE(std::equal(back.begin(), back.end(), shadow_.begin() + page * 4096));
+  ASSERT_EQ(stripe_->stats().integrity_failures, 1u) << Stats();
+  faults_->Release(target);
+
+  // Moved or rebuilt, the member is off the drained daemon and the group whole.
+  ASSERT_TRUE(WaitUntil(
+      [&] {
+        const PageStoreStats s = stripe_->stats();
+        return cluster_->node(from).leases_held == 0 && s.degraded_extents == 0 &&
+               s.rebuild_queued == 0;
+      },
+      std::chrono::seconds(20)))
+      << "the member did not leave the drained daemon: " << Stats();
+  ASSERT_TRUE(stripe_->Read(page * 4096, back).ok());
+  EXPECT_TRUE(std::equal(back.begin(), back.end(), shadow_.begin() + page * 4096));
+  EXPECT_EQ(stripe_->stats().integrity_failures, 1u)
+      << "the flipped cell was moved to the new member and taken for good: " << Stats();
+  VerifyAll();
+  EXPECT_EQ(stripe_->stats().integrity_failures, 1u) << Stats();
+  EXPECT_EQ(stripe_->stats().lost_bytes, 0u);
 }
 
 TEST_F(StripeStoreTest, FlippedBitWithoutRedundancyFailsExactlyThatPage) {

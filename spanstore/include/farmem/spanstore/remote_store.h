@@ -555,6 +555,7 @@ class RemoteStore {
   uint64_t degraded_episodes_ GUARDED_BY(mu_) = 0;
   uint64_t episode_sets_ GUARDED_BY(mu_) = 0;
   uint64_t episode_bytes_ GUARDED_BY(mu_) = 0;
+  uint64_t episode_revalidated_ GUARDED_BY(mu_) = 0;  // members used again as they were
   uint64_t last_episode_degraded_ms_ GUARDED_BY(mu_) = 0;
   uint64_t last_episode_reprotect_ms_ GUARDED_BY(mu_) = 0;
   uint64_t last_episode_bytes_ GUARDED_BY(mu_) = 0;
