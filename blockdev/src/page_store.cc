@@ -451,10 +451,11 @@ void PageStore::ExecuteBatch(std::span<BlockOp> ops, BatchListener* listener) {
   Worker* w = workers_.Checkout();
   // In groups that fit what the worker's buffers were sized for at start (kBatchOps ops,
   // Worker::kGroupPieces pieces, and with encryption kSealedReserve bytes of ciphertext), so
-  // that the request path never allocates (swap safety). The NBD server hands over at most 256 ops and 1 MiB of data, so
-  // only a batch of more than 256 KiB of aligned writes with encryption is split; an aligned
-  // write larger than that alone goes in ranges of kSealedReserve. The ops of a batch are
-  // concurrent (NBD): running its groups one after the other is an order the client allows.
+  // that the request path never allocates (swap safety). The NBD server hands over at most 256 ops
+  // and 1 MiB of data, so only a batch of more than 256 KiB of aligned writes with encryption is
+  // split; an aligned write larger than that alone goes in ranges of kSealedReserve. The ops of a
+  // batch are concurrent (NBD): running its groups one after the other is an order the client
+  // allows.
   size_t from = 0;
   while (from < ops.size()) {
     size_t to = from;
