@@ -18,8 +18,8 @@ namespace pagestore {
 
 // Room for the ciphertext of a batch's aligned writes that each worker gets at start: what one
 // batch of farmem-nbd carries at most (a connection takes 256 KiB of write data per batch,
-// nbd_connection.h). Under --swap-safe it is locked memory, 5 workers' worth at idle (4 + the
-// rebuild thread's).
+// nbd_connection.h). Under --swap-safe it is locked memory, 4 workers' worth at idle (the
+// request workers; the rebuild thread's never seals).
 // A worker's ciphertext buffer (with encryption): the aligned writes of one group of a batch
 // (ExecuteBatch), allocated at start and never grown.
 constexpr size_t kSealedReserve = 256u << 10;
@@ -177,7 +177,15 @@ Status PageStore::Init() {
   std::vector<std::unique_ptr<Worker>> workers;
   for (size_t i = 0; i < options_.workers + 1; ++i) {  // +1: the rebuild thread's
     auto w = std::make_unique<Worker>(cluster_, options_.op_timeout);
-    if (i < options_.workers) w->channels.SetBusyPoll(options_.busy_poll);
+    if (i == options_.workers) {
+      // The rebuild thread's: its copies and moves post ciphertext read from the members with
+      // ops of their own (RunCopyOps) and never seal, open, stage or split a request into
+      // pieces, so it has no cipher and none of the request path's buffers (456 KiB less).
+      w->channels.Reserve(cluster_->node_count());
+      workers.push_back(std::move(w));
+      break;
+    }
+    w->channels.SetBusyPoll(options_.busy_poll);
     if (res.mode == Resilience::Mode::kErasure) w->staging.resize(stage);
     w->Reserve(cluster_->node_count(), static_cast<size_t>(res.group_size()));
     if (crypto_) {
@@ -432,22 +440,36 @@ uint64_t SealedBytesOf(const BlockOp& op) {
 }
 }  // namespace
 
+size_t PageStore::MaxPiecesOf(const BlockOp& op) const {
+  const bool aligned = op.offset % kPage == 0 && op.length % kPage == 0;
+  if (!aligned || (op.kind != BlockOp::Kind::kRead && op.kind != BlockOp::Kind::kWrite)) return 0;
+  // SplitPieces: every piece but the last is max_piece_ long or ends at an extent's end.
+  return static_cast<size_t>(op.length / max_piece_ + op.length / extent_bytes_) + 2;
+}
+
 void PageStore::ExecuteBatch(std::span<BlockOp> ops, BatchListener* listener) {
   Worker* w = workers_.Checkout();
-  // In groups that fit what the worker's buffers were sized for at start (kBatchOps ops, and
-  // with encryption kSealedReserve bytes of ciphertext), so that the request path never
-  // allocates (swap safety). The NBD server hands over at most 256 ops and 1 MiB of data, so
-  // only a batch of more than 256 KiB of aligned writes with encryption is split; an aligned
-  // write larger than that alone goes in ranges of kSealedReserve. The ops of a batch are
-  // concurrent (NBD): running its groups one after the other is an order the client allows.
+  // In groups that fit what the worker's buffers were sized for at start (kBatchOps ops,
+  // Worker::kGroupPieces pieces, and with encryption kSealedReserve bytes of ciphertext), so
+  // that the request path never allocates (swap safety). The NBD server hands over at most 256 ops
+  // and 1 MiB of data, so only a batch of more than 256 KiB of aligned writes with encryption is
+  // split; an aligned write larger than that alone goes in ranges of kSealedReserve. The ops of a
+  // batch are concurrent (NBD): running its groups one after the other is an order the client
+  // allows.
   size_t from = 0;
   while (from < ops.size()) {
     size_t to = from;
     uint64_t sealed = 0;
+    size_t npieces = 0;
     while (to < ops.size() && to - from < kBatchOps) {
       const uint64_t need = crypto_ ? SealedBytesOf(ops[to]) : 0;
       if (sealed + need > kSealedReserve) break;
+      // An op too large for the pieces vector on its own (hundreds of MiB: not from the NBD
+      // server, whose batches carry at most 1 MiB) goes alone and grows it.
+      const size_t np = MaxPiecesOf(ops[to]);
+      if (to > from && npieces + np > Worker::kGroupPieces) break;
       sealed += need;
+      npieces += np;
       ++to;
     }
     if (to > from) {

@@ -224,8 +224,10 @@ class PageStore final : public BatchBackend {
   PageStore(client::Cluster* cluster, PageStoreOptions options);
   Status Init();
   // ExecuteBatch's work on a group of ops that fits the worker's buffers (kBatchOps ops,
-  // kSealedReserve bytes of aligned writes with encryption).
+  // Worker::kGroupPieces pieces, kSealedReserve bytes of aligned writes with encryption).
   void ExecuteGroup(Worker& w, std::span<BlockOp> ops, BatchListener* listener);
+  // The most pieces SplitPieces can make of `op` in ExecuteGroup (0: it is not split).
+  size_t MaxPiecesOf(const BlockOp& op) const;
 
   // One read or write, split into pieces that each stay inside one extent and one round.
   Status DoRead(Worker& w, uint64_t offset, std::span<uint8_t> buf);

@@ -88,8 +88,14 @@ struct Worker {
   std::vector<uint8_t> op_sealed;
   std::vector<BadPage> bad_pages;
 
+  // The pieces of one group of a batch (ExecuteBatch cuts batches so that they fit): two per op
+  // of a full group of single-page ops, an op splitting at most once at an extent's end.
+  static constexpr size_t kGroupPieces = 512;
+
+  // The request path's scratch; the background thread's worker (rebuilds, moves: they copy
+  // ciphertext with ops of their own, RunCopyOps) needs only its channels.
   void Reserve(size_t nodes, size_t group_size) {
-    pieces.reserve(1024);
+    pieces.reserve(kGroupPieces);
     side_pieces.reserve(64);  // one op of at most 1 MiB: a few pieces (extent, round bounds)
     status.reserve(256);
     pieces_left.reserve(256);

@@ -114,24 +114,35 @@ Result<Key> LoadOrCreateDataKeyFile(const std::string& path, bool* created) {
 
 namespace {
 
-// intel-ipsec-mb's manager, one for the process: init_mb_mgr_auto fills it with the functions
-// for this CPU, and afterwards it is only read. The direct GCM API used here (IMB_AES256_GCM_PRE,
-// _ENC, _DEC) takes from it just those function pointers; all state of a call is the caller's
-// (gcm_context_data, on the stack) and the expanded key (gcm_key_data, per Cipher, only read), so
-// threads share the manager safely. It lives until exit (one ~200 KiB allocation).
+// intel-ipsec-mb for this CPU: init_mb_mgr_auto fills a manager with the functions for the CPU
+// it finds, and the direct GCM API used here (IMB_AES256_GCM_PRE, _ENC, _DEC) takes from it just
+// three function pointers; all state of a call is the caller's (gcm_context_data, on the stack)
+// and the expanded key (gcm_key_data, per Cipher, only read). So the pointers are copied out and
+// the manager (~200 KiB, mostly its job queues, locked in swap-safe mode) is freed at once:
+// what stays for the process is these few words, only read, shared by all threads.
 struct IpsecMb {
-  IMB_MGR* mgr = nullptr;
   IMB_ARCH arch = IMB_ARCH_NONE;
+  aes_gcm_pre_t gcm256_pre = nullptr;
+  aes_gcm_enc_dec_t gcm256_enc = nullptr;
+  aes_gcm_enc_dec_t gcm256_dec = nullptr;
 };
 
 const IpsecMb& Ipsec() {
   static const IpsecMb m = [] {
     IpsecMb r;
-    r.mgr = alloc_mb_mgr(0);
-    if (r.mgr == nullptr) return r;
-    init_mb_mgr_auto(r.mgr, &r.arch);
+    IMB_MGR* mgr = alloc_mb_mgr(0);
+    if (mgr == nullptr) return r;
+    init_mb_mgr_auto(mgr, &r.arch);
     // No architecture it can run on (e.g. a CPU without SSE4.2): ENODEV and IMB_ARCH_NONE.
-    if (imb_get_errno(r.mgr) != 0) r.arch = IMB_ARCH_NONE;
+    if (imb_get_errno(mgr) != 0 || mgr->gcm256_pre == nullptr || mgr->gcm256_enc == nullptr ||
+        mgr->gcm256_dec == nullptr) {
+      r.arch = IMB_ARCH_NONE;
+    } else {
+      r.gcm256_pre = mgr->gcm256_pre;
+      r.gcm256_enc = mgr->gcm256_enc;
+      r.gcm256_dec = mgr->gcm256_dec;
+    }
+    free_mb_mgr(mgr);
     return r;
   }();
   return m;
@@ -220,7 +231,7 @@ Result<Cipher> Cipher::Create(const Key& key, Impl impl) {
     if (m.arch == IMB_ARCH_NONE) return Err(IpsecMbUnusable());
     c.gcm_key_ = new (std::nothrow) gcm_key_data;
     if (c.gcm_key_ == nullptr) return Err(ResourceExhausted("no memory for an AES-GCM key"));
-    IMB_AES256_GCM_PRE(m.mgr, key.data(), c.gcm_key_);
+    m.gcm256_pre(key.data(), c.gcm_key_);
     return c;
   }
   c.enc_ = EVP_CIPHER_CTX_new();
@@ -346,7 +357,7 @@ Status Cipher::SealIpsecMb(const Nonce& nonce, std::span<const uint8_t> aad,
                            std::span<const uint8_t> plain, std::span<uint8_t> out, Tag* tag) {
   gcm_context_data ctx;
   uint8_t no_output = 0;
-  IMB_AES256_GCM_ENC(Ipsec().mgr, gcm_key_, &ctx, out.empty() ? &no_output : out.data(),
+  Ipsec().gcm256_enc(gcm_key_, &ctx, out.empty() ? &no_output : out.data(),
                      plain.empty() ? kNoInput : plain.data(), plain.size(), nonce.data(),
                      aad.empty() ? kNoInput : aad.data(), aad.size(), tag->data(), kTagBytes);
   OPENSSL_cleanse(&ctx, sizeof(ctx));  // holds a block of key stream
@@ -362,7 +373,7 @@ Status Cipher::OpenIpsecMb(const Nonce& nonce, std::span<const uint8_t> aad,
   // the comparison fails.
   Tag computed;
   for (size_t i = 0; i < kTagBytes; ++i) computed[i] = static_cast<uint8_t>(~tag[i]);
-  IMB_AES256_GCM_DEC(Ipsec().mgr, gcm_key_, &ctx, out.empty() ? &no_output : out.data(),
+  Ipsec().gcm256_dec(gcm_key_, &ctx, out.empty() ? &no_output : out.data(),
                      cipher.empty() ? kNoInput : cipher.data(), cipher.size(), nonce.data(),
                      aad.empty() ? kNoInput : aad.data(), aad.size(), computed.data(), kTagBytes);
   OPENSSL_cleanse(&ctx, sizeof(ctx));
