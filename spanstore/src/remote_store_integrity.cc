@@ -7,12 +7,15 @@
 namespace farmem::spanstore {
 
 bool RemoteStore::ReportCorrupt(SpanSet* set, int member, const Status& why) {
-  Group* g = nullptr;
-  uint64_t lease_id = 0;
+  bool marked = false;
   {
+    // One critical section from the look to the mark: the recovery thread may re-protect the
+    // member as soon as it is marked (a rebuild of a few ms), and a look at the mask after that
+    // would find it whole and answer false — losing a cell that the re-read (from the rebuilt
+    // member) would have given back (CI: farptr-ec21-flip lost a span that way at load ~4).
     MutexLock lock(&mu_);
     if (res_.mode == client::Resilience::Mode::kNone) return false;
-    g = set->group;
+    Group* g = set->group;
     const uint32_t bit = 1u << member;
     const uint32_t bad = g->failed_mask | g->lost_mask;
     const int tolerance = res_.group_size() - MinMembers();
@@ -25,14 +28,15 @@ bool RemoteStore::ReportCorrupt(SpanSet* set, int member, const Status& why) {
       return (g->lost_mask & bit) == 0 && std::popcount(bad) <= tolerance;
     }
     if (std::popcount(bad | bit) > tolerance) return false;
-    lease_id = g->members[static_cast<size_t>(member)].id();
     // Its bytes cannot be trusted any more: it is rebuilt, never used again as it is (the
     // recovery loop would otherwise revalidate a failed member whose lease is still held).
     g->stale_mask |= bit;
+    // From here a read of the cell is degraded (rebuilt from the others) until the member is
+    // re-protected, and then reads the member rebuilt from them: true either way.
+    marked = MarkFailedLocked(g, member, g->members[static_cast<size_t>(member)].id(), why);
   }
-  MarkFailed(g, member, lease_id, why);
-  MutexLock lock(&mu_);
-  return ((g->failed_mask >> member) & 1) != 0;
+  if (marked) recovery_cv_.SignalAll();
+  return marked;
 }
 
 std::vector<std::pair<client::Lease, uint64_t>> RemoteStore::CellPlaces(const SpanSet* set,
