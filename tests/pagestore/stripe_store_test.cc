@@ -482,7 +482,9 @@ TEST_F(StripeStoreTest, FlippedBitIsServedFromTheOtherMembersAndReprotected) {
 TEST_F(StripeStoreTest, CellFoundCorruptWhileItsMemberIsMovedIsRebuiltNotMoved) {
   op_timeout_ = std::chrono::milliseconds(20000);  // the held writes wait, they do not time out
   StartDaemons(4, "8M");
-  OpenStripe("ec:2+1", true, /*compact_trigger=*/0);
+  // Not leased ahead: the fourth daemon must hold nothing for the move to go to.
+  OpenStripe("ec:2+1", true, /*compact_trigger=*/0, "",
+             [](StripeStoreOptions& o) { o.lease_ahead = false; });
   std::vector<uint8_t> data(256 * 2 * 4096);  // one slab group: 256 stripes of 2 pages
   for (size_t i = 0; i < data.size(); ++i) data[i] = static_cast<uint8_t>(i * 13 + i / 4096);
   ASSERT_TRUE(Target().Write(0, data, false).ok());
