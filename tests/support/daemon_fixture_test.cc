@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include "farmem/transport/tcp_connection.h"
+#include "support/process.h"
 
 namespace farmem::testing {
 namespace {
@@ -76,6 +77,29 @@ TEST(DaemonFixture, BadOptionFailsStartWithTheDaemonsLog) {
   Status st = daemons.Start(1);
   ASSERT_FALSE(st.ok());
   EXPECT_NE(st.message().find("capacity"), std::string::npos) << st.message();
+}
+
+// support/fatal_failure_ends_test.cc: a helper's failed ASSERT ends the test that called it. The
+// disabled test below is run as a child (this binary, filtered to it): the helper fails, and the
+// line after the call must not run.
+void HelperThatFailsFatally() { ASSERT_TRUE(false) << "the helper's own failure"; }
+
+TEST(FatalFailure, DISABLED_InAHelperEndsTheTest) {
+  HelperThatFailsFatally();
+  std::printf("the test went on after its helper failed\n");
+  std::fflush(stdout);
+}
+
+TEST(FatalFailure, InAHelperEndsTheTestNotJustTheHelper) {
+  const CommandResult r =
+      RunCommand({"/proc/self/exe", "--gtest_also_run_disabled_tests",
+                  "--gtest_filter=FatalFailure.DISABLED_InAHelperEndsTheTest"});
+  EXPECT_EQ(r.exit_code, 1) << r.out << r.err;
+  EXPECT_NE(r.out.find("the helper's own failure"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("[  FAILED  ] FatalFailure.DISABLED_InAHelperEndsTheTest"),
+            std::string::npos)
+      << r.out;
+  EXPECT_EQ(r.out.find("went on"), std::string::npos) << r.out;
 }
 
 }  // namespace
