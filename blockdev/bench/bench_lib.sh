@@ -3,8 +3,8 @@
 # bench_lib.sh: what the NBD benchmark scripts share (sourced, not run): checking what a run
 # needs, stopping what it started, waiting for a daemon's file, the cluster secret, a set of
 # farmemd daemons on loopback with their ports collected, and a process set's CPU time. One place
-# for each, so nbd_bench.sh, nbd_subpage_bench.sh and nbd_crypto_profile.sh start and stop their
-# daemons the same way.
+# for each, so nbd_bench.sh, nbd_subpage_bench.sh, nbd_fill_bench.sh and nbd_crypto_profile.sh
+# start and stop their daemons the same way.
 #
 # The caller defines before using it:
 #   bin    the directory with farmemd (e.g. build/bin)
