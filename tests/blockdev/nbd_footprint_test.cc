@@ -19,15 +19,8 @@
 
 #include "nbd_test_client.h"
 #include "support/daemon_fixture.h"
+#include "support/sanitizer.h"
 #include "test_process.h"
-
-#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
-#define FARMEM_SANITIZED 1
-#elif defined(__has_feature)
-#if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer)
-#define FARMEM_SANITIZED 1
-#endif
-#endif
 
 namespace farmem::blockdev {
 namespace {
@@ -78,7 +71,7 @@ Locked LockedMemory(pid_t pid) {
 }
 
 TEST(NbdFootprintTest, SwapSafeFarmemBackendLocksLittleAtIdleAndPerConnection) {
-#ifdef FARMEM_SANITIZED
+#if FARMEM_SANITIZED
   GTEST_SKIP() << "sanitizer build: its shadow memory cannot be locked (mlockall)";
 #endif
   farmem::testing::DaemonSet daemons({.capacity = "64M",

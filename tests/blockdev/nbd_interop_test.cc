@@ -15,6 +15,7 @@
 
 #include "farmem/blockdev/nbd_server.h"
 #include "nbd_test_client.h"
+#include "support/sanitizer.h"
 #include "support/wait.h"
 #include "test_backends.h"
 #include "test_process.h"
@@ -310,7 +311,7 @@ TEST(NbdInterop, SwapSafeModeLocksMemoryOrSaysWhyNot) {
   const std::string log = testing::ReadFile(dir.File("log"));
   const long locked_kb = LockedKb(p->pid());
   ASSERT_GE(locked_kb, 0);
-#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+#if FARMEM_SANITIZED
   // The sanitizers intercept mlockall() and turn it into a no-op that reports success.
   GTEST_LOG_(INFO) << "sanitizer build: not checking VmLck (" << locked_kb << " kB)";
 #else

@@ -6,9 +6,11 @@
 
 #include <chrono>
 
+#include "support/sanitizer.h"
+
 namespace farmem::client::test {
 
-#if defined(__SANITIZE_THREAD__) || defined(__SANITIZE_ADDRESS__)
+#if FARMEM_SANITIZED
 inline constexpr int kTimeScale = 3;
 #else
 inline constexpr int kTimeScale = 1;

@@ -20,6 +20,7 @@
 #include "daemon_client.h"
 #include "support/daemon_fixture.h"
 #include "support/raw_client.h"
+#include "support/sanitizer.h"
 
 namespace farmem::testing {
 namespace {
@@ -149,7 +150,13 @@ TEST(DaemonAdmission, IdleSocketsNeitherLockOutClientsNorHoldThreads) {
   EXPECT_LE(threads, threads_before + 4) << "2000 idle sockets raised the daemon's threads from "
                                          << threads_before << " to " << threads;
   const long rss_growth_kib = ProcStatus(d.pid(), "VmRSS") - rss_before_kib;
-  EXPECT_LT(rss_growth_kib, 16 << 10)
+  // Under ASan the daemon's threads also fill their fake stacks (clang's runtime catches stack use
+  // after return by default: frames live in a per-thread mapping of ~33 MiB): ~7.6 MiB touched
+  // by the thread that takes the flood, then no more (farmemd, 200 sockets: 2.7 MiB, 1000: 6.5,
+  // 2000: 7.6, 4000: 7.7; the sockets' own ~1.5 KiB each beside it), and as much again by the
+  // client's connection thread. The sanitizer's memory, once per thread, not the sockets'.
+  constexpr long kRssGrowthBoundKiB = (FARMEM_UNDER_ASAN ? 32 : 16) << 10;
+  EXPECT_LT(rss_growth_kib, kRssGrowthBoundKiB)
       << "2000 idle sockets grew the daemon's RSS by " << rss_growth_kib << " KiB";
 
   // Every idle socket is closed by the handshake deadline.

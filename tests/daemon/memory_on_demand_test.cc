@@ -9,6 +9,7 @@
 
 #include "daemon_client.h"
 #include "support/daemon_fixture.h"
+#include "support/sanitizer.h"
 
 namespace farmem::testing {
 namespace {
@@ -39,7 +40,7 @@ class MemoryOnDemandTest : public ::testing::Test {
 
 TEST_F(MemoryOnDemandTest, StartsSmallGrowsWithLeasesAndGivesMemoryBack) {
   const uint64_t idle = RssBytes(pid());
-#if defined(__SANITIZE_ADDRESS__)
+#if FARMEM_UNDER_ASAN
   // ASan's shadow memory, allocator and quarantine: 72 MiB idle in the fresh-clone ASan run.
   constexpr uint64_t kIdleBound = 192 * kMiB;
 #else

@@ -16,13 +16,14 @@
 #include "farmem/runtime.h"
 #include "support/daemon_fixture.h"
 #include "support/object_pattern.h"
+#include "support/sanitizer.h"
 #include "support/test_runtime.h"
 #include "support/test_scale.h"
 
 namespace farmem::farptr_test {
 
 // ThreadSanitizer runs these ~10x slower: its build (tests/run --tsan) does less work.
-#if defined(__SANITIZE_THREAD__)
+#if FARMEM_UNDER_TSAN
 inline constexpr int kTsanScale = 8;
 #else
 inline constexpr int kTsanScale = 1;

@@ -20,22 +20,13 @@
 #include <vector>
 
 #include "farmem/common/status.h"
+#include "support/sanitizer.h"
 
 namespace farmem::testing {
 
 // Under ASan or TSan a process maps the sanitizer's shadow memory (tens of GiB to TiB, readable),
 // which no scan through /proc/PID/mem reads within a timeout: tests skip their scans there.
-#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
-inline constexpr bool kSanitized = true;
-#elif defined(__has_feature)
-#if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer)
-inline constexpr bool kSanitized = true;
-#else
-inline constexpr bool kSanitized = false;
-#endif
-#else
-inline constexpr bool kSanitized = false;
-#endif
+// (kSanitized: support/sanitizer.h.)
 inline constexpr char kNoScanUnderSanitizer[] =
     "a sanitizer build: scanning the daemons' memory through /proc/PID/mem would read the "
     "sanitizer's shadow memory (tens of GiB to TiB); run this case in the RelWithDebInfo build";

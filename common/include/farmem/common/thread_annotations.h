@@ -1,7 +1,8 @@
 // Clang thread-safety annotations (-Wthread-safety), as LevelDB's port/thread_annotations.h and
 // Abseil's thread_annotations.h do. They state which lock guards which member and which locks a
-// function needs; a clang build with -Werror=thread-safety (FARMEM_THREAD_SAFETY=ON, run in CI by
-// tests/run --thread-safety) checks them. On GCC they expand to nothing.
+// function needs; a clang build with -Werror=thread-safety (FARMEM_THREAD_SAFETY=ON: the ASan
+// tree of tests/run --asan, in CI, and tests/run --thread-safety) checks them. On GCC they expand
+// to nothing.
 //
 // They only mean something on a lock type clang knows as a capability: use farmem::Mutex and
 // farmem::SharedMutex (common/mutex.h), not std::mutex, for any member that guards others.
