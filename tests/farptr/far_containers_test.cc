@@ -132,7 +132,9 @@ TEST_F(FarptrTest, FarHashMapGetManyReadsObjectsNotSpans) {
     const RuntimeStats after = rt_->stats();
     for (size_t i = 0; i < keys.size(); ++i) {
       ASSERT_EQ(got[i].has_value(), keys[i] % 2 == 0) << "key " << keys[i];
-      if (got[i]) ASSERT_EQ(got[i]->a, keys[i] / 2) << "key " << keys[i];
+      if (got[i]) {
+        ASSERT_EQ(got[i]->a, keys[i] / 2) << "key " << keys[i];
+      }
     }
     ins += after.swap_ins - before.swap_ins;
     bytes += after.bytes_read - before.bytes_read;

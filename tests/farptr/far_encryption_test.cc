@@ -160,7 +160,9 @@ std::vector<uint8_t> ReadUnder(Runtime& rt, const far_bytes& obj, uint32_t len) 
   const farptr_internal::ObjectPlace& p = places->front();
   auto ch = rt.cluster().OpenChannel(p.lease.node);
   EXPECT_TRUE(ch.has_value());
-  if (ch.has_value()) EXPECT_TRUE((*ch)->Read(p.lease.slab(), p.offset, out).ok());
+  if (ch.has_value()) {
+    EXPECT_TRUE((*ch)->Read(p.lease.slab(), p.offset, out).ok());
+  }
   return out;
 }
 void WriteUnder(Runtime& rt, const far_bytes& obj, std::span<const uint8_t> bytes) {
