@@ -98,7 +98,9 @@ void RemoteStore::Shutdown() {
 SpanSet* RemoteStore::TakeRowLocked(bool degraded, SetMembers* members, uint64_t* epoch,
                                     uint32_t* absent) {
   Group* best = nullptr;
+  uint64_t free_complete = 0;  // the complete groups' free rows, for the lease ahead below
   for (auto& g : groups_) {
+    if (g->TakesCompleteSets()) free_complete += rows_per_group_ - g->used_rows;
     // A group with a leaving member (noticed for eviction) takes no new rows: they would only
     // have to be moved too.
     if (g->rebuilding || g->leaving_mask != 0 || g->used_rows >= rows_per_group_) continue;
@@ -124,9 +126,10 @@ SpanSet* RemoteStore::TakeRowLocked(bool degraded, SetMembers* members, uint64_t
   *epoch = best->epoch;
   *absent = best->failed_mask | best->lost_mask;
   // The next group before this one is full: half a group of rows is time enough to place it
-  // at any write rate the data path reaches (k + r ALLOCs take tens of milliseconds).
+  // at any write rate the data path reaches (k + r ALLOCs take tens of milliseconds). Not
+  // degraded: best is a complete group, and the row just taken was one of free_complete.
   if (lease_ahead_ && !degraded && !lease_ahead_wanted_ && !lease_ahead_failed_ &&
-      FreeCompleteRowsLocked() < rows_per_group_ / 2) {
+      free_complete - 1 < rows_per_group_ / 2) {
     lease_ahead_wanted_ = true;
     recovery_cv_.SignalAll();
   }
@@ -136,10 +139,7 @@ SpanSet* RemoteStore::TakeRowLocked(bool degraded, SetMembers* members, uint64_t
 uint64_t RemoteStore::FreeCompleteRowsLocked() const {
   uint64_t free_rows = 0;
   for (const auto& g : groups_) {
-    if (g->rebuilding || g->leaving_mask != 0 || g->failed_mask != 0 || g->lost_mask != 0) {
-      continue;
-    }
-    free_rows += rows_per_group_ - g->used_rows;
+    if (g->TakesCompleteSets()) free_rows += rows_per_group_ - g->used_rows;
   }
   return free_rows;
 }

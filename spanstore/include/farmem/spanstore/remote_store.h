@@ -139,6 +139,11 @@ struct Group {
   void CopyMembers(SetMembers* out) const {
     std::copy(members.begin(), members.end(), out->begin());
   }
+  // Takes rows for complete sets (writers look here first): every member live, none leaving,
+  // no rebuild running. Under the store's lock.
+  bool TakesCompleteSets() const {
+    return !rebuilding && leaving_mask == 0 && failed_mask == 0 && lost_mask == 0;
+  }
 };
 
 // Per-thread I/O state: channels by node, scratch for parity and degraded reads. Made by
@@ -397,8 +402,7 @@ class RemoteStore {
   // lease_ahead: places the next complete group if the complete groups still have fewer than
   // half a group of free rows and no writer is placing one (recovery thread).
   void LeaseAhead();
-  // Free rows in the groups a writer takes rows from first (complete, no rebuild, no leaving
-  // member).
+  // Free rows in the groups a writer takes rows from first (Group::TakesCompleteSets).
   uint64_t FreeCompleteRowsLocked() const REQUIRES(mu_);
   // As many slabs on distinct daemons as can be had, at least MinMembers(): a degraded group.
   // `full_error` is why a complete group could not be had (quoted when this fails too).
