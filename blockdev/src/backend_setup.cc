@@ -220,10 +220,10 @@ Status ResolveLayout(BackendConfig* cfg) {
           "--resilience ec:k+r, or leave out --ec-layout");
     }
     if (const char* flag = StripeOnlyFlag(*cfg)) {
-      return farmem::InvalidArgument(fmt::format(
-          "{} applies only to the stripe layout of an ec:k+r --resilience, and this is "
-          "--resilience {}: give --resilience ec:k+r, or leave out {}",
-          flag, cfg->resilience, flag));
+      return farmem::InvalidArgument(
+          fmt::format("{} applies only to the stripe layout of an ec:k+r --resilience, and this is "
+                      "--resilience {}: give --resilience ec:k+r, or leave out {}",
+                      flag, cfg->resilience, flag));
     }
     return Status::Ok();
   }

@@ -70,8 +70,8 @@ struct NbdVerifier::Conn {
 
   std::optional<NbdTestClient> client;
   std::chrono::milliseconds request_timeout{120000};  // NbdWorkloadOptions::request_timeout
-  uint32_t unit = 4096;  // bytes per block
-  uint64_t first = 0;    // first block of the region
+  uint32_t unit = 4096;                               // bytes per block
+  uint64_t first = 0;                                 // first block of the region
   uint64_t blocks = 0;
   std::vector<uint32_t> gen;  // last acknowledged generation per block
   std::vector<uint8_t> busy;  // a request on the block is in flight
@@ -165,8 +165,8 @@ struct NbdVerifier::Conn {
       if (w < 0 && errno != EAGAIN && errno != EWOULDBLOCK) {
         return IoError(fmt::format("send: {}", std::strerror(errno)));
       }
-      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
-          deadline - SteadyClock::now());
+      const auto left =
+          std::chrono::duration_cast<std::chrono::milliseconds>(deadline - SteadyClock::now());
       if (left.count() <= 0) return DeadlineExceeded("send: the server took no more bytes");
       pollfd pfd{fd, POLLIN | POLLOUT, 0};
       const int rc = ::poll(&pfd, 1, static_cast<int>(left.count()));

@@ -370,9 +370,12 @@ class FarptrWorkload : public Workload {
   using Workload::Workload;
 
   Status Start() override {
-    std::vector<std::string> argv = {config_.farptr_workload, "--objects",
-                                     std::to_string(config_.farptr_objects), "--compact",
-                                     scenario_.compact ? "on" : "off", "--seed",
+    std::vector<std::string> argv = {config_.farptr_workload,
+                                     "--objects",
+                                     std::to_string(config_.farptr_objects),
+                                     "--compact",
+                                     scenario_.compact ? "on" : "off",
+                                     "--seed",
                                      std::to_string(config_.seed)};
     std::ranges::copy(ClusterArgs(), std::back_inserter(argv));
     SpawnOptions so;

@@ -183,8 +183,7 @@ TEST_F(EvictionTest, PagesFoundCorruptWhileTheirMemberIsMovedAreRebuiltNotMoved)
 
   ASSERT_TRUE(WaitUntil(
       [&] {
-        return cluster_->node(lease.node).leases_held == 0 &&
-               store_->stats().degraded_extents == 0;
+        return cluster_->node(lease.node).leases_held == 0 && store_->stats().degraded_extents == 0;
       },
       std::chrono::seconds(20)))
       << "the member did not leave the drained daemon: " << Describe();

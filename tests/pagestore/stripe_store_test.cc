@@ -188,7 +188,8 @@ TEST_F(StripeStoreTest, WholeAgainByRevalidationAloneIsLogged) {
       << "not whole again after the daemon resumed: " << Stats();
   EXPECT_EQ(stripe_->stats().rebuilds, 0u) << "no daemon outside the groups: " << Stats();
   EXPECT_GT(stripe_->stats().revalidated_members, 0u) << Stats();
-  const std::vector<std::string> whole = log.Matching("far memory: every slab group is whole again");
+  const std::vector<std::string> whole =
+      log.Matching("far memory: every slab group is whole again");
   ASSERT_EQ(whole.size(), 1u) << "the end of the episode was not logged:\n" << log.Joined();
   EXPECT_NE(whole[0].find(" 0 span sets re-protected"), std::string::npos) << whole[0];
   EXPECT_NE(whole[0].find(fmt::format("); {} members in use again as they were",

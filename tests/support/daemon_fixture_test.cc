@@ -91,9 +91,8 @@ TEST(FatalFailure, DISABLED_InAHelperEndsTheTest) {
 }
 
 TEST(FatalFailure, InAHelperEndsTheTestNotJustTheHelper) {
-  const CommandResult r =
-      RunCommand({"/proc/self/exe", "--gtest_also_run_disabled_tests",
-                  "--gtest_filter=FatalFailure.DISABLED_InAHelperEndsTheTest"});
+  const CommandResult r = RunCommand({"/proc/self/exe", "--gtest_also_run_disabled_tests",
+                                      "--gtest_filter=FatalFailure.DISABLED_InAHelperEndsTheTest"});
   EXPECT_EQ(r.exit_code, 1) << r.out << r.err;
   EXPECT_NE(r.out.find("the helper's own failure"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("[  FAILED  ] FatalFailure.DISABLED_InAHelperEndsTheTest"),
