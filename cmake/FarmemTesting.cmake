@@ -36,11 +36,18 @@ function(farmem_test_optimization target)
   target_compile_options(${target} PRIVATE $<$<CONFIG:RelWithDebInfo,Release,MinSizeRel>:-O1>)
 endfunction()
 
+# farmem_test_timeout(<name> <seconds>): a farmem_add_test test's TIMEOUT changed after it was
+# added; the binary learns it too (tests/support/hang_dump.cc prints its stacks at 85% of it).
+function(farmem_test_timeout name seconds)
+  set_tests_properties(${name} PROPERTIES TIMEOUT ${seconds})
+  set_property(TEST ${name} APPEND PROPERTY ENVIRONMENT "FARMEM_TEST_TIMEOUT_S=${seconds}")
+endfunction()
+
 function(farmem_add_test)
   cmake_parse_arguments(T "" "NAME;TIMEOUT" "SOURCES;LIBS;LABELS" ${ARGN})
   add_executable(${T_NAME} ${T_SOURCES})
   target_link_libraries(${T_NAME} PRIVATE ${T_LIBS} GTest::gtest GTest::gtest_main GTest::gmock
-    farmem_fatal_failure_ends_test)
+    farmem_every_test)
   farmem_test_optimization(${T_NAME})
   if(TARGET farmem_test_pch)  # FARMEM_PCH (tests/CMakeLists.txt)
     target_precompile_headers(${T_NAME} REUSE_FROM farmem_test_pch)
@@ -50,7 +57,7 @@ function(farmem_add_test)
     set(T_TIMEOUT 300)
   endif()
   set_tests_properties(${T_NAME} PROPERTIES LABELS "${T_LABELS}" TIMEOUT ${T_TIMEOUT}
-    ENVIRONMENT "FARMEM_BIN_DIR=${CMAKE_BINARY_DIR}/bin;FARMEM_SOURCE_DIR=${CMAKE_SOURCE_DIR}")
+    ENVIRONMENT "FARMEM_BIN_DIR=${CMAKE_BINARY_DIR}/bin;FARMEM_SOURCE_DIR=${CMAKE_SOURCE_DIR};FARMEM_TEST_TIMEOUT_S=${T_TIMEOUT}")
   if(FARMEM_SANITIZE AND NOT FARMEM_ASAN_ALL_TESTS AND T_NAME IN_LIST kFarmemNotUnderAsan)
     set_target_properties(${T_NAME} PROPERTIES EXCLUDE_FROM_ALL TRUE)
     set_tests_properties(${T_NAME} PROPERTIES DISABLED TRUE)

@@ -16,6 +16,7 @@ build_pkgs=(
 )
 tool_pkgs=(
   nbdkit nbd-client libnbd-bin fio qemu-utils util-linux procps iproute2
+  gdb  # tests/support/hang_dump.cc: the stacks of a test binary about to time out, in CI's log
   curl python3  # tests/client/metrics_status_test: scrape /metrics, parse farmemctl --json
   docker-compose shellcheck systemd  # tests/deploy: lint deploy/docker, verify deploy/systemd
   help2man dpkg-dev file  # man pages from --help; the .deb (cpack: dpkg-shlibdeps, file)
