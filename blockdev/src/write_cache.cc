@@ -141,7 +141,10 @@ WriteCache::Scratch* WriteCache::ThreadScratch() {
 WriteCache::WriteCache(std::unique_ptr<BlockBackend> inner, WriteCacheOptions options)
     : inner_(std::move(inner)),
       options_(std::move(options)),
-      pages_in_export_(inner_->size() / kPage) {}
+      pages_in_export_(inner_->size() / kPage),
+      ahead_dirty_pages_(
+          std::max(options_.pages / 2,
+                   options_.pages - std::min(options_.pages, 2 * options_.writeback_batch))) {}
 
 Result<std::unique_ptr<WriteCache>> WriteCache::Create(std::unique_ptr<BlockBackend> inner,
                                                        WriteCacheOptions options) {
@@ -290,7 +293,7 @@ void WriteCache::MarkDirty(int32_t slot) {
   s.dirty_since = Now();
   s.retry_at = {};
   PushFront(dirty_, slot);
-  if (dirty_.size == 1) flusher_cv_.Signal();
+  if (dirty_.size == 1 || dirty_.size == ahead_dirty_pages_) flusher_cv_.Signal();
 }
 
 void WriteCache::Drop(int32_t slot) {
@@ -848,6 +851,35 @@ Status WriteCache::WriteBackExpired() {
   }
 }
 
+Status WriteCache::WriteBackAhead() {
+  std::vector<int32_t> sel;
+  Status first;
+  for (;;) {
+    sel.clear();
+    {
+      MutexLock lock(&mu_);
+      SelectAheadLocked(sel);
+    }
+    if (sel.empty()) return first;
+    if (Status st = WriteBackSlots(sel, /*fua=*/false, /*to_lru_tail=*/true);
+        !st.ok() && first.ok()) {
+      first = st;
+    }
+  }
+}
+
+void WriteCache::SelectAheadLocked(std::vector<int32_t>& sel) {
+  if (dirty_.size < ahead_dirty_pages_) return;
+  for (int32_t i = dirty_.tail; i != kNone && sel.size() < options_.writeback_batch;
+       i = slots_[i].prev) {
+    Slot& sl = slots_[i];
+    if (sl.writeback || sl.failed) continue;
+    sl.writeback = true;
+    sel.push_back(i);
+  }
+  if (!sel.empty()) TopUpLocked(sel);
+}
+
 void WriteCache::TopUpLocked(std::vector<int32_t>& sel) {
   const size_t m = options_.writeback_multiple;
   for (int32_t i = dirty_.tail; i != kNone && sel.size() % m != 0; i = slots_[i].prev) {
@@ -859,12 +891,20 @@ void WriteCache::TopUpLocked(std::vector<int32_t>& sel) {
 }
 
 void WriteCache::FlusherLoop() {
+  std::vector<int32_t> ahead;
   for (;;) {
     {
       MutexLock lock(&mu_);
       if (stopping_) return;
       if (dirty_.size == 0) {
         flusher_cv_.Wait(&mu_);
+        continue;
+      }
+      ahead.clear();
+      SelectAheadLocked(ahead);
+      if (!ahead.empty()) {  // ahead of need: the requests keep finding pages meanwhile
+        lock.Unlock();
+        (void)WriteBackSlots(ahead, /*fua=*/false, /*to_lru_tail=*/true);  // failures: latched
         continue;
       }
       // The earliest moment a dirty page is due (this thread runs on the real clock).

@@ -179,6 +179,35 @@ TEST(WriteCache, EvictionWritesBackTheLeastRecentlyUsedDirtyPageFirst) {
   EXPECT_EQ(got, Bytes(512, 1));
 }
 
+// The flusher's pass ahead of need (WriteBackAhead): once half the cache is dirty, least recently
+// used dirty pages go back a batch at a time until fewer are dirty, so the writes after it find
+// pages without a write-back of their own.
+TEST(WriteCache, DirtyPagesGoBackAheadOfNeedOnceHalfTheCacheIsDirty) {
+  Fixture f(/*pages=*/16, /*batch=*/4);
+  ASSERT_EQ(f.cache->ahead_dirty_pages(), 8u);  // max(16 / 2, 16 - 2 * 4)
+  for (uint64_t p = 0; p < 7; ++p)
+    ASSERT_TRUE(f.cache->Write(p * kPage, Bytes(512, static_cast<uint8_t>(p + 1)), false).ok());
+  ASSERT_TRUE(f.cache->WriteBackAhead().ok());  // 7 dirty: below the threshold
+  EXPECT_TRUE(f.Ops(BlockOp::Kind::kWrite).empty());
+  ASSERT_TRUE(f.cache->Write(7 * kPage, Bytes(512, 8), false).ok());
+  ASSERT_TRUE(f.cache->WriteBackAhead().ok());  // 8 dirty: one batch of 4 goes back, 4 stay
+  auto writes = f.Ops(BlockOp::Kind::kWrite);
+  ASSERT_EQ(writes.size(), 4u);
+  for (uint64_t p = 0; p < 4; ++p) EXPECT_EQ(writes[p].offset, p * kPage);
+  EXPECT_EQ(f.cache->stats().dirty, 4u);
+  EXPECT_EQ(f.cache->stats().fills, 4u);
+  // 8 free and 4 clean pages: the next 12 pages written need no write-back.
+  for (uint64_t p = 8; p < 20; ++p)
+    ASSERT_TRUE(f.cache->Write(p * kPage, Bytes(512, 9), false).ok());
+  EXPECT_EQ(f.Ops(BlockOp::Kind::kWrite).size(), 4u);
+  for (uint64_t p = 0; p < 4; ++p) {
+    EXPECT_EQ(f.Backing(p * kPage, 512), Bytes(512, static_cast<uint8_t>(p + 1)));
+  }
+  std::vector<uint8_t> got(512);
+  ASSERT_TRUE(f.cache->Read(0, got).ok());  // page 0 was evicted by page 19: from the backend
+  EXPECT_EQ(got, Bytes(512, 1));
+}
+
 TEST(WriteCache, FuaWriteIsInTheBackendWhenItReturnsAndTakesOnlyItsPages) {
   Fixture f;
   ASSERT_TRUE(f.cache->Write(0, Bytes(1024, 1), false).ok());

@@ -17,8 +17,11 @@
 //  - Reads see the cache (read-your-writes, also for reads that overlap cached pages partly);
 //    what is not cached, and sectors a cached page lacks, are read from the backend (the page's
 //    sectors are then laid over that; the page is pinned meanwhile).
-//  - Dirty pages go back to the backend, as whole-page writes in batches: when a slot is needed
-//    and no clean page is left (least recently used dirty pages first); on Flush() (NBD_CMD_FLUSH,
+//  - Dirty pages go back to the backend, as whole-page writes in batches: ahead of need, by the
+//    flusher thread, once half the cache (or all but two batches, if more) is dirty (least
+//    recently used dirty pages first, a batch at a time, so that requests keep finding clean or
+//    free pages while a batch is in flight); when a slot is needed and no clean page is left (the
+//    request's own thread, when the flusher has fallen behind); on Flush() (NBD_CMD_FLUSH,
 //    answered only once every page that was dirty when it arrived is durable in the backend, and
 //    the backend's own Flush() ran); for a FUA write, before it completes (its pages, topped up to
 //    whole groups of writeback_multiple with other dirty pages); when they have been dirty for
@@ -133,6 +136,13 @@ class WriteCache final : public BatchBackend {
   // whose last failed write-back, if any, is that old). The flusher thread's pass; tests with a
   // fake clock call it themselves. Returns the first write-back error.
   Status WriteBackExpired() EXCLUDES(mu_);
+  // While at least ahead_dirty_pages() pages are dirty, writes back the least recently used dirty
+  // pages that are not going back, a batch at a time, until fewer are dirty or none is left to
+  // send. The flusher thread's other pass (woken when a write makes that many dirty); tests
+  // without the thread call it themselves. Returns the first write-back error.
+  Status WriteBackAhead() EXCLUDES(mu_);
+  // max(pages / 2, pages - 2 * writeback_batch).
+  size_t ahead_dirty_pages() const { return ahead_dirty_pages_; }
   WriteCacheStats stats() const EXCLUDES(mu_);
   BlockBackend* inner() const { return inner_.get(); }
 
@@ -173,6 +183,10 @@ class WriteCache final : public BatchBackend {
   // Adds dirty pages that are not going back or failed (least recently used first) to `sel`,
   // marked writeback, until its size is a multiple of writeback_multiple or none is left.
   void TopUpLocked(std::vector<int32_t>& sel) REQUIRES(mu_);
+  // WriteBackAhead's batch: the least recently used dirty pages not going back and not failed,
+  // up to writeback_batch (topped up), marked writeback; none while fewer than
+  // ahead_dirty_pages_ are dirty.
+  void SelectAheadLocked(std::vector<int32_t>& sel) REQUIRES(mu_);
 
   // ---- the map and the lists (mu_ held) ----
   int32_t Lookup(uint64_t page) const REQUIRES(mu_);
@@ -197,6 +211,7 @@ class WriteCache final : public BatchBackend {
   const std::unique_ptr<BlockBackend> inner_;
   const WriteCacheOptions options_;
   const uint64_t pages_in_export_;
+  const size_t ahead_dirty_pages_;  // WriteBackAhead's threshold
   // Page contents, options_.pages * kPage bytes. A slot's bytes are guarded by mu_ while it is
   // not busy; while it is written back the thread doing that I/O owns the bytes (readers may still
   // copy its valid sectors under mu_: nobody else writes it meanwhile).
