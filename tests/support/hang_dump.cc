@@ -26,6 +26,7 @@ void DumpStacks() {
       "for p in " +
       pid + " $(pgrep -P " + pid +
       "); do "
+      "[ $p = $$ ] && continue; "  // this shell, also a child
       "echo \"== hang_dump: the stacks of process $p: $(tr '\\0' ' ' </proc/$p/cmdline)\"; "
       "gdb -p $p -batch -nx -ex 'thread apply all bt' 2>&1 | grep -v '^\\[New LWP'; "
       "done >&2";
