@@ -870,19 +870,17 @@ Status WriteCache::WriteBackAhead() {
 
 void WriteCache::SelectAheadLocked(std::vector<int32_t>& sel) {
   if (dirty_.size < ahead_dirty_pages_) return;
-  for (int32_t i = dirty_.tail; i != kNone && sel.size() < options_.writeback_batch;
-       i = slots_[i].prev) {
-    Slot& sl = slots_[i];
-    if (sl.writeback || sl.failed) continue;
-    sl.writeback = true;
-    sel.push_back(i);
-  }
+  TakeLruDirtyLocked(sel, options_.writeback_batch);
   if (!sel.empty()) TopUpLocked(sel);
 }
 
 void WriteCache::TopUpLocked(std::vector<int32_t>& sel) {
   const size_t m = options_.writeback_multiple;
-  for (int32_t i = dirty_.tail; i != kNone && sel.size() % m != 0; i = slots_[i].prev) {
+  TakeLruDirtyLocked(sel, (sel.size() + m - 1) / m * m);
+}
+
+void WriteCache::TakeLruDirtyLocked(std::vector<int32_t>& sel, size_t until) {
+  for (int32_t i = dirty_.tail; i != kNone && sel.size() < until; i = slots_[i].prev) {
     Slot& sl = slots_[i];
     if (sl.writeback || sl.failed) continue;
     sl.writeback = true;

@@ -187,6 +187,9 @@ class WriteCache final : public BatchBackend {
   // up to writeback_batch (topped up), marked writeback; none while fewer than
   // ahead_dirty_pages_ are dirty.
   void SelectAheadLocked(std::vector<int32_t>& sel) REQUIRES(mu_);
+  // What both of those take: dirty pages not going back and not failed, least recently used
+  // first, marked writeback and added to `sel` until it holds `until` or none is left.
+  void TakeLruDirtyLocked(std::vector<int32_t>& sel, size_t until) REQUIRES(mu_);
 
   // ---- the map and the lists (mu_ held) ----
   int32_t Lookup(uint64_t page) const REQUIRES(mu_);
