@@ -9,7 +9,8 @@
 #   - syscalls (sendmsg, recvfrom, recvmsg, poll, futex) and context switches per request, for
 #     farmem-nbd and for the daemons (perf stat of tracepoints)
 #   - then one more job each under `perf record -F 4999 -g` of farmem-nbd, summarised as CPU µs per
-#     request by category (kernel, AES-GCM assembly, OpenSSL EVP layer, PageCrypto, malloc, ...)
+#     request by category (kernel, AES-GCM assembly of OpenSSL or intel-ipsec-mb, OpenSSL EVP layer,
+#     PageCrypto, malloc, ...)
 # Needs root (or perf_event_paranoid <= 0) for the tracepoints and the kernel samples.
 #
 #   blockdev/bench/nbd_crypto_profile.sh [--build-dir DIR] [--runtime S] [--reps N] [--out DIR]
@@ -140,6 +141,8 @@ for line in sys.stdin:
     total += k
     if dso.startswith("libcrypto"):
         c = "AES-GCM asm" if sym.startswith("0x") or "gcm" in sym.lower() else "EVP layer"
+    elif dso.startswith("libIPSec_MB"):
+        c = "AES-GCM asm"  # intel-ipsec-mb (docs/security.md), where the CPU has AES-NI
     elif "strcmp" in sym:
         c = "EVP layer"  # OSSL_PARAM_locate: OpenSSL 3.0 looks parameters up by name
     elif re.search(r"PageCrypto|aead::|SealPages|EndWrites", sym):

@@ -33,8 +33,11 @@
 # targets. Six farmemd daemons on loopback (tcp, 64 MiB slabs) serve both farmem exports. Every
 # export is written whole first (reads and fills then hit allocated memory everywhere). Each
 # workload runs on every target back to back, the order rotated every repetition; the table shows
-# the median IOPS and each repetition's, and the ratio to nbdkit-mem; a second table the write
-# cache's pages written back and filled per 1,000 writes (what its size changes; load-independent).
+# the median IOPS and each repetition's, and the ratio to nbdkit-mem; a second table the CPU time
+# per write of the NBD server and of the six farmemd (process CPU clocks over each job, so the
+# cost of the daemons' share is seen beside farmem-nbd's); a third the write cache's pages written
+# back and filled and the stripe layout's pages compacted per 1,000 writes (what the cache's size
+# changes; load-independent).
 set -euo pipefail
 
 build=build
@@ -58,7 +61,7 @@ while [ $# -gt 0 ]; do
   esac
 done
 bin=$build/bin
-# bench_require, stop_pids, wait_file, start_farmemds (six farmemd on loopback, their ports)
+# bench_require, stop_pids, wait_file, start_farmemds (six farmemd on loopback, their ports), cpu_ns
 # shellcheck source=blockdev/bench/bench_lib.sh
 source "$(dirname "$0")/bench_lib.sh"
 bench_require fio nbdkit python3
@@ -66,13 +69,14 @@ work=$(mktemp -d /tmp/nbd-subpage-bench.XXXXXX)
 pids=()
 trap 'stop_pids; rm -rf "$work"' EXIT
 has() { case " $targets " in *" $1 "*) return 0 ;; esac; return 1; }
+declare -A tpid  # target -> the NBD server's pid (its CPU per write)
 
 if has nbdkit-mem; then
   nbdkit --foreground --unix "$work/nbdkit-mem.sock" memory "$size" 2>"$work/nbdkit-mem.log" &
   pids+=($!)
+  tpid[nbdkit-mem]=$!
 fi
 peers=''
-# shellcheck disable=SC2034  # start_farmemds fills it (unused here)
 daemon_pids=()
 start_farmemds peers daemon_pids d 6 --capacity 512M --slab-size 64M
 for t in $targets; do
@@ -103,6 +107,7 @@ for t in $targets; do
     --no-swap-safe --metrics-listen 127.0.0.1:0 --metrics-port-file "$work/$t.mport" \
     "${opts[@]}" 2>"$work/$t.log" &
   pids+=($!)
+  tpid[$t]=$!
 done
 for t in $targets; do
   wait_file -S "$work/$t.sock"
@@ -119,7 +124,8 @@ cache_counters() {
     awk '$1 == "farmem_write_cache_writebacks_total" {w = $2}
          $1 == "farmem_write_cache_fills_total" {f = $2}
          $1 ~ /^farmem_export_requests_total[{].*op="write"/ {n += $2}
-         END {print w + 0, f + 0, n + 0}'
+         $1 == "farmem_export_stripe_compacted_pages_total" {m = $2}
+         END {print w + 0, f + 0, n + 0, m + 0}'
 }
 read -r -a tlist <<<"$targets"
 n=${#tlist[@]}
@@ -129,6 +135,7 @@ for rep in $(seq "$repeat"); do
       t=${tlist[$(((i + rep) % n))]}
       out=$work/$t-${w//:/-}-$rep
       [ -f "$work/$t.mport" ] && cache_counters "$t" >"$out.c0"
+      c0=$(cpu_ns "${tpid[$t]}") d0=$(cpu_ns "${daemon_pids[@]}")
       IFS=: read -r rw bs depth <<<"$w"
       if [ "$rw" = mixed ]; then  # mixed[:DEPTH]
         depth=${bs:-16}
@@ -139,6 +146,8 @@ for rep in $(seq "$repeat"); do
       fi
       fio --name="$t" --ioengine=nbd --uri="$(nbd_uri "$t")" --iodepth="${depth:-16}" \
         --numjobs=1 "${job[@]}" --output-format=json --output="$out.json" >/dev/null
+      c1=$(cpu_ns "${tpid[$t]}") d1=$(cpu_ns "${daemon_pids[@]}")
+      echo "$((${c1%% *} - ${c0%% *})) $((${d1%% *} - ${d0%% *}))" >"$out.cpu"
       [ -f "$work/$t.mport" ] && cache_counters "$t" >"$out.c1"
     done
   done
@@ -160,12 +169,31 @@ for w in workloads:
         print(f"{w.replace(':', ' '):<18}{t:<22}{med[t][0]:>9.0f}{ratio:>10}   "
               + " ".join(f"{x:.0f}" for x in med[t][1]))
 print()
-print("write cache per 1,000 writes answered (all repetitions):")
-print(f"{'workload[:depth]':<18}{'target':<22}{'written back':>14}{'filled':>10}")
+print("CPU per write, us (median over repetitions; the NBD server's own, then the six farmemd's,")
+print("whose background work of other targets, e.g. compaction, counts against the job that ran):")
+print(f"{'workload[:depth]':<18}{'target':<22}{'server':>9}{'farmemd':>9}{'sum':>9}")
+for w in workloads:
+    for t in targets:
+        sv, dm = [], []
+        for r in range(1, reps + 1):
+            base = f"{d}/{t}-{w.replace(':', '-')}-{r}"
+            ios = json.load(open(base + ".json"))["jobs"][0]["write"]["total_ios"]
+            c = [int(x) for x in open(base + ".cpu").read().split()]
+            if ios:
+                sv.append(c[0] / 1000 / ios); dm.append(c[1] / 1000 / ios)
+        if not sv: continue
+        s_, d_ = statistics.median(sv), statistics.median(dm)
+        dcol = "-" if t == "nbdkit-mem" else f"{d_:.1f}"
+        tot = s_ if t == "nbdkit-mem" else s_ + d_
+        print(f"{w.replace(':', ' '):<18}{t:<22}{s_:>9.1f}{dcol:>9}{tot:>9.1f}")
+print()
+print("write cache per 1,000 writes answered (all repetitions; compacted: pages the stripe")
+print("layout's compaction moved meanwhile):")
+print(f"{'workload[:depth]':<18}{'target':<22}{'written back':>14}{'filled':>10}{'compacted':>11}")
 for w in workloads:
     for t in targets:
         if t == "nbdkit-mem": continue
-        wb = fl = n = 0
+        wb = fl = n = mv = 0
         for r in range(1, reps + 1):
             base = f"{d}/{t}-{w.replace(':', '-')}-{r}"
             try:
@@ -173,7 +201,8 @@ for w in workloads:
                 c1 = [float(x) for x in open(base + ".c1").read().split()]
             except (OSError, ValueError):
                 continue
-            wb += c1[0] - c0[0]; fl += c1[1] - c0[1]; n += c1[2] - c0[2]
+            wb += c1[0] - c0[0]; fl += c1[1] - c0[1]; n += c1[2] - c0[2]; mv += c1[3] - c0[3]
         if n:
-            print(f"{w.replace(':', ' '):<18}{t:<22}{1000 * wb / n:>14.0f}{1000 * fl / n:>10.0f}")
+            print(f"{w.replace(':', ' '):<18}{t:<22}{1000 * wb / n:>14.0f}{1000 * fl / n:>10.0f}"
+                  f"{1000 * mv / n:>11.0f}")
 EOF
