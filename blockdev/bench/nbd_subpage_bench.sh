@@ -8,7 +8,7 @@
 #   A workload is RW:BS[:DEPTH] (depth 16 if not given, e.g. randwrite:1k:1), or mixed[:DEPTH]:
 #   the mixed-size integrity job (what nbd-tester-client's integrity test stands for): random
 #   writes of 512 B to 128 KiB (fio bssplit 512/20:1k/20:4k/30:16k/20:128k/10) over 64 MiB of the
-#   export, each block checked afterwards (--verify=crc32c: fio reads it back; a mismatch fails the
+#   export (--mixed-size), each block checked afterwards (--verify=crc32c: fio reads it back; a mismatch fails the
 #   run); its IOPS are those of the write phase, not time-based.
 #
 #   targets  nbdkit-mem        nbdkit memory
@@ -28,6 +28,7 @@
 #   blockdev/bench/nbd_subpage_bench.sh [--build-dir DIR] [--runtime SECONDS] [--repeat N]
 #                                       [--size SIZE] [--targets "a b ..."]
 #                                       [--workloads "randwrite:1k write:1k ..."] [--alt-nbd BIN]
+#                                       [--mixed-size SIZE]
 #
 # Defaults: build dir ./build, 5 s per job (after 1 s ramp), 3 repetitions, 256M export, all
 # targets. Six farmemd daemons on loopback (tcp, 64 MiB slabs) serve both farmem exports. Every
@@ -47,6 +48,7 @@ size=256M
 targets="nbdkit-mem farmem-ec farmem-ec-nocache farmem-none farmem-none-nocache"
 workloads="randwrite:512 randwrite:1k randwrite:4k write:1k"
 alt_nbd=
+mixed_size=64M
 while [ $# -gt 0 ]; do
   case $1 in
     --build-dir) build=$2; shift 2 ;;
@@ -56,6 +58,7 @@ while [ $# -gt 0 ]; do
     --targets) targets=$2; shift 2 ;;
     --workloads) workloads=$2; shift 2 ;;
     --alt-nbd) alt_nbd=$2; shift 2 ;;
+    --mixed-size) mixed_size=$2; shift 2 ;;
     -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d'; exit 0 ;;
     *) echo "unknown argument $1 (try --help)" >&2; exit 2 ;;
   esac
@@ -139,7 +142,7 @@ for rep in $(seq "$repeat"); do
       IFS=: read -r rw bs depth <<<"$w"
       if [ "$rw" = mixed ]; then  # mixed[:DEPTH]
         depth=${bs:-16}
-        job=(--rw=randwrite --bssplit=512/20:1k/20:4k/30:16k/20:128k/10 --size=64M
+        job=(--rw=randwrite --bssplit=512/20:1k/20:4k/30:16k/20:128k/10 --size="$mixed_size"
           --verify=crc32c --verify_fatal=1 --verify_state_save=0)
       else
         job=(--rw="$rw" --bs="$bs" --size="$size" --time_based --runtime="$runtime" --ramp_time=1)
