@@ -8,6 +8,7 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "farmem/internal/budget_gate.h"
 #include "heap.h"
 
 namespace farmem::farptr_internal {
@@ -113,6 +114,23 @@ void Heap::PutFrame(uint8_t* f) {
   if (used <= budget_frames_ && over_budget_.load(std::memory_order_relaxed)) {
     SetOverBudget(this, over_budget_, false);
   }
+}
+
+void Heap::RecheckOverBudget() {
+  if (frames_in_use_.load(std::memory_order_seq_cst) <= budget_frames_ &&
+      over_budget_.load(std::memory_order_acquire)) {
+    SetOverBudget(this, over_budget_, false);
+  }
+}
+
+void Heap::SetOverBudgetForTest() { SetOverBudget(this, over_budget_, true); }
+
+bool OverBudgetForTest(ObjectEntry* e) {
+  return e->span.load(std::memory_order_acquire)->heap->OverBudgetForTest();
+}
+
+void SetOverBudgetForTest(ObjectEntry* e) {
+  e->span.load(std::memory_order_acquire)->heap->SetOverBudgetForTest();
 }
 
 ObjectEntry* Heap::NewEntry() {

@@ -78,6 +78,9 @@ void WaitAtGate() {
   bool reclaimed = false;
   for (Heap* h : heaps) reclaimed = h->TryReclaim() || reclaimed;
   if (reclaimed) return;
+  // Nothing to give back: perhaps nothing is over any more (a flag left set by a race, see
+  // Heap::RecheckOverBudget). Then the wait below returns at once instead of after kMaxGateWait.
+  for (Heap* h : heaps) h->RecheckOverBudget();
   MutexLock lock(&g_gate_mu);
   g_gate_cv.WaitFor(&g_gate_mu, kMaxGateWait,
                     [] { return g_heaps_over_budget.load(std::memory_order_acquire) == 0; });

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "farmem/client/cluster.h"
+#include "farmem/internal/budget_gate.h"
 #include "farmem/internal/object.h"
 #include "farptr_fixture.h"
 #include "support/wait.h"
@@ -100,6 +101,29 @@ TEST_F(FarptrTest, MakeFarConstructsAndDerefIsLocalAfterwards) {
   far_ptr<Point> q = std::move(p);
   EXPECT_FALSE(p);
   EXPECT_EQ(q.read().id, 1u);
+}
+
+// The budget gate checks its own reason to hold a thread. A GetFrame crossing the budget sets
+// the runtime's over-budget flag; a PutFrame going back under it at the same moment can find the
+// flag still clear, and then the flag stays set with the frames within the budget: the evictor
+// has nothing to do, no PutFrame comes to clear it, and every outermost scope entry waited out
+// the gate's full second (far_list_queue_test then ran at a second per element until ctest killed
+// it: seen twice in CI, under ASan and TSan). Played here by setting the flag directly: the next
+// outermost scope entry must clear it.
+TEST_F(FarptrTest, AStaleOverBudgetFlagIsClearedAtTheGate) {
+  ASSERT_NO_FATAL_FAILURE(StartDaemons(3));
+  ASSERT_NO_FATAL_FAILURE(Open(Options("ec:2+1", 1 << 20)));
+  far_ptr<Point> p = make_far<Point>(Point{1, 2, 3.5, 4.5});
+  ASSERT_TRUE(p.is_local());
+  farptr_internal::SetOverBudgetForTest(p.entry());
+  ASSERT_TRUE(farptr_internal::OverBudgetForTest(p.entry()));
+  {
+    DerefScope s;  // this thread holds no scope: an outermost entry, through the gate
+    EXPECT_EQ(p.deref(s).id, 1u);
+  }
+  EXPECT_FALSE(farptr_internal::OverBudgetForTest(p.entry()))
+      << "the flag outlived the gate: every scope entry would wait a second";
+  EXPECT_EQ(p.read().x, 3.5);
 }
 
 // A span that keeps one hot object among cold ones gives it up to the class's hot span; when the
