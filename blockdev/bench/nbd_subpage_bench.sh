@@ -8,8 +8,8 @@
 #   A workload is RW:BS[:DEPTH] (depth 16 if not given, e.g. randwrite:1k:1), or mixed[:DEPTH]:
 #   the mixed-size integrity job (what nbd-tester-client's integrity test stands for): random
 #   writes of 512 B to 128 KiB (fio bssplit 512/20:1k/20:4k/30:16k/20:128k/10) over 64 MiB of the
-#   export (--mixed-size), each block checked afterwards (--verify=crc32c: fio reads it back; a mismatch fails the
-#   run); its IOPS are those of the write phase, not time-based.
+#   export (--mixed-size), each block checked afterwards (--verify=crc32c: fio reads it back; a
+#   mismatch fails the run); its IOPS are those of the write phase, not time-based.
 #
 #   targets  nbdkit-mem        nbdkit memory
 #            farmem-ec         farmem-nbd --resilience ec:4+2 --ec-layout split (write cache on,
@@ -173,7 +173,8 @@ for w in workloads:
               + " ".join(f"{x:.0f}" for x in med[t][1]))
 print()
 print("CPU per write, us (median over repetitions; the NBD server's own, then the six farmemd's,")
-print("whose background work of other targets, e.g. compaction, counts against the job that ran):")
+print("whose background work of other targets, e.g. compaction, counts against the job that ran;")
+print("for a mixed job the clocks also cover fio's verification reads, which its IOPS leave out):")
 print(f"{'workload[:depth]':<18}{'target':<22}{'server':>9}{'farmemd':>9}{'sum':>9}")
 for w in workloads:
     for t in targets:

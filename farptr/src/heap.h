@@ -193,11 +193,12 @@ class Heap {
   // burst down to the low watermark, unless an eviction is already running. True if it gave
   // memory back.
   bool TryReclaim();
-  // The budget gate's check of its own reason to hold a thread (scope.cc): clears this heap's
-  // over-budget flag if its frames are back within the budget. The flag can be left set with
-  // nothing over: a GetFrame that crossed the budget sets it just after a PutFrame that went back
-  // under found it still clear, and then no PutFrame comes to clear it (the evictor has nothing
-  // to do under the budget), so every scope entry would wait out the gate's full second.
+  // Clears this heap's over-budget flag if its frames are back within the budget: after every
+  // PutFrame, and as the budget gate's check of its own reason to hold a thread (scope.cc). The
+  // gate needs it because the flag can be left set with nothing over: a GetFrame that crossed the
+  // budget sets it just after a PutFrame that went back under found it still clear, and then no
+  // PutFrame comes to clear it (the evictor has nothing to do under the budget), so every scope
+  // entry would wait out the gate's full second.
   void RecheckOverBudget();
   // For tests (farmem/internal/budget_gate.h): the flag, and setting it as that race leaves it.
   bool OverBudgetForTest() const { return over_budget_.load(std::memory_order_acquire); }

@@ -110,10 +110,8 @@ void Heap::PutFrame(uint8_t* f) {
     MutexLock lock(&frames_mu_);
     cold_frames_.push_back(f);
   }
-  const size_t used = frames_in_use_.fetch_sub(1, std::memory_order_acq_rel) - 1;
-  if (used <= budget_frames_ && over_budget_.load(std::memory_order_relaxed)) {
-    SetOverBudget(this, over_budget_, false);
-  }
+  frames_in_use_.fetch_sub(1, std::memory_order_acq_rel);
+  RecheckOverBudget();
 }
 
 void Heap::RecheckOverBudget() {
