@@ -29,6 +29,22 @@ stop_pids() {
   for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; wait "$p" 2>/dev/null || true; done
 }
 
+# bench_cleanup [RC]: the caller's EXIT trap (`trap bench_cleanup EXIT`; a trap function of the
+# caller's own passes the run's exit status, `local rc=$?` first): stops what was started and
+# removes $work. A run that ends with an error (a failed fio job, a
+# server that did not start) keeps the logs of every server and daemon first, in a directory it
+# names on stderr: a failure seen once is otherwise gone with its scratch directory.
+bench_cleanup() {
+  local rc=${1:-$?} kept
+  stop_pids
+  if [ "$rc" -ne 0 ] && compgen -G "$work/*.log" >/dev/null; then
+    kept=$(mktemp -d /tmp/nbd-bench-failed.XXXXXX)
+    cp "$work"/*.log "$kept"/
+    echo "the run failed (exit $rc): the servers' and daemons' logs are kept in $kept" >&2
+  fi
+  rm -rf "$work"
+}
+
 # wait_file -S|-s PATH: wait (up to 30 s) until PATH is a socket (-S) or a non-empty file (-s).
 wait_file() {
   for _ in $(seq 600); do test "$1" "$2" && return 0; sleep 0.05; done

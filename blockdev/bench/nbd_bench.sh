@@ -187,9 +187,9 @@ mkdir -p "$json_dir"
 disk_file=$disk_dir/nbd-bench-disk.$$.img
 pids=()
 cleanup() {
-  stop_pids
-  rm -rf "$work"
+  local rc=$?
   rm -f "$disk_file"
+  bench_cleanup "$rc"
 }
 trap cleanup EXIT
 

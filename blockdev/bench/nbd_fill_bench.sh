@@ -37,7 +37,7 @@ source "$(dirname "$0")/bench_lib.sh"
 bench_require fio curl python3
 work=$(mktemp -d /tmp/nbd-fill-bench.XXXXXX)
 pids=()
-trap 'stop_pids; rm -rf "$work"' EXIT
+trap bench_cleanup EXIT
 
 echo "fio $(fio --version | sed 's/fio-//'), $(nproc) CPUs, export $size, slabs $slab," \
   "$pairs pairs, uptime: $(uptime)"

@@ -70,7 +70,7 @@ source "$(dirname "$0")/bench_lib.sh"
 bench_require fio nbdkit python3
 work=$(mktemp -d /tmp/nbd-subpage-bench.XXXXXX)
 pids=()
-trap 'stop_pids; rm -rf "$work"' EXIT
+trap bench_cleanup EXIT
 has() { case " $targets " in *" $1 "*) return 0 ;; esac; return 1; }
 declare -A tpid  # target -> the NBD server's pid (its CPU per write)
 
