@@ -233,11 +233,16 @@ Result<std::vector<client::Lease>> RemoteStore::AllocateDegraded(const Status& f
         full_error.message());
     return leases;
   }
+  // Too few daemons up is an outage, not a full cluster: Unavailable (EIO to an NBD client, not
+  // ENOSPC, which would send its user looking for space rather than for the daemons that are down).
+  const StatusCode code = alive < min ? StatusCode::kUnavailable
+                          : last.code() == StatusCode::kInvalidArgument
+                              ? StatusCode::kResourceExhausted
+                              : last.code();
   return Err(Status(
-      last.code() == StatusCode::kInvalidArgument ? StatusCode::kResourceExhausted : last.code(),
-      fmt::format("a span set ({}) needs at least {} of its {} daemons with room; "
-                  "{} of {} are up: {}",
-                  res_.ToString(), min, n, alive, cluster_->node_count(), last.message())));
+      code, fmt::format("a span set ({}) needs at least {} of its {} daemons with "
+                        "room; {} of {} are up: {}",
+                        res_.ToString(), min, n, alive, cluster_->node_count(), last.message())));
 }
 
 void RemoteStore::AddGroup(std::vector<client::Lease> leases) {

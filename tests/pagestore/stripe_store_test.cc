@@ -372,6 +372,25 @@ TEST_F(StripeStoreTest, BeyondToleranceNamesTheLostPagesAsExportRanges) {
   EXPECT_GT(stripe_->stats().lost_bytes, 0u);
 }
 
+// Fewer daemons up than a span set needs (two of ec:2+1's three killed and declared down): a write
+// has no group to go to and must fail as an outage (Unavailable: EIO to an NBD client), not as a
+// full cluster. Regression: RemoteStore::AllocateDegraded passed on the code of the last full-group
+// attempt ("needs 3 distinct live nodes", ResourceExhausted), so farmem-nbd answered ENOSPC and
+// its user went looking for space instead of for the daemons that were down.
+TEST_F(StripeStoreTest, AWriteWithTooFewDaemonsUpFailsAsAnOutageNotAsNoSpace) {
+  StartDaemons(3);
+  OpenStripe("ec:2+1");
+  RandomWrites(50, 11);
+  (*daemons_)[0].Kill();
+  (*daemons_)[1].Kill();
+  ASSERT_TRUE(WaitUntil([&] { return cluster_->alive_count() == 1; }, std::chrono::seconds(30)))
+      << "the two killed daemons were not declared down; " << Stats();
+  std::vector<uint8_t> page(4096, 0x5c);
+  const Status s = Target().Write(0, page, /*fua=*/false);
+  ASSERT_FALSE(s.ok()) << "a write with one daemon of three up was acknowledged";
+  EXPECT_EQ(s.code(), StatusCode::kUnavailable) << s.ToString();
+}
+
 // A daemon that just died, not declared down yet (its heartbeats have not timed out): a set whose
 // row is on it loses that member's write, and must be committed degraded on the k members that
 // took it (re-protected later), as a set written to a degraded group is. Regression: the row was
