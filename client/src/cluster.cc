@@ -167,7 +167,8 @@ Status Cluster::CheckOpen() const {
 // ---- control calls ----
 
 Result<std::vector<uint8_t>> Cluster::CallLocked(Node& node, wire::Opcode op,
-                                                 std::span<const uint8_t> body) {
+                                                 std::span<const uint8_t> body,
+                                                 std::optional<std::chrono::milliseconds> timeout) {
   // Every caller holds call_mu; REQUIRES(node.call_mu) cannot be written in cluster.h, where
   // Node is incomplete.
   node.call_mu.AssertHeld();
@@ -177,7 +178,7 @@ Result<std::vector<uint8_t>> Cluster::CallLocked(Node& node, wire::Opcode op,
     return Err(Unavailable(
         fmt::format("{} is {}{}", node.name(), node.alive ? "reconnecting" : "down", why)));
   }
-  auto reply = node.conn->Call(op, body, options_.op_timeout);
+  auto reply = node.conn->Call(op, body, timeout.value_or(options_.op_timeout));
   CollectPushes(node);
   if (reply) {
     MutexLock lock(&mu_);
@@ -207,7 +208,7 @@ Result<std::vector<uint8_t>> Cluster::CallLocked(Node& node, wire::Opcode op,
 
 Result<wire::StatReply> Cluster::StatNode(Node& node) {
   MutexLock call(&node.call_mu);
-  FARMEM_ASSIGN_OR_RETURN(auto body, CallLocked(node, wire::Opcode::kStat, {}));
+  FARMEM_ASSIGN_OR_RETURN(auto body, CallLocked(node, wire::Opcode::kStat, {}, QuickCallTimeout()));
   auto stat = wire::DecodeStatReply(body);
   if (!stat) return Err(stat.error().WithContext(fmt::format("STAT reply from {}", node.name())));
   MutexLock lock(&mu_);

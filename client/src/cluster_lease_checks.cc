@@ -45,7 +45,7 @@ bool Cluster::ProbeLeasesLocked(Node& node, std::span<const uint64_t> ids,
   for (uint64_t id : ids) {
     uint8_t body[wire::kDataOpSize];
     wire::EncodeDataOp(wire::DataOp{id, 0, 1}, body);
-    auto r = CallLocked(node, wire::Opcode::kRead, {body, sizeof body});
+    auto r = CallLocked(node, wire::Opcode::kRead, {body, sizeof body}, QuickCallTimeout());
     if (r) {
       held->push_back(id);
     } else if (!node.conn) {

@@ -137,9 +137,14 @@ void Cluster::NodeWorkerLoop(Node& node) {
 }
 
 void Cluster::Heartbeat(Node& node) {
-  // A user call in flight holds the connection; it counts as contact, and its failure reports
-  // itself. Skip this node for this round rather than hold up everyone else's heartbeat.
-  if (!internal::LockWithin(&node.call_mu, options_.heartbeat_interval)) return;
+  // A user call in flight holds the connection; its answer counts as contact, and its failure
+  // reports itself. Skip this node for this round rather than hold up everyone else's heartbeat,
+  // unless the node has not answered for the whole failure window: then the call may be stuck
+  // on a daemon that answers nothing, and waiting for its op_timeout would hold off detection.
+  if (!internal::LockWithin(&node.call_mu, options_.heartbeat_interval)) {
+    ProbeBusyNode(node);
+    return;
+  }
   MutexLock call(&node.call_mu, kAdoptLock);
 
   Clock::time_point deadline;
@@ -251,7 +256,7 @@ void Cluster::Heartbeat(Node& node) {
   auto conn = ConnectTo(node.endpoint, timeout);
   if (conn) {
     if (Adopt(node, std::move(*conn))) {
-      auto reply = node.conn->Call(wire::Opcode::kHeartbeat, {}, options_.op_timeout);
+      auto reply = node.conn->Call(wire::Opcode::kHeartbeat, {}, QuickCallTimeout());
       CollectPushes(node);
       if (!reply && internal::IsTransportFailure(reply.error(), *node.conn)) node.conn.reset();
       if (node.conn) ReclaimRetainedLocked(node);
@@ -302,7 +307,7 @@ void Cluster::Reconnect(Node& node) {
     return;
   }
   if (!Adopt(node, std::move(*conn))) return;
-  auto reply = node.conn->Call(wire::Opcode::kHeartbeat, {}, options_.op_timeout);
+  auto reply = node.conn->Call(wire::Opcode::kHeartbeat, {}, QuickCallTimeout());
   CollectPushes(node);
   if (!reply && internal::IsTransportFailure(reply.error(), *node.conn)) {
     node.conn.reset();
@@ -310,7 +315,7 @@ void Cluster::Reconnect(Node& node) {
   }
   ReclaimRetainedLocked(node);  // the HEARTBEAT above renewed them, if they are still there
   RetryPendingFreesLocked(node);
-  auto stat = node.conn ? node.conn->Call(wire::Opcode::kStat, {}, options_.op_timeout)
+  auto stat = node.conn ? node.conn->Call(wire::Opcode::kStat, {}, QuickCallTimeout())
                         : Result<std::vector<uint8_t>>(Err(Unavailable("")));
   if (stat) {
     if (auto s = wire::DecodeStatReply(*stat)) {
@@ -373,11 +378,46 @@ bool Cluster::Adopt(Node& node, TcpConnection conn) {
   return true;
 }
 
+void Cluster::ProbeBusyNode(Node& node) {
+  {
+    MutexLock lock(&mu_);
+    if (!node.alive) return;
+    // As Heartbeat's window: failure_timeout after the last answer, plus what this process lost
+    // to its own stalls since then (at most one more failure_timeout).
+    const auto stalled =
+        std::clamp(stall_meter_->total() - node.stall_at_contact, std::chrono::nanoseconds(0),
+                   std::chrono::nanoseconds(options_.failure_timeout));
+    if (Clock::now() < node.last_contact + options_.failure_timeout +
+                           std::chrono::duration_cast<Clock::duration>(stalled)) {
+      return;  // not overdue: the call's answer may still come
+    }
+  }
+  // A HELLO on a new connection: the daemon's admission thread answers it even while the call's
+  // connection thread is busy (a long ALLOC), and a paused or hung daemon does not.
+  const milliseconds timeout =
+      std::clamp(options_.failure_timeout / 2, milliseconds(50), options_.connect_timeout);
+  auto probe = ConnectTo(node.endpoint, timeout);
+  if (probe) {
+    MutexLock lock(&mu_);
+    node.last_contact = Clock::now();
+    node.stall_at_contact = stall_meter_->total();
+    return;
+  }
+  DeclareDown(node, Status(probe.error().code(),
+                           fmt::format("no answer for {} ms while a call held its connection; "
+                                       "probed on a new connection: {}",
+                                       options_.failure_timeout.count(), probe.error().message())));
+}
+
 void Cluster::MarkDown(Node& node, Status reason) {
   // Every caller holds call_mu; REQUIRES(node.call_mu) cannot be written in cluster.h, where
   // Node is incomplete.
   node.call_mu.AssertHeld();
   node.conn.reset();
+  DeclareDown(node, std::move(reason));
+}
+
+void Cluster::DeclareDown(Node& node, Status reason) {
   MutexLock lock(&mu_);
   if (!node.alive) return;
   node.alive = false;

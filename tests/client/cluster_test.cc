@@ -460,6 +460,47 @@ TEST_F(ClusterTest, HungDaemonIsDeclaredDownAndKeepsItsLeasesWhenItWakes) {
   EXPECT_EQ(FreeSlabs(*c_, 1), 16u);
 }
 
+// A call that holds a node's connection while its daemon hangs must not hold off the daemon's
+// detection until the call's op_timeout: the heartbeat, finding the connection busy past the
+// failure window, asks on a connection of its own and declares the node down when that goes
+// unanswered too. Regression: the heartbeat skipped a busy node ("its failure reports itself"),
+// so a call in flight when the daemon stopped kept it up for op_timeout — the far_ptr
+// gray-failure test's 10 s deref, about 1 run in 8, with placement's STAT in flight at the pause.
+// (A STAT now gives up after failure_timeout itself; a FREE, as an ALLOC, still waits op_timeout.)
+TEST_F(ClusterTest, HungDaemonIsDeclaredDownWhileACallWaitsOnIt) {
+  ASSERT_NO_FATAL_FAILURE(StartDaemons(2));
+  ClusterOptions o = Options();
+  o.op_timeout = milliseconds(30000 * kTimeScale);  // far beyond the detection asked for below
+  ASSERT_NO_FATAL_FAILURE(Connect(o));
+  // A heartbeat that takes the connection at the pause detects the daemon the usual way (its own
+  // timeout, then a re-probe); the case here is the call holding it. Paused again until a down
+  // names the busy connection (the call was first), at most five times.
+  bool while_busy = false;
+  for (size_t attempt = 0; attempt < 5 && !while_busy; ++attempt) {
+    // A lease on node 1 to free while it hangs. Granted: the node's worker is also done with its
+    // own calls after a return (they hold the connection too).
+    auto leases = c_->AllocateGroup(2);
+    ASSERT_TRUE(leases.has_value()) << "attempt " << attempt << ": " << leases.error().ToString();
+    const Lease on_1 = (*leases)[0].node == 1 ? (*leases)[0] : (*leases)[1];
+    daemons()[1].Pause();  // accepts TCP connections, answers nothing
+    const auto paused_at = Clock::now();
+    std::thread call([&] { (void)c_->Free({&on_1, 1}); });  // FREE: holds the connection, waiting
+    auto down = log_->WaitFor(EventType::kNodeDown, 1, kFailureTimeout + kSlack, attempt);
+    const auto took = Clock::now() - paused_at;
+    daemons()[1].Resume();
+    call.join();
+    ASSERT_TRUE(down.has_value()) << "attempt " << attempt
+                                  << ": the hung daemon was not declared down while a call waited";
+    EXPECT_LT(took, o.op_timeout / 4) << down->reason.ToString();
+    while_busy =
+        down->reason.message().find("while a call held its connection") != std::string::npos;
+    ASSERT_TRUE(log_->WaitFor(EventType::kNodeUp, 1, kSlack * 2, attempt))
+        << "attempt " << attempt << ": the daemon did not come back up after SIGCONT";
+  }
+  EXPECT_TRUE(while_busy) << "in five pauses a heartbeat always took the connection first";
+  EXPECT_TRUE(c_->node(0).alive);
+}
+
 // A slow daemon never costs the leases on healthy ones: four of six daemons stop (SIGSTOP: they
 // accept TCP connections and answer nothing), and each costs about failure_timeout to detect plus
 // a connect timeout per reconnect. One after another, that exceeds the healthy daemons' lease TTL

@@ -325,10 +325,12 @@ class Cluster {
 
   // ---- control calls (cluster.cc) ----
   Status CheckOpen() const EXCLUDES(mu_);
-  // One exchange on the node's connection (node.call_mu held). On a transport failure it drops
-  // the connection and asks the background thread to probe the node.
-  Result<std::vector<uint8_t>> CallLocked(Node& node, wire::Opcode op,
-                                          std::span<const uint8_t> body);
+  // One exchange on the node's connection (node.call_mu held), waiting at most `timeout` for
+  // the answer (op_timeout unless given). On a transport failure it drops the connection and
+  // asks the background thread to probe the node.
+  Result<std::vector<uint8_t>> CallLocked(
+      Node& node, wire::Opcode op, std::span<const uint8_t> body,
+      std::optional<std::chrono::milliseconds> timeout = std::nullopt);
   Result<wire::StatReply> StatNode(Node& node);
   Result<Lease> AllocOn(Node& node);
 
@@ -370,11 +372,27 @@ class Cluster {
   // until the Cluster stops.
   void NodeWorkerLoop(Node& node);
   void Heartbeat(Node& node);
+  // Heartbeat's turn for a node whose connection a call holds (call_mu) past the failure window:
+  // a call stuck on a daemon that answers nothing (paused, hung) must not hold off its detection
+  // until op_timeout. Asks on a connection of its own (a HELLO) and declares the node down if
+  // that goes unanswered too; the stuck call ends by itself.
+  void ProbeBusyNode(Node& node);
+  // The timeout of calls a live daemon answers at once — HEARTBEAT, STAT, the one-byte READ that
+  // checks a retained lease: failure_timeout, not op_timeout. Whoever makes one holds the node's
+  // connection meanwhile (call_mu), and with it often more: the node's worker, which also runs
+  // its heartbeats (a daemon that stops again right after it came back must be detected within
+  // the failure window), or placement inside the span-set store's allocation (a far_ptr deref
+  // waited out a STAT to a stopped daemon). ALLOC (it populates and locks a slab) and FREE keep
+  // op_timeout.
+  std::chrono::milliseconds QuickCallTimeout() const { return options_.failure_timeout; }
   void Reconnect(Node& node);
   void RefreshDns();
   // The rest run with node.call_mu held.
   // Drops the connection, marks the node down, moves its leases to `lost`, emits kNodeDown.
   void MarkDown(Node& node, Status reason);
+  // MarkDown without the connection (for ProbeBusyNode, which cannot take call_mu: the caller
+  // holding it drops the connection when its call fails).
+  void DeclareDown(Node& node, Status reason) EXCLUDES(mu_);
   // Adopts a fresh connection: notices a daemon restart (kLeasesLost) or a return (kNodeUp).
   // False if the daemon turned out to be another node's (an alias); the connection is dropped.
   bool Adopt(Node& node, transport::TcpConnection conn);
