@@ -182,8 +182,7 @@ Result<std::vector<uint8_t>> Cluster::CallLocked(Node& node, wire::Opcode op,
   CollectPushes(node);
   if (reply) {
     MutexLock lock(&mu_);
-    node.last_contact = Clock::now();
-    node.stall_at_contact = stall_meter_->total();
+    NoteContactLocked(node, Clock::now());
     return reply;
   }
   Status err = reply.error();

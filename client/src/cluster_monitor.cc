@@ -151,10 +151,7 @@ void Cluster::Heartbeat(Node& node) {
   std::chrono::nanoseconds stalled{0};  // what this process lost to its own stalls since contact
   auto stalled_since_contact = [&] {
     MutexLock lock(&mu_);
-    // At most one more failure_timeout: a client that keeps stalling still detects a hung
-    // daemon within twice the failure timeout.
-    return std::clamp(stall_meter_->total() - node.stall_at_contact, std::chrono::nanoseconds(0),
-                      std::chrono::nanoseconds(options_.failure_timeout));
+    return StalledSinceContactLocked(node);
   };
   {
     MutexLock lock(&mu_);
@@ -165,8 +162,7 @@ void Cluster::Heartbeat(Node& node) {
     // daemon), but never less than half of it from now: if this node's worker itself was held
     // up (a slow reconnect of this node, a user call holding call_mu), the node still gets a
     // fair chance to answer.
-    stalled = std::clamp(stall_meter_->total() - node.stall_at_contact, std::chrono::nanoseconds(0),
-                         std::chrono::nanoseconds(options_.failure_timeout));
+    stalled = StalledSinceContactLocked(node);
     deadline = std::max(node.last_contact + options_.failure_timeout +
                             std::chrono::duration_cast<Clock::duration>(stalled),
                         Clock::now() + options_.failure_timeout / 2);
@@ -190,8 +186,7 @@ void Cluster::Heartbeat(Node& node) {
       node.accesses->Commit(report);
       auto hb = wire::DecodeHeartbeatReply(*reply);
       MutexLock lock(&mu_);
-      node.last_contact = Clock::now();
-      node.stall_at_contact = stall_meter_->total();
+      NoteContactLocked(node, Clock::now());
       node.last_error = Status::Ok();
       if (hb) {
         node.lease_ttl_ms = hb->lease_ttl_ms;
@@ -216,8 +211,7 @@ void Cluster::Heartbeat(Node& node) {
     } else if (!internal::IsTransportFailure(reply.error(), *node.conn)) {
       // The daemon answered, with an error: it is alive. Odd, but not a failure of the node.
       MutexLock lock(&mu_);
-      node.last_contact = Clock::now();
-      node.stall_at_contact = stall_meter_->total();
+      NoteContactLocked(node, Clock::now());
       node.last_error = reply.error();
       spdlog::warn("farmem client: HEARTBEAT to {} answered {}", node.name(),
                    reply.error().ToString());
@@ -366,8 +360,7 @@ bool Cluster::Adopt(Node& node, TcpConnection conn) {
   node.features = conn.hello().features;
   internal::WarnOnVersionMismatch(node.endpoint, conn.hello());
   node.alive = true;
-  node.last_contact = now;
-  node.stall_at_contact = stall_meter_->total();
+  NoteContactLocked(node, now);
   node.last_error = Status::Ok();
   node.reconnect_backoff = reconnect_interval_;
   node.conn.emplace(std::move(conn));
@@ -378,17 +371,25 @@ bool Cluster::Adopt(Node& node, TcpConnection conn) {
   return true;
 }
 
+void Cluster::NoteContactLocked(Node& node, Clock::time_point at) {
+  node.last_contact = at;
+  node.stall_at_contact = stall_meter_->total();
+}
+
+std::chrono::nanoseconds Cluster::StalledSinceContactLocked(const Node& node) const {
+  return std::clamp(stall_meter_->total() - node.stall_at_contact, std::chrono::nanoseconds(0),
+                    std::chrono::nanoseconds(options_.failure_timeout));
+}
+
 void Cluster::ProbeBusyNode(Node& node) {
   {
     MutexLock lock(&mu_);
     if (!node.alive) return;
     // As Heartbeat's window: failure_timeout after the last answer, plus what this process lost
-    // to its own stalls since then (at most one more failure_timeout).
-    const auto stalled =
-        std::clamp(stall_meter_->total() - node.stall_at_contact, std::chrono::nanoseconds(0),
-                   std::chrono::nanoseconds(options_.failure_timeout));
-    if (Clock::now() < node.last_contact + options_.failure_timeout +
-                           std::chrono::duration_cast<Clock::duration>(stalled)) {
+    // to its own stalls since then.
+    if (Clock::now() <
+        node.last_contact + options_.failure_timeout +
+            std::chrono::duration_cast<Clock::duration>(StalledSinceContactLocked(node))) {
       return;  // not overdue: the call's answer may still come
     }
   }
@@ -399,8 +400,7 @@ void Cluster::ProbeBusyNode(Node& node) {
   auto probe = ConnectTo(node.endpoint, timeout);
   if (probe) {
     MutexLock lock(&mu_);
-    node.last_contact = Clock::now();
-    node.stall_at_contact = stall_meter_->total();
+    NoteContactLocked(node, Clock::now());
     return;
   }
   DeclareDown(node, Status(probe.error().code(),

@@ -235,8 +235,7 @@ Status Cluster::AdoptDialed(const std::vector<DialTarget>& targets,
       n->daemon_id = daemon_id;
       n->features = r->hello().features;  // OpenChannel picks verbs from these
       internal::WarnOnVersionMismatch(ep, r->hello());
-      n->last_contact = now;
-      n->stall_at_contact = stall_meter_->total();
+      NoteContactLocked(*n, now);
       n->reconnect_backoff = reconnect_interval_;
       adopted.emplace_back(n, std::move(*r));
     }

@@ -377,6 +377,13 @@ class Cluster {
   // until op_timeout. Asks on a connection of its own (a HELLO) and declares the node down if
   // that goes unanswered too; the stuck call ends by itself.
   void ProbeBusyNode(Node& node);
+  // The node answered (at `at`): the start of its next failure window.
+  void NoteContactLocked(Node& node, Clock::time_point at) REQUIRES(mu_);
+  // What this process lost to its own stalls since the node's last answer, at most one more
+  // failure_timeout: a deadline that passed while we were descheduled is no evidence against the
+  // daemon, and a client that keeps stalling still detects a hung daemon within twice the
+  // failure timeout.
+  std::chrono::nanoseconds StalledSinceContactLocked(const Node& node) const REQUIRES(mu_);
   // The timeout of calls a live daemon answers at once — HEARTBEAT, STAT, the one-byte READ that
   // checks a retained lease: failure_timeout, not op_timeout. Whoever makes one holds the node's
   // connection meanwhile (call_mu), and with it often more: the node's worker, which also runs
