@@ -178,16 +178,35 @@ Result<std::vector<uint8_t>> Cluster::CallLocked(Node& node, wire::Opcode op,
     return Err(Unavailable(
         fmt::format("{} is {}{}", node.name(), node.alive ? "reconnecting" : "down", why)));
   }
+  {
+    MutexLock fd_lock(&node.call_fd_mu);
+    node.call_fd = node.conn->pollable_fd();
+    node.call_aborted = false;
+  }
   auto reply = node.conn->Call(op, body, timeout.value_or(options_.op_timeout));
+  bool aborted = false;
+  {
+    MutexLock fd_lock(&node.call_fd_mu);
+    node.call_fd = -1;
+    aborted = node.call_aborted;
+  }
   CollectPushes(node);
   if (reply) {
+    if (aborted) node.conn.reset();  // answered just as it was shut down: keep the answer
     MutexLock lock(&mu_);
     NoteContactLocked(node, Clock::now());
     return reply;
   }
   Status err = reply.error();
-  const bool transport_failure = internal::IsTransportFailure(err, *node.conn);
-  if (!node.conn->broken()) {
+  if (aborted) {
+    // What the socket's shutdown made of the call says nothing; the down's reason does.
+    MutexLock lock(&mu_);
+    err = Unavailable(fmt::format("{} on {}: declared down while the call waited ({})",
+                                  wire::OpcodeName(static_cast<uint8_t>(op)),
+                                  node.endpoint.ToString(), node.last_error.ToString()));
+  }
+  const bool transport_failure = aborted || internal::IsTransportFailure(err, *node.conn);
+  if (!aborted && !node.conn->broken()) {
     // The daemon's own message names neither the operation nor the daemon.
     err = err.WithContext(fmt::format("{} on {}", wire::OpcodeName(static_cast<uint8_t>(op)),
                                       node.endpoint.ToString()));

@@ -9,6 +9,7 @@
 // (docs/reliability.md). No daemon is declared down without a failed exchange of its own.
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>
+#include <sys/socket.h>
 
 #include <algorithm>
 
@@ -407,6 +408,16 @@ void Cluster::ProbeBusyNode(Node& node) {
                            fmt::format("no answer for {} ms while a call held its connection; "
                                        "probed on a new connection: {}",
                                        options_.failure_timeout.count(), probe.error().message())));
+  // The call would otherwise wait out its own op_timeout (ALLOC, FREE: tens of seconds), and
+  // its caller with it (placement, a span set's allocation, a page write).
+  AbortCallInFlight(node);
+}
+
+void Cluster::AbortCallInFlight(Node& node) {
+  MutexLock lock(&node.call_fd_mu);
+  if (node.call_fd < 0 || node.call_aborted) return;
+  node.call_aborted = true;
+  ::shutdown(node.call_fd, SHUT_RDWR);
 }
 
 void Cluster::MarkDown(Node& node, Status reason) {

@@ -39,6 +39,13 @@ struct Cluster::Node {
 
   Mutex call_mu;
   std::optional<transport::TcpConnection> conn GUARDED_BY(call_mu);
+  // The socket of `conn` while CallLocked waits on it, -1 otherwise. ProbeBusyNode, which cannot
+  // take call_mu, shuts it down when it declares the node down, so the stuck call fails then,
+  // not at its op_timeout (AbortCallInFlight). CallLocked clears it before `conn` can be closed,
+  // so the number is never another file's. A leaf lock: nothing is taken under it.
+  Mutex call_fd_mu;
+  int call_fd GUARDED_BY(call_fd_mu) = -1;
+  bool call_aborted GUARDED_BY(call_fd_mu) = false;  // AbortCallInFlight shut call_fd down
 
   // ---- guarded by Cluster::mu_ ----
   bool alive = false;

@@ -466,7 +466,9 @@ TEST_F(ClusterTest, HungDaemonIsDeclaredDownAndKeepsItsLeasesWhenItWakes) {
 // unanswered too. Regression: the heartbeat skipped a busy node ("its failure reports itself"),
 // so a call in flight when the daemon stopped kept it up for op_timeout — the far_ptr
 // gray-failure test's 10 s deref, about 1 run in 8, with placement's STAT in flight at the pause.
-// (A STAT now gives up after failure_timeout itself; a FREE, as an ALLOC, still waits op_timeout.)
+// (A STAT now gives up after failure_timeout itself; a FREE, as an ALLOC, waits op_timeout.)
+// And the call itself ends with the down: before, it waited out its op_timeout while the node was
+// already down, and its caller with it.
 TEST_F(ClusterTest, HungDaemonIsDeclaredDownWhileACallWaitsOnIt) {
   ASSERT_NO_FATAL_FAILURE(StartDaemons(2));
   ClusterOptions o = Options();
@@ -484,9 +486,16 @@ TEST_F(ClusterTest, HungDaemonIsDeclaredDownWhileACallWaitsOnIt) {
     const Lease on_1 = (*leases)[0].node == 1 ? (*leases)[0] : (*leases)[1];
     daemons()[1].Pause();  // accepts TCP connections, answers nothing
     const auto paused_at = Clock::now();
-    std::thread call([&] { (void)c_->Free({&on_1, 1}); });  // FREE: holds the connection, waiting
+    std::atomic<bool> call_done{false};
+    std::thread call([&] {
+      (void)c_->Free({&on_1, 1});  // FREE: holds the connection, waiting
+      call_done = true;
+    });
     auto down = log_->WaitFor(EventType::kNodeDown, 1, kFailureTimeout + kSlack, attempt);
     const auto took = Clock::now() - paused_at;
+    // The call itself must end with the down, not at its op_timeout: its caller (placement, a
+    // span set's allocation, a page write) waits on it. Checked before the daemon resumes.
+    const bool call_ended = WaitUntil([&] { return call_done.load(); }, kSlack);
     daemons()[1].Resume();
     call.join();
     ASSERT_TRUE(down.has_value()) << "attempt " << attempt
@@ -494,6 +503,10 @@ TEST_F(ClusterTest, HungDaemonIsDeclaredDownWhileACallWaitsOnIt) {
     EXPECT_LT(took, o.op_timeout / 4) << down->reason.ToString();
     while_busy =
         down->reason.message().find("while a call held its connection") != std::string::npos;
+    if (while_busy) {
+      EXPECT_TRUE(call_ended) << "attempt " << attempt
+                              << ": the FREE stuck on the hung daemon still waited after its down";
+    }
     ASSERT_TRUE(log_->WaitFor(EventType::kNodeUp, 1, kSlack * 2, attempt))
         << "attempt " << attempt << ": the daemon did not come back up after SIGCONT";
   }

@@ -375,8 +375,11 @@ class Cluster {
   // Heartbeat's turn for a node whose connection a call holds (call_mu) past the failure window:
   // a call stuck on a daemon that answers nothing (paused, hung) must not hold off its detection
   // until op_timeout. Asks on a connection of its own (a HELLO) and declares the node down if
-  // that goes unanswered too; the stuck call ends by itself.
+  // that goes unanswered too, and then ends the stuck call (AbortCallInFlight).
   void ProbeBusyNode(Node& node);
+  // Shuts down the socket a call waits on (Node::call_fd), if one does: the call then fails
+  // at once, names the down (CallLocked) and drops the connection. Without call_mu.
+  static void AbortCallInFlight(Node& node);
   // The node answered (at `at`): the start of its next failure window.
   void NoteContactLocked(Node& node, Clock::time_point at) REQUIRES(mu_);
   // What this process lost to its own stalls since the node's last answer, at most one more
@@ -398,7 +401,7 @@ class Cluster {
   // Drops the connection, marks the node down, moves its leases to `lost`, emits kNodeDown.
   void MarkDown(Node& node, Status reason);
   // MarkDown without the connection (for ProbeBusyNode, which cannot take call_mu: the caller
-  // holding it drops the connection when its call fails).
+  // holding it drops the connection when its call fails, which AbortCallInFlight makes now).
   void DeclareDown(Node& node, Status reason) EXCLUDES(mu_);
   // Adopts a fresh connection: notices a daemon restart (kLeasesLost) or a return (kNodeUp).
   // False if the daemon turned out to be another node's (an alias); the connection is dropped.
