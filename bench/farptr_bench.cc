@@ -68,6 +68,9 @@ struct Args {
   size_t hot_ops = 150000;    // --mode hot: measured operations per thread
   double hot_local = 0.25;    // --mode hot: local fraction
   std::string gather = "on";  // --mode hot: RuntimeOptions::gather_on_miss
+  // The evictor's band (RuntimeOptions), for trying another one against the defaults.
+  double high_watermark = farmem::RuntimeOptions{}.high_watermark;
+  double low_watermark = farmem::RuntimeOptions{}.low_watermark;
 };
 
 [[noreturn]] void Die(const std::string& m) {
@@ -87,10 +90,13 @@ double ThreadCpuNs() { return static_cast<double>(farmem::ThreadCpuNs()); }
 }
 [[gnu::noinline]] uint64_t RawDerefOne(const uint64_t* p) { return *p; }
 
-std::unique_ptr<farmem::Runtime> OpenRuntime(farmem::testing::DaemonSet& d, uint64_t budget,
-                                             uint32_t span, const std::string& res = "ec:4+2",
+std::unique_ptr<farmem::Runtime> OpenRuntime(farmem::testing::DaemonSet& d, const Args& a,
+                                             uint64_t budget, const std::string& res = "ec:4+2",
                                              bool encrypt = true, bool gather = true) {
+  const uint32_t span = a.span;
   farmem::RuntimeOptions o;
+  o.high_watermark = a.high_watermark;
+  o.low_watermark = a.low_watermark;
   o.encrypt = encrypt;
   o.gather_on_miss = gather;
   o.peers = d.endpoints();
@@ -106,7 +112,7 @@ std::unique_ptr<farmem::Runtime> OpenRuntime(farmem::testing::DaemonSet& d, uint
 void BenchLocal(farmem::testing::DaemonSet& d, const Args& a) {
   constexpr size_t kN = 1 << 16;  // 64 Ki objects: fits in L2 with the entries
   constexpr int kRounds = 200;
-  auto rt = OpenRuntime(d, 256u << 20, a.span);
+  auto rt = OpenRuntime(d, a, 256u << 20);
   std::vector<far_ptr<uint64_t>> fp;
   std::vector<std::unique_ptr<uint64_t>> raw;
   std::vector<uint32_t> order(kN);
@@ -177,7 +183,7 @@ void BenchMiss(farmem::testing::DaemonSet& d, const Args& a) {
   constexpr size_t kSpans = 256;
   constexpr int kRounds = 4;
   for (const char* res : {"ec:4+2", "none"}) {
-    auto rt = OpenRuntime(d, 64u << 20, a.span, res);
+    auto rt = OpenRuntime(d, a, 64u << 20, res);
     // One object per span: every miss is the swap-in of exactly one span.
     std::vector<farmem::far_bytes> objs;
     for (size_t i = 0; i < kSpans; ++i) objs.push_back(farmem::make_far_bytes_in(*rt, a.span));
@@ -278,7 +284,7 @@ void BenchCrypto(farmem::testing::DaemonSet& d, const Args& a) {
     } side[2];
     for (bool enc : {false, true}) {
       Side& sd = side[enc];
-      sd.rt = OpenRuntime(d, 64u << 20, a.span, "ec:4+2", enc);
+      sd.rt = OpenRuntime(d, a, 64u << 20, "ec:4+2", enc);
       for (size_t i = 0; i < kSpans * per_span; ++i) {
         sd.objs.push_back(farmem::make_far_bytes_in(*sd.rt, obj));
         DerefScope s;
@@ -398,7 +404,7 @@ void BenchThroughput(farmem::testing::DaemonSet& d, const Args& a) {
       const uint64_t budget = frac >= 1.0
                                   ? vec_bytes * 2
                                   : static_cast<uint64_t>(static_cast<double>(vec_bytes) * frac);
-      auto rt = OpenRuntime(d, budget, a.span);
+      auto rt = OpenRuntime(d, a, budget);
       farmem::far_vector<uint64_t> v(*rt, kVec, 1);
       std::mt19937_64 rng(1);
       for (int i = 0; i < kOps / 4; ++i) sink += v.get(rng() % kVec);  // warm up
@@ -426,7 +432,7 @@ void BenchThroughput(farmem::testing::DaemonSet& d, const Args& a) {
       const uint64_t budget = frac >= 1.0
                                   ? map_bytes * 3
                                   : static_cast<uint64_t>(static_cast<double>(map_bytes) * frac);
-      auto rt = OpenRuntime(d, std::max<uint64_t>(budget, 8 * a.span), a.span);
+      auto rt = OpenRuntime(d, a, std::max<uint64_t>(budget, 8 * a.span));
       farmem::far_hash_map<uint64_t, uint64_t> m(*rt, kKeys);
       for (uint64_t k = 0; k < kKeys; ++k) m.insert(k, k * 3);
       std::mt19937_64 rng(2);
@@ -530,7 +536,7 @@ void BenchHot(farmem::testing::DaemonSet& d, const Args& a) {
     size_t ops = 0;
   };
   auto run = [&](uint64_t budget) {
-    auto rt = OpenRuntime(d, budget, a.span, "ec:4+2", true, a.gather == "on");
+    auto rt = OpenRuntime(d, a, budget, "ec:4+2", true, a.gather == "on");
     std::vector<far_ptr<Record>> recs;
     recs.reserve(kRecords);
     for (uint64_t k = 0; k < kRecords; ++k) {
@@ -742,6 +748,14 @@ int main(int argc, char** argv) {
   app.add_option("--gather", a.gather, "--mode hot: gather missed objects into hot spans")
       ->capture_default_str()
       ->check(farmem::cli::OneOf({"on", "off"}));
+  app.add_option("--high-watermark", a.high_watermark,
+                 "RuntimeOptions::high_watermark (the evictor starts above it)")
+      ->capture_default_str()
+      ->check(CLI::Range(0.01, 1.0));
+  app.add_option("--low-watermark", a.low_watermark,
+                 "RuntimeOptions::low_watermark (the evictor stops at it)")
+      ->capture_default_str()
+      ->check(CLI::Range(0.01, 1.0));
   CLI11_PARSE(app, argc, argv);
   farmem::bench::UseBinariesBeside(argv[0]);
   farmem::testing::DaemonConfig cfg;

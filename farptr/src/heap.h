@@ -350,6 +350,10 @@ class Heap {
   // RuntimeOptions::budget_includes_metadata what the budget leaves beside the metadata
   // (UpdateFrameLimits, whenever metadata grows or shrinks).
   std::atomic<size_t> budget_frames_{0}, high_frames_{0}, low_frames_{0};
+  // How far the prefetcher reads ahead: halfway from the high watermark to the budget. Above the
+  // high watermark the evictor runs, so read-ahead has the room between the low watermark and
+  // here whatever the band, and the other half is left to misses before the budget gate closes.
+  std::atomic<size_t> prefetch_frames_{0};
   size_t base_frames_ = 0;  // local_budget / span_size
   void UpdateFrameLimits();
   // Local memory the runtime holds outside the frames: entries, span structs and slot tables,

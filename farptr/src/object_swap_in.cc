@@ -635,7 +635,7 @@ void Heap::PrefetchLoop() NO_THREAD_SAFETY_ANALYSIS {
         // try_lock: this thread holds other span locks; whoever holds this one is using it.
         SpanLock lock(&s->mu, std::try_to_lock);
         if (!lock.owns_lock() || s->state != SpanState::kRemote) continue;
-        if (frames_in_use_.load(std::memory_order_relaxed) + 1 >= high_frames_) break;  // no room
+        if (frames_in_use_.load(std::memory_order_relaxed) + 1 >= prefetch_frames_) break;  // full
         spans[n] = s;
         sets[n] = s->set;
         members[n] = s->member;
@@ -644,7 +644,7 @@ void Heap::PrefetchLoop() NO_THREAD_SAFETY_ANALYSIS {
       }
       if (n == 0) {
         if (next < hints.size() &&
-            frames_in_use_.load(std::memory_order_relaxed) + 1 >= high_frames_) {
+            frames_in_use_.load(std::memory_order_relaxed) + 1 >= prefetch_frames_) {
           break;  // no room for the rest of this batch
         }
         continue;

@@ -241,6 +241,8 @@ void Heap::UpdateFrameLimits() {
                      std::memory_order_relaxed);
   low_frames_.store(std::max<size_t>(1, static_cast<size_t>(frames * options_.low_watermark)),
                     std::memory_order_relaxed);
+  const size_t high = high_frames_.load(std::memory_order_relaxed);
+  prefetch_frames_.store(high + (std::max(frames, high) - high) / 2, std::memory_order_relaxed);
 }
 
 RuntimeStats Heap::stats() const {

@@ -80,10 +80,12 @@ struct RuntimeOptions {
   // largest object is one span.
   uint32_t span_size = 64u << 10;
   // The evictor starts when resident spans pass high_watermark * budget and stops at
-  // low_watermark * budget. Threads entering an outermost DerefScope wait while the budget is
-  // exceeded (see docs/farptr.md, "sizing the budget").
-  double high_watermark = 0.90;
-  double low_watermark = 0.75;
+  // low_watermark * budget; the prefetcher reads ahead up to halfway from the high watermark to
+  // the budget. Threads entering an outermost DerefScope wait while the budget is exceeded (see
+  // docs/farptr.md, "sizing the budget"). A narrow band keeps more of the budget in use: more
+  // hot objects stay local (docs/benchmarks-farptr.md).
+  double high_watermark = 0.93;
+  double low_watermark = 0.88;
   // Background compaction starts when remote bytes leased exceed
   // (k + r) / k * remote live bytes * compact_trigger.
   bool auto_compact = true;
