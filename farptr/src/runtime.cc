@@ -84,8 +84,12 @@ Status Heap::Start() {
   }
   if (!(options_.low_watermark > 0 && options_.low_watermark < options_.high_watermark &&
         options_.high_watermark <= 1.0)) {
-    return InvalidArgument(fmt::format("watermarks must satisfy 0 < low ({}) < high ({}) <= 1",
-                                       options_.low_watermark, options_.high_watermark));
+    const RuntimeOptions defaults;
+    return InvalidArgument(fmt::format(
+        "watermarks must satisfy 0 < low ({}) < high ({}) <= 1: set both "
+        "(RuntimeOptions::low_watermark and high_watermark; the defaults are {} and {})",
+        options_.low_watermark, options_.high_watermark, defaults.low_watermark,
+        defaults.high_watermark));
   }
   base_frames_ = static_cast<size_t>(options_.local_budget / span_size_);
   if (base_frames_ < 4) {

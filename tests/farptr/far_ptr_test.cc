@@ -253,6 +253,17 @@ TEST_F(FarptrTest, PrefetchReadsAheadAboveTheHighWatermark) {
   EXPECT_EQ(objs[hinted].deref(s)[0], static_cast<std::byte>(hinted % 251 + 1));
 }
 
+// A high watermark set alone below the default low one (0.88) is refused, saying which to set.
+TEST_F(FarptrTest, WatermarksOutOfOrderAreRefused) {
+  ASSERT_NO_FATAL_FAILURE(StartDaemons(1));
+  RuntimeOptions o = Options("none", 1 << 20);
+  o.high_watermark = 0.85;
+  auto rt = Runtime::Create(o);
+  ASSERT_FALSE(rt.has_value());
+  EXPECT_EQ(rt.error().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(rt.error().message().find("low_watermark"), std::string::npos) << rt.error().ToString();
+}
+
 // A span missed again right after a gathering miss shows locality (a scan, objects used
 // together): the second miss brings it whole, and its other objects are local from then on.
 TEST_F(FarptrTest, ASpanMissedTwiceInARowComesInWhole) {
