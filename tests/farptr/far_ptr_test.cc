@@ -166,6 +166,20 @@ TEST_F(FarptrTest, AnEmptyHotSpanLeftByACalledOffRelocationIsGivenBack) {
   }
 }
 
+// Object i's bytes in MakeFilledBytes.
+std::byte ByteOf(size_t i) { return static_cast<std::byte>(i % 251 + 1); }
+
+// n objects of `size` bytes, object i filled with ByteOf(i).
+std::vector<far_bytes> MakeFilledBytes(Runtime& rt, size_t n, size_t size) {
+  std::vector<far_bytes> objs;
+  for (size_t i = 0; i < n; ++i) {
+    objs.push_back(make_far_bytes_in(rt, size));
+    DerefScope s;
+    std::memset(objs.back().deref_mut(s).data(), static_cast<int>(ByteOf(i)), size);
+  }
+  return objs;
+}
+
 // Issue 13 ("hot objects stay local"): a miss on a small object brings that object, not its span.
 // It joins its class's hot span and the span it was read from stays remote, so 64 objects read
 // from 64 different spans take one frame (two while a hot span fills), not 64. Without gathering
@@ -178,19 +192,14 @@ TEST_F(FarptrTest, MissesGatherObjectsOfManySpansIntoOneHotSpan) {
   // 240 B: with the GCM tag after it (encryption is on) a slot of 256 B, 64 objects a span.
   constexpr size_t kSize = 240;
   constexpr size_t kPerSpan = 16384 / 256, kSpans = 64;
-  std::vector<far_bytes> objs;
-  for (size_t i = 0; i < kSpans * kPerSpan; ++i) {
-    objs.push_back(make_far_bytes_in(*rt_, kSize));
-    DerefScope s;
-    std::memset(objs.back().deref_mut(s).data(), static_cast<int>(i % 251 + 1), kSize);
-  }
+  std::vector<far_bytes> objs = MakeFilledBytes(*rt_, kSpans * kPerSpan, kSize);
   ASSERT_TRUE(rt_->EvictUntil(0).ok());
   const RuntimeStats before = rt_->stats();
   ASSERT_EQ(before.local_bytes, 0u);
   auto hot = [&](size_t span) { return span * kPerSpan + 7; };  // one object of each span
   for (size_t span = 0; span < kSpans; ++span) {
     DerefScope s;
-    ASSERT_EQ(objs[hot(span)].deref(s)[0], static_cast<std::byte>(hot(span) % 251 + 1));
+    ASSERT_EQ(objs[hot(span)].deref(s)[0], ByteOf(hot(span)));
   }
   const RuntimeStats after = rt_->stats();
   EXPECT_EQ(after.swap_ins - before.swap_ins, kSpans);
@@ -206,8 +215,8 @@ TEST_F(FarptrTest, MissesGatherObjectsOfManySpansIntoOneHotSpan) {
   for (size_t i = 0; i < objs.size(); ++i) {
     DerefScope s;
     const std::span<const std::byte> b = objs[i].deref(s);
-    ASSERT_EQ(b[0], static_cast<std::byte>(i % 251 + 1)) << "object " << i;
-    ASSERT_EQ(b[kSize - 1], static_cast<std::byte>(i % 251 + 1)) << "object " << i;
+    ASSERT_EQ(b[0], ByteOf(i)) << "object " << i;
+    ASSERT_EQ(b[kSize - 1], ByteOf(i)) << "object " << i;
   }
   EXPECT_EQ(rt_->stats().spans_lost, 0u);
 }
@@ -228,18 +237,13 @@ TEST_F(FarptrTest, PrefetchReadsAheadAboveTheHighWatermark) {
   ASSERT_NO_FATAL_FAILURE(Open(o));
   // 240 B: with the GCM tag after it (encryption is on) a slot of 256 B, 64 objects a span.
   constexpr size_t kSize = 240, kPerSpan = kSpan / 256, kSpans = 2 * kBudgetFrames;
-  std::vector<far_bytes> objs;
-  for (size_t i = 0; i < kSpans * kPerSpan; ++i) {
-    objs.push_back(make_far_bytes_in(*rt_, kSize));
-    DerefScope s;
-    std::memset(objs.back().deref_mut(s).data(), static_cast<int>(i % 251 + 1), kSize);
-  }
+  std::vector<far_bytes> objs = MakeFilledBytes(*rt_, kSpans * kPerSpan, kSize);
   ASSERT_TRUE(rt_->EvictUntil(0).ok());
   ASSERT_EQ(rt_->stats().local_bytes, 0u);
   // Exactly at the high watermark, where the evictor does not start: one span in per miss.
   for (size_t span = 0; span < kHighFrames; ++span) {
     DerefScope s;
-    ASSERT_EQ(objs[span * kPerSpan].deref(s)[0], static_cast<std::byte>(span * kPerSpan % 251 + 1));
+    ASSERT_EQ(objs[span * kPerSpan].deref(s)[0], ByteOf(span * kPerSpan));
   }
   ASSERT_EQ(rt_->stats().local_bytes, kHighFrames * kSpan);
   const size_t hinted = (kSpans - 1) * kPerSpan;
@@ -250,7 +254,7 @@ TEST_F(FarptrTest, PrefetchReadsAheadAboveTheHighWatermark) {
       [&] { return rt_->stats().prefetches > prefetched_before; }, std::chrono::seconds(10)))
       << "a hint at the high watermark was not read ahead";
   DerefScope s;
-  EXPECT_EQ(objs[hinted].deref(s)[0], static_cast<std::byte>(hinted % 251 + 1));
+  EXPECT_EQ(objs[hinted].deref(s)[0], ByteOf(hinted));
 }
 
 // A high watermark set alone below the default low one (0.88) is refused, saying which to set.
