@@ -170,6 +170,7 @@ void Cluster::CollectPushes(Node& node) {
 }
 
 void Cluster::NoteNoticed(Node& node, std::span<const wire::NoticedLease> noticed, bool all) {
+  constexpr std::chrono::seconds kSameNotice{1};
   const Clock::time_point now = Clock::now();
   // One event per grace (a drain notices every lease with one deadline: one event).
   std::map<uint32_t, std::vector<uint64_t>> by_grace;
@@ -182,9 +183,18 @@ void Cluster::NoteNoticed(Node& node, std::span<const wire::NoticedLease> notice
       }
       continue;
     }
-    const bool known = node.noticed.contains(n.lease_id);
-    if (known && !all) continue;
-    node.noticed.insert_or_assign(n.lease_id, now + std::chrono::milliseconds(n.grace_left_ms));
+    const Clock::time_point deadline = now + std::chrono::milliseconds(n.grace_left_ms);
+    auto known = node.noticed.find(n.lease_id);
+    if (known != node.noticed.end()) {
+      // Already under notice: a HEARTBEAT reply only confirms it. A push for it is either the
+      // same notice, seen first through a HEARTBEAT reply (its deadline within a second of the
+      // known one: not announced twice), or a new, shorter one (announced, deadline moved up).
+      if (!all || deadline + kSameNotice >= known->second) {
+        known->second = std::min(known->second, deadline);
+        continue;
+      }
+    }
+    node.noticed.insert_or_assign(n.lease_id, deadline);
     by_grace[n.grace_left_ms].push_back(n.lease_id);
   }
   for (auto& [grace_ms, held] : by_grace) {
