@@ -355,9 +355,9 @@ Status Heap::CompactOnce(size_t* moved) NO_THREAD_SAFETY_ANALYSIS {
       RetireLocked(s);
       continue;
     }
-    s->free_slots.clear();
-    for (uint32_t i = s->cls->slots; i-- > 0;) {
-      if (s->owner[i] == nullptr) s->free_slots.push_back(i);
+    s->free_slots.Reset(s->cls->slots, false);
+    for (uint32_t i = 0; i < s->cls->slots; ++i) {
+      if (s->owner[i] == nullptr) s->free_slots.Put(i);
     }
   }
   const size_t fresh_count = targets.size();

@@ -266,8 +266,7 @@ Span* Heap::HotSpanLocked(SizeClass* c, Span* not_this, SpanLock* lock,
 uint32_t Heap::PlaceObjectLocked(Span* dst, ObjectEntry* e, const uint8_t* bytes, uint64_t flags) {
   const uint32_t csize = dst->cls->size;
   DropCopyLocked(dst);  // written below (a no-op for a hot span, which has no copy)
-  const uint32_t slot = dst->free_slots.back();
-  dst->free_slots.pop_back();
+  const uint32_t slot = dst->free_slots.Take();
   uint8_t* to = dst->frame + static_cast<size_t>(slot) * csize;
   std::memcpy(to, bytes, csize);
   dst->owner[slot] = e;
@@ -288,7 +287,7 @@ void Heap::MoveObjectLocked(Span* src, uint32_t from, Span* dst, uint64_t w) {
   }
   (void)PlaceObjectLocked(dst, e, src->frame + static_cast<size_t>(from) * c->size, w & kDirty);
   src->owner[from] = nullptr;
-  src->free_slots.push_back(from);
+  src->free_slots.Put(from);
   if (src->live.fetch_sub(1, std::memory_order_relaxed) == 1) ReleaseLocalLocked(src);
 }
 

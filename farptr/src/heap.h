@@ -47,6 +47,7 @@
 
 #include "farmem/client/cluster.h"
 #include "farmem/common/mutex.h"
+#include "farmem/internal/free_slots.h"
 #include "farmem/internal/object.h"
 #include "farmem/internal/seal_observer.h"
 #include "farmem/runtime.h"
@@ -82,7 +83,7 @@ struct Span : SpanOwner {  // the owner RemoteStore keeps of the span's cell (Ow
   SpanState state GUARDED_BY(mu) = SpanState::kFree;
   uint8_t* frame GUARDED_BY(mu) = nullptr;
   std::vector<ObjectEntry*> owner GUARDED_BY(mu);  // slot -> entry; null = free slot
-  std::vector<uint32_t> free_slots GUARDED_BY(mu);
+  FreeSlots free_slots GUARDED_BY(mu);
   std::atomic<uint32_t> live{0};  // written under mu; read racily by stats and the compactor
   SpanSet* set GUARDED_BY(mu) = nullptr;
   int member GUARDED_BY(mu) = -1;
@@ -364,9 +365,11 @@ class Heap {
   std::vector<std::unique_ptr<SizeClass>> classes_;
   std::vector<uint16_t> class_of_;  // (size + 15) / 16 -> class index
 
-  // A live span's slot tables (owner: 8 B a slot, free_slots: 4 B, sealed: a bit); RetireLocked
+  // A live span's slot tables (owner: 8 B a slot, free_slots and sealed: a bit each); RetireLocked
   // gives them back, the struct stays (RuntimeStats::span_meta_bytes).
-  static uint64_t SlotTableBytes(const SizeClass* c) { return c->slots * 12ull + c->slots / 8 + 1; }
+  static uint64_t SlotTableBytes(const SizeClass* c) {
+    return c->slots * 8ull + FreeSlots::BytesFor(c->slots) + c->slots / 8 + 1;
+  }
   std::atomic<uint64_t> slot_table_bytes_{0};
   static constexpr size_t kEntriesPerChunk = 4096;
 

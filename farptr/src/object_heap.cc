@@ -229,9 +229,7 @@ Span* Heap::NewSpan(SizeClass* cls, SpanState state) NO_THREAD_SAFETY_ANALYSIS {
   s->owner.assign(cls->slots, nullptr);
   slot_table_bytes_.fetch_add(SlotTableBytes(cls), std::memory_order_relaxed);
   UpdateFrameLimits();
-  s->free_slots.clear();
-  s->free_slots.reserve(cls->slots);
-  for (uint32_t i = cls->slots; i-- > 0;) s->free_slots.push_back(i);
+  s->free_slots.Reset(cls->slots, true);
   return s;
 }
 
@@ -256,8 +254,7 @@ void Heap::RetireLocked(Span* s) {
   s->sealed_left = 0;
   s->owner.clear();
   s->owner.shrink_to_fit();
-  s->free_slots.clear();
-  s->free_slots.shrink_to_fit();
+  s->free_slots.Release();
   slot_table_bytes_.fetch_sub(SlotTableBytes(s->cls), std::memory_order_relaxed);
   UpdateFrameLimits();
   s->cv.SignalAll();
@@ -377,8 +374,7 @@ ObjectEntry* Heap::Allocate(size_t size, void** addr) NO_THREAD_SAFETY_ANALYSIS 
     cls->partial.push_back(s);
   }
   DropCopyLocked(s);  // the new object is written into the frame
-  const uint32_t slot = s->free_slots.back();
-  s->free_slots.pop_back();
+  const uint32_t slot = s->free_slots.Take();
   s->owner[slot] = e;
   s->live.fetch_add(1, std::memory_order_relaxed);
   uint8_t* p = s->frame + static_cast<size_t>(slot) * cls->size;
@@ -416,7 +412,7 @@ void Heap::Free(ObjectEntry* e) NO_THREAD_SAFETY_ANALYSIS {
     --s->sealed_left;
   }
   s->owner[slot] = nullptr;
-  s->free_slots.push_back(slot);
+  s->free_slots.Put(slot);
   const uint32_t live = s->live.fetch_sub(1, std::memory_order_relaxed) - 1;
   e->word.store(0, std::memory_order_release);
   bool add_partial = false;

@@ -187,7 +187,7 @@ Result<bool> Heap::GatherLocked(Span* s, ObjectEntry* e,
   dl.unlock();
   // The rest of s stays remote; its cell keeps e's old bytes in the slot, now free.
   s->owner[slot] = nullptr;
-  s->free_slots.push_back(slot);
+  s->free_slots.Put(slot);
   remote_object_bytes_.fetch_sub(c->size, std::memory_order_relaxed);
   if (s->live.fetch_sub(1, std::memory_order_relaxed) == 1) RetireRemoteLocked(s);
   swap_ins_.fetch_add(1, std::memory_order_relaxed);
@@ -491,7 +491,7 @@ void Heap::LoseObjectsLocked(Span* s, std::span<const uint32_t> slots, const Sta
   Span* lost = NewSpan(s->cls, SpanState::kLost);
   MutexLock ll(&lost->mu);  // nobody else can reach it until the entries point to it
   lost->lost = why;
-  lost->free_slots.clear();
+  lost->free_slots.Reset(s->cls->slots, false);
   const bool local = s->state == SpanState::kLocal || s->state == SpanState::kEvicting;
   for (uint32_t slot : slots) {
     if (s->sealed_left > 0 && s->sealed[slot]) {
@@ -500,7 +500,7 @@ void Heap::LoseObjectsLocked(Span* s, std::span<const uint32_t> slots, const Sta
     }
     ObjectEntry* e = s->owner[slot];
     s->owner[slot] = nullptr;
-    s->free_slots.push_back(slot);
+    s->free_slots.Put(slot);
     s->live.fetch_sub(1, std::memory_order_relaxed);
     lost->owner[slot] = e;
     lost->live.fetch_add(1, std::memory_order_relaxed);
