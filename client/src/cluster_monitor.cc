@@ -164,8 +164,7 @@ void Cluster::Heartbeat(Node& node) {
     // up (a slow reconnect of this node, a user call holding call_mu), the node still gets a
     // fair chance to answer.
     stalled = StalledSinceContactLocked(node);
-    deadline = std::max(node.last_contact + options_.failure_timeout +
-                            std::chrono::duration_cast<Clock::duration>(stalled),
+    deadline = std::max(FailureWindowEndLocked(node, stalled),
                         Clock::now() + options_.failure_timeout / 2);
   }
   // The last quarter of the window is kept for a re-probe on a fresh connection (a new HELLO):
@@ -382,15 +381,19 @@ std::chrono::nanoseconds Cluster::StalledSinceContactLocked(const Node& node) co
                     std::chrono::nanoseconds(options_.failure_timeout));
 }
 
+Clock::time_point Cluster::FailureWindowEndLocked(const Node& node,
+                                                  std::chrono::nanoseconds stalled) const {
+  return node.last_contact + options_.failure_timeout +
+         std::chrono::duration_cast<Clock::duration>(stalled);
+}
+
 void Cluster::ProbeBusyNode(Node& node) {
   {
     MutexLock lock(&mu_);
     if (!node.alive) return;
-    // As Heartbeat's window: failure_timeout after the last answer, plus what this process lost
+    // Heartbeat's window: failure_timeout after the last answer, plus what this process lost
     // to its own stalls since then.
-    if (Clock::now() <
-        node.last_contact + options_.failure_timeout +
-            std::chrono::duration_cast<Clock::duration>(StalledSinceContactLocked(node))) {
+    if (Clock::now() < FailureWindowEndLocked(node, StalledSinceContactLocked(node))) {
       return;  // not overdue: the call's answer may still come
     }
   }

@@ -387,6 +387,11 @@ class Cluster {
   // daemon, and a client that keeps stalling still detects a hung daemon within twice the
   // failure timeout.
   std::chrono::nanoseconds StalledSinceContactLocked(const Node& node) const REQUIRES(mu_);
+  // When the node's failure window ends: failure_timeout after its last answer, plus `stalled`
+  // (StalledSinceContactLocked, which the heartbeat keeps to extend its deadline by later
+  // stalls). Past it without an answer, the node is overdue (Heartbeat, ProbeBusyNode).
+  Clock::time_point FailureWindowEndLocked(const Node& node, std::chrono::nanoseconds stalled) const
+      REQUIRES(mu_);
   // The timeout of calls a live daemon answers at once — HEARTBEAT, STAT, the one-byte READ that
   // checks a retained lease: failure_timeout, not op_timeout. Whoever makes one holds the node's
   // connection meanwhile (call_mu), and with it often more: the node's worker, which also runs
