@@ -697,6 +697,9 @@ Status StripeStore::CompactOnce(uint64_t* moved) {
   const spanstore::IoContext& io = *w->io;
   const uint64_t received0 = io.bytes_read + io.offload_bytes_received;
   const uint64_t sent0 = io.bytes_written + io.offload_bytes_sent;
+  // Before the pages are locked: the first pass of this thread's I/O context (or one after a
+  // group was placed on a daemon it has no channel to) would otherwise connect under the locks.
+  remote_->OpenChannels(*w->io);
   std::vector<PageIo>& pages = w->pages;
   pages.clear();
   assert(w->scratch.size() >= cands.size() * kPage);  // sized at start (Reserve)

@@ -352,6 +352,27 @@ bool RemoteStore::Healthy(const SpanSet* set) const {
   return g->failed_mask == 0 && g->lost_mask == 0 && !g->rebuilding;
 }
 
+void RemoteStore::OpenChannels(IoContext& io) {
+  std::vector<client::NodeId>& nodes = io.open_scratch;
+  nodes.clear();
+  {
+    MutexLock lock(&mu_);
+    for (auto& g : groups_) {
+      for (size_t m = 0; m < g->members.size(); ++m) {
+        if (!Vacant(g->members[m]) && (g->failed_mask & (1u << m)) == 0) {
+          nodes.push_back(g->members[m].node);
+        }
+      }
+    }
+  }
+  std::sort(nodes.begin(), nodes.end());
+  nodes.erase(std::unique(nodes.begin(), nodes.end()), nodes.end());
+  for (client::NodeId node : nodes) {
+    Status error;
+    (void)io.channels.Get(node, &error);
+  }
+}
+
 void RemoteStore::CompactionCandidates(size_t max_spans, std::vector<SpanOwner*>* candidates) {
   MutexLock lock(&mu_);
   // Allocates nothing (the caller's vector has room for max_spans, reserved at its start): the

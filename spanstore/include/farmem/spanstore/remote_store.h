@@ -160,6 +160,7 @@ struct IoContext {
   std::vector<std::unique_ptr<transport::TcpConnection>> calls;
   uint64_t offload_bytes_sent = 0;
   uint64_t offload_bytes_received = 0;
+  std::vector<client::NodeId> open_scratch;  // RemoteStore::OpenChannels
 };
 
 struct RemoteStoreStats {
@@ -373,6 +374,12 @@ class RemoteStore {
   transport::Channel* ChannelFor(IoContext& io, client::NodeId node, Status* error) {
     return io.channels.Get(node, error);
   }
+  // Opens io's channels to every daemon that holds a member of this store's groups (those its
+  // next reads and writes go to), where not open yet. For a caller about to hold locks across
+  // its I/O (a compaction pass holds the pages or spans it moves): a channel opened there, under
+  // load, costs a connect and a HELLO per daemon, tens of ms each, with everyone who wants those
+  // locks waiting. Failures are left to the I/O that follows.
+  void OpenChannels(IoContext& io);
   // True if a failure seen through io's channel to `node` is the channel's own: it was opened to
   // an earlier incarnation of the daemon (which restarted since) and broke. That says nothing of
   // members placed on the daemon there now; the channel is dropped, so a retry reopens it.
