@@ -359,6 +359,9 @@ void StripeStore::ExecutePiece(Worker& worker, std::span<BlockOp> ops) {
     }
   }
   MergePartialWrites(*w);
+  // A worker first used under load (a second connection, a flush beside a request) would
+  // otherwise connect to the daemons under its pages' locks.
+  remote_->OpenChannels(*w->io);
   LockPages(*w, pages);
   ReadPages(*w, pages, w->op_status);
   for (PageIo& p : pages) {

@@ -276,6 +276,7 @@ void RemoteStore::AddGroup(std::vector<client::Lease> leases) {
     QueueLocked(g.get());
   }
   groups_.push_back(std::move(g));
+  members_epoch_.fetch_add(1, std::memory_order_release);
   recovery_cv_.SignalAll();
 }
 
@@ -353,6 +354,8 @@ bool RemoteStore::Healthy(const SpanSet* set) const {
 }
 
 void RemoteStore::OpenChannels(IoContext& io) {
+  const uint64_t epoch = members_epoch_.load(std::memory_order_acquire);
+  if (io.channels_epoch == epoch) return;
   std::vector<client::NodeId>& nodes = io.open_scratch;
   nodes.clear();
   {
@@ -371,6 +374,7 @@ void RemoteStore::OpenChannels(IoContext& io) {
     Status error;
     (void)io.channels.Get(node, &error);
   }
+  io.channels_epoch = epoch;  // a member placed meanwhile bumped it again: the next call looks
 }
 
 void RemoteStore::CompactionCandidates(size_t max_spans, std::vector<SpanOwner*>* candidates) {

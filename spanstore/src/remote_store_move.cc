@@ -292,6 +292,7 @@ void RemoteStore::Move(IoContext& io, PendingMove mv) {
     if (same && (g->lost_mask & bit) == 0 && !corrupt) {
       by_lease_.erase(it);
       g->members[static_cast<size_t>(j)] = *fresh;
+      members_epoch_.fetch_add(1, std::memory_order_release);
       g->daemon_ids[static_cast<size_t>(j)] = daemon_id;
       by_lease_[fresh->id()] = {g, j};
       g->failed_mask &= ~bit;

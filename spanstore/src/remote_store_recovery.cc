@@ -263,6 +263,7 @@ void RemoteStore::Reprotect(IoContext& io, Group* g) {
       old = g->members[static_cast<size_t>(j)];
       if (!Vacant(old)) by_lease_.erase(old.id());
       g->members[static_cast<size_t>(j)] = *fresh;
+      members_epoch_.fetch_add(1, std::memory_order_release);
       g->daemon_ids[static_cast<size_t>(j)] = daemon_id;
       by_lease_[fresh->id()] = {g, j};
       g->failed_mask &= ~(1u << j);

@@ -44,6 +44,7 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <cstdint>
 #include <deque>
 #include <functional>
@@ -161,6 +162,7 @@ struct IoContext {
   uint64_t offload_bytes_sent = 0;
   uint64_t offload_bytes_received = 0;
   std::vector<client::NodeId> open_scratch;  // RemoteStore::OpenChannels
+  uint64_t channels_epoch = 0;               // the store's member epoch it last opened for
 };
 
 struct RemoteStoreStats {
@@ -378,7 +380,8 @@ class RemoteStore {
   // next reads and writes go to), where not open yet. For a caller about to hold locks across
   // its I/O (a compaction pass holds the pages or spans it moves): a channel opened there, under
   // load, costs a connect and a HELLO per daemon, tens of ms each, with everyone who wants those
-  // locks waiting. Failures are left to the I/O that follows.
+  // locks waiting. Failures are left to the I/O that follows. Cheap when no group was placed and
+  // no member replaced since io's last call (one atomic load): a request path may call it.
   void OpenChannels(IoContext& io);
   // True if a failure seen through io's channel to `node` is the channel's own: it was opened to
   // an earlier incarnation of the daemon (which restarted since) and broke. That says nothing of
@@ -539,6 +542,9 @@ class RemoteStore {
   bool lease_ahead_wanted_ GUARDED_BY(mu_) = false;
   bool lease_ahead_failed_ GUARDED_BY(mu_) = false;
   uint64_t groups_leased_ahead_ GUARDED_BY(mu_) = 0;
+  // Bumped (under mu_) whenever a group is placed or a member replaced: OpenChannels then looks
+  // again.
+  std::atomic<uint64_t> members_epoch_{1};
   uint64_t groups_leased_by_writers_ GUARDED_BY(mu_) = 0;
   bool stopping_ GUARDED_BY(mu_) = false;
   uint32_t next_group_id_ GUARDED_BY(mu_) = 1;
