@@ -576,6 +576,22 @@ bool RemoteStore::MarkFailedLocked(Group* g, int m, uint64_t lease_id, const Sta
   return true;
 }
 
+void RemoteStore::InstallMemberLocked(Group* g, int j, const client::Lease& fresh,
+                                      uint64_t daemon_id) {
+  const size_t m = static_cast<size_t>(j);
+  const uint32_t bit = 1u << j;
+  if (!Vacant(g->members[m])) by_lease_.erase(g->members[m].id());
+  g->members[m] = fresh;
+  g->daemon_ids[m] = daemon_id;
+  by_lease_[fresh.id()] = {g, j};
+  members_epoch_.fetch_add(1, std::memory_order_release);
+  g->failed_mask &= ~bit;
+  g->stale_mask &= ~bit;
+  g->evicted_mask &= ~bit;
+  g->leaving_mask &= ~bit;
+  ++g->epoch;
+}
+
 bool RemoteStore::RevalidateLocked(Group* g, int m) {
   const uint32_t bit = 1u << m;
   const client::Lease& l = g->members[static_cast<size_t>(m)];

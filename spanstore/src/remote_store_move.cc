@@ -290,16 +290,7 @@ void RemoteStore::Move(IoContext& io, PendingMove mv) {
     const bool same = it != by_lease_.end() && it->second.first == g && it->second.second == j;
     corrupt = same && (g->stale_mask & bit) != 0;
     if (same && (g->lost_mask & bit) == 0 && !corrupt) {
-      by_lease_.erase(it);
-      g->members[static_cast<size_t>(j)] = *fresh;
-      members_epoch_.fetch_add(1, std::memory_order_release);
-      g->daemon_ids[static_cast<size_t>(j)] = daemon_id;
-      by_lease_[fresh->id()] = {g, j};
-      g->failed_mask &= ~bit;
-      g->stale_mask &= ~bit;
-      g->evicted_mask &= ~bit;
-      g->leaving_mask &= ~bit;
-      ++g->epoch;
+      InstallMemberLocked(g, j, *fresh, daemon_id);
       ++moved_;
       moved_ms = static_cast<uint64_t>(std::max<int64_t>(0, MillisBetween(mv.noticed, now)));
       move_last_ms_ = moved_ms;

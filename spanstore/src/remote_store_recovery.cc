@@ -261,17 +261,9 @@ void RemoteStore::Reprotect(IoContext& io, Group* g) {
     {
       MutexLock lock(&mu_);
       old = g->members[static_cast<size_t>(j)];
-      if (!Vacant(old)) by_lease_.erase(old.id());
-      g->members[static_cast<size_t>(j)] = *fresh;
-      members_epoch_.fetch_add(1, std::memory_order_release);
-      g->daemon_ids[static_cast<size_t>(j)] = daemon_id;
-      by_lease_[fresh->id()] = {g, j};
-      g->failed_mask &= ~(1u << j);
-      g->stale_mask &= ~(1u << j);
-      g->evicted_mask &= ~(1u << j);
+      InstallMemberLocked(g, j, *fresh, daemon_id);
       g->degraded_logged = false;
       g->rebuilding = false;
-      ++g->epoch;
       ++reprotected_;
       rebuilt_bytes_ += rows.size() * uint64_t{span};
       episode_bytes_ += rows.size() * uint64_t{span};

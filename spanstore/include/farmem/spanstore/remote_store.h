@@ -452,6 +452,12 @@ class RemoteStore {
   // id known here under another daemon is not the one meant), or nullopt.
   std::optional<std::pair<Group*, int>> MemberOfLocked(uint64_t id, client::NodeId node)
       REQUIRES(mu_);
+  // Makes `fresh` (on the daemon `daemon_id`) member j of g in place of the one there (a move's
+  // or a re-protection's copy, complete): the lease index, the daemon id, the member epoch that
+  // OpenChannels watches, the member's failed / stale / evicted / leaving marks cleared and g's
+  // epoch bumped. The one place that replaces a member.
+  void InstallMemberLocked(Group* g, int j, const client::Lease& fresh, uint64_t daemon_id)
+      REQUIRES(mu_);
   // Marks g as having a member rebuilt or moved (no new rows are placed in it from here) and
   // returns the rows committed in it now: the ones to copy.
   std::vector<uint32_t> StartRebuildLocked(Group* g) REQUIRES(mu_);
