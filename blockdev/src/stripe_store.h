@@ -189,6 +189,9 @@ class StripeStore final : public BatchBackend {
   bool WaitForRecovery(std::chrono::milliseconds timeout) {
     return remote_->WaitForRecovery(timeout);
   }
+  // For tests: the remote store's index of rows by live cells agrees with the rows
+  // (RemoteStore::LiveIndexConsistent, O(rows)).
+  bool LiveIndexConsistentForTest() const { return remote_->LiveIndexConsistent(); }
   // Where page `page`'s cell lives now: (lease, byte offset), empty if unwritten. For tests.
   std::vector<std::pair<client::Lease, uint64_t>> PagePlaces(uint64_t page);
 

@@ -59,6 +59,7 @@ Status RemoteStore::Init() {
                                        FormatSize(span_size_), FormatSize(slab_size_)));
   }
   rows_per_group_ = static_cast<uint32_t>(slab_size_ / span_size_);
+  live_words_ = (rows_per_group_ + 63) / 64;
   zeros_.assign(span_size_, 0);
   subscription_ = cluster_->Subscribe([this](const client::Event& ev) { OnClusterEvent(ev); });
   recovery_thread_ = std::thread([this] { RecoveryLoop(); });
@@ -264,6 +265,7 @@ void RemoteStore::AddGroup(std::vector<client::Lease> leases) {
     g->sets[r].row = r;
     g->sets[r].spans = &g->owners[r * k];
   }
+  g->by_live = std::make_unique<uint64_t[]>(live_words_ * k);  // value-initialized: no row
   for (size_t m = 0; m < g->members.size(); ++m) {
     if (Vacant(g->members[m])) {
       g->failed_mask |= 1u << m;
@@ -309,14 +311,50 @@ uint32_t RemoteStore::DataCells(std::span<const uint8_t* const> data, const uint
   return live;
 }
 
+void RemoteStore::SetLiveLocked(SpanSet* set, uint32_t live) {
+  uint64_t* by_live = set->group->by_live.get();
+  const size_t word = set->row / 64;
+  const uint64_t bit = uint64_t{1} << (set->row % 64);
+  if (const int was = std::popcount(set->live_mask); was > 0) {
+    by_live[static_cast<size_t>(was - 1) * live_words_ + word] &= ~bit;
+  }
+  if (const int now = std::popcount(live); now > 0) {
+    by_live[static_cast<size_t>(now - 1) * live_words_ + word] |= bit;
+  }
+  set->live_mask = live;
+}
+
+void RemoteStore::CommitRowLocked(SpanSet* set, uint32_t live, std::span<SpanOwner* const> spans) {
+  set->writing = false;
+  SetLiveLocked(set, live);
+  for (size_t i = 0; i < spans.size(); ++i) {
+    set->spans[i] = (live >> i & 1) != 0 ? spans[i] : nullptr;
+  }
+}
+
+bool RemoteStore::LiveIndexConsistent() const {
+  MutexLock lock(&mu_);
+  for (const auto& g : groups_) {
+    for (uint32_t r = 0; r < rows_per_group_; ++r) {
+      const SpanSet& set = g->sets[r];
+      const int live = set.group != nullptr ? std::popcount(set.live_mask) : 0;
+      for (int c = 1; c <= res_.k; ++c) {
+        const uint64_t word = g->by_live[static_cast<size_t>(c - 1) * live_words_ + r / 64];
+        if (((word >> (r % 64) & 1) != 0) != (live == c)) return false;
+      }
+    }
+  }
+  return true;
+}
+
 void RemoteStore::FreeRowLocked(SpanSet* set) {
   Group* g = set->group;
   g->first_free = std::min(g->first_free, set->row);
   --g->used_rows;
   --sets_;
   // Clean for the row's next set (TakeRowLocked sets only what differs); row and spans stay.
+  SetLiveLocked(set, 0);
   set->group = nullptr;
-  set->live_mask = 0;
   set->id = 0;
   set->writing = true;
   std::fill_n(set->spans, res_.k, nullptr);
@@ -326,7 +364,7 @@ void RemoteStore::Release(SpanSet* set, int member) {
   std::vector<client::Lease> to_free;
   {
     MutexLock lock(&mu_);
-    set->live_mask &= ~(1u << member);
+    SetLiveLocked(set, set->live_mask & ~(1u << member));
     set->spans[static_cast<size_t>(member)] = nullptr;
     if (set->live_mask != 0) return;
     Group* g = set->group;
@@ -380,8 +418,8 @@ void RemoteStore::OpenChannels(IoContext& io) {
 void RemoteStore::CompactionCandidates(size_t max_spans, std::vector<SpanOwner*>* candidates) {
   MutexLock lock(&mu_);
   // Allocates nothing (the caller's vector has room for max_spans, reserved at its start): the
-  // emptiest sets first, one pass over the rows per live-cell count (k passes at most, each
-  // stopping once max_spans are taken).
+  // emptiest sets first, one pass over the groups' by_live bitmaps per live-cell count (k - 1
+  // passes at most, each stopping once max_spans are taken).
   std::vector<SpanOwner*>& out = *candidates;
   out.clear();
   uint64_t used_rows = 0;
@@ -397,13 +435,17 @@ void RemoteStore::CompactionCandidates(size_t max_spans, std::vector<SpanOwner*>
       }
     }
   };
-  for (int live = 0; live < res_.k && out.size() < max_spans; ++live) {
-    for (auto& g : groups_) {
-      for (uint32_t r = 0; r < rows_per_group_ && out.size() < max_spans; ++r) {
-        SpanSet* set = &g->sets[r];
-        if (set->group != nullptr && std::popcount(set->live_mask) == live) take(set);
+  // The rows of g with `live` live members, lowest first, until max_spans are taken.
+  auto take_rows = [&](Group* g, int live) {
+    const uint64_t* bits = &g->by_live[static_cast<size_t>(live - 1) * live_words_];
+    for (size_t w = 0; w < live_words_ && out.size() < max_spans; ++w) {
+      for (uint64_t word = bits[w]; word != 0 && out.size() < max_spans; word &= word - 1) {
+        take(&g->sets[w * 64 + static_cast<size_t>(std::countr_zero(word))]);
       }
     }
+  };
+  for (int live = 1; live < res_.k && out.size() < max_spans; ++live) {
+    for (auto& g : groups_) take_rows(g.get(), live);
   }
   // Whole groups are what the daemons get back: if the rows in use would fit in fewer groups,
   // empty the emptiest one.
@@ -414,12 +456,7 @@ void RemoteStore::CompactionCandidates(size_t max_spans, std::vector<SpanOwner*>
       if (g->rebuilding || g->used_rows == 0) continue;
       if (emptiest == nullptr || g->used_rows < emptiest->used_rows) emptiest = g.get();
     }
-    if (emptiest != nullptr) {
-      for (uint32_t r = 0; r < rows_per_group_; ++r) {
-        SpanSet* set = &emptiest->sets[r];
-        if (set->group != nullptr && std::popcount(set->live_mask) == res_.k) take(set);
-      }
-    }
+    if (emptiest != nullptr) take_rows(emptiest, res_.k);
   }
 }
 

@@ -73,7 +73,6 @@ Status RemoteStore::SetCells(std::span<const uint8_t* const> data, uint8_t* pari
 bool RemoteStore::FinishSetWrite(IoContext& io, SpanSet* set,
                                  std::span<const client::Lease> members, uint64_t epoch,
                                  uint32_t absent, const Status* results, uint32_t live,
-                                 std::span<const uint8_t* const> data,
                                  std::span<SpanOwner* const> spans, Status* last) {
   const int n = res_.group_size();
   bool ok = true;
@@ -138,10 +137,7 @@ bool RemoteStore::FinishSetWrite(IoContext& io, SpanSet* set,
     }
     if (absent != 0) ++degraded_sets_written_;
     g->stale_mask |= absent;  // those members miss this set's cells
-    set->writing = false;
-    set->live_mask = live;
-    for (size_t i = 0; i < spans.size(); ++i)
-      set->spans[i] = data[i] != nullptr ? spans[i] : nullptr;
+    CommitRowLocked(set, live, spans);
     return true;
   }
   FreeRowLocked(set);
@@ -170,7 +166,7 @@ Result<SpanSet*> RemoteStore::WriteSet(IoContext& io, std::span<const uint8_t* c
     Status results[kMaxSetWidth];
     const uint64_t off = static_cast<uint64_t>(set->row) * span;
     WriteCells(io, members, off, {cells, static_cast<size_t>(n)}, results, absent);
-    if (FinishSetWrite(io, set, members, epoch, absent, results, live, data, spans, &last)) {
+    if (FinishSetWrite(io, set, members, epoch, absent, results, live, spans, &last)) {
       return set;
     }
   }
@@ -251,7 +247,7 @@ void RemoteStore::WriteSets(IoContext& io, std::span<const std::span<const uint8
     if (p[i].set == nullptr) continue;
     Status last;
     if (FinishSetWrite(io, p[i].set, p[i].members, p[i].epoch, p[i].absent, p[i].results, p[i].live,
-                       data[i], spans[i], &last)) {
+                       spans[i], &last)) {
       out[i] = p[i].set;
     } else {
       out[i] = WriteSet(io, data[i], spans[i]);  // its own row, retried; recomputes the parity

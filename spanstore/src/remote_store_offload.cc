@@ -100,11 +100,7 @@ Result<SpanSet*> RemoteStore::WriteSetOffloaded(IoContext& io, std::span<const u
     MutexLock lock(&mu_);
     Group* g = set->group;
     if (g->failed_mask == 0 && g->lost_mask == 0 && !g->rebuilding && g->epoch == epoch) {
-      set->writing = false;
-      set->live_mask = live;
-      for (size_t i = 0; i < spans.size(); ++i) {
-        set->spans[i] = data[i] != nullptr ? spans[i] : nullptr;
-      }
+      CommitRowLocked(set, live, spans);
       return set;
     }
   }
@@ -321,9 +317,7 @@ Result<SpanSet*> RemoteStore::WriteSetGathered(IoContext& io,
     FreeRowLocked(set);
     return Err(Unavailable(fmt::format("slab group {} lost a member during the write", g->id)));
   }
-  set->writing = false;
-  set->live_mask = cells.size() >= 32 ? ~0u : ((1u << cells.size()) - 1);
-  for (size_t i = 0; i < spans.size(); ++i) set->spans[i] = spans[i];
+  CommitRowLocked(set, (1u << cells.size()) - 1, spans);  // cells.size() <= k (checked above)
   return set;
 }
 

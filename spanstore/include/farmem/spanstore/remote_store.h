@@ -125,6 +125,11 @@ struct Group {
   // docs/nbd.md). Row i is used while sets[i].group is set.
   std::unique_ptr<SpanSet[]> sets;
   std::unique_ptr<SpanOwner*[]> owners;  // k per row: sets[i].spans is owners + i * k
+  // The rows by live data members: bitmap c - 1 (RemoteStore::live_words_ words each, k in all)
+  // has bit r set when row r holds a committed set with c live members (c >= 1). The compactor
+  // finds the emptiest sets there without reading every row (RemoteStore::SetLiveLocked keeps
+  // it; 2 KiB per bitmap for a group of 16,384 rows).
+  std::unique_ptr<uint64_t[]> by_live;
   uint32_t used_rows = 0;
   // Every row below it is used: where the search for a free row starts (the stripe layout takes
   // and frees a row per stripe written, scattered over a group of thousands of rows).
@@ -349,8 +354,11 @@ class RemoteStore {
   // For the compactor: the spans of sets that have holes, emptiest sets first, and then the
   // spans of the emptiest group when leased slabs exceed the rows in use by more than a group.
   // Snapshots: the caller locks each span and checks it still lives in a set.
-  // Into `candidates` (cleared), which allocates nothing when it has room for max_spans.
+  // Into `candidates` (cleared), which allocates nothing when it has room for max_spans. Reads
+  // the groups' by_live bitmaps, not every row: O(groups x rows / 64) words at most.
   void CompactionCandidates(size_t max_spans, std::vector<SpanOwner*>* candidates);
+  // For tests: every group's by_live bitmaps agree with its rows' live masks (O(rows)).
+  bool LiveIndexConsistent() const;
   std::vector<SpanOwner*> CompactionCandidates(size_t max_spans) {
     std::vector<SpanOwner*> out;
     out.reserve(max_spans);
@@ -424,12 +432,12 @@ class RemoteStore {
   // DataCells' mask.
   Status SetCells(std::span<const uint8_t* const> data, uint8_t* parity, const uint8_t** cells,
                   uint32_t* live) const;
-  // After a reserved row's cells were written (results[m] per member): commits the set (true), or
-  // notes the failed members and frees the row (false, *last says why).
+  // After a reserved row's cells were written (results[m] per member): commits the set (true;
+  // data member i's owner spans[i] where bit i of `live` is set), or notes the failed members and
+  // frees the row (false, *last says why).
   bool FinishSetWrite(IoContext& io, SpanSet* set, std::span<const client::Lease> members,
                       uint64_t epoch, uint32_t absent, const Status* results, uint32_t live,
-                      std::span<const uint8_t* const> data, std::span<SpanOwner* const> spans,
-                      Status* last);
+                      std::span<SpanOwner* const> spans, Status* last);
   void FreeRowLocked(SpanSet* set) REQUIRES(mu_);
   // Writes cells[m] (span_size bytes) at `off` of member m's slab, for every m not in `skip`;
   // results[m] (OK for skipped members).
@@ -457,6 +465,13 @@ class RemoteStore {
   // OpenChannels watches, the member's failed / stale / evicted / leaving marks cleared and g's
   // epoch bumped. The one place that replaces a member.
   void InstallMemberLocked(Group* g, int j, const client::Lease& fresh, uint64_t daemon_id)
+      REQUIRES(mu_);
+  // Sets `set`'s live_mask (its group set) and keeps its group's by_live bitmaps in step: the
+  // one writer of live_mask.
+  void SetLiveLocked(SpanSet* set, uint32_t live) REQUIRES(mu_);
+  // Commits a reserved row: writing done, live_mask `live`, data member i's owner spans[i] where
+  // bit i of live is set (holes null).
+  void CommitRowLocked(SpanSet* set, uint32_t live, std::span<SpanOwner* const> spans)
       REQUIRES(mu_);
   // Marks g as having a member rebuilt or moved (no new rows are placed in it from here) and
   // returns the rows committed in it now: the ones to copy.
@@ -526,6 +541,7 @@ class RemoteStore {
   const bool lease_ahead_;
   uint64_t slab_size_ = 0;
   uint32_t rows_per_group_ = 0;
+  size_t live_words_ = 0;  // words per by_live bitmap: rows_per_group_ / 64, rounded up
   std::unique_ptr<ec::ReedSolomon> codec_;
   std::vector<uint8_t> zeros_;
   client::SubscriptionId subscription_ = 0;
