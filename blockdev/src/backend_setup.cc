@@ -107,10 +107,12 @@ void AddBackendFlags(CLI::App& app, BackendConfig* cfg) {
                  "fail), and for every peer to answer before checking that the export fits")
       ->capture_default_str()
       ->check(CLI::Range(0u, 600u * 1000u));
-  app.add_option("--write-cache-pages", cfg->write_cache_pages,
-                 "farmem: 4 KiB pages of the write-back cache that absorbs writes smaller than a "
-                 "page (no read-modify-write per request); written back on FLUSH, FUA, after "
-                 "--write-cache-max-age-ms and when full. 0 turns it off")
+  app.add_option(
+         "--write-cache-pages", cfg->write_cache_pages,
+         "farmem: 4 KiB pages of the write-back cache that absorbs writes smaller than a "
+         "page (no read-modify-write per request) and small whole-page writes (under 64 KiB; "
+         "stripe layout: 4k pages); written back on FLUSH, FUA, after "
+         "--write-cache-max-age-ms and when full. 0 turns it off")
       ->capture_default_str()
       ->check(CLI::Validator(
           [](std::string& text) -> std::string {
@@ -425,6 +427,8 @@ Result<std::unique_ptr<BlockBackend>> OpenBackend(BackendConfig& cfg) {
     wo.max_dirty_age = std::chrono::milliseconds(cfg.write_cache_max_age_ms);
     if (auto* ss = dynamic_cast<farmem::blockdev::StripeStore*>(store.get()); ss != nullptr) {
       ss->TuneWriteCache(wo);
+    } else if (auto* ps = dynamic_cast<farmem::blockdev::PageStore*>(store.get()); ps != nullptr) {
+      ps->TuneWriteCache(wo);
     }
     FARMEM_ASSIGN_OR_RETURN(auto cache,
                             farmem::blockdev::WriteCache::Create(std::move(store), std::move(wo)));
@@ -433,7 +437,7 @@ Result<std::unique_ptr<BlockBackend>> OpenBackend(BackendConfig& cfg) {
         "after they were made",
         cfg.write_cache_pages, farmem::FormatSize(uint64_t{cfg.write_cache_pages} * 4096),
         wo.absorb_writes_below_pages > 0
-            ? fmt::format(", holding whole-page writes of fewer than {} pages too (stripe layout)",
+            ? fmt::format(", holding whole-page writes of fewer than {} pages too",
                           wo.absorb_writes_below_pages)
             : std::string(),
         cfg.write_cache_max_age_ms);

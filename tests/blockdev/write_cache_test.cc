@@ -282,6 +282,37 @@ TEST(WriteCache, HeldWholePageWritesGoBackInWholeGroups) {
   EXPECT_EQ(f.Backing(100 * kPage, 5 * kPage), Bytes(5 * kPage, 7));
 }
 
+// The page store's setting (PageStore::TuneWriteCache: no groups, 16 pages): every whole-page
+// write of fewer than 16 pages is held, whatever its page count (a multiple of 1), and they go
+// back together in one write-back batch; 16 pages and more pass straight through.
+TEST(WriteCache, WithoutGroupsSmallWholePageWritesAreHeldAndGoBackInOneBatch) {
+  Fixture f(/*pages=*/64, /*batch=*/64, 1u << 20, /*multiple=*/1, /*absorb=*/16);
+  ASSERT_TRUE(f.cache->Write(0, Bytes(kPage, 1), false).ok());
+  ASSERT_TRUE(f.cache->Write(8 * kPage, Bytes(4 * kPage, 2), false).ok());
+  ASSERT_TRUE(f.cache->Write(20 * kPage, Bytes(15 * kPage, 3), false).ok());
+  EXPECT_TRUE(f.Ops(BlockOp::Kind::kWrite).empty()) << "writes under 16 pages are held";
+  EXPECT_EQ(f.cache->stats().dirty, 20u);
+  std::vector<uint8_t> got(4 * kPage);
+  ASSERT_TRUE(f.cache->Read(8 * kPage, got).ok());
+  EXPECT_EQ(got, Bytes(4 * kPage, 2));
+  EXPECT_TRUE(f.Ops(BlockOp::Kind::kRead).empty()) << "held pages are read from the cache";
+  ASSERT_TRUE(f.cache->Write(40 * kPage, Bytes(16 * kPage, 4), false).ok());
+  EXPECT_EQ(f.Ops(BlockOp::Kind::kWrite).size(), 1u) << "16 pages pass straight through";
+  f.backend->clear();
+  ASSERT_TRUE(f.cache->Flush().ok());
+  EXPECT_EQ(f.Ops(BlockOp::Kind::kWrite).size(), 20u);
+  EXPECT_EQ(f.Backing(0, kPage), Bytes(kPage, 1));
+  EXPECT_EQ(f.Backing(8 * kPage, 4 * kPage), Bytes(4 * kPage, 2));
+  EXPECT_EQ(f.Backing(20 * kPage, 15 * kPage), Bytes(15 * kPage, 3));
+  EXPECT_EQ(f.cache->stats().dirty, 0u);
+  // A FUA write of one page: held, and back before it returns.
+  f.backend->clear();
+  ASSERT_TRUE(f.cache->Write(60 * kPage, Bytes(kPage, 5), /*fua=*/true).ok());
+  EXPECT_EQ(f.Ops(BlockOp::Kind::kWrite).size(), 1u);
+  EXPECT_EQ(f.Backing(60 * kPage, kPage), Bytes(kPage, 5));
+  EXPECT_EQ(f.cache->stats().dirty, 0u);
+}
+
 TEST(WriteCache, FailedWriteBackIsKeptAndFailsTheNextFlush) {
   Fixture f;
   ASSERT_TRUE(f.cache->Write(kPage, Bytes(1024, 5), false).ok());

@@ -12,8 +12,9 @@
 //    not at all if later writes filled it (sequential small writes).
 //  - A write that covers whole pages that are not cached goes straight to the backend, as before
 //    (the cache adds nothing but a lookup to 4 KiB and larger I/O); whole pages that are cached
-//    are updated in the cache. With absorb_writes_below_pages (the stripe layout), small
-//    whole-page writes are held as well, so that they go back k pages at a time (full stripes).
+//    are updated in the cache. With absorb_writes_below_pages (what the page stores set), small
+//    whole-page writes are held as well, so that they go back in write-back batches (the stripe
+//    layout: k pages at a time, full stripes).
 //  - Reads see the cache (read-your-writes, also for reads that overlap cached pages partly);
 //    what is not cached, and sectors a cached page lacks, are read from the backend (the page's
 //    sectors are then laid over that; the page is pinned meanwhile).
@@ -80,12 +81,14 @@ struct WriteCacheOptions {
   // writes that would leave a group short are held (absorb_writes_below_pages). 1: no groups.
   size_t writeback_multiple = 1;
   // Writes of whole pages are held in the cache too (not only partial pages) when they cover
-  // fewer than this many pages and their page count is not a multiple of writeback_multiple: such
-  // a write would go to the backend as a short group (the stripe layout: a stripe of 1 page + k-1
-  // zero holes + r parity, rewritten by compaction later); held, it goes back in a write-back
-  // batch of whole groups. A FUA write is held too and goes back before its reply, topped up with
-  // other dirty pages to a whole group. 0: whole pages always pass straight through (what a
-  // backend that stores single pages wants). At most pages / 4 (Create clamps it).
+  // fewer than this many pages, unless writeback_multiple > 1 and their page count is a multiple
+  // of it (they fill whole groups themselves). With groups, such a write would go to the backend
+  // as a short group (the stripe layout: a stripe of 1 page + k-1 zero holes + r parity,
+  // rewritten by compaction later); without, as a message per NBD batch to each daemon it
+  // touches. Held, it is answered from memory and goes back in a write-back batch (of whole
+  // groups): the page store's setting (PageStore / StripeStore::TuneWriteCache). A FUA write is
+  // held too and goes back before its reply (topped up with other dirty pages to a whole
+  // group). 0: whole pages always pass straight through. At most pages / 4 (Create clamps it).
   size_t absorb_writes_below_pages = 0;
   // Run the flusher thread. Tests that drive the clock themselves call WriteBackExpired() instead.
   bool flusher_thread = true;
