@@ -350,12 +350,9 @@ WriteCache::Plan WriteCache::PlanReadWrite(BlockOp& op, size_t i, Scratch& s) {
   const bool write = op.kind == BlockOp::Kind::kWrite;
   const uint64_t end = op.offset + op.length;
   const uint64_t first = op.offset / kPage, last = (end - 1) / kPage;
-  // Whole pages of this write are held too (absorb_writes_below_pages): small, and not whole
-  // groups by itself.
+  // Whole pages of this write are held too if it is small (absorb_writes_below_pages).
   const uint64_t op_pages = last - first + 1;
-  const size_t multiple = options_.writeback_multiple;
-  const bool absorb = write && op_pages < options_.absorb_writes_below_pages &&
-                      (multiple == 1 || op_pages % multiple != 0);
+  const bool absorb = write && op_pages < options_.absorb_writes_below_pages;
   // Pass 1: can the op go ahead without waiting, and are there pages enough?
   size_t need = 0, clean_in_range = 0;
   for (uint64_t p = first; p <= last; ++p) {

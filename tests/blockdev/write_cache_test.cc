@@ -240,10 +240,10 @@ TEST(WriteCache, DirtyPagesGoBackWhenTheyReachTheirDeadline) {
   EXPECT_EQ(f.cache->stats().dirty, 0u);
 }
 
-// The stripe layout's setting (StripeStore::TuneWriteCache, k = 4): whole-page writes that would
-// leave a short stripe are held; write-backs by deadline, FUA and Flush are topped up to whole
-// groups of 4 with other dirty pages; writes of a multiple of 4 pages, or of 16 pages and more,
-// pass straight through.
+// The stripe layout's setting (StripeStore::TuneWriteCache, k = 4): whole-page writes of fewer
+// than 16 pages are held, whole groups of 4 too; write-backs by deadline, FUA and Flush are
+// topped up to whole groups of 4 with other dirty pages; writes of 16 pages and more pass
+// straight through.
 TEST(WriteCache, HeldWholePageWritesGoBackInWholeGroups) {
   Fixture f(/*pages=*/64, /*batch=*/64, 1u << 20, /*multiple=*/4, /*absorb=*/16);
   ASSERT_TRUE(f.cache->Write(0, Bytes(kPage, 1), false).ok());
@@ -265,26 +265,28 @@ TEST(WriteCache, HeldWholePageWritesGoBackInWholeGroups) {
   EXPECT_EQ(f.Ops(BlockOp::Kind::kWrite).size(), 4u);
   EXPECT_EQ(f.Backing(21 * kPage, kPage), Bytes(kPage, 4));
   EXPECT_EQ(f.cache->stats().dirty, 0u);
-  // Whole groups and large writes pass straight through; 5 pages are held.
+  // Large writes pass straight through; two whole groups (8 pages) and 5 pages are held.
   f.backend->clear();
   ASSERT_TRUE(f.cache->Write(32 * kPage, Bytes(8 * kPage, 5), false).ok());
   ASSERT_TRUE(f.cache->Write(64 * kPage, Bytes(17 * kPage, 6), false).ok());
-  EXPECT_EQ(f.Ops(BlockOp::Kind::kWrite).size(), 2u);
+  EXPECT_EQ(f.Ops(BlockOp::Kind::kWrite).size(), 1u);
   ASSERT_TRUE(f.cache->Write(100 * kPage, Bytes(5 * kPage, 7), false).ok());
-  EXPECT_EQ(f.Ops(BlockOp::Kind::kWrite).size(), 2u);
-  EXPECT_EQ(f.cache->stats().dirty, 5u);
+  EXPECT_EQ(f.Ops(BlockOp::Kind::kWrite).size(), 1u);
+  EXPECT_EQ(f.cache->stats().dirty, 13u);
   std::vector<uint8_t> got(5 * kPage);
   ASSERT_TRUE(f.cache->Read(100 * kPage, got).ok());
   EXPECT_EQ(got, Bytes(5 * kPage, 7));
-  // Flush: the 5 held pages go back (no more dirty pages to top up with).
+  // Flush: the 13 held pages go back (no more dirty pages to top up with).
   ASSERT_TRUE(f.cache->Flush().ok());
-  EXPECT_EQ(f.Ops(BlockOp::Kind::kWrite).size(), 7u);
+  EXPECT_EQ(f.Ops(BlockOp::Kind::kWrite).size(), 14u);
+  EXPECT_EQ(f.Backing(32 * kPage, 8 * kPage), Bytes(8 * kPage, 5));
   EXPECT_EQ(f.Backing(100 * kPage, 5 * kPage), Bytes(5 * kPage, 7));
+  EXPECT_EQ(f.cache->stats().dirty, 0u);
 }
 
 // The page store's setting (PageStore::TuneWriteCache: no groups, 16 pages): every whole-page
-// write of fewer than 16 pages is held, whatever its page count (a multiple of 1), and they go
-// back together in one write-back batch; 16 pages and more pass straight through.
+// write of fewer than 16 pages is held, and they go back together in one write-back batch; 16
+// pages and more pass straight through.
 TEST(WriteCache, WithoutGroupsSmallWholePageWritesAreHeldAndGoBackInOneBatch) {
   Fixture f(/*pages=*/64, /*batch=*/64, 1u << 20, /*multiple=*/1, /*absorb=*/16);
   ASSERT_TRUE(f.cache->Write(0, Bytes(kPage, 1), false).ok());

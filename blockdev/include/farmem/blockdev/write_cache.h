@@ -81,14 +81,14 @@ struct WriteCacheOptions {
   // writes that would leave a group short are held (absorb_writes_below_pages). 1: no groups.
   size_t writeback_multiple = 1;
   // Writes of whole pages are held in the cache too (not only partial pages) when they cover
-  // fewer than this many pages, unless writeback_multiple > 1 and their page count is a multiple
-  // of it (they fill whole groups themselves). With groups, such a write would go to the backend
-  // as a short group (the stripe layout: a stripe of 1 page + k-1 zero holes + r parity,
-  // rewritten by compaction later); without, as a message per NBD batch to each daemon it
-  // touches. Held, it is answered from memory and goes back in a write-back batch (of whole
-  // groups): the page store's setting (PageStore / StripeStore::TuneWriteCache). A FUA write is
-  // held too and goes back before its reply (topped up with other dirty pages to a whole
-  // group). 0: whole pages always pass straight through. At most pages / 4 (Create clamps it).
+  // fewer than this many pages. Written through, such a write costs a message per NBD batch to
+  // each daemon it touches (and with groups, unless it is whole groups, a short group: the
+  // stripe layout's stripe of 1 page + k-1 zero holes + r parity, rewritten by compaction
+  // later). Held, it is answered from memory and goes back in a write-back batch of 64 pages (of
+  // whole groups): the page stores' setting (PageStore / StripeStore::TuneWriteCache). A FUA
+  // write is held too and goes back before its reply (topped up with other dirty pages to a
+  // whole group). 0: whole pages always pass straight through. At most pages / 4 (Create clamps
+  // it).
   size_t absorb_writes_below_pages = 0;
   // Run the flusher thread. Tests that drive the clock themselves call WriteBackExpired() instead.
   bool flusher_thread = true;
