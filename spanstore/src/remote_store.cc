@@ -394,20 +394,23 @@ bool RemoteStore::Healthy(const SpanSet* set) const {
 void RemoteStore::OpenChannels(IoContext& io) {
   const uint64_t epoch = members_epoch_.load(std::memory_order_acquire);
   if (io.channels_epoch == epoch) return;
+  // Each daemon once: the list is as long as the cluster, not as the groups (it was one entry per
+  // member, and grew, i.e. allocated on the compactor's path, whenever groups were added).
   std::vector<client::NodeId>& nodes = io.open_scratch;
   nodes.clear();
+  nodes.reserve(cluster_->node_count());  // allocates only the first time and as daemons join
   {
     MutexLock lock(&mu_);
     for (auto& g : groups_) {
       for (size_t m = 0; m < g->members.size(); ++m) {
-        if (!Vacant(g->members[m]) && (g->failed_mask & (1u << m)) == 0) {
-          nodes.push_back(g->members[m].node);
+        const client::NodeId node = g->members[m].node;
+        if (!Vacant(g->members[m]) && (g->failed_mask & (1u << m)) == 0 &&
+            std::find(nodes.begin(), nodes.end(), node) == nodes.end()) {
+          nodes.push_back(node);
         }
       }
     }
   }
-  std::sort(nodes.begin(), nodes.end());
-  nodes.erase(std::unique(nodes.begin(), nodes.end()), nodes.end());
   for (client::NodeId node : nodes) {
     Status error;
     (void)io.channels.Get(node, &error);
