@@ -344,8 +344,10 @@ TEST_F(FarptrTest, FarHashMapIterationUnderConcurrentWriters) {
       t->join();
     }
   } joiner{&stop, &writer};
+  const size_t initial_buckets = m.bucket_count();
   for (int pass = 0; pass < 3; ++pass) {
     const uint64_t writes_before = writes.load();
+    const size_t buckets_before = m.bucket_count();
     std::vector<int> seen(kStable, 0);
     for (auto [k, v] : m) {
       if (k % 2 == 0) {
@@ -355,11 +357,14 @@ TEST_F(FarptrTest, FarHashMapIterationUnderConcurrentWriters) {
       }
     }
     for (uint64_t k = 0; k < kStable; ++k) ASSERT_EQ(seen[k], 1) << "key " << 2 * k;
-    // Wait (on state) until the writer has made progress, so that passes overlap writes.
-    ASSERT_TRUE(testing::WaitUntil([&] { return writes.load() > writes_before + 100; },
-                                   std::chrono::seconds(60)));
+    // Wait (on state) until the writer has made progress and grown the directory since this pass
+    // began, so that every pass overlaps writes and the passes straddle growth.
+    ASSERT_TRUE(testing::WaitUntil(
+        [&] { return writes.load() > writes_before + 100 && m.bucket_count() > buckets_before; },
+        std::chrono::seconds(60)))
+        << "writes " << writes.load() << ", buckets " << m.bucket_count();
   }
-  EXPECT_GT(m.bucket_count(), 64u);
+  EXPECT_GE(m.bucket_count(), 8 * initial_buckets);
 }
 
 }  // namespace

@@ -10,11 +10,11 @@
 //    512-byte sectors it holds; nothing is read. The rest of a partly written page is read from
 //    the backend when the page goes back (for all such pages of a write-back batch together), and
 //    not at all if later writes filled it (sequential small writes).
-//  - A write that covers whole pages that are not cached goes straight to the backend, as before
-//    (the cache adds nothing but a lookup to 4 KiB and larger I/O); whole pages that are cached
-//    are updated in the cache. With absorb_writes_below_pages (what the page stores set), small
-//    whole-page writes are held as well, so that they go back in write-back batches (the stripe
-//    layout: k pages at a time, full stripes).
+//  - A write of whole pages under absorb_writes_below_pages pages (what the page stores set: 16
+//    pages for a page store, 4k for the stripe layout) is held like a partial one, so that it goes
+//    back in write-back batches (the stripe layout: k pages at a time, full stripes). A larger
+//    whole-page write, or any whole-page write when the threshold is 0, updates the pages it finds
+//    cached and sends the rest straight to the backend (the cache adds only a lookup there).
 //  - Reads see the cache (read-your-writes, also for reads that overlap cached pages partly);
 //    what is not cached, and sectors a cached page lacks, are read from the backend (the page's
 //    sectors are then laid over that; the page is pinned meanwhile).
@@ -77,8 +77,8 @@ struct WriteCacheOptions {
   size_t writeback_batch = 64;
   // The backend stores pages in groups of this many (the stripe layout's k: a stripe of k pages
   // plus parity, docs/nbd.md). Write-backs then take a multiple of it where the dirty pages allow
-  // (one that a deadline, a flush or an eviction starts is topped up with other dirty pages), and
-  // writes that would leave a group short are held (absorb_writes_below_pages). 1: no groups.
+  // (one that a deadline, a flush or an eviction starts is topped up with other dirty pages).
+  // 1: no groups.
   size_t writeback_multiple = 1;
   // Writes of whole pages are held in the cache too (not only partial pages) when they cover
   // fewer than this many pages. Written through, such a write costs a message per NBD batch to
