@@ -111,7 +111,7 @@ ChannelSet::Waited ChannelSet::WaitAny(Deadline deadline) {
   const bool pollable =
       std::all_of(pfds_.begin(), pfds_.end(), [](const pollfd& p) { return p.fd >= 0; });
   // A reply that comes while spinning is taken without this thread having slept.
-  const bool spun = pollable && busy_poll_.count() > 0 && pfds_.size() == 1 &&
+  const bool spun = pollable && spin_.budget().count() > 0 && pfds_.size() == 1 &&
                     flushed_ops_ <= kBusyPollMaxOps &&
                     SpinPoll(std::min(deadline, next_down_check_)) > 0;
   const auto left = std::chrono::ceil<std::chrono::milliseconds>(
@@ -147,35 +147,9 @@ ChannelSet::Waited ChannelSet::WaitAny(Deadline deadline) {
 }
 
 int ChannelSet::SpinPoll(Deadline limit) {
-  if (spin_skip_ > 0) {
-    --spin_skip_;
-    ++busy_poll_stats_.skipped;
-    return 0;
-  }
-  ++busy_poll_stats_.spins;
-  Clock::time_point last = Clock::now();
-  const Deadline until = std::min(limit, last + busy_poll_);
-  for (;;) {
-    const int rc = ::poll(pfds_.data(), pfds_.size(), 0);
-    if (rc > 0) {
-      ++busy_poll_stats_.hits;
-      spin_backoff_ = 1;
-      return rc;
-    }
-    if (rc < 0) return 0;
-    const Clock::time_point now = Clock::now();
-    // Out of budget, or the last yield gave this CPU to another task for a while and that was
-    // not the reply's daemon: the CPU is wanted (a loaded machine), where a spinning thread
-    // delays the others and, behind them after each yield, itself. Sleep, and back off.
-    if (now >= until || now - last > kBusyCpu) {
-      spin_skip_ = spin_backoff_;
-      spin_backoff_ = std::min(2 * spin_backoff_, kMaxSpinSkip);
-      return 0;
-    }
-    // Whatever else is runnable on this CPU (the daemon we wait for, woken here) goes first.
-    ::sched_yield();
-    last = Clock::now();
-  }
+  // poll(2)'s error ends the spin without a backoff: the blocking poll after it reports it.
+  const int rc = spin_.Spin([&] { return ::poll(pfds_.data(), pfds_.size(), 0); }, limit);
+  return std::max(rc, 0);
 }
 
 void ChannelSet::DropDown() {

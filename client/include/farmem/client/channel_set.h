@@ -23,12 +23,8 @@
 //     vCPUs halted costs an IPI to the host. The spin yields, so a daemon woken onto this CPU
 //     still runs; it is off while several daemons are awaited or the batch flushed more than
 //     kBusyPollMaxOps ops (a deep queue keeps the CPUs busy anyway, and there a spinning thread
-//     takes CPU from the daemons it waits for). A spin that
-//     runs out without a reply (a slow daemon, a long network) makes the next waits sleep at once,
-//     1, 2, 4 ... up to kMaxSpinSkip of them, until a spin catches its reply again: where replies
-//     take longer than the budget, spinning costs at most budget / kMaxSpinSkip per wait. A
-//     yield that gave the CPU away for more than kBusyCpu (the CPUs are busy: spinning then only
-//     queues this thread behind others) ends the spin the same way.
+//     takes CPU from the daemons it waits for). The spin's policy (when it ends, how it backs
+//     off where replies take longer than the budget or the CPUs are busy) is AdaptiveSpin's.
 //
 // RunBatch is the whole of that for one batch (post, flush, wait, fail what a down daemon or the
 // deadline leaves): the page store's rounds and member copies and far_ptr's span-set I/O run on it.
@@ -48,6 +44,7 @@
 #include <vector>
 
 #include "farmem/client/cluster.h"
+#include "farmem/common/adaptive_spin.h"
 #include "farmem/common/socket.h"
 #include "farmem/common/status.h"
 #include "farmem/transport/transport.h"
@@ -74,26 +71,16 @@ class ChannelSet {
   // Sizes the scratch for `nodes` daemons up front (no allocation on the request path after).
   void Reserve(size_t nodes);
   // How long a wait on one daemon's tcp channel spins before it sleeps (0: never, the default).
-  // At most kMaxBusyPoll. Starts afresh: no backoff from earlier spins.
-  static constexpr std::chrono::microseconds kMaxBusyPoll{1000};
-  static constexpr uint32_t kMaxSpinSkip = 64;
+  // At most kMaxBusyPoll. Starts afresh: no backoff from earlier spins. The policy (yield,
+  // busy-CPU exit, backoff) is AdaptiveSpin's.
+  static constexpr std::chrono::microseconds kMaxBusyPoll = AdaptiveSpin::kMaxBudget;
   // Only a shallow batch spins: at most this many ops outstanding when it was flushed.
   static constexpr size_t kBusyPollMaxOps = 2;
-  // A yield that kept this thread off the CPU longer than this ran someone else: the CPU is busy.
-  static constexpr std::chrono::microseconds kBusyCpu{20};
-  void SetBusyPoll(std::chrono::microseconds budget) {
-    busy_poll_ = std::min(budget, kMaxBusyPoll);
-    spin_skip_ = 0;
-    spin_backoff_ = 1;
-  }
+  void SetBusyPoll(std::chrono::microseconds budget) { spin_.set_budget(budget); }
   // Waits that spun (SetBusyPoll), of those the ones whose reply came while spinning, and waits
   // that slept without spinning because earlier spins ran out (the backoff above).
-  struct BusyPollStats {
-    uint64_t spins = 0;
-    uint64_t hits = 0;
-    uint64_t skipped = 0;
-  };
-  BusyPollStats busy_poll_stats() const { return busy_poll_stats_; }
+  using BusyPollStats = AdaptiveSpin::Stats;
+  BusyPollStats busy_poll_stats() const { return spin_.stats(); }
 
   // The channel to `node`, opened or reopened as needed; nullptr (and *error) when it cannot be
   // had (the node is down, the open failed).
@@ -168,11 +155,8 @@ class ChannelSet {
   std::vector<NodeId> pfd_nodes_;
   std::vector<NodeId> down_;
   Deadline next_down_check_{};
-  std::chrono::microseconds busy_poll_{0};
-  size_t flushed_ops_ = 0;     // ops outstanding at the last FlushAll
-  uint32_t spin_skip_ = 0;     // waits that sleep at once before the next spin
-  uint32_t spin_backoff_ = 1;  // spin_skip_ after the next spin that runs out
-  BusyPollStats busy_poll_stats_;
+  size_t flushed_ops_ = 0;  // ops outstanding at the last FlushAll
+  AdaptiveSpin spin_;       // SetBusyPoll's
 };
 
 template <typename Op, typename OnDone, typename Enough>
