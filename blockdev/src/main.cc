@@ -18,6 +18,7 @@
 #include "farmem/blockdev/block_backend.h"
 #include "farmem/blockdev/nbd_server.h"
 #include "farmem/blockdev/swap_safety.h"
+#include "farmem/common/adaptive_spin.h"
 #include "farmem/common/command_line.h"
 #include "farmem/common/config.h"
 #include "farmem/common/metrics.h"
@@ -61,6 +62,7 @@ int main(int argc, char** argv) {
   std::string log_level = "info";
   double handshake_timeout_s = 30;
   double reply_timeout_s = 30;
+  auto request_busy_poll_us = static_cast<uint32_t>(opts.request_busy_poll.count());
   std::string metrics_listen, metrics_port_file;
   app.add_option("--unix", opts.unix_paths,
                  "Listen on this Unix socket path (repeatable). A stale socket file is replaced; "
@@ -85,6 +87,14 @@ int main(int argc, char** argv) {
                  "Seconds a client may leave its replies unread (its socket full) before it is "
                  "dropped. Meanwhile only that connection waits: it reads no new requests.")
       ->check(CLI::Range(0.1, 3600.0))
+      ->capture_default_str();
+  app.add_option("--request-busy-poll-us", request_busy_poll_us,
+                 "After answering a batch, a connection's thread spins up to this many µs "
+                 "(polling its socket, yielding the CPU to anything runnable) for the client's "
+                 "next request before it sleeps: the client's send then wakes no thread. Spins "
+                 "that run out (sparse requests) or find the CPUs busy make the next 1, 2, 4 ... "
+                 "64 waits sleep at once. 0: off.")
+      ->check(CLI::Range(0u, static_cast<uint32_t>(farmem::AdaptiveSpin::kMaxBudget.count())))
       ->capture_default_str();
   app.add_flag("--swap-safe,!--no-swap-safe", swap_safe,
                "Make the process fit to serve swap: mlockall(MCL_CURRENT|MCL_FUTURE), "
@@ -149,6 +159,7 @@ int main(int argc, char** argv) {
   opts.handshake_timeout =
       std::chrono::milliseconds(static_cast<int64_t>(handshake_timeout_s * 1000));
   opts.reply_timeout = std::chrono::milliseconds(static_cast<int64_t>(reply_timeout_s * 1000));
+  opts.request_busy_poll = std::chrono::microseconds(request_busy_poll_us);
 
   auto backend = OpenBackend(backend_cfg);
   if (!backend) return Fail(backend.error().WithContext("opening the backend"));

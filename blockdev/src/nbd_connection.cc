@@ -14,14 +14,17 @@ namespace farmem::blockdev {
 NbdConnection::NbdConnection(int fd, std::string peer, BlockBackend* backend,
                              const nbd::ExportInfo* info, NbdMetrics* metrics,
                              std::chrono::milliseconds handshake_timeout,
-                             std::chrono::milliseconds reply_timeout)
+                             std::chrono::milliseconds reply_timeout,
+                             std::chrono::microseconds request_busy_poll)
     : fd_(fd),
       peer_(std::move(peer)),
       backend_(backend),
       info_(info),
       handshake_timeout_(handshake_timeout),
       reply_timeout_(reply_timeout),
-      metrics_(metrics) {}
+      metrics_(metrics) {
+  request_spin_.set_budget(request_busy_poll);
+}
 
 void NbdConnection::Run() {
   spdlog::debug("nbd: connection from {}", peer_);

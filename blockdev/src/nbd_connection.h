@@ -53,6 +53,7 @@
 #include "farmem/blockdev/block_backend.h"
 #include "farmem/blockdev/nbd_metrics.h"
 #include "farmem/blockdev/nbd_protocol.h"
+#include "farmem/common/adaptive_spin.h"
 
 namespace farmem::blockdev {
 
@@ -60,7 +61,8 @@ class NbdConnection final : private BatchListener {
  public:
   NbdConnection(int fd, std::string peer, BlockBackend* backend, const nbd::ExportInfo* info,
                 NbdMetrics* metrics, std::chrono::milliseconds handshake_timeout,
-                std::chrono::milliseconds reply_timeout);
+                std::chrono::milliseconds reply_timeout,
+                std::chrono::microseconds request_busy_poll);
   // Serves the connection until the client disconnects, violates the protocol, or the socket is
   // shut down by the server. Never throws.
   void Run();
@@ -160,6 +162,8 @@ class NbdConnection final : private BatchListener {
   std::optional<std::chrono::steady_clock::time_point> refused_since_;
   std::unique_ptr<std::array<uint16_t, kMaxBatch>> op_pending_;  // ops_ index -> pending_ index
   bool send_failed_ = false;
+  // Fill's spin for the client's next bytes before it sleeps (NbdServerOptions::request_busy_poll).
+  AdaptiveSpin request_spin_;
 
   NbdMetrics* const metrics_;                            // null: nothing counted
   std::chrono::steady_clock::time_point batch_start_{};  // when metrics_: the current batch's

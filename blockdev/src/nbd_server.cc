@@ -19,6 +19,7 @@
 #include <cstring>
 #include <thread>
 
+#include "farmem/common/adaptive_spin.h"
 #include "nbd_connection.h"
 
 namespace farmem::blockdev {
@@ -120,6 +121,11 @@ Result<std::unique_ptr<NbdServer>> NbdServer::Create(BlockBackend* backend,
   }
   if (options.max_connections == 0) return Err(InvalidArgument("max_connections must be >= 1"));
   if (options.reply_timeout.count() <= 0) return Err(InvalidArgument("reply_timeout must be > 0"));
+  if (options.request_busy_poll.count() < 0 ||
+      options.request_busy_poll > AdaptiveSpin::kMaxBudget) {
+    return Err(InvalidArgument(
+        fmt::format("request_busy_poll must be 0 to {} us", AdaptiveSpin::kMaxBudget.count())));
+  }
   return std::unique_ptr<NbdServer>(new NbdServer(backend, std::move(options), std::move(info)));
 }
 
@@ -292,7 +298,8 @@ Status NbdServer::AddConnection(int fd, std::string peer) {
   raw->body = [this, raw, fd, peer = std::move(peer)]() mutable {
     {
       NbdConnection conn(fd, std::move(peer), backend_, &info_, options_.metrics,
-                         options_.handshake_timeout, options_.reply_timeout);
+                         options_.handshake_timeout, options_.reply_timeout,
+                         options_.request_busy_poll);
       conn.Run();
     }
     // Tell the client we are done now; the fd itself is closed by whoever joins this thread,

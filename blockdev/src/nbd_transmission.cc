@@ -148,7 +148,22 @@ bool NbdConnection::Fill(size_t n) {
     in_start_ = 0;
   }
   while (in_end_ - in_start_ < n) {
-    const ssize_t got = ::recv(fd_, in_.get() + in_end_, kInBufferSize - in_end_, 0);
+    // A short spin first (when configured): a client that keeps its queue full sends again
+    // within µs, and a sleeping thread costs it a wake-up. What the spin's recv returns (data,
+    // end of stream, an error) is handled below as the blocking recv's would be.
+    ssize_t got = -1;
+    int spun_errno = EAGAIN;
+    request_spin_.Spin([&] {
+      got = ::recv(fd_, in_.get() + in_end_, kInBufferSize - in_end_, MSG_DONTWAIT);
+      if (got >= 0) return 1;
+      spun_errno = errno;
+      return spun_errno == EAGAIN || spun_errno == EWOULDBLOCK || spun_errno == EINTR ? 0 : -1;
+    });
+    if (got < 0 && (spun_errno == EAGAIN || spun_errno == EWOULDBLOCK)) {
+      got = ::recv(fd_, in_.get() + in_end_, kInBufferSize - in_end_, 0);
+    } else if (got < 0) {
+      errno = spun_errno;
+    }
     if (got > 0) {
       in_end_ += static_cast<size_t>(got);
     } else if (got == 0) {

@@ -13,6 +13,7 @@
 #include <set>
 #include <thread>
 
+#include "farmem/common/adaptive_spin.h"
 #include "nbd_test_client.h"
 #include "support/wait.h"
 #include "test_backends.h"
@@ -535,6 +536,47 @@ TEST_F(NbdServerTest, ListensOnUnixTcpAndInheritedSockets) {
   server_->Stop();
   struct stat st;
   EXPECT_NE(::stat(path.c_str(), &st), 0) << "socket file left behind";
+}
+
+// The spin for the next request (request_busy_poll): off and at its largest budget, requests one
+// at a time (the spin's recv catches them), a request whose header comes in two sends, and a
+// client that goes away while the thread spins or sleeps are served as with the blocking recv.
+// The budget's range is checked.
+TEST_F(NbdServerTest, SpinningForTheNextRequestServesTheSameStream) {
+  for (const auto budget : {std::chrono::microseconds(0), AdaptiveSpin::kMaxBudget}) {
+    SCOPED_TRACE(budget.count());
+    NbdServerOptions o;
+    o.request_busy_poll = budget;
+    MakeServer(o);
+    NbdTestClient c = Connect();
+    for (int i = 0; i < 100; ++i) {
+      ASSERT_TRUE(c.Write(uint64_t(i % 16) * 4096, Pattern(4096, i)).ok());
+      ASSERT_EQ(*c.Read(uint64_t(i % 16) * 4096, 4096), Pattern(4096, i));
+    }
+    c.Expect(kCmdRead, 77, 0, 512);
+    const auto hdr = testing::RequestBytes(kCmdRead, 0, 77, 0, 512);
+    ASSERT_TRUE(c.SendRaw(std::span(hdr).first(10)).ok());
+    ASSERT_TRUE(c.SendRaw(std::span(hdr).subspan(10)).ok());
+    auto r = c.Receive();
+    ASSERT_TRUE(r.has_value()) << r.error().ToString();
+    EXPECT_EQ(r->handle, 77u);
+    const std::vector<uint8_t> last = Pattern(4096, 96);  // offset 0's last write (i = 96)
+    EXPECT_EQ(r->data, std::vector<uint8_t>(last.begin(), last.begin() + 512));
+    // Half a header, then the client is gone: the connection ends (its thread was spinning or
+    // asleep on the socket).
+    ASSERT_TRUE(c.SendRaw(std::span(hdr).first(10)).ok());
+    ::shutdown(c.fd(), SHUT_RDWR);
+    ASSERT_TRUE(
+        WaitUntil([&] { return server_->active_connections() == 0; }, std::chrono::seconds(5)));
+  }
+  for (const auto bad :
+       {std::chrono::microseconds(-1), AdaptiveSpin::kMaxBudget + std::chrono::microseconds(1)}) {
+    NbdServerOptions o;
+    o.request_busy_poll = bad;
+    auto s = NbdServer::Create(backend_.get(), o);
+    ASSERT_FALSE(s.has_value()) << bad.count();
+    EXPECT_EQ(s.error().code(), StatusCode::kInvalidArgument);
+  }
 }
 
 TEST_F(NbdServerTest, RefusesToStartWithoutListenersOrWithAFileInTheWay) {
