@@ -152,24 +152,22 @@ bool NbdConnection::Fill(size_t n) {
     // within µs, and a sleeping thread costs it a wake-up. What the spin's recv returns (data,
     // end of stream, an error) is handled below as the blocking recv's would be.
     ssize_t got = -1;
-    int spun_errno = EAGAIN;
-    request_spin_.Spin([&] {
+    int err = 0;
+    const bool caught = request_spin_.Spin([&] {
       got = ::recv(fd_, in_.get() + in_end_, kInBufferSize - in_end_, MSG_DONTWAIT);
-      if (got >= 0) return 1;
-      spun_errno = errno;
-      return spun_errno == EAGAIN || spun_errno == EWOULDBLOCK || spun_errno == EINTR ? 0 : -1;
-    });
-    if (got < 0 && (spun_errno == EAGAIN || spun_errno == EWOULDBLOCK)) {
+      err = errno;
+      return got >= 0 || (err != EAGAIN && err != EWOULDBLOCK && err != EINTR) ? 1 : 0;
+    }) > 0;
+    if (!caught) {
       got = ::recv(fd_, in_.get() + in_end_, kInBufferSize - in_end_, 0);
-    } else if (got < 0) {
-      errno = spun_errno;
+      err = errno;
     }
     if (got > 0) {
       in_end_ += static_cast<size_t>(got);
     } else if (got == 0) {
       if (in_end_ != in_start_) end_reason_ = "client disconnected in the middle of a request";
       return false;
-    } else if (errno != EINTR) {
+    } else if (err != EINTR) {
       end_reason_ = "receive failed";
       return false;
     }
