@@ -540,6 +540,18 @@ void WriteCache::ExecuteBatch(std::span<BlockOp> ops, BatchListener* listener) {
       }
     }
     if (!s.backend.empty()) {
+      // Requests the cache served whole are answered now, not after the backend ops of the
+      // others (a large write passing through, a read of uncached pages): the client can send
+      // its next requests meanwhile.
+      bool early = false;
+      for (size_t i = start; i < next && listener != nullptr; ++i) {
+        OpState& st = s.state[i];
+        if (st.flush || st.reported || st.backend_ops > 0) continue;
+        if (ops[i].fua && st.cache_work && ops[i].status.ok()) continue;  // goes back first
+        st.reported = early = true;
+        listener->OpDone(i);
+      }
+      if (early) listener->Progress();
       s.backend_done.assign(s.backend.size(), 0);
       Translator t(ops, s, listener);
       inner_->ExecuteBatch(s.backend, &t);

@@ -315,6 +315,53 @@ TEST(WriteCache, WithoutGroupsSmallWholePageWritesAreHeldAndGoBackInOneBatch) {
   EXPECT_EQ(f.cache->stats().dirty, 0u);
 }
 
+// A request the cache serves whole is answered when its batch has been planned, not after the
+// backend ops of the other requests of the batch (a write passing straight through): the NBD
+// connection sends its reply while those are in flight. A held FUA write still waits for its
+// write-back, and the write passing through for the backend.
+TEST(WriteCache, RequestsServedFromTheCacheAreAnsweredBeforeTheBackendOpsOfTheirBatch) {
+  Fixture f(/*pages=*/64, /*batch=*/64, 1u << 20, /*multiple=*/1, /*absorb=*/16);
+  struct Listener : BatchListener {
+    RecordingBackend* backend = nullptr;
+    std::vector<std::pair<size_t, size_t>> done;  // (op, backend ops recorded by then)
+    size_t progress = 0;
+    void OpDone(size_t i) override { done.emplace_back(i, backend->ops().size()); }
+    void Progress() override { ++progress; }
+  } l;
+  l.backend = f.backend;
+  std::vector<uint8_t> small = Bytes(1024, 1), large = Bytes(16 * kPage, 2), fua = Bytes(kPage, 3);
+  std::vector<uint8_t> got(1024);
+  std::vector<BlockOp> ops(4);
+  ops[0].kind = BlockOp::Kind::kWrite;  // held: part of page 0
+  ops[0].offset = 512;
+  ops[0].data = small;
+  ops[1].kind = BlockOp::Kind::kWrite;  // 16 pages: straight through
+  ops[1].offset = 16 * kPage;
+  ops[1].data = large;
+  ops[2].kind = BlockOp::Kind::kRead;  // what op 0 wrote, from the cache
+  ops[2].offset = 512;
+  ops[2].read_into = got;
+  ops[3].kind = BlockOp::Kind::kWrite;  // held, FUA: goes back before its reply
+  ops[3].offset = 40 * kPage;
+  ops[3].data = fua;
+  ops[3].fua = true;
+  for (BlockOp& op : ops)
+    op.length = op.kind == BlockOp::Kind::kRead ? op.read_into.size() : op.data.size();
+  f.cache->ExecuteBatch(ops, &l);
+  for (const BlockOp& op : ops) ASSERT_TRUE(op.status.ok()) << op.status.ToString();
+  EXPECT_EQ(got, small);
+  ASSERT_EQ(l.done.size(), 4u);
+  EXPECT_EQ(l.done[0], std::make_pair(size_t{0}, size_t{0})) << "before any backend op";
+  EXPECT_EQ(l.done[1], std::make_pair(size_t{2}, size_t{0})) << "before any backend op";
+  EXPECT_GE(l.progress, 1u) << "the early replies are offered to the client";
+  EXPECT_EQ(l.done[2].first, 1u);
+  EXPECT_EQ(l.done[2].second, 1u) << "after its write";
+  EXPECT_EQ(l.done[3].first, 3u);
+  EXPECT_EQ(l.done[3].second, 2u) << "after its write-back";
+  EXPECT_EQ(f.Backing(40 * kPage, kPage), fua);
+  EXPECT_EQ(f.cache->stats().dirty, 1u) << "page 0 is still held";
+}
+
 TEST(WriteCache, FailedWriteBackIsKeptAndFailsTheNextFlush) {
   Fixture f;
   ASSERT_TRUE(f.cache->Write(kPage, Bytes(1024, 5), false).ok());

@@ -18,6 +18,10 @@
 //  - Reads see the cache (read-your-writes, also for reads that overlap cached pages partly);
 //    what is not cached, and sectors a cached page lacks, are read from the backend (the page's
 //    sectors are then laid over that; the page is pinned meanwhile).
+//  - A request of a batch that the cache serves whole (a held write, a read of cached sectors)
+//    is reported done (BatchListener) as soon as the batch is planned, before the backend ops of
+//    the others run (a large write passing through, a read of pages not cached): the NBD
+//    connection sends its reply meanwhile. A held FUA write is reported after its write-back.
 //  - Dirty pages go back to the backend, as whole-page writes in batches: ahead of need, by the
 //    flusher thread, once half the cache (or all but two batches, if more) is dirty (least
 //    recently used dirty pages first, a batch at a time, so that requests keep finding clean or
