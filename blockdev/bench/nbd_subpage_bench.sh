@@ -28,8 +28,10 @@
 #   blockdev/bench/nbd_subpage_bench.sh [--build-dir DIR] [--runtime SECONDS] [--repeat N]
 #                                       [--size SIZE] [--targets "a b ..."]
 #                                       [--workloads "randwrite:1k write:1k ..."] [--alt-nbd BIN]
-#                                       [--mixed-size SIZE]
+#                                       [--mixed-size SIZE] [--daemon-args "ARGS"]
 #
+# --daemon-args: extra farmemd arguments for the six daemons (e.g. "--no-huge-pages": one run
+# with them, one without, to compare a daemon setting).
 # Defaults: build dir ./build, 5 s per job (after 1 s ramp), 3 repetitions, 256M export, all
 # targets. Six farmemd daemons on loopback (tcp, 64 MiB slabs) serve both farmem exports. Every
 # export is written whole first (reads and fills then hit allocated memory everywhere). Each
@@ -49,6 +51,7 @@ targets="nbdkit-mem farmem-ec farmem-ec-nocache farmem-none farmem-none-nocache"
 workloads="randwrite:512 randwrite:1k randwrite:4k write:1k"
 alt_nbd=
 mixed_size=64M
+daemon_args=
 while [ $# -gt 0 ]; do
   case $1 in
     --build-dir) build=$2; shift 2 ;;
@@ -59,6 +62,7 @@ while [ $# -gt 0 ]; do
     --workloads) workloads=$2; shift 2 ;;
     --alt-nbd) alt_nbd=$2; shift 2 ;;
     --mixed-size) mixed_size=$2; shift 2 ;;
+    --daemon-args) daemon_args=$2; shift 2 ;;
     -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d'; exit 0 ;;
     *) echo "unknown argument $1 (try --help)" >&2; exit 2 ;;
   esac
@@ -81,7 +85,8 @@ if has nbdkit-mem; then
 fi
 peers=''
 daemon_pids=()
-start_farmemds peers daemon_pids d 6 --capacity 512M --slab-size 64M
+# shellcheck disable=SC2086  # --daemon-args is a list of words
+start_farmemds peers daemon_pids d 6 --capacity 512M --slab-size 64M $daemon_args
 for t in $targets; do
   case $t in nbdkit-mem) continue ;; farmem-*) ;; *) echo "unknown target $t" >&2; exit 2 ;; esac
   res=ec:4+2
@@ -116,7 +121,7 @@ for t in $targets; do
   wait_file -S "$work/$t.sock"
   nbd_prefill "$(nbd_uri "$t")" "$size"
 done
-echo "fio $(fio --version | sed 's/fio-//'), nbdkit $(nbdkit --version | awk '{print $2}')," \
+echo "fio $(fio --version | sed 's/fio-//'), nbdkit $(nbdkit --version | awk '{print $2}'),${daemon_args:+ farmemd $daemon_args,}" \
   "$(nproc) CPUs, export $size, ${runtime}s x $repeat per job, uptime: $(uptime)"
 # cache_counters TARGET: "writebacks fills writes" so far: its write cache's pages written back
 # and filled (read to complete a partly written page), and the NBD writes it answered

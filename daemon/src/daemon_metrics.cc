@@ -82,6 +82,12 @@ void RegisterDaemonMetrics(metrics::Registry* r, Server* server, SlabPool* pool)
   counter("farmem_daemon_leases_evicted_total",
           "Leases ended at an eviction notice's deadline (the client had not freed them).",
           [](const PoolStats& s) { return U(s.evicted_leases); });
+  counter("farmem_daemon_huge_page_slabs_total",
+          "Leased slabs collapsed into transparent huge pages (--no-huge-pages: none).",
+          [](const PoolStats& s) { return U(s.huge_page_slabs); });
+  counter("farmem_daemon_huge_page_failures_total",
+          "Leased slabs the kernel could not collapse into huge pages (they keep 4 KiB pages).",
+          [](const PoolStats& s) { return U(s.huge_page_failures); });
   r->AddCallback(
       "farmem_daemon_client_leased_bytes",
       "Memory leased per client (client id prefix, and its HELLO name when connected).",

@@ -28,7 +28,7 @@ int main(int argc, char** argv) {
   std::string capacity = "1G", slab_size = "64M", secret_file, port_file, log_level = "info";
   uint32_t lease_ttl_ms = 10000, max_connections = 256;
   uint32_t max_pending_handshakes = 1024, handshake_timeout_ms = 5000, frame_timeout_ms = 10000;
-  bool no_mlock = false, no_prefault = false, populate_at_start = false;
+  bool no_mlock = false, no_prefault = false, populate_at_start = false, no_huge_pages = false;
   std::string rdma = "auto", rdma_listen, sched = "batch", max_client_share = "0.75";
   std::string reserve = "10%", memory_source = "auto", access_counts = "all";
   uint32_t pressure_interval_ms = 250, evict_grace_ms = 5000, evict_sample_extra = 2;
@@ -150,6 +150,9 @@ int main(int argc, char** argv) {
   app.add_flag("--no-prefault", no_prefault,
                "Do not populate a slab's pages when it is leased (unlocked slabs then fault on "
                "first access)");
+  app.add_flag("--no-huge-pages", no_huge_pages,
+               "Do not collapse leased slabs into transparent huge pages in the background "
+               "(MADV_COLLAPSE): they keep 4 KiB pages, and the daemon spends no CPU on the copy");
   app.add_flag("--populate-at-start", populate_at_start,
                "Populate (and mlock) the whole --capacity before serving and keep it, as farmemd "
                "did before memory on demand; for comparisons (docs/benchmarks.md)");
@@ -170,6 +173,13 @@ int main(int argc, char** argv) {
     Status s = cli::RejectGiven(app, {"--rdma-listen"},
                                 "only when RDMA is served, and --rdma off serves TCP only: leave "
                                 "it out, or use --rdma auto|on");
+    if (!s.ok()) return fail(s);
+  }
+  if (populate_at_start) {
+    Status s = cli::RejectGiven(app, {"--no-huge-pages"},
+                                "only for slabs populated when they are leased; the pool "
+                                "--populate-at-start populates is given huge pages at start: "
+                                "leave one of the two out");
     if (!s.ok()) return fail(s);
   }
   auto cap = ParseSize(capacity);
@@ -193,6 +203,7 @@ int main(int argc, char** argv) {
   pool_opts.prefault = !no_prefault;
   pool_opts.count_served_accesses = access_counts == "all";
   pool_opts.populate_at_start = populate_at_start;
+  pool_opts.huge_pages = !no_huge_pages;
   auto share = daemon::ParseClientShare(max_client_share);
   if (!share) return fail(share.error());
   pool_opts.max_client_share = *share;

@@ -15,6 +15,10 @@
 
 namespace farmem::daemon {
 
+namespace {
+constexpr uint64_t kHugePage = 2ull << 20;  // x86-64's transparent huge page
+}  // namespace
+
 Result<ClientShare> ParseClientShare(std::string_view text) {
   ClientShare share;
   share.text = std::string(text);
@@ -75,8 +79,22 @@ Result<std::unique_ptr<SlabPool>> SlabPool::Create(const PoolOptions& options) {
   pool->max_client_slabs_ = static_cast<uint32_t>(share_slabs);
   pool->mapped_ = slabs * options.slab_size;
   // Address space only: no page is touched (or charged) before a slab is leased.
-  void* p = ::mmap(nullptr, pool->mapped_, PROT_READ | PROT_WRITE,
+  // 2 MiB-aligned, so that every 2 MiB of a slab can become one huge page (PoolOptions::
+  // huge_pages): a little more is reserved and the ends are given back.
+  const bool huge =
+      options.huge_pages && !options.populate_at_start && options.slab_size % kHugePage == 0;
+  const uint64_t reserve = pool->mapped_ + (huge ? kHugePage : 0);
+  void* p = ::mmap(nullptr, reserve, PROT_READ | PROT_WRITE,
                    MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (p != MAP_FAILED && huge) {
+    const uintptr_t at = reinterpret_cast<uintptr_t>(p);
+    const uintptr_t aligned = (at + kHugePage - 1) & ~uintptr_t{kHugePage - 1};
+    if (aligned > at) ::munmap(p, aligned - at);
+    if (const uintptr_t end = at + reserve, used = aligned + pool->mapped_; end > used) {
+      ::munmap(reinterpret_cast<void*>(used), end - used);
+    }
+    p = reinterpret_cast<void*>(aligned);
+  }
   if (p == MAP_FAILED) {
     return Err(ErrnoStatus(
         StatusCode::kResourceExhausted,
@@ -111,6 +129,7 @@ Result<std::unique_ptr<SlabPool>> SlabPool::Create(const PoolOptions& options) {
       pool->WarnMlockFailed(mlock_errno);
     }
   }
+  if (huge) pool->collapser_ = std::thread([q = pool.get()] { q->CollapseLoop(); });
   spdlog::info(
       "slab pool: up to {} in {} slabs of {}, mapped{} {}; each client may hold {} slab(s) ({}, "
       "--max-client-share {})",
@@ -123,7 +142,67 @@ Result<std::unique_ptr<SlabPool>> SlabPool::Create(const PoolOptions& options) {
 }
 
 SlabPool::~SlabPool() {
+  {
+    MutexLock lock(&mu_);
+    stopping_ = true;
+  }
+  collapse_cv_.SignalAll();
+  if (collapser_.joinable()) collapser_.join();
   if (base_ != nullptr) ::munmap(base_, mapped_);
+}
+
+void SlabPool::CollapseLoop() {
+  for (;;) {
+    uint32_t index = 0;
+    {
+      MutexLock lock(&mu_);
+      while (!stopping_ && (collapse_queue_.empty() || collapse_unsupported_)) {
+        collapse_cv_.Wait(&mu_);
+      }
+      if (stopping_) return;
+      const auto [slab, id] = collapse_queue_.front();
+      collapse_queue_.erase(collapse_queue_.begin());
+      // Only the lease it was queued for: one that ended meanwhile was zeroed (and may be
+      // another client's by now, collapsed by its own grant).
+      if (slabs_[slab].lease_id.load(std::memory_order_relaxed) != id) continue;
+      index = slab;
+      // Held like a data operation: if the lease ends meanwhile, its memory is zeroed and given
+      // back once the collapse is done (ReclaimDrained below), not under it — a collapse of
+      // memory just given back would fill it again.
+      slabs_[index].users.fetch_add(1, std::memory_order_seq_cst);
+    }
+    const int err = Collapse(index);
+    MutexLock lock(&mu_);
+    slabs_[index].users.fetch_sub(1, std::memory_order_seq_cst);
+    ReclaimDrained();
+    if (err == 0) {
+      ++huge_page_slabs_;
+      continue;
+    }
+    ++huge_page_failures_;
+    if (err == EINVAL) {  // no MADV_COLLAPSE in this kernel: stop trying
+      collapse_unsupported_ = true;
+      spdlog::info(
+          "slab pool: this kernel cannot collapse leased slabs into huge pages (MADV_COLLAPSE, "
+          "Linux 6.1+); they keep 4 KiB pages");
+    } else if (huge_page_failures_ == 1) {
+      spdlog::info(
+          "slab pool: a leased slab could not be collapsed into huge pages ({}); it keeps "
+          "4 KiB pages (farmem_daemon_huge_page_failures_total counts them)",
+          strerror(err));
+    }
+  }
+}
+
+int SlabPool::Collapse(uint32_t index) {
+#ifndef MADV_COLLAPSE
+  constexpr int MADV_COLLAPSE = 25;  // Linux 6.1; older headers lack it
+#endif
+  uint8_t* addr = base_ + uint64_t{index} * options_.slab_size;
+  if (::madvise(addr, options_.slab_size, MADV_HUGEPAGE) != 0) return errno;
+  const int err = ::madvise(addr, options_.slab_size, MADV_COLLAPSE) == 0 ? 0 : errno;
+  (void)::madvise(addr, options_.slab_size, MADV_NOHUGEPAGE);
+  return err;
 }
 
 Result<std::vector<wire::LeaseGrant>> SlabPool::Grant(uint32_t count, const wire::ClientId& owner) {
@@ -222,6 +301,16 @@ Result<std::vector<wire::LeaseGrant>> SlabPool::Grant(uint32_t count, const wire
     out.push_back({id, options_.slab_size, reinterpret_cast<uint64_t>(addr), rkeys[i]});
   }
   granted_total_ += count;
+  if (collapser_.joinable() && registrar == nullptr && !collapse_unsupported_) {
+    bool queued = false;
+    for (uint32_t i = 0; i < count; ++i) {
+      // Only populated slabs: a collapse would populate an unpopulated one (--no-prefault).
+      if (!slabs_[picked[i]].locked && !options_.prefault) continue;
+      collapse_queue_.emplace_back(picked[i], out[i].lease_id);
+      queued = true;
+    }
+    if (queued) collapse_cv_.Signal();
+  }
   return out;
 }
 
@@ -439,6 +528,8 @@ PoolStats SlabPool::stats() const {
   st.expired_leases = expired_total_;
   st.evicted_leases = evicted_total_;
   st.granted_leases = granted_total_;
+  st.huge_page_slabs = huge_page_slabs_;
+  st.huge_page_failures = huge_page_failures_;
   return st;
 }
 

@@ -10,6 +10,16 @@
 // client id. Lease ids are (epoch << 32 | slab): the epoch changes on every grant, so an id from an
 // ended lease never matches again.
 //
+// Huge pages (PoolOptions::huge_pages, on by default): a slab is populated with 4 KiB pages when
+// it is leased (fast: no compaction on the lease path), and then, in the background, collapsed
+// into 2 MiB transparent huge pages (MADV_COLLAPSE, Linux 6.1+; the pool is 2 MiB-aligned), so
+// that the data path's copies in and out of lent memory do not take a TLB miss every 4 KiB
+// (2026-12-05: the six daemons' CPU per write of farmem-nbd's mixed-size job 10% lower,
+// docs/benchmarks-nbd.md). Best effort: a slab the kernel cannot collapse (no free huge page,
+// too old a kernel) stays as it is, counted; slabs registered for RDMA are not collapsed (a
+// registration pins their pages, which a collapse would have to move). Zeroing at the end of a
+// lease (MADV_DONTNEED) frees huge pages like small ones.
+//
 // Taking memory back (pressure.h decides when): the pool can be told to grant no more than a
 // budget of slabs, or nothing while it drains; it samples leases with their access counts (TCP
 // operations counted in Acquire; one-sided RDMA is invisible to the daemon and counts 0), marks
@@ -33,6 +43,8 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <thread>
+#include <utility>
 #include <vector>
 
 #include "farmem/common/mutex.h"
@@ -66,6 +78,9 @@ struct PoolOptions {
   // benchmarks compare the two in one build. Start-up then takes as long as faulting in the
   // capacity, and the daemon's RSS is the capacity from the start.
   bool populate_at_start = false;
+  // Collapse leased slabs into transparent huge pages in the background (see the header
+  // comment); --no-huge-pages turns it off. Only for slabs that are a multiple of 2 MiB.
+  bool huge_pages = true;
   // The default leaves a quarter of every daemon to other clients, while a lone client still
   // reaches three quarters of the cluster.
   ClientShare max_client_share{};
@@ -126,6 +141,9 @@ struct PoolStats {
   uint64_t expired_leases = 0;
   uint64_t evicted_leases = 0;
   uint64_t granted_leases = 0;
+  // Leased slabs collapsed into huge pages, and those the kernel refused (PoolOptions::huge_pages).
+  uint64_t huge_page_slabs = 0;
+  uint64_t huge_page_failures = 0;
 };
 
 // A leased slab as victim selection sees it (SlabPool::SampleLeases).
@@ -220,6 +238,12 @@ class SlabPool {
   };
 
   explicit SlabPool(const PoolOptions& options) : options_(options) {}
+  // The huge-page thread: collapses the slabs of grants queued in collapse_queue_ while they are
+  // still leased (the same lease), one at a time, without mu_.
+  void CollapseLoop() EXCLUDES(mu_);
+  // One slab: MADV_HUGEPAGE, MADV_COLLAPSE, MADV_NOHUGEPAGE again (a slab populated at its next
+  // lease takes 4 KiB pages, without compaction). The errno of a failed collapse, 0 if done.
+  int Collapse(uint32_t index);
   // Clears the lease at once (no new data operation can start on it, its RDMA region is gone);
   // the slab is zeroed and freed by ReclaimDrained once no data operation still uses it, so
   // ending a lease never waits, under mu_, for a peer that is slow to send or receive.
@@ -254,6 +278,14 @@ class SlabPool {
   uint64_t evicted_total_ GUARDED_BY(mu_) = 0;
   uint64_t granted_total_ GUARDED_BY(mu_) = 0;
   bool warned_mlock_ GUARDED_BY(mu_) = false;
+  // Huge pages: (slab, lease id) of grants to collapse, the thread's wake-up and stop.
+  std::vector<std::pair<uint32_t, uint64_t>> collapse_queue_ GUARDED_BY(mu_);
+  CondVar collapse_cv_;
+  bool stopping_ GUARDED_BY(mu_) = false;
+  bool collapse_unsupported_ GUARDED_BY(mu_) = false;  // EINVAL once: not tried again
+  uint64_t huge_page_slabs_ GUARDED_BY(mu_) = 0;
+  uint64_t huge_page_failures_ GUARDED_BY(mu_) = 0;
+  std::thread collapser_;
 };
 
 }  // namespace farmem::daemon

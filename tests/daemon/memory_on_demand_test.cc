@@ -10,6 +10,7 @@
 #include "daemon_client.h"
 #include "support/daemon_fixture.h"
 #include "support/sanitizer.h"
+#include "support/wait.h"
 
 namespace farmem::testing {
 namespace {
@@ -75,6 +76,54 @@ TEST_F(MemoryOnDemandTest, StartsSmallGrowsWithLeasesAndGivesMemoryBack) {
       ASSERT_EQ(got[i], 0) << "lease " << g.lease_id << " offset " << i << " kept old data";
     }
   }
+}
+
+// AnonHugePages of process `pid` (smaps_rollup), bytes; 0 if unreadable.
+uint64_t AnonHugePageBytes(pid_t pid) {
+  std::ifstream in("/proc/" + std::to_string(pid) + "/smaps_rollup");
+  std::string key;
+  uint64_t kb = 0;
+  while (in >> key) {
+    if (key == "AnonHugePages:") {
+      in >> kb;
+      return kb * 1024;
+    }
+  }
+  return 0;
+}
+
+// A leased slab is populated with 4 KiB pages and then collapsed into huge pages in the
+// background (PoolOptions::huge_pages), while the client writes it: what it wrote is what it
+// reads, and freeing gives the huge pages back.
+TEST_F(MemoryOnDemandTest, LeasedSlabsBecomeHugePagesWithTheirDataIntact) {
+  const uint64_t idle_huge = AnonHugePageBytes(pid());
+  auto leases = client_->Alloc(2);
+  ASSERT_TRUE(leases.has_value()) << leases.error().ToString();
+  auto ch = client_->OpenChannel();
+  ASSERT_TRUE(ch.has_value()) << ch.error().ToString();
+  auto pattern = [](size_t slab) {
+    std::vector<uint8_t> p(kSlab);
+    for (size_t i = 0; i < p.size(); ++i) p[i] = static_cast<uint8_t>(i * 131 + i / 4096 + slab);
+    return p;
+  };
+  // Written while the daemon collapses the slabs (or before: both must hold).
+  for (size_t i = 0; i < leases->size(); ++i) {
+    ASSERT_TRUE((*ch)->Write(transport::RemoteSlab::From((*leases)[i]), 0, pattern(i)).ok());
+  }
+  ASSERT_TRUE(WaitUntil([&] { return AnonHugePageBytes(pid()) >= idle_huge + 2 * kSlab; },
+                        milliseconds(30000)))
+      << "the two leased slabs were not collapsed into huge pages: AnonHugePages "
+      << AnonHugePageBytes(pid()) << " bytes\n"
+      << daemons_.Logs();
+  std::vector<uint8_t> got(kSlab);
+  for (size_t i = 0; i < leases->size(); ++i) {
+    ASSERT_TRUE((*ch)->Read(transport::RemoteSlab::From((*leases)[i]), 0, got).ok());
+    ASSERT_TRUE(got == pattern(i)) << "slab " << i << " changed when it was collapsed";
+  }
+  std::vector<uint64_t> ids;
+  for (const wire::LeaseGrant& g : *leases) ids.push_back(g.lease_id);
+  ASSERT_TRUE(client_->Free(ids).ok());
+  EXPECT_LT(AnonHugePageBytes(pid()), idle_huge + kSlab) << "freed huge pages stay resident";
 }
 
 }  // namespace

@@ -294,6 +294,16 @@ TEST_F(StartupOptionsTest, FarmemdRefusesRdmaListenWithRdmaOff) {
   EXPECT_THAT(r.err, HasSubstr("--rdma-listen applies only when RDMA is served")) << Describe(r);
 }
 
+TEST_F(StartupOptionsTest, FarmemdRefusesNoHugePagesWithPopulateAtStart) {
+  const CommandResult r = Farmemd({"--listen", "127.0.0.1:0", "--capacity", "4M", "--slab-size",
+                                   "2M", "--populate-at-start", "--no-huge-pages"});
+  EXPECT_NE(r.exit_code, 0) << Describe(r);
+  EXPECT_FALSE(Listened()) << Describe(r);
+  EXPECT_THAT(r.err, HasSubstr("--no-huge-pages applies only for slabs populated when they are "
+                               "leased"))
+      << Describe(r);
+}
+
 // Options of the memory watch mean nothing when memory is not watched; they were taken silently.
 TEST_F(StartupOptionsTest, FarmemdRefusesPressureOptionsWithMemorySourceOff) {
   const CommandResult r =

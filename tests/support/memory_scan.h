@@ -113,9 +113,10 @@ inline Result<size_t> CountMarkerInProcess(pid_t pid, std::string_view marker, u
 
 // The slab pool of farmemd `pid`: slab_pool.cc maps it as one private anonymous region of
 // `pool_bytes` (--capacity rounded down to whole slabs, MAP_NORESERVE: VmFlags "nr") and marks
-// it MADV_NOHUGEPAGE ("nh"; MADV_HUGEPAGE, "hg", with --populate-at-start); mlock of single slabs
-// splits it into several mappings, so adjacent anonymous mappings are joined, and the run of
-// exactly `pool_bytes` is the pool (among the runs so flagged first).
+// it MADV_NOHUGEPAGE ("nh"; MADV_HUGEPAGE, "hg", with --populate-at-start, and a slab while it
+// is collapsed into huge pages); mlock of single slabs splits it into several mappings, so
+// adjacent anonymous mappings are joined, and the run of exactly `pool_bytes` is the pool (among
+// the runs so flagged first).
 inline Result<std::pair<uint64_t, uint64_t>> FindSlabPool(pid_t pid, uint64_t pool_bytes) {
   FARMEM_ASSIGN_OR_RETURN(std::vector<Mapping> maps, ReadMappings(pid, /*flags=*/true));
   for (const bool need_flag : {true, false}) {
