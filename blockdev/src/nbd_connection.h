@@ -164,6 +164,7 @@ class NbdConnection final : private BatchListener {
   bool send_failed_ = false;
   // Fill's spin for the client's next bytes before it sleeps (NbdServerOptions::request_busy_poll).
   AdaptiveSpin request_spin_;
+  AdaptiveSpin::Stats spin_counted_;  // what of request_spin_'s stats metrics_ has been given
 
   NbdMetrics* const metrics_;                            // null: nothing counted
   std::chrono::steady_clock::time_point batch_start_{};  // when metrics_: the current batch's

@@ -52,6 +52,14 @@ NbdMetrics::NbdMetrics(metrics::Registry* r) {
   }
   connections = &r->AddCounter("farmem_export_connections_total",
                                "NBD connections that entered transmission.");
+  request_spins =
+      &r->AddCounter("farmem_export_request_spins_total",
+                     "Spins for a client's next request before sleeping (--request-busy-poll-us).");
+  request_spin_hits = &r->AddCounter("farmem_export_request_spin_hits_total",
+                                     "Of those, spins that caught the request (no sleep).");
+  request_spin_skips = &r->AddCounter(
+      "farmem_export_request_spin_skips_total",
+      "Waits for a request that slept at once: the spin backing off after spins that ran out.");
 }
 
 }  // namespace farmem::blockdev

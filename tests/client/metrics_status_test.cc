@@ -225,6 +225,11 @@ TEST_F(MetricsStatusTest, DaemonAndExportMetricsMoveWithIoAndSurviveBadHttp) {
   EXPECT_GE(Value(e, "farmem_export_bytes_total", {{"op", "read"}}), kIoBytes);
   EXPECT_EQ(Value(e, "farmem_export_errors_total", {{"op", "write"}}), 0);
   EXPECT_EQ(Value(e, "farmem_export_request_duration_seconds_count", {{"op", "write"}}), writes);
+  // Every wait for a request spins first (the default --request-busy-poll-us 10) or skips the
+  // spin while it backs off; a hit is a spin that caught the request.
+  const double spins = Value(e, "farmem_export_request_spins_total");
+  EXPECT_GE(spins + Value(e, "farmem_export_request_spin_skips_total"), 1);
+  EXPECT_LE(Value(e, "farmem_export_request_spin_hits_total"), spins);
   EXPECT_EQ(Value(e, "farmem_export_lost_bytes_total"), 0);
   EXPECT_EQ(Value(e, "farmem_export_degraded_extents"), 0);
   EXPECT_GE(Value(e, "farmem_export_extents_mapped"), 1);

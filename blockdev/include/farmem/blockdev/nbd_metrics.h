@@ -28,6 +28,12 @@ struct NbdMetrics {
   metrics::Counter* errors[kCommands];
   metrics::Histogram* latency[kCommands];
   metrics::Counter* connections;  // entered transmission
+  // The connections' spin for the client's next request (--request-busy-poll-us, AdaptiveSpin):
+  // spins, those that caught the request (the thread did not sleep), and waits that slept at
+  // once while the spin backed off.
+  metrics::Counter* request_spins;
+  metrics::Counter* request_spin_hits;
+  metrics::Counter* request_spin_skips;
 };
 
 }  // namespace farmem::blockdev
