@@ -165,6 +165,12 @@ void SlabPool::CollapseLoop() {
       // Only the lease it was queued for: one that ended meanwhile was zeroed (and may be
       // another client's by now, collapsed by its own grant).
       if (slabs_[slab].lease_id.load(std::memory_order_relaxed) != id) continue;
+      // Not while the host is short of memory (the pool grants less than is free, pressure.h) or
+      // the daemon drains: a collapse may reclaim and compact the host's memory, and such leases
+      // are about to be evicted.
+      if (draining_mode_ || (grant_budget_.has_value() && *grant_budget_ < free_list_.size())) {
+        continue;
+      }
       index = slab;
       // Held like a data operation: if the lease ends meanwhile, its memory is zeroed and given
       // back once the collapse is done (ReclaimDrained below), not under it — a collapse of

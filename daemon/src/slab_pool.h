@@ -14,11 +14,12 @@
 // it is leased (fast: no compaction on the lease path), and then, in the background, collapsed
 // into 2 MiB transparent huge pages (MADV_COLLAPSE, Linux 6.1+; the pool is 2 MiB-aligned), so
 // that the data path's copies in and out of lent memory do not take a TLB miss every 4 KiB
-// (2026-12-05: the six daemons' CPU per write of farmem-nbd's mixed-size job 10% lower,
+// (2026-12-05: the six daemons' CPU per write of farmem-nbd's mixed-size job 9-20% lower,
 // docs/benchmarks-nbd.md). Best effort: a slab the kernel cannot collapse (no free huge page,
-// too old a kernel) stays as it is, counted; slabs registered for RDMA are not collapsed (a
-// registration pins their pages, which a collapse would have to move). Zeroing at the end of a
-// lease (MADV_DONTNEED) frees huge pages like small ones.
+// too old a kernel) stays as it is, counted; none is collapsed while the host is short of memory
+// or the daemon drains (a collapse may reclaim and compact); slabs registered for RDMA are not
+// collapsed (a registration pins their pages, which a collapse would have to move). Zeroing at
+// the end of a lease (MADV_DONTNEED) frees huge pages like small ones.
 //
 // Taking memory back (pressure.h decides when): the pool can be told to grant no more than a
 // budget of slabs, or nothing while it drains; it samples leases with their access counts (TCP
