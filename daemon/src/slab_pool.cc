@@ -186,11 +186,12 @@ void SlabPool::CollapseLoop() {
       continue;
     }
     ++huge_page_failures_;
-    if (err == EINVAL) {  // no MADV_COLLAPSE in this kernel: stop trying
+    if (err == EINVAL) {  // not here, or not for this process: stop trying
       collapse_unsupported_ = true;
       spdlog::info(
-          "slab pool: this kernel cannot collapse leased slabs into huge pages (MADV_COLLAPSE, "
-          "Linux 6.1+); they keep 4 KiB pages");
+          "slab pool: the kernel refused to collapse a leased slab into huge pages (EINVAL: no "
+          "MADV_COLLAPSE before Linux 6.1, transparent huge pages disabled for this process, or "
+          "the slab's pages were not populated); leased slabs keep 4 KiB pages");
     } else if (huge_page_failures_ == 1) {
       spdlog::info(
           "slab pool: a leased slab could not be collapsed into huge pages ({}); it keeps "

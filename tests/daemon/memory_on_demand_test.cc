@@ -96,6 +96,11 @@ uint64_t AnonHugePageBytes(pid_t pid) {
 // background (PoolOptions::huge_pages), while the client writes it: what it wrote is what it
 // reads, and freeing gives the huge pages back.
 TEST_F(MemoryOnDemandTest, LeasedSlabsBecomeHugePagesWithTheirDataIntact) {
+#if FARMEM_UNDER_ASAN
+  // ASan's mlock does nothing (and says it succeeded): a slab is not populated when it is
+  // leased, and the collapse of an empty range fails (EINVAL), so nothing is collapsed.
+  GTEST_SKIP() << "ASan's mlock populates nothing: slabs are empty when the daemon collapses them";
+#endif
   const uint64_t idle_huge = AnonHugePageBytes(pid());
   auto leases = client_->Alloc(2);
   ASSERT_TRUE(leases.has_value()) << leases.error().ToString();
