@@ -168,9 +168,7 @@ void SlabPool::CollapseLoop() {
       // Not while the host is short of memory (the pool grants less than is free, pressure.h) or
       // the daemon drains: a collapse may reclaim and compact the host's memory, and such leases
       // are about to be evicted.
-      if (draining_mode_ || (grant_budget_.has_value() && *grant_budget_ < free_list_.size())) {
-        continue;
-      }
+      if (draining_mode_ || HoldingLocked()) continue;
       index = slab;
       // Held like a data operation: if the lease ends meanwhile, its memory is zeroed and given
       // back once the collapse is done (ReclaimDrained below), not under it — a collapse of
@@ -531,7 +529,7 @@ PoolStats SlabPool::stats() const {
     if (slabs_[i].evict_at != std::chrono::steady_clock::time_point{}) ++st.noticed_slabs;
   }
   st.draining = draining_mode_;
-  st.holding = grant_budget_.has_value() && *grant_budget_ < free_list_.size();
+  st.holding = HoldingLocked();
   st.expired_leases = expired_total_;
   st.evicted_leases = evicted_total_;
   st.granted_leases = granted_total_;

@@ -259,6 +259,10 @@ class SlabPool {
   void WarnMlockFailed(int mlock_errno) REQUIRES(mu_);
   void ReturnMemory(uint32_t index) REQUIRES(mu_);
   uint32_t Grantable() const REQUIRES(mu_);
+  // Memory pressure: the pool grants less than is free (a grant budget under the free slabs).
+  bool HoldingLocked() const REQUIRES(mu_) {
+    return grant_budget_.has_value() && *grant_budget_ < free_list_.size();
+  }
   // Slabs `owner` holds a lease on.
   uint32_t HeldBy(const wire::ClientId& owner) const REQUIRES(mu_);
 
