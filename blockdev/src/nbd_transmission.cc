@@ -158,8 +158,11 @@ bool NbdConnection::Fill(size_t n) {
       err = errno;
       return got >= 0 || (err != EAGAIN && err != EWOULDBLOCK && err != EINTR) ? 1 : 0;
     }) > 0;
-    if (metrics_ != nullptr) {  // what the spin did, as it happens (a connection lives long)
-      const AdaptiveSpin::Stats& st = request_spin_.stats();
+    // What the spin did, as it happens (a connection lives long); nothing when it did nothing
+    // (the budget is 0): hits change only with spins.
+    if (const AdaptiveSpin::Stats& st = request_spin_.stats();
+        metrics_ != nullptr &&
+        (st.spins != spin_counted_.spins || st.skipped != spin_counted_.skipped)) {
       metrics_->request_spins->Add(st.spins - spin_counted_.spins);
       metrics_->request_spin_hits->Add(st.hits - spin_counted_.hits);
       metrics_->request_spin_skips->Add(st.skipped - spin_counted_.skipped);
