@@ -6,10 +6,12 @@
 #   randwrite 512 B, 1 KiB and 4 KiB (for comparison) at queue depth 16, and sequential 1 KiB
 #   writes at depth 16 (what nbd-tester-client's write-throughput test sends), one connection.
 #   A workload is RW:BS[:DEPTH] (depth 16 if not given, e.g. randwrite:1k:1), or mixed[:DEPTH]:
-#   the mixed-size integrity job (what nbd-tester-client's integrity test stands for): random
-#   writes of 512 B to 128 KiB (fio bssplit 512/20:1k/20:4k/30:16k/20:128k/10) over 64 MiB of the
-#   export (--mixed-size), each block checked afterwards (--verify=crc32c: fio reads it back; a
-#   mismatch fails the run); its IOPS are those of the write phase, not time-based.
+#   the mixed-size integrity job (what nbd-tester-client's integrity test stands for, harsher:
+#   depth 16, every block at a random 512 B-aligned offset; the client itself is run by
+#   nbd_tester_bench.sh): random writes of 512 B to 128 KiB (fio bssplit
+#   512/20:1k/20:4k/30:16k/20:128k/10) over 64 MiB of the export (--mixed-size), each block checked
+#   afterwards (--verify=crc32c: fio reads it back; a mismatch fails the run); its IOPS are those
+#   of the write phase, not time-based.
 #
 #   targets  nbdkit-mem        nbdkit memory
 #            farmem-ec         farmem-nbd --resilience ec:4+2 --ec-layout split (write cache on,
