@@ -88,6 +88,10 @@ void RegisterDaemonMetrics(metrics::Registry* r, Server* server, SlabPool* pool)
   counter("farmem_daemon_huge_page_failures_total",
           "Leased slabs the kernel could not collapse into huge pages (they keep 4 KiB pages).",
           [](const PoolStats& s) { return U(s.huge_page_failures); });
+  counter("farmem_daemon_huge_page_skips_total",
+          "Leased slabs left with 4 KiB pages because the host was short of memory or the daemon "
+          "drained when their turn to be collapsed came.",
+          [](const PoolStats& s) { return U(s.huge_page_skips); });
   r->AddCallback(
       "farmem_daemon_client_leased_bytes",
       "Memory leased per client (client id prefix, and its HELLO name when connected).",

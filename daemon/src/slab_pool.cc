@@ -168,7 +168,10 @@ void SlabPool::CollapseLoop() {
       // Not while the host is short of memory (the pool grants less than is free, pressure.h) or
       // the daemon drains: a collapse may reclaim and compact the host's memory, and such leases
       // are about to be evicted.
-      if (draining_mode_ || HoldingLocked()) continue;
+      if (draining_mode_ || HoldingLocked()) {
+        ++huge_page_skips_;
+        continue;
+      }
       index = slab;
       // Held like a data operation: if the lease ends meanwhile, its memory is zeroed and given
       // back once the collapse is done (ReclaimDrained below), not under it — a collapse of
@@ -535,6 +538,7 @@ PoolStats SlabPool::stats() const {
   st.granted_leases = granted_total_;
   st.huge_page_slabs = huge_page_slabs_;
   st.huge_page_failures = huge_page_failures_;
+  st.huge_page_skips = huge_page_skips_;
   return st;
 }
 

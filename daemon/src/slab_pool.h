@@ -145,6 +145,9 @@ struct PoolStats {
   // Leased slabs collapsed into huge pages, and those the kernel refused (PoolOptions::huge_pages).
   uint64_t huge_page_slabs = 0;
   uint64_t huge_page_failures = 0;
+  // Leased slabs left with 4 KiB pages because, when their turn came, the host was short of
+  // memory (the pool held memory back) or the daemon drained.
+  uint64_t huge_page_skips = 0;
 };
 
 // A leased slab as victim selection sees it (SlabPool::SampleLeases).
@@ -290,6 +293,7 @@ class SlabPool {
   bool collapse_unsupported_ GUARDED_BY(mu_) = false;  // EINVAL once: not tried again
   uint64_t huge_page_slabs_ GUARDED_BY(mu_) = 0;
   uint64_t huge_page_failures_ GUARDED_BY(mu_) = 0;
+  uint64_t huge_page_skips_ GUARDED_BY(mu_) = 0;
   std::thread collapser_;
 };
 

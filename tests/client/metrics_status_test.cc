@@ -250,6 +250,7 @@ TEST_F(MetricsStatusTest, DaemonAndExportMetricsMoveWithIoAndSurviveBadHttp) {
   EXPECT_EQ(Value(d, "farmem_daemon_client_leased_bytes", {{"name", "farmem-nbd"}}),
             Value(d, "farmem_daemon_lent_bytes"));
   EXPECT_EQ(Value(d, "farmem_daemon_draining"), 0);
+  EXPECT_EQ(Value(d, "farmem_daemon_huge_page_skips_total"), 0) << "no pressure, no drain";
 
   // Every metric the Grafana dashboard (deploy/grafana/farmem.json) queries is served (those of
   // the stripe layout by a stripe export: StripeExportServes... below).

@@ -18,12 +18,14 @@
 #include "reclaimer.h"
 #include "slab_pool.h"
 #include "support/process.h"
+#include "support/wait.h"
 
 namespace farmem::daemon {
 namespace {
 
 using std::chrono::milliseconds;
 using ::testing::HasSubstr;
+using farmem::testing::WaitUntil;
 
 constexpr uint64_t kMiB = 1 << 20;
 constexpr uint64_t kSlab = 64 * kMiB;
@@ -427,6 +429,44 @@ TEST(SlabPoolTest, AGrantInProgressBlocksNeitherHeartbeatsNorOtherClients) {
   EXPECT_EQ(pool.Renew(Client(1)), 2u);
   EXPECT_EQ(pool.Renew(Client(2)), 2u);
   pool.SetRegistrar(nullptr);
+}
+
+// Huge pages (PoolOptions::huge_pages): a leased slab is collapsed in the background, but not
+// while the pool holds memory back (the host is short of memory: a collapse may reclaim and
+// compact, and such leases may be evicted) — that slab keeps its 4 KiB pages and is counted as
+// skipped; once the pressure is gone, the next lease is collapsed again.
+TEST(SlabPoolTest, NoSlabIsCollapsedIntoHugePagesWhileThePoolHoldsMemoryBack) {
+  auto made = SlabPool::Create({.capacity = 8 * 4 * kMiB,
+                                .slab_size = 4 * kMiB,  // two huge pages
+                                .lease_ttl = milliseconds(60000),
+                                .mlock = false,  // populated by MADV_POPULATE_WRITE
+                                .huge_pages = true});
+  ASSERT_TRUE(made.has_value()) << made.error().ToString();
+  SlabPool& pool = **made;
+  const auto handled = [&] {
+    const PoolStats st = pool.stats();
+    return st.huge_page_slabs + st.huge_page_failures + st.huge_page_skips;
+  };
+  ASSERT_TRUE(pool.Grant(1, Client(1)).has_value());
+  ASSERT_TRUE(WaitUntil([&] { return handled() == 1; }, milliseconds(30000)));
+  if (pool.stats().huge_page_failures != 0) {
+    GTEST_SKIP() << "this kernel did not collapse a slab into huge pages (MADV_COLLAPSE: Linux "
+                    "6.1+, transparent huge pages not disabled)";
+  }
+  EXPECT_EQ(pool.stats().huge_page_slabs, 1u) << "no pressure: the slab is collapsed";
+
+  pool.SetGrantBudget(2);  // 7 slabs free, 2 grantable: holding memory back
+  ASSERT_TRUE(pool.stats().holding);
+  ASSERT_TRUE(pool.Grant(1, Client(1)).has_value());
+  ASSERT_TRUE(WaitUntil([&] { return handled() == 2; }, milliseconds(30000)));
+  EXPECT_EQ(pool.stats().huge_page_skips, 1u) << "under pressure the slab keeps its 4 KiB pages";
+  EXPECT_EQ(pool.stats().huge_page_slabs, 1u);
+
+  pool.SetGrantBudget(std::nullopt);  // the pressure is over
+  ASSERT_TRUE(pool.Grant(1, Client(1)).has_value());
+  ASSERT_TRUE(WaitUntil([&] { return handled() == 3; }, milliseconds(30000)));
+  EXPECT_EQ(pool.stats().huge_page_slabs, 2u);
+  EXPECT_EQ(pool.stats().huge_page_skips, 1u);
 }
 
 }  // namespace
