@@ -23,9 +23,9 @@
 namespace farmem::daemon {
 namespace {
 
+using farmem::testing::WaitUntil;
 using std::chrono::milliseconds;
 using ::testing::HasSubstr;
-using farmem::testing::WaitUntil;
 
 constexpr uint64_t kMiB = 1 << 20;
 constexpr uint64_t kSlab = 64 * kMiB;
